@@ -1,0 +1,154 @@
+"""The one configuration object of a running router.
+
+`cli.py` builds a `Config` from the command line and the environment, once, and passes it down.
+Nothing else in the package reads `os.environ` or argv: a module that needs a setting takes it
+from here (or from its constructor), so every behaviour can be set up in a test without globals.
+
+The replica token is held as a `Secret`, whose `repr` never shows the value, so a `Config`
+can be logged or printed in a traceback without leaking it.
+"""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+
+class Secret:
+    """A string that never shows itself in `repr`/`str` (tokens, API keys)."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "Secret('***')"
+
+    __str__ = __repr__
+
+    def __bool__(self) -> bool:
+        return bool(self._value)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaAddress:
+    """Where one replica lives: scheme, host, port and an optional path prefix.
+
+    `name` is the URL as the operator wrote it (normalised); the hash ring is built from names,
+    so two routers given the same URLs agree on every placement.
+    """
+
+    name: str
+    scheme: str
+    host: str
+    port: int
+    path_prefix: str
+
+    @property
+    def tls(self) -> bool:
+        return self.scheme == "https"
+
+    @property
+    def host_header(self) -> str:
+        default = 443 if self.tls else 80
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return host if self.port == default else f"{host}:{self.port}"
+
+    @classmethod
+    def parse(cls, url: str) -> ReplicaAddress:
+        """Parse `http(s)://host[:port][/prefix]`; raise ValueError with a readable reason."""
+        text = url.strip()
+        parts = urlsplit(text)
+        if parts.scheme not in ("http", "https"):
+            raise ValueError(f"replica URL {text!r} must start with http:// or https://")
+        if not parts.hostname:
+            raise ValueError(f"replica URL {text!r} has no host")
+        if parts.username or parts.password:
+            raise ValueError(f"replica URL {text!r} must not carry credentials; use --token-env")
+        if parts.query or parts.fragment:
+            raise ValueError(f"replica URL {text!r} must not have a query or fragment")
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError as exc:
+            raise ValueError(f"replica URL {text!r} has an invalid port") from exc
+        prefix = parts.path.rstrip("/")
+        host = parts.hostname
+        shown_host = f"[{host}]" if ":" in host else host
+        name = f"{parts.scheme}://{shown_host}:{port}{prefix}"
+        return cls(name=name, scheme=parts.scheme, host=host, port=port, path_prefix=prefix)
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Every setting of a router process, grouped as in `lora-router --help`."""
+
+    # Replicas and credentials
+    replicas: tuple[ReplicaAddress, ...]
+    token: Secret = field(default_factory=lambda: Secret(""))
+    ca_file: str | None = None
+
+    # Listening
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: Secret = field(default_factory=lambda: Secret(""))
+    insecure_listen: bool = False
+
+    # Routing
+    policy: str = "prefix"  # prefix | round-robin | least-loaded
+    block_size: int | None = None  # None: read cache_config.block_size from the replicas, else 16
+    load_factor: float = 0.25  # epsilon of consistent hashing with bounded loads
+    vnodes: int = 160
+    affinity_table_size: int = 200_000
+
+    # Timeouts (seconds)
+    connect_timeout: float = 10.0
+    first_byte_timeout: float = 1800.0
+    idle_timeout: float = 1800.0
+    fence_timeout: float = 600.0
+    header_timeout: float = 30.0
+    body_timeout: float = 60.0
+    keepalive_timeout: float = 75.0
+    upstream_idle_timeout: float = 30.0
+    shutdown_grace: float = 30.0
+
+    # Limits
+    max_body_bytes: int = 64 * 1024 * 1024
+    max_header_bytes: int = 64 * 1024
+    max_headers: int = 100
+    max_connections: int = 10_000
+    max_prompt_tokens: int = 1_000_000
+    max_upstream_connections: int = 1024  # per replica
+    retries: int = 2  # other replicas tried when nothing was received yet
+
+    # Adapter broadcasts
+    load_retry_interval: float = 0.5
+    load_deadline: float = 300.0
+    unload_stale: str | None = None
+    down_replica_policy: str = "replay"  # replay | fail
+
+    # Health
+    health_interval: float = 2.0
+    health_timeout: float = 2.0
+    health_failures: int = 2
+    health_successes: int = 2
+    breaker_failures: int = 5
+    breaker_cooldown: float = 10.0
+
+    # Visibility
+    log_level: str = "info"
+    status_interval: float = 60.0
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The client TLS context for https replicas (system store, plus --ca-file)."""
+        if not any(r.tls for r in self.replicas):
+            return None
+        ctx = ssl.create_default_context()
+        if self.ca_file:
+            ctx.load_verify_locations(cafile=self.ca_file)
+        ctx.set_alpn_protocols(["http/1.1"])
+        return ctx
