@@ -1,0 +1,88 @@
+"""Error answers in vLLM's shape, so a client cannot tell the router's errors from a replica's.
+
+vLLM answers `{"error": {"message", "type", "param", "code"}}` with HTTP status = `code`
+(see shared/docs/vllm-contract.md §2). Messages may name a replica by index or URL, never a
+credential: nothing in this module ever sees the token.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+# The `type` vLLM uses for each status it produces; other statuses get the HTTP reason.
+_TYPES = {
+    400: "BadRequestError",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "NotFoundError",
+    405: "MethodNotAllowed",
+    408: "RequestTimeout",
+    413: "RequestEntityTooLarge",
+    417: "ExpectationFailed",
+    429: "TooManyRequests",
+    431: "RequestHeaderFieldsTooLarge",
+    500: "InternalServerError",
+    501: "NotImplemented",
+    502: "BadGateway",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeout",
+}
+
+REASONS = {
+    100: b"Continue",
+    200: b"OK",
+    400: b"Bad Request",
+    401: b"Unauthorized",
+    403: b"Forbidden",
+    404: b"Not Found",
+    405: b"Method Not Allowed",
+    408: b"Request Timeout",
+    413: b"Payload Too Large",
+    417: b"Expectation Failed",
+    429: b"Too Many Requests",
+    431: b"Request Header Fields Too Large",
+    500: b"Internal Server Error",
+    501: b"Not Implemented",
+    502: b"Bad Gateway",
+    503: b"Service Unavailable",
+    504: b"Gateway Timeout",
+}
+
+
+class HTTPError(Exception):
+    """An answer the router gives itself, raised anywhere below a request handler."""
+
+    def __init__(
+        self, status: int, message: str, *, type: str | None = None, param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _TYPES.get(status, "Error")
+        self.param = param
+
+    def body(self) -> bytes:
+        return error_body(self.status, self.message, type=self.type, param=self.param)
+
+
+def error_body(
+    status: int, message: str, *, type: str | None = None, param: str | None = None
+) -> bytes:
+    """The JSON body vLLM sends with an error status."""
+    error = {
+        "message": message,
+        "type": type or _TYPES.get(status, "Error"),
+        "param": param,
+        "code": status,
+    }
+    return orjson.dumps({"error": error})
+
+
+def bad_request(message: str, param: str | None = None) -> HTTPError:
+    """vLLM's request-validation failure: 400, type "Bad Request" (not FastAPI's 422)."""
+    return HTTPError(400, message, type="Bad Request", param=param)
+
+
+def model_not_found(model: str) -> HTTPError:
+    """vLLM's answer for a model name no replica serves, before any stream starts."""
+    return HTTPError(404, f"The model `{model}` does not exist.", param="model")

@@ -1,0 +1,124 @@
+"""Header rules at the two borders of the proxy: client → replica and replica → client.
+
+Headers are kept as raw `(name, value)` byte pairs, names lower-cased, values verbatim: the
+router never splits, joins or re-encodes a value, so a header cannot turn into two (no
+response splitting, no smuggling through re-serialisation).
+
+What this module must never do: put the client's `Authorization` on an upstream request, or
+put the replica token anywhere but the `Authorization` header of a request to a replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+# Hop-by-hop headers, RFC 9110 §7.6.1 (and RFC 2616 §13.5.1 for the older names): they
+# describe one connection, not the message, so a proxy must not forward them.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+
+# Request headers the router replaces with its own: framing (the body is re-sent with an
+# exact Content-Length), the target host, the credential, and `Expect` (answered locally).
+_REQUEST_REPLACED = HOP_BY_HOP | {
+    b"host",
+    b"content-length",
+    b"authorization",
+    b"expect",
+    b"x-forwarded-for",
+}
+
+# Response headers dropped before the client sees them. Transfer-Encoding is kept: the body is
+# forwarded byte for byte, so its framing (chunked) must stay as the replica wrote it.
+_RESPONSE_DROPPED = (HOP_BY_HOP - {b"transfer-encoding"}) | {b"x-lora-router-replica"}
+
+REPLICA_HEADER = b"x-lora-router-replica"
+
+
+def connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """Header names listed in `Connection` (they are hop-by-hop too, RFC 9110 §7.6.1)."""
+    named: set[bytes] = set()
+    for name, value in headers:
+        if name == b"connection":
+            named.update(t.strip().lower() for t in value.split(b","))
+    return frozenset(named)
+
+
+def upstream_request_head(
+    method: bytes,
+    target: bytes,
+    headers: list[tuple[bytes, bytes]],
+    *,
+    host: bytes,
+    authorization: bytes | None,
+    client_ip: bytes,
+    request_id: bytes,
+    body_length: int,
+) -> bytes:
+    """The request head sent to a replica (HTTP/1.1, keep-alive, exact Content-Length)."""
+    named = connection_tokens(headers)
+    lines = [method, b" ", target, b" HTTP/1.1\r\nhost: ", host, b"\r\n"]
+    forwarded_for = b""
+    has_request_id = False
+    for name, value in headers:
+        if name in _REQUEST_REPLACED or name in named:
+            if name == b"x-forwarded-for":
+                forwarded_for = value + b", "
+            continue
+        if name == b"x-request-id":
+            has_request_id = True
+        lines += (name, b": ", value, b"\r\n")
+    if not has_request_id:
+        lines += (b"x-request-id: ", request_id, b"\r\n")
+    if authorization is not None:
+        lines += (b"authorization: ", authorization, b"\r\n")
+    lines += (b"x-forwarded-for: ", forwarded_for, client_ip, b"\r\n")
+    if body_length or method not in (b"GET", b"HEAD", b"DELETE", b"OPTIONS"):
+        lines += (b"content-length: ", str(body_length).encode(), b"\r\n")
+    lines.append(b"\r\n")
+    return b"".join(lines)
+
+
+def client_response_head(raw_head: bytes, replica: bytes, keep_alive: bool) -> bytes:
+    """Rewrite a replica's response head for the client.
+
+    `raw_head` is the head exactly as received, up to and excluding the blank line. The status
+    line and every end-to-end header pass verbatim; hop-by-hop headers are dropped; the router
+    adds which replica answered (an index, never its URL) and its own `Connection`.
+    """
+    status_line, *lines = raw_head.split(b"\r\n")
+    fields = [(line.partition(b":")[0].strip().lower(), line) for line in lines]
+    named = connection_tokens((name, line.partition(b":")[2]) for name, line in fields)
+    out = [status_line]
+    out += (line for name, line in fields if name not in _RESPONSE_DROPPED and name not in named)
+    out.append(REPLICA_HEADER + b": " + replica)
+    out.append(b"connection: keep-alive" if keep_alive else b"connection: close")
+    out.append(b"\r\n")
+    return b"\r\n".join(out)
+
+
+def response_head(
+    status: int,
+    reason: bytes,
+    headers: Iterable[tuple[bytes, bytes]],
+    body_length: int | None,
+    keep_alive: bool,
+) -> bytes:
+    """The head of a response the router writes itself (errors, broadcasts, status pages)."""
+    parts = [b"HTTP/1.1 ", str(status).encode(), b" ", reason, b"\r\n"]
+    for name, value in headers:
+        parts += (name, b": ", value, b"\r\n")
+    if body_length is not None:
+        parts += (b"content-length: ", str(body_length).encode(), b"\r\n")
+    parts.append(b"connection: keep-alive\r\n\r\n" if keep_alive else b"connection: close\r\n\r\n")
+    return b"".join(parts)

@@ -1,0 +1,394 @@
+"""The replica side of the proxy: keep-alive connection pools and zero-copy response streaming.
+
+An `UpstreamPool` holds a bounded set of HTTP/1.1 connections to one replica. `forward()` sends
+one request and streams the answer into the client connection: the replica's head is rewritten
+(hop-by-hop headers out, the replica's index in), and every body byte after it goes to the client
+as it arrives — chunked framing and SSE frames included, never decoded or re-chunked. httptools
+parses the response only to learn where it ends, so the connection can go back to the pool.
+
+Flow control is done by the transports themselves: when the client's socket buffer fills, the
+client connection pauses reading from the replica (`ResponseSink.on_upstream`), so a slow reader
+costs bounded memory however long the stream.
+
+Retry rule (stated once, here): a request is re-sent only when it went out on a *reused* pooled
+connection and that connection failed before a single response byte arrived — the replica most
+likely closed it while idle, and the request cannot have been processed. A fresh connection is
+tried once. Nothing is ever retried once a response byte has been received; trying *another*
+replica is the caller's decision (`UpstreamError.retryable`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from typing import Final, cast
+
+import httptools
+
+from lora_router.config import ReplicaAddress
+from lora_router.http.headers import client_response_head
+from lora_router.http.server import ResponseSink
+
+_MAX_HEAD: Final = 64 * 1024
+
+
+class UpstreamError(Exception):
+    """A replica exchange failed.
+
+    `kind` is one of connect, reset, timeout, protocol. `responded` tells whether any response
+    byte reached the client; when it did not, the caller may answer with an error or try another
+    replica; when it did, the only thing left is to close the client's connection.
+    """
+
+    def __init__(self, kind: str, message: str, *, responded: bool, received: bool) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.responded = responded
+        self.received = received
+
+    @property
+    def retryable(self) -> bool:
+        """Safe to send to another replica: the replica failed without answering anything.
+
+        A timeout is not: the replica may still be working on the request (a long prefill).
+        """
+        return not self.received and self.kind != "timeout"
+
+
+class _Exchange:
+    """Per-request state of one upstream connection."""
+
+    __slots__ = (
+        "client_keep_alive",
+        "close_delimited",
+        "complete",
+        "dechunk",
+        "done",
+        "head_buf",
+        "head_only",
+        "head_sent",
+        "sink",
+    )
+
+    def __init__(
+        self, sink: ResponseSink, done: asyncio.Future[bool], head_only: bool, http11: bool
+    ) -> None:
+        self.sink = sink
+        self.done = done
+        self.head_only = head_only
+        self.dechunk = not http11  # an HTTP/1.0 client cannot read chunked framing
+        self.client_keep_alive = True
+        self.head_buf = b""
+        self.head_sent = False
+        self.complete = False
+        self.close_delimited = False
+
+
+class UpstreamConnection(asyncio.Protocol):
+    """One HTTP/1.1 connection to a replica, carrying one request at a time."""
+
+    def __init__(self, pool: UpstreamPool) -> None:
+        self._pool = pool
+        self._loop = pool.loop
+        self.transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._ex: _Exchange | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._last = 0.0
+        self._limit = 0.0
+        self.closed = False
+        self.used = False
+
+    # -- asyncio.Protocol ---------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._cancel_timer()
+        self._pool.forget(self)
+        ex = self._ex
+        if ex is None or ex.done.done():
+            return
+        if ex.head_sent and ex.close_delimited:
+            ex.complete = True  # EOF is how this response ends
+            self._finish(keep=False)
+            return
+        received = ex.head_sent or bool(ex.head_buf)
+        self._fail(
+            "reset",
+            "the replica closed the connection mid-response"
+            if received
+            else "the replica closed the connection",
+            received,
+        )
+
+    def data_received(self, data: bytes) -> None:
+        ex = self._ex
+        if ex is None:
+            # Bytes nobody asked for: the connection is no longer in a known state.
+            self._abort()
+            return
+        self._last = self._loop.time()
+        if ex.head_sent:
+            if not ex.dechunk:
+                ex.sink.write(data)
+            self._feed(data)
+            return
+        if not ex.head_buf:
+            # The first response byte: from now on the replica is streaming, not thinking.
+            self._arm(self._pool.stream_idle_timeout)
+        buf = ex.head_buf + data
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buf) > _MAX_HEAD:
+                self._fail("protocol", "the replica sent an oversized response head", True)
+            ex.head_buf = buf
+            return
+        ex.head_buf = b""
+        self._feed(buf)  # runs on_headers_complete, maybe on_message_complete
+        if ex.done.done() and not ex.complete:
+            return  # the parser rejected the response
+        head = client_response_head(buf[:end], self._pool.label, self._client_keep_alive(ex, buf))
+        ex.head_sent = True
+        ex.sink.write(head)
+        if not ex.dechunk and len(buf) > end + 4:
+            ex.sink.write(memoryview(buf)[end + 4 :])
+        if ex.complete:
+            self._finish(keep=self._reusable(ex))
+
+    # -- httptools callbacks ----------------------------------------------------------------
+
+    def on_headers_complete(self) -> None:
+        ex = self._ex
+        assert ex is not None
+        if ex.head_only:
+            # A HEAD response has no body whatever its headers say; llhttp cannot know that.
+            ex.complete = True
+
+    def on_body(self, body: bytes) -> None:
+        ex = self._ex
+        if ex is not None and ex.dechunk:
+            ex.sink.write(body)
+
+    def on_message_complete(self) -> None:
+        ex = self._ex
+        if ex is None:
+            return
+        ex.complete = True
+        if ex.head_sent:
+            self._finish(keep=self._reusable(ex))
+
+    # -- the exchange -------------------------------------------------------------------------
+
+    def start(self, data: bytes, ex: _Exchange) -> None:
+        assert self.transport is not None
+        self._ex = ex
+        self.used = True
+        self._last = self._loop.time()
+        self._arm(self._pool.first_byte_timeout)
+        ex.sink.on_upstream(self.transport)
+        self.transport.write(data)
+
+    def _reusable(self, ex: _Exchange) -> bool:
+        # After a HEAD response the parser still expects the body its headers announced.
+        return self._parser.should_keep_alive() and not ex.head_only
+
+    def _client_keep_alive(self, ex: _Exchange, buf: bytes) -> bool:
+        """Whether the client may keep its connection after this response."""
+        status = self._parser.get_status_code()
+        framed = ex.head_only or status in (204, 304) or 100 <= status < 200
+        if not framed:
+            head = buf[: buf.find(b"\r\n\r\n")].lower()
+            framed = b"\r\ncontent-length:" in head or b"\r\ntransfer-encoding:" in head
+        ex.close_delimited = not framed
+        # Close-delimited bodies and HTTP/1.0 clients (dechunked body) end with a close.
+        ex.client_keep_alive = framed and not ex.dechunk
+        return ex.client_keep_alive
+
+    def _feed(self, data: bytes) -> None:
+        if self._ex is not None and self._ex.head_only and self._ex.complete:
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail("protocol", f"the replica sent a malformed response ({exc})", True)
+
+    def _finish(self, keep: bool) -> None:
+        ex = self._ex
+        assert ex is not None
+        self._ex = None
+        self._cancel_timer()
+        ex.sink.on_upstream(None)
+        if not ex.done.done():
+            ex.done.set_result(ex.client_keep_alive)
+        if keep and not self.closed:
+            self._pool.release(self)
+        else:
+            self._abort()
+
+    def _fail(self, kind: str, message: str, received: bool) -> None:
+        ex = self._ex
+        self._ex = None
+        self._abort()
+        if ex is None or ex.done.done():
+            return
+        ex.sink.on_upstream(None)
+        ex.done.set_exception(
+            UpstreamError(kind, message, responded=ex.head_sent, received=received)
+        )
+
+    # -- timers -----------------------------------------------------------------------------
+
+    def _arm(self, limit: float) -> None:
+        self._limit = limit
+        self._cancel_timer()
+        self._timer = self._loop.call_at(self._last + limit, self._on_timer)
+
+    def _on_timer(self) -> None:
+        # One timer per connection, re-armed lazily: data_received only stamps `_last`, so a
+        # fast stream costs no timer churn.
+        self._timer = None
+        ex = self._ex
+        if ex is None:
+            self._abort()  # idle in the pool for too long
+            return
+        now = self._loop.time()
+        deadline = self._last + self._limit
+        if now < deadline:
+            self._timer = self._loop.call_at(deadline, self._on_timer)
+            return
+        received = ex.head_sent or bool(ex.head_buf)
+        what = "between response bytes" if received else "for the first response byte"
+        self._fail("timeout", f"the replica sent nothing {what} for {self._limit:g} s", received)
+
+    def idle(self) -> None:
+        """Back in the pool: close if unused for the pool's idle timeout."""
+        self._last = self._loop.time()
+        self._arm(self._pool.idle_timeout)
+
+    def cancel(self) -> None:
+        """The client went away: drop the exchange and the connection (stops the generation)."""
+        self._ex = None
+        self._abort()
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _abort(self) -> None:
+        self.closed = True
+        self._cancel_timer()
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class UpstreamPool:
+    """Keep-alive connections to one replica, at most `max_connections` busy at once."""
+
+    def __init__(
+        self,
+        address: ReplicaAddress,
+        label: bytes,
+        ssl_context: ssl.SSLContext | None,
+        *,
+        connect_timeout: float,
+        first_byte_timeout: float,
+        stream_idle_timeout: float,
+        idle_timeout: float,
+        max_connections: int,
+    ) -> None:
+        self.address = address
+        self.label = label
+        self.loop = asyncio.get_running_loop()
+        self._ssl = ssl_context if address.tls else None
+        self.connect_timeout = connect_timeout
+        self.first_byte_timeout = first_byte_timeout
+        self.stream_idle_timeout = stream_idle_timeout
+        self.idle_timeout = idle_timeout
+        self._idle: list[UpstreamConnection] = []
+        self._all: set[UpstreamConnection] = set()
+        self._slots = asyncio.Semaphore(max_connections)
+
+    async def forward(
+        self, data: bytes, sink: ResponseSink, *, head_only: bool, http11: bool
+    ) -> bool:
+        """Send one request (`data` = head + body) and stream the answer into `sink`.
+
+        Returns whether the client connection may stay open. Raises UpstreamError.
+        """
+        async with self._slots:
+            conn = self._take_idle()
+            if conn is not None:
+                try:
+                    return await self._exchange(conn, data, sink, head_only, http11)
+                except UpstreamError as exc:
+                    if exc.received or exc.kind == "timeout":
+                        raise
+                    # A reused connection died before answering: see the retry rule above.
+            conn = await self._connect()
+            return await self._exchange(conn, data, sink, head_only, http11)
+
+    async def _exchange(
+        self,
+        conn: UpstreamConnection,
+        data: bytes,
+        sink: ResponseSink,
+        head_only: bool,
+        http11: bool,
+    ) -> bool:
+        done: asyncio.Future[bool] = self.loop.create_future()
+        conn.start(data, _Exchange(sink, done, head_only, http11))
+        try:
+            return await done
+        except asyncio.CancelledError:
+            conn.cancel()
+            raise
+
+    def _take_idle(self) -> UpstreamConnection | None:
+        while self._idle:
+            conn = self._idle.pop()  # LIFO: the most recently used is least likely stale
+            if not conn.closed:
+                return conn
+        return None
+
+    async def _connect(self) -> UpstreamConnection:
+        address = self.address
+        try:
+            _, conn = await asyncio.wait_for(
+                self.loop.create_connection(
+                    lambda: UpstreamConnection(self),
+                    address.host,
+                    address.port,
+                    ssl=self._ssl,
+                    server_hostname=address.host if self._ssl else None,
+                ),
+                self.connect_timeout,
+            )
+        except (TimeoutError, OSError, ssl.SSLError) as exc:
+            reason = (
+                "timed out" if isinstance(exc, asyncio.TimeoutError) else exc.__class__.__name__
+            )
+            detail = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or ""
+            text = f"cannot connect ({reason}{': ' + str(detail) if detail else ''})"
+            raise UpstreamError("connect", text, responded=False, received=False) from None
+        self._all.add(conn)
+        return conn
+
+    def release(self, conn: UpstreamConnection) -> None:
+        conn.idle()
+        self._idle.append(conn)
+
+    def forget(self, conn: UpstreamConnection) -> None:
+        self._all.discard(conn)
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._all)
+
+    def close(self) -> None:
+        for conn in list(self._all):
+            conn._abort()
+        self._idle.clear()
