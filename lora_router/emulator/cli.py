@@ -1,0 +1,197 @@
+"""`lora-router-emulator` / `python -m lora_router.emulator`: run one emulated replica.
+
+The flags are named after `vllm serve`'s where one exists (`--max-loras`, `--max-lora-rank`,
+`--api-key`, `--block-size`, ...); the rest set the timing model and the faults in force at
+start. Faults can be changed later over HTTP: `POST /emulator/faults` with a JSON object of
+switches (`GET` shows them), `POST /emulator/restart` forgets every adapter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import ssl
+import sys
+from collections.abc import Sequence
+
+import uvloop
+
+from lora_router.emulator.config import SUPPORTED_VERSIONS, EmulatorConfig
+from lora_router.emulator.faults import Faults
+from lora_router.emulator.server import start_emulator
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lora-router-emulator",
+        description="An emulated vLLM replica (LoRA runtime updating + dev mode), no GPU needed.",
+    )
+    g = p.add_argument_group("listening")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    g.add_argument("--ssl-certfile", default=None, help="serve https with this certificate")
+    g.add_argument("--ssl-keyfile", default=None)
+    g.add_argument(
+        "--fast",
+        action="store_true",
+        help="pre-rendered answers on a raw protocol (for benchmarks)",
+    )
+
+    g = p.add_argument_group("model and vLLM version")
+    g.add_argument("--model", default="Qwen/Qwen2.5-Math-1.5B")
+    g.add_argument("--max-model-len", type=int, default=4096)
+    g.add_argument("--vllm-version", choices=SUPPORTED_VERSIONS, default="0.33")
+    g.add_argument("--max-lora-rank", type=int, default=16)
+    g.add_argument("--max-loras", type=int, default=6)
+    g.add_argument("--max-cpu-loras", type=int, default=None)
+    g.add_argument("--no-lora", action="store_true", help="serve without --enable-lora")
+    g.add_argument(
+        "--no-runtime-lora-updating",
+        action="store_true",
+        help="as without VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (adapter routes 404)",
+    )
+    g.add_argument(
+        "--no-dev-mode",
+        action="store_true",
+        help="as without VLLM_SERVER_DEV_MODE=1 (/pause, /resume ... 404)",
+    )
+    g.add_argument(
+        "--sse-keepalive",
+        type=float,
+        default=None,
+        help="seconds between ': keep-alive' SSE comments (0.33; 0 = never)",
+    )
+
+    g = p.add_argument_group("engine model")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--cache-blocks", type=int, default=8192, help="prefix-cache capacity")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--prefill-s-per-token", type=float, default=0.0)
+    g.add_argument("--decode-s-per-token", type=float, default=0.0)
+    g.add_argument(
+        "--adapter-load-s", type=float, default=0.0, help="time to re-read an evicted adapter"
+    )
+    g.add_argument("--mean-output-tokens", type=int, default=64)
+    g.add_argument("--seed", type=int, default=0)
+
+    g = p.add_argument_group("faults (also at run time: POST /emulator/faults)")
+    g.add_argument(
+        "--mount-lag",
+        type=int,
+        default=0,
+        help="first K load attempts of each path answer 404 'No adapter found'",
+    )
+    g.add_argument(
+        "--load-failures", type=int, default=0, help="the next N loads answer 500 (-1: all)"
+    )
+    g.add_argument("--load-delay", type=float, default=0.0, help="seconds every load takes")
+    g.add_argument(
+        "--error-rate", type=float, default=0.0, help="share of completions answered 5xx"
+    )
+    g.add_argument("--error-status", type=int, default=500)
+    g.add_argument("--error-seed", type=int, default=None)
+    g.add_argument(
+        "--stall",
+        action="store_true",
+        help='completions hang until released (POST /emulator/faults {"stall":false})',
+    )
+    g.add_argument(
+        "--crash-after-frames",
+        type=int,
+        default=None,
+        help="cut streams after N SSE frames (non-streamed: before answering)",
+    )
+    g.add_argument("--dead", action="store_true", help="engine dead: /health answers 503")
+    g.add_argument(
+        "--restart-every",
+        type=float,
+        default=None,
+        help="restart (forgetting adapters) every S seconds",
+    )
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
+    context = None
+    if args.ssl_certfile:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+    faults = Faults(
+        mount_lag=args.mount_lag,
+        load_failures=args.load_failures,
+        load_delay_s=args.load_delay,
+        error_rate=args.error_rate,
+        error_status=args.error_status,
+        error_seed=args.error_seed,
+        stall=args.stall,
+        crash_after_frames=args.crash_after_frames,
+        dead=args.dead,
+    )
+    return EmulatorConfig(
+        host=args.host,
+        port=args.port,
+        ssl=context,
+        api_key=args.api_key,
+        model=args.model,
+        max_model_len=args.max_model_len,
+        vllm_version=args.vllm_version,
+        enable_lora=not args.no_lora,
+        runtime_lora_updating=not args.no_runtime_lora_updating,
+        dev_mode=not args.no_dev_mode,
+        max_lora_rank=args.max_lora_rank,
+        max_loras=args.max_loras,
+        max_cpu_loras=args.max_cpu_loras,
+        block_size=args.block_size,
+        cache_blocks=args.cache_blocks,
+        max_num_seqs=args.max_num_seqs,
+        prefill_s_per_token=args.prefill_s_per_token,
+        decode_s_per_token=args.decode_s_per_token,
+        adapter_load_s=args.adapter_load_s,
+        mean_output_tokens=args.mean_output_tokens,
+        seed=args.seed,
+        sse_keepalive_s=args.sse_keepalive,
+        fast=args.fast,
+        faults=faults,
+    )
+
+
+async def run(config: EmulatorConfig, restart_every: float | None) -> None:
+    emulator = await start_emulator(config)
+    mode = "fast" if config.fast else "full"
+    print(
+        f"lora-router-emulator ({mode}, vLLM {config.release}) serving {config.model} "
+        f"on {emulator.url}",
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=restart_every)
+            except TimeoutError:
+                await emulator.restart()
+                print("restarted: every adapter forgotten", flush=True)
+    finally:
+        await emulator.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except (ValueError, OSError) as exc:
+        print(f"lora-router-emulator: {exc}", file=sys.stderr)
+        return 2
+    try:
+        uvloop.run(run(config, args.restart_every))
+    except OSError as exc:
+        print(f"lora-router-emulator: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,94 @@
+"""The settings of one emulated vLLM replica.
+
+`EmulatorConfig` mirrors the `vllm serve` flags and environment switches that change what a
+router sees (`--max-loras`, `--max-lora-rank`, `--api-key`, `VLLM_SERVER_DEV_MODE`, ...), plus the
+emulator's own knobs: the timing model, the vLLM version whose quirks to reproduce, and the
+faults to start with. It is built once (by `cli.py` or a test) and passed down; nothing in the
+emulator reads the environment.
+"""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass, field
+
+from lora_router.emulator.faults import Faults
+
+SUPPORTED_VERSIONS = ("0.27", "0.33")
+# What `/version` reports for each emulated release line.
+RELEASE_OF_VERSION = {"0.27": "0.27.1", "0.33": "0.33.0"}
+
+
+@dataclass(slots=True)
+class EmulatorConfig:
+    """Every setting of an emulated replica.
+
+    Defaults are vLLM's own, except `max_loras=6`, the reference deployment's setting.
+    """
+
+    # Listening
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: the OS picks a free port (read it back from `Emulator.port`)
+    ssl: ssl.SSLContext | None = None  # serve https with this context
+    api_key: str | None = None  # like `--api-key`: guards /v1/* only
+
+    # The served model (`vllm serve MODEL --max-model-len N`)
+    model: str = "Qwen/Qwen2.5-Math-1.5B"
+    max_model_len: int = 4096
+    vllm_version: str = "0.33"
+
+    # LoRA (`--enable-lora --max-lora-rank R --max-loras K --max-cpu-loras C`)
+    enable_lora: bool = True
+    runtime_lora_updating: bool = True  # VLLM_ALLOW_RUNTIME_LORA_UPDATING=1
+    dev_mode: bool = True  # VLLM_SERVER_DEV_MODE=1: /pause, /resume, /server_info ...
+    max_lora_rank: int = 16
+    max_loras: int = 6
+    max_cpu_loras: int | None = None  # None: same as max_loras, as vLLM defaults it
+
+    # Engine model
+    block_size: int = 16
+    cache_blocks: int = 8192  # prefix-cache capacity in blocks (LRU beyond it)
+    max_num_seqs: int = 256
+    prefill_s_per_token: float = 0.0  # per *uncached* prompt token
+    decode_s_per_token: float = 0.0  # per generated token
+    adapter_load_s: float = 0.0  # re-reading an evicted adapter from its path
+    mean_output_tokens: int = 64  # mean natural length before the EOS token
+    seed: int = 0  # makes unseeded requests and fault draws reproducible across runs
+
+    # HTTP behaviour
+    sse_keepalive_s: float | None = None  # None: 15 s on 0.33, off on 0.27; 0: off
+    fast: bool = False  # pre-rendered answers on a raw asyncio protocol (benchmarks)
+
+    # Faults in force at start; `Emulator.faults` is this same object, mutable at run time.
+    faults: Faults = field(default_factory=Faults)
+
+    def __post_init__(self) -> None:
+        if self.vllm_version not in SUPPORTED_VERSIONS:
+            raise ValueError(
+                f"vllm_version must be one of {', '.join(SUPPORTED_VERSIONS)}, "
+                f"not {self.vllm_version!r}"
+            )
+        if self.block_size < 1 or self.cache_blocks < 0 or self.max_num_seqs < 1:
+            raise ValueError("block_size and max_num_seqs must be >= 1, cache_blocks >= 0")
+        if self.max_loras < 1:
+            raise ValueError("max_loras must be >= 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            # vLLM refuses this combination at start-up too.
+            raise ValueError("max_cpu_loras must be >= max_loras")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+    @property
+    def release(self) -> str:
+        return RELEASE_OF_VERSION[self.vllm_version]
+
+    @property
+    def keepalive_interval(self) -> float | None:
+        """Seconds between SSE `: keep-alive` comments on an idle stream, or None for never."""
+        if self.vllm_version == "0.27":
+            return None
+        if self.sse_keepalive_s is None:
+            return 15.0
+        return self.sse_keepalive_s if self.sse_keepalive_s > 0 else None

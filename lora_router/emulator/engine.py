@@ -1,0 +1,351 @@
+"""The simulated vLLM engine: what one replica knows and how long its work takes.
+
+It ties together the pieces a router's decisions act on — the adapter registry and slots
+(`adapters`), the prefix cache (`prefix_cache`), the batch scheduler (`scheduler`) and the
+deterministic model (`tokens`) — with a timing model: a sequence costs `prefill_s_per_token`
+per *uncached* prompt token and `decode_s_per_token` per generated token, after waiting for a
+place in the batch. So a cache hit makes a request faster and an overloaded replica slower.
+
+It also owns the pause state of vLLM's dev-mode endpoints:
+- `abort` aborts every sequence in flight (they finish with reason "abort");
+- `wait` returns once every sequence in flight has finished;
+- `keep` freezes sequences in place until `/resume`.
+New requests while paused are queued at the door, except on 0.33 in abort/wait mode, where they
+are rejected (`GenerationPaused`).
+
+This is the object tests assert on (`emu.state`). It never touches sockets; the only outside
+read is the optional re-read of an evicted adapter through the injected `read_adapter`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from lora_router.emulator import tokens
+from lora_router.emulator.adapter_files import (
+    AdapterInvalid,
+    AdapterNotFound,
+    AdapterSpec,
+    read_adapter,
+)
+from lora_router.emulator.adapters import Adapter, AdapterRegistry, AdapterSlots
+from lora_router.emulator.config import EmulatorConfig
+from lora_router.emulator.prefix_cache import PrefixCache, block_hashes
+from lora_router.emulator.scheduler import Aborted, Scheduler, Seq
+
+PAUSE_MODES = ("abort", "wait", "keep")
+# Below this, sleeping per token costs more in event-loop overhead than it models.
+_MIN_SLEEP_S = 0.002
+
+
+class UnknownModel(Exception):
+    """The request names a model that is neither the base model nor a registered adapter."""
+
+
+class GenerationPaused(Exception):
+    """vLLM 0.33 in abort/wait pause mode rejects new requests."""
+
+
+class EngineDead(Exception):
+    """The engine died (injected, or an evicted adapter's files vanished)."""
+
+
+@dataclass(slots=True)
+class SampleJob:
+    """One sample to generate: its scheduler entry, prompt, cache keys and planned tokens."""
+
+    seq: Seq
+    prompt: list[int]
+    prompt_hashes: list[int]
+    extra_keys: tuple[str, ...]
+    sample: tokens.Sample
+    cached_tokens: int = 0
+    emitted: int = 0
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """What happened to requests, for tests and `/emulator/state`."""
+
+    finished: int = 0  # samples that ran to "stop" or "length"
+    aborted: int = 0  # samples aborted by /pause?mode=abort
+    cancelled: int = 0  # HTTP requests whose client went away before the answer was complete
+    rejected_paused: int = 0  # requests refused with 503 while paused (0.33)
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _PauseState:
+    paused: bool = False
+    mode: str | None = None
+    resumed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Engine:
+    """One replica's engine state; replaced wholesale when the replica restarts."""
+
+    def __init__(
+        self,
+        config: EmulatorConfig,
+        reader: Callable[[str], AdapterSpec] = read_adapter,
+    ) -> None:
+        self.config = config
+        self.registry = AdapterRegistry()
+        self.slots = AdapterSlots(config.max_loras, config.cpu_loras)
+        self.cache = PrefixCache(config.block_size, config.cache_blocks)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_loras)
+        self.counters = EngineCounters()
+        self.crashed: str | None = None  # why the engine died, if it did
+        self.sleeping = False
+        self.queued_while_paused = 0  # requests waiting at the door for /resume
+        self._reader = reader
+        self._pause = _PauseState()
+        self._pause.resumed.set()
+        self._frozen: set[Seq] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._rng = random.Random(config.seed)
+        self.load_locks: dict[str, asyncio.Lock] = {}
+
+    # --- what tests read -------------------------------------------------------------------
+
+    @property
+    def adapters(self) -> dict[str, str]:
+        """Registered adapters: name -> the path they were loaded from."""
+        return {a.name: a.path for a in self.registry.all()}
+
+    @property
+    def paused(self) -> bool:
+        return self._pause.paused
+
+    @property
+    def pause_mode(self) -> str | None:
+        return self._pause.mode
+
+    @property
+    def cancelled(self) -> int:
+        return self.counters.cancelled
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + self.queued_while_paused
+
+    # --- adapters --------------------------------------------------------------------------
+
+    def register(self, name: str, path: str, spec: AdapterSpec, inplace: bool) -> Adapter:
+        """Record a successful load; the weights enter the CPU cache as add_lora puts them."""
+        if inplace and name in self.registry:
+            adapter = self.registry.replace(name, path, spec)
+            self.slots.forget(adapter.lora_id)
+        else:
+            adapter = self.registry.add(name, path, spec)
+        self.slots.load(adapter.lora_id)
+        return adapter
+
+    def unregister(self, name: str) -> Adapter | None:
+        # The weights stay in the slots until LRU evicts them, as in vLLM.
+        return self.registry.remove(name)
+
+    def resolve_model(self, name: object) -> Adapter | None:
+        """None for the base model, the adapter for a LoRA name; `UnknownModel` otherwise."""
+        if name is None or name == self.config.model:
+            return None
+        if isinstance(name, str):
+            adapter = self.registry.get(name)
+            if adapter is not None:
+                return adapter
+        raise UnknownModel(str(name))
+
+    def served_names(self) -> list[str]:
+        return [self.config.model, *(a.name for a in self.registry.all())]
+
+    def extra_keys(self, adapter: Adapter | None) -> tuple[str, ...]:
+        """Prefix-cache extra keys: the adapter name (0.27) or name and path (0.33)."""
+        if adapter is None:
+            return ()
+        if self.config.vllm_version == "0.27":
+            return (adapter.name,)
+        return (adapter.name, adapter.path)
+
+    # --- generation ------------------------------------------------------------------------
+
+    def draw_seed(self) -> int:
+        """A seed for an unseeded request: siblings differ, a replayed run repeats."""
+        return self._rng.getrandbits(63)
+
+    def new_job(
+        self,
+        request_id: str,
+        adapter: Adapter | None,
+        prompt: list[int],
+        prompt_hashes: list[int],
+        sample: tokens.Sample,
+    ) -> SampleJob:
+        seq = Seq(
+            request_id=request_id,
+            lora_id=adapter.lora_id if adapter else None,
+            lora_name=adapter.name if adapter else None,
+            lora_path=adapter.path if adapter else None,
+        )
+        return SampleJob(
+            seq=seq,
+            prompt=prompt,
+            prompt_hashes=prompt_hashes,
+            extra_keys=self.extra_keys(adapter),
+            sample=sample,
+        )
+
+    async def enter(self) -> None:
+        """The door every new request passes: queue or refuse while paused."""
+        if self.crashed is not None:
+            raise EngineDead(self.crashed)
+        while self._pause.paused:
+            if self.config.vllm_version == "0.33" and self._pause.mode in ("abort", "wait"):
+                self.counters.rejected_paused += 1
+                raise GenerationPaused
+            self.queued_while_paused += 1
+            try:
+                await self._pause.resumed.wait()
+            finally:
+                self.queued_while_paused -= 1
+
+    async def run(
+        self, job: SampleJob, emit: Callable[[list[tokens.SampledToken]], Awaitable[None]]
+    ) -> str:
+        """Schedule, prefill and decode one sample, passing tokens to `emit` as they come.
+
+        Returns the finish reason. Cancellation (the client went away) propagates; the
+        sequence leaves the batch either way.
+        """
+        seq = job.seq
+        self._idle.clear()
+        try:
+            await self.scheduler.admit(seq)
+            if seq.lora_id is not None:
+                await self._activate_adapter(seq)
+            job.cached_tokens = self.cache.lookup(job.prompt_hashes, len(job.prompt))
+            # vLLM v1 registers a prompt's blocks as soon as they are allocated, so a sibling
+            # scheduled right after this one already hits them.
+            self.cache.insert(job.prompt_hashes)
+            self.counters.prompt_tokens += len(job.prompt)
+            uncached = len(job.prompt) - job.cached_tokens
+            await self._sleep(seq, uncached * self.config.prefill_s_per_token)
+            planned = job.sample.tokens
+            per_step = self._tokens_per_step(len(planned))
+            while job.emitted < len(planned):
+                if self._pause.paused and self._pause.mode == "keep":
+                    await self._freeze(seq)
+                if seq.aborted:
+                    raise Aborted
+                chunk = planned[job.emitted : job.emitted + per_step]
+                await self._sleep(seq, len(chunk) * self.config.decode_s_per_token)
+                if seq.aborted:
+                    raise Aborted
+                job.emitted += len(chunk)
+                self.counters.generated_tokens += len(chunk)
+                await emit(chunk)
+            job.finish_reason = job.sample.finish_reason
+            self.counters.finished += 1
+            self._cache_output(job)
+        except Aborted:
+            job.finish_reason = "abort"
+            self.counters.aborted += 1
+        finally:
+            self.scheduler.release(seq)
+            self._frozen.discard(seq)
+            if not self.scheduler.in_flight():
+                self._idle.set()
+        return job.finish_reason
+
+    def note_cancelled(self) -> None:
+        self.counters.cancelled += 1
+
+    def _tokens_per_step(self, total: int) -> int:
+        per_token = self.config.decode_s_per_token
+        if per_token <= 0:
+            return max(1, total)
+        return max(1, math.ceil(_MIN_SLEEP_S / per_token))
+
+    async def _activate_adapter(self, seq: Seq) -> None:
+        assert seq.lora_id is not None
+        if self.slots.needs_read(seq.lora_id):
+            try:
+                self._reader(seq.lora_path or "")
+            except (AdapterNotFound, AdapterInvalid) as exc:
+                # vLLM re-reads an evicted adapter from its path; gone files kill the engine.
+                self.crashed = f"re-reading evicted adapter {seq.lora_name!r} failed: {exc}"
+                raise EngineDead(self.crashed) from exc
+            await self._sleep(seq, self.config.adapter_load_s)
+        self.slots.activate(seq.lora_id, self.scheduler.running_loras())
+
+    def _cache_output(self, job: SampleJob) -> None:
+        # The last generated token never had its KV computed, so it cannot fill a block.
+        computed = job.prompt + job.sample.token_ids[: job.emitted - 1]
+        if len(computed) >= len(job.prompt) + self.config.block_size:
+            self.cache.insert(block_hashes(computed, self.config.block_size, job.extra_keys))
+
+    async def _sleep(self, seq: Seq, seconds: float) -> None:
+        if seconds <= 0 or seq.aborted:
+            return
+        loop = asyncio.get_running_loop()
+        handle = loop.call_later(seconds, seq.wake)
+        try:
+            await seq.sleep_until_woken()
+        finally:
+            handle.cancel()
+
+    async def _freeze(self, seq: Seq) -> None:
+        self._frozen.add(seq)
+        try:
+            while self._pause.paused and self._pause.mode == "keep" and not seq.aborted:
+                await seq.sleep_until_woken()
+        finally:
+            self._frozen.discard(seq)
+
+    # --- dev-mode control ------------------------------------------------------------------
+
+    async def pause(self, mode: str, clear_cache: bool) -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}")
+        self._pause.paused = True
+        self._pause.mode = mode
+        self._pause.resumed.clear()
+        if mode == "abort":
+            for seq in self.scheduler.in_flight() + list(self._frozen):
+                seq.abort()
+        elif mode == "wait":
+            await self._idle.wait()
+        elif mode == "keep":
+            # Sequences freeze at their next step; the cache is kept ("ignored when keep").
+            return
+        if clear_cache:
+            self.cache.clear()
+
+    def resume(self) -> None:
+        self._pause.paused = False
+        self._pause.mode = None
+        self._pause.resumed.set()
+        for seq in list(self._frozen):
+            seq.wake()
+
+    def reset_prefix_cache(self) -> bool:
+        """False while running sequences hold blocks, as vLLM answers; the caller retries."""
+        if self.scheduler.running:
+            return False
+        self.cache.clear()
+        return True
+
+    def abort_all(self) -> None:
+        """Abort every sequence (the replica is going down)."""
+        for seq in self.scheduler.in_flight() + list(self._frozen):
+            seq.abort()

@@ -1,0 +1,338 @@
+"""Dev-mode routes (/pause, /resume, /is_paused, /reset_prefix_cache, /server_info ...),
+health, version, tokenize and metrics, with the 0.27/0.33 differences while paused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+
+import aiohttp
+
+from lora_router.emulator import Emulator
+
+from .conftest import StartEmulator, call, complete, eventually, load
+from .test_generation import frames_of
+
+COMPLETIONS = "/v1/completions"
+SLOW = {"decode_s_per_token": 0.01}  # 100 tokens take a second: long enough to act mid-way
+
+
+async def test_pause_answers_paused_and_is_paused_says_so(
+    emu: Emulator, client: aiohttp.ClientSession
+) -> None:
+    assert await call(client, "POST", emu.url + "/pause?mode=keep") == (200, b'{"status":"paused"}')
+    assert await call(client, "GET", emu.url + "/is_paused") == (200, b'{"is_paused":true}')
+    assert emu.state.paused
+
+
+async def test_resume_answers_resumed_and_is_idempotent(
+    emu: Emulator, client: aiohttp.ClientSession
+) -> None:
+    assert await call(client, "POST", emu.url + "/resume") == (200, b'{"status":"resumed"}')
+    await call(client, "POST", emu.url + "/pause")
+    assert await call(client, "POST", emu.url + "/resume") == (200, b'{"status":"resumed"}')
+    assert await call(client, "GET", emu.url + "/is_paused") == (200, b'{"is_paused":false}')
+
+
+async def test_pause_with_an_unknown_mode_is_400(
+    emu: Emulator, client: aiohttp.ClientSession
+) -> None:
+    status, body = await call(client, "POST", emu.url + "/pause?mode=sometimes")
+    assert status == 400
+    assert json.loads(body)["error"]["type"] == "Bad Request"
+
+
+async def test_027_queues_a_request_sent_while_paused_until_resume(
+    start: StartEmulator, client: aiohttp.ClientSession
+) -> None:
+    emu = await start(vllm_version="0.27")
+    await call(client, "POST", emu.url + "/pause?mode=abort")
+    pending = asyncio.create_task(complete(client, emu))
+    await eventually(lambda: emu.state.num_waiting == 1)
+    assert not pending.done()
+    await call(client, "POST", emu.url + "/resume")
+    body = await pending
+    assert body["choices"][0]["finish_reason"] in ("stop", "length")  # type: ignore[index]
+
+
+async def test_033_rejects_a_request_while_paused_in_abort_mode(
+    emu: Emulator, client: aiohttp.ClientSession
+) -> None:
+    await call(client, "POST", emu.url + "/pause?mode=abort")
+    status, body = await call(client, "POST", emu.url + COMPLETIONS, json={"prompt": [1]})
+    assert status == 503
+    assert json.loads(body) == {
+        "error": {
+            "message": "Generation is paused. Please retry after it resumes.",
+            "type": "ServiceUnavailableError",
+            "param": None,
+            "code": 503,
+        }
+    }
+
+
+async def test_033_rejects_a_request_while_paused_in_wait_mode(
+    emu: Emulator, client: aiohttp.ClientSession
+) -> None:
+    await call(client, "POST", emu.url + "/pause?mode=wait")
+    status, _ = await call(client, "POST", emu.url + COMPLETIONS, json={"prompt": [1]})
+    assert status == 503
+
+
+async def test_033_queues_a_request_while_paused_in_keep_mode(
+    emu: Emulator, client: aiohttp.ClientSession
+) -> None:
+    await call(client, "POST", emu.url + "/pause?mode=keep")
+    pending = asyncio.create_task(complete(client, emu))
+    await eventually(lambda: emu.state.num_waiting == 1)
+    await call(client, "POST", emu.url + "/resume")
+    await pending
+
+
+async def test_033_paused_stream_is_a_200_with_one_error_frame_then_done(
+    emu: Emulator, client: aiohttp.ClientSession
+) -> None:
+    await call(client, "POST", emu.url + "/pause?mode=abort")
+    async with client.post(emu.url + COMPLETIONS, json={"prompt": [1], "stream": True}) as r:
+        assert r.status == 200
+        raw = await r.read()
+    assert raw == (
+        b'data: {"error": {"message": "Generation is paused. Please retry after it resumes.", '
+        b'"type": "ServiceUnavailableError", "param": null, "code": 503}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+
+
+async def test_027_paused_stream_sends_headers_at_once_then_waits_for_resume(
+    start: StartEmulator, client: aiohttp.ClientSession
+) -> None:
+    emu = await start(vllm_version="0.27")
+    await call(client, "POST", emu.url + "/pause?mode=abort")
+    async with client.post(
+        emu.url + COMPLETIONS,
+        json={"prompt": [1], "max_tokens": 2, "stream": True, "ignore_eos": True},
+    ) as r:
+        assert r.status == 200  # the headers arrived while paused
+        await eventually(lambda: emu.state.num_waiting == 1)
+        assert not r.content.is_eof()
+        await call(client, "POST", emu.url + "/resume")
+        frames = frames_of(await r.read())
+    assert frames[-1] == b"[DONE]"
+    assert len(frames) == 3
+
+
+async def test_pause_abort_finishes_in_flight_requests_with_abort(
+    start: StartEmulator, client: aiohttp.ClientSession
+) -> None:
+    emu = await start(**SLOW)
+    pending = asyncio.create_task(complete(client, emu, max_tokens=100, ignore_eos=True))
+    await eventually(lambda: emu.state.num_running == 1)
+    await call(client, "POST", emu.url + "/pause?mode=abort")
+    body = await pending
+    assert body["choices"][0]["finish_reason"] == "abort"  # type: ignore[index]
+    assert body["usage"]["completion_tokens"] < 100  # type: ignore[index]
+
+
+async def test_pause_abort_ends_an_in_flight_stream_with_an_abort_chunk(
+    start: StartEmulator, client: aiohttp.ClientSession
+) -> None:
+    emu = await start(**SLOW)
+    async with client.post(
+        emu.url + COMPLETIONS,
+        json={"prompt": [1], "max_tokens": 100, "stream": True, "ignore_eos": True},
+    ) as r:
+        await r.content.readuntil(b"\n\n")  # the first token is out
+        await call(client, "POST", emu.url + "/pause?mode=abort")
+        frames = frames_of(await r.read())
+    assert frames[-1] == b"[DONE]"
+    assert json.loads(frames[-2])["choices"][0]["finish_reason"] == "abort"
+
+
+async def test_pause_wait_returns_after_in_flight_requests_finish(
+    start: StartEmulator, client: aiohttp.ClientSession
+) -> None:
+    emu = await start(decode_s_per_token=0.005)
+    pending = asyncio.create_task(complete(client, emu, max_tokens=20, ignore_eos=True))
+    await eventually(lambda: emu.state.num_running == 1)
+    status, _ = await call(client, "POST", emu.url + "/pause?mode=wait")
+    assert status == 200
+    assert pending.done()
+    assert (await pending)["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
+
+
+async def test_pause_keep_freezes_in_flight_requests_until_resume(
+    start: StartEmulator, client: aiohttp.ClientSession
+) -> None:
+    emu = await start(decode_s_per_token=0.002)
+    pending = asyncio.create_task(complete(client, emu, max_tokens=50, ignore_eos=True))
+    await eventually(lambda: emu.state.num_running == 1)
+    await call(client, "POST", emu.url + "/pause?mode=keep")
+    await eventually(lambda: len(emu.state._frozen) == 1)
+    generated = emu.state.counters.generated_tokens
+    assert not pending.done()
+    await call(client, "POST", emu.url + "/resume")
+    body = await pending
+    assert generated < 50
+    assert body["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
+
+
+async def test_pause_clears_the_prefix_cache_by_default(
+    emu: Emulator, client: aiohttp.ClientSession
+) -> None:
+    await complete(client, emu)
+    assert len(emu.state.cache) > 0
+    await call(client, "POST", emu.url + "/pause?mode=abort")
+    assert len(emu.state.cache) == 0
+
+
+async def test_pause_with_clear_cache_false_keeps_the_prefix_cache(
+    emu: Emulator, client: aiohttp.ClientSession
+) -> None:
+    await complete(client, emu)
+    await call(client, "POST", emu.url + "/pause?mode=abort&clear_cache=false")
+    assert len(emu.state.cache) > 0
+
+
+async def test_reset_prefix_cache_empties_the_cache(
+    emu: Emulator, client: aiohttp.ClientSession
+) -> None:
+    await complete(client, emu)
+    assert await call(client, "POST", emu.url + "/reset_prefix_cache") == (200, b'{"success":true}')
+    again = await complete(client, emu)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # type: ignore[index]
+
+
+async def test_reset_prefix_cache_fails_while_requests_run(
+    start: StartEmulator, client: aiohttp.ClientSession
+) -> None:
+    emu = await start(**SLOW)
+    pending = asyncio.create_task(complete(client, emu, max_tokens=20, ignore_eos=True))
+    await eventually(lambda: emu.state.num_running == 1)
+    assert await call(client, "POST", emu.url + "/reset_prefix_cache") == (
+        200,
+        b'{"success":false}',
+    )
+    await pending
+
+
+async def test_server_info_json_reports_lora_cache_and_parallel_config(
+    start: StartEmulator, client: aiohttp.ClientSession
+) -> None:
+    emu = await start(max_lora_rank=1, max_loras=6, max_cpu_loras=8, block_size=32)
+    status, body = await call(client, "GET", emu.url + "/server_info?config_format=json")
+    assert status == 200
+    info = json.loads(body)
+    assert set(info) == {"vllm_config", "vllm_env", "system_env"}
+    config = info["vllm_config"]
+    assert config["lora_config"]["max_lora_rank"] == 1
+    assert config["lora_config"]["max_loras"] == 6
+    assert config["lora_config"]["max_cpu_loras"] == 8
+    assert config["cache_config"]["block_size"] == 32
+    assert config["parallel_config"]["data_parallel_size"] == 1
+
+
+async def test_server_info_without_lora_reports_null_lora_config(
+    start: StartEmulator, client: aiohttp.ClientSession
+) -> None:
+    emu = await start(enable_lora=False)
+    _, body = await call(client, "GET", emu.url + "/server_info?config_format=json")
+    assert json.loads(body)["vllm_config"]["lora_config"] is None
+
+
+async def test_server_info_text_form_has_no_lora_config(
+    emu: Emulator, client: aiohttp.ClientSession
+) -> None:
+    _, body = await call(client, "GET", emu.url + "/server_info")
+    config = json.loads(body)["vllm_config"]
+    assert isinstance(config, str)
+    assert "lora" not in config
+
+
+async def test_dev_mode_routes_are_404_without_dev_mode(
+    start: StartEmulator, client: aiohttp.ClientSession
+) -> None:
+    emu = await start(dev_mode=False)
+    assert await call(client, "POST", emu.url + "/pause") == (404, b'{"detail":"Not Found"}')
+
+
+async def test_wrong_method_is_405(emu: Emulator, client: aiohttp.ClientSession) -> None:
+    assert await call(client, "GET", emu.url + "/pause") == (
+        405,
+        b'{"detail":"Method Not Allowed"}',
+    )
+
+
+async def test_health_and_ping_answer_200_empty(
+    emu: Emulator, client: aiohttp.ClientSession
+) -> None:
+    assert await call(client, "GET", emu.url + "/health") == (200, b"")
+    assert await call(client, "GET", emu.url + "/ping") == (200, b"")
+    assert await call(client, "POST", emu.url + "/ping") == (200, b"")
+
+
+async def test_health_stays_200_while_paused(emu: Emulator, client: aiohttp.ClientSession) -> None:
+    await call(client, "POST", emu.url + "/pause?mode=keep")
+    assert await call(client, "GET", emu.url + "/health") == (200, b"")
+
+
+async def test_version_reports_the_emulated_release(
+    start: StartEmulator, client: aiohttp.ClientSession
+) -> None:
+    old, new = await start(vllm_version="0.27"), await start(vllm_version="0.33")
+    assert await call(client, "GET", old.url + "/version") == (200, b'{"version":"0.27.1"}')
+    assert await call(client, "GET", new.url + "/version") == (200, b'{"version":"0.33.0"}')
+
+
+async def test_tokenize_and_detokenize_round_trip_text(
+    emu: Emulator, client: aiohttp.ClientSession
+) -> None:
+    _, body = await call(client, "POST", emu.url + "/tokenize", json={"prompt": "2+2"})
+    tokenized = json.loads(body)
+    assert tokenized["tokens"] == [50, 43, 50]
+    assert tokenized["count"] == 3
+    assert tokenized["max_model_len"] == 4096
+    _, body = await call(
+        client, "POST", emu.url + "/detokenize", json={"tokens": tokenized["tokens"]}
+    )
+    assert json.loads(body) == {"prompt": "2+2"}
+
+
+async def test_metrics_count_prefix_cache_queries_and_hits_in_tokens(
+    emu: Emulator, client: aiohttp.ClientSession
+) -> None:
+    await complete(client, emu, prompt=list(range(40)))
+    await complete(client, emu, prompt=list(range(40)))
+    status, body = await call(client, "GET", emu.url + "/metrics")
+    assert status == 200
+    text = body.decode()
+    assert (
+        'vllm:prefix_cache_queries_total{engine="0",model_name="Qwen/Qwen2.5-Math-1.5B"} 80.0'
+        in text
+    )
+    assert (
+        'vllm:prefix_cache_hits_total{engine="0",model_name="Qwen/Qwen2.5-Math-1.5B"} 32.0' in text
+    )
+
+
+async def test_metrics_report_running_waiting_and_lora_requests(
+    start: StartEmulator, client: aiohttp.ClientSession, adapter: Callable[..., str]
+) -> None:
+    emu = await start(max_num_seqs=1, **SLOW)
+    await load(client, emu, "trl-policy-v1", adapter("v1"))
+    await load(client, emu, "trl-policy-v2", adapter("v2"))
+    first = asyncio.create_task(
+        complete(client, emu, model="trl-policy-v1", max_tokens=20, ignore_eos=True)
+    )
+    await eventually(lambda: emu.state.num_running == 1)
+    second = asyncio.create_task(complete(client, emu, model="trl-policy-v2", max_tokens=1))
+    await eventually(lambda: emu.state.num_waiting == 1)
+    _, body = await call(client, "GET", emu.url + "/metrics")
+    text = body.decode()
+    assert 'vllm:num_requests_running{engine="0",model_name="Qwen/Qwen2.5-Math-1.5B"} 1.0' in text
+    assert 'vllm:num_requests_waiting{engine="0",model_name="Qwen/Qwen2.5-Math-1.5B"} 1.0' in text
+    assert (
+        'vllm:lora_requests_info{max_lora="6",running_lora_adapters="trl-policy-v1",'
+        'waiting_lora_adapters="trl-policy-v2"}'
+    ) in text
+    await asyncio.gather(first, second)
