@@ -1,0 +1,460 @@
+"""`lora-router --check`: a preflight of the replicas, run before a training run starts.
+
+It asks every replica, with the router's token and TLS settings, the questions whose wrong
+answer would otherwise surface an hour into a run as a fatal TRL error, and prints them as one
+table plus a numbered list of problems, each with the fix. Exit status 0 only when the fleet is
+ready. What is probed (see `../shared/docs/vllm-contract.md`):
+
+| question | probe | a "no" |
+| --- | --- | --- |
+| reachable, engine alive | `GET /health` | no connection; 503 (engine dead) |
+| token accepted | `GET /v1/models` (vLLM's `--api-key` guards `/v1/*` only) | 401 / 403 |
+| base model, leftover adapters | `GET /v1/models` | entries after the base card |
+| LoRA, rank, slots, block, DP | `GET /server_info?config_format=json` | no `lora_config`; DP > 1 |
+| dev mode | `GET /is_paused` (read-only; `/pause` itself would pause) | 404 |
+| runtime loading | `POST /v1/load_lora_adapter` with `{}` | 404 `{"detail":"Not Found"}` |
+
+The load probe never loads anything: `lora_name` and `lora_path` are required fields, so a
+server that has the route answers the empty body with its 400 validation error, and a server
+started without `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` has no such route and answers FastAPI's
+404 — the very 404 TRL would misread at its first sync.
+
+Then the fleet as a whole: replicas must agree on base model, `max_lora_rank`, `max_loras` and
+block size; `max_loras` must be at least `--max-staleness + 2` (TRL raises otherwise);
+`data_parallel_size` must be 1. Leftover adapters are a problem unless `--unload-stale` matches
+every one of them (the router clears those at start).
+
+Probing is I/O (`probe_replica`); judging is a pure function of what was seen (`judge`), so
+each rule is testable without sockets. This module must never change a replica's state: no
+load, no unload, no pause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import json
+import os
+import ssl
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import aiohttp
+
+from lora_router.config import Config, ReplicaAddress
+from lora_router.table import render_table
+
+PROBE_TIMEOUT = 10.0  # seconds for one probe's whole answer
+
+
+class Unauthorized(Exception):
+    """The replica rejected the token."""
+
+
+@dataclass(slots=True)
+class ReplicaFacts:
+    """What one replica told us. `None` means "could not tell" (an earlier probe failed)."""
+
+    name: str
+    answer: str = "ok"  # ok | unreachable | unauthorized | dead
+    detail: str = ""  # why, when `answer` is not ok
+    version: str | None = None
+    model: str | None = None
+    max_model_len: int | None = None
+    lora: bool | None = None  # lora_config present
+    max_lora_rank: int | None = None
+    max_loras: int | None = None
+    block_size: int | None = None
+    data_parallel_size: int | None = None
+    dev_mode: bool | None = None
+    runtime_loading: bool | None = None
+    paused: bool | None = None
+    adapters: list[str] = field(default_factory=list)
+    oddities: list[str] = field(default_factory=list)  # answers the contract does not predict
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One finding. `replica` None: about the fleet. Notes are shown but do not fail the check."""
+
+    replica: str | None
+    what: str
+    fix: str = ""
+    note: bool = False
+
+
+# --- probing --------------------------------------------------------------------------------
+
+
+async def probe_fleet(config: Config) -> list[ReplicaFacts]:
+    """Probe every replica at once, with the router's token and TLS context."""
+    token = config.token.reveal()
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    context: ssl.SSLContext | None = config.ssl_context()
+    connector = aiohttp.TCPConnector(ssl=context if context is not None else True)
+    timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT, sock_connect=config.connect_timeout)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=timeout, headers=headers
+    ) as session:
+        return list(await asyncio.gather(*(probe_replica(session, r) for r in config.replicas)))
+
+
+async def probe_replica(session: aiohttp.ClientSession, address: ReplicaAddress) -> ReplicaFacts:
+    facts = ReplicaFacts(name=address.name)
+    base = address.name
+    try:
+        status, _ = await _get(session, base + "/health")
+        if status == 503:
+            facts.answer, facts.detail = "dead", "/health answers 503: the engine is dead"
+        elif status != 200:
+            facts.oddities.append(f"/health answered {status}")
+        status, body = await _get(session, base + "/v1/models")
+        if status == 200:
+            _read_models(facts, body)
+        else:
+            facts.oddities.append(f"/v1/models answered {status}")
+        status, body = await _get(session, base + "/server_info?config_format=json")
+        if status == 200:
+            _read_server_info(facts, body)
+        elif status == 404:
+            facts.dev_mode = False
+        else:
+            facts.oddities.append(f"/server_info answered {status}")
+        status, body = await _get(session, base + "/is_paused")
+        if status == 200:
+            facts.dev_mode = True
+            paused = body.get("is_paused") if isinstance(body, dict) else None
+            facts.paused = paused if isinstance(paused, bool) else None
+        elif status == 404:
+            facts.dev_mode = False
+        status, body = await _post_json(session, base + "/v1/load_lora_adapter", {})
+        if status == 404 and _is_missing_route(body):
+            facts.runtime_loading = False
+        elif status in (400, 422):
+            facts.runtime_loading = True
+        else:
+            facts.oddities.append(f"an empty load request answered {status}, not 400")
+        status, body = await _get(session, base + "/version")
+        if status == 200 and isinstance(body, dict) and isinstance(body.get("version"), str):
+            facts.version = body["version"]
+    except Unauthorized as exc:
+        facts.answer, facts.detail = "unauthorized", str(exc)
+    except aiohttp.ClientConnectorCertificateError as exc:
+        facts.answer = "unreachable"
+        facts.detail = f"TLS certificate not trusted ({exc.certificate_error})"
+    except aiohttp.ClientConnectorError as exc:
+        reason = os.strerror(exc.os_error.errno) if exc.os_error.errno else str(exc)
+        facts.answer, facts.detail = "unreachable", f"cannot connect ({reason})"
+    except TimeoutError:
+        facts.answer, facts.detail = "unreachable", f"no answer within {PROBE_TIMEOUT:g}s"
+    except aiohttp.ClientError as exc:
+        facts.answer, facts.detail = "unreachable", f"{type(exc).__name__}: {exc}"
+    return facts
+
+
+async def _get(session: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
+    async with session.get(url) as resp:
+        return resp.status, await _answer(url, resp)
+
+
+async def _post_json(session: aiohttp.ClientSession, url: str, body: object) -> tuple[int, Any]:
+    async with session.post(url, json=body) as resp:
+        return resp.status, await _answer(url, resp)
+
+
+async def _answer(url: str, resp: aiohttp.ClientResponse) -> Any:
+    if resp.status in (401, 403):
+        path = url.split("://", 1)[-1].partition("/")[2].partition("?")[0]
+        raise Unauthorized(f"HTTP {resp.status} on /{path}: the token was rejected")
+    raw = await resp.read()
+    try:
+        return json.loads(raw) if raw else None
+    except ValueError:
+        return raw.decode("utf-8", "replace")
+
+
+def _is_missing_route(body: Any) -> bool:
+    """FastAPI's answer for a route that was never registered: `{"detail": "Not Found"}`."""
+    return isinstance(body, dict) and body.get("detail") == "Not Found"
+
+
+def _read_models(facts: ReplicaFacts, body: Any) -> None:
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list) or not data or not isinstance(data[0], dict):
+        facts.oddities.append("/v1/models has no model list")
+        return
+    base = data[0]
+    facts.model = str(base.get("id"))
+    limit = base.get("max_model_len")
+    facts.max_model_len = limit if isinstance(limit, int) else None
+    facts.adapters = [str(card.get("id")) for card in data[1:] if isinstance(card, dict)]
+
+
+def _read_server_info(facts: ReplicaFacts, body: Any) -> None:
+    vllm = body.get("vllm_config") if isinstance(body, dict) else None
+    if not isinstance(vllm, dict):
+        facts.oddities.append("/server_info has no vllm_config (not the JSON form?)")
+        return
+    facts.dev_mode = True
+    lora = vllm.get("lora_config")
+    facts.lora = isinstance(lora, dict)
+    if isinstance(lora, dict):
+        facts.max_lora_rank = _int(lora.get("max_lora_rank"))
+        facts.max_loras = _int(lora.get("max_loras"))
+    cache = vllm.get("cache_config")
+    if isinstance(cache, dict):
+        facts.block_size = _int(cache.get("block_size"))
+    parallel = vllm.get("parallel_config")
+    if isinstance(parallel, dict):
+        facts.data_parallel_size = _int(parallel.get("data_parallel_size"))
+    model = vllm.get("model_config")
+    if facts.model is None and isinstance(model, dict) and model.get("model"):
+        facts.model = str(model["model"])
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+# --- judging --------------------------------------------------------------------------------
+
+# Fields every replica must agree on, as (attribute, how a person calls it).
+_AGREEMENT = (
+    ("model", "base model"),
+    ("max_lora_rank", "max_lora_rank"),
+    ("max_loras", "max_loras"),
+    ("block_size", "block size"),
+)
+
+
+def judge(
+    fleet: Sequence[ReplicaFacts], *, max_staleness: int, unload_stale: str | None = None
+) -> list[Problem]:
+    """Every problem that would break (or notably slow) a TRL run on this fleet."""
+    need = max_staleness + 2
+    problems: list[Problem] = []
+    for f in fleet:
+        problems += _judge_replica(f, need=need, max_staleness=max_staleness, stale=unload_stale)
+    live = [f for f in fleet if f.answer in ("ok", "dead")]
+    for attr, label in _AGREEMENT:
+        problems += _disagreement(live, attr, label)
+    problems += _disagreement(live, "max_model_len", "max_model_len", note=True)
+    problems += _disagreement(live, "version", "vLLM version", note=True)
+    return problems
+
+
+def _judge_replica(
+    f: ReplicaFacts, *, need: int, max_staleness: int, stale: str | None
+) -> list[Problem]:
+    out: list[Problem] = []
+    name = f.name
+    if f.answer == "unreachable":
+        return [
+            Problem(
+                name,
+                f"unreachable: {f.detail}",
+                "check the URL and that `vllm serve` is running there"
+                + ("; give --ca-file for a private CA" if "TLS" in f.detail else ""),
+            )
+        ]
+    if f.answer == "unauthorized":
+        return [
+            Problem(name, f"unauthorized: {f.detail}", "give --token-env NAME holding its token")
+        ]
+    if f.answer == "dead":
+        out.append(Problem(name, f.detail, "restart the replica"))
+    if f.lora is False:
+        out.append(
+            Problem(
+                name,
+                "LoRA is disabled (vllm_config.lora_config is null)",
+                f"start it with --enable-lora --max-lora-rank R --max-loras {need}",
+            )
+        )
+    if f.runtime_loading is False:
+        out.append(
+            Problem(
+                name,
+                "runtime adapter loading is off: POST /v1/load_lora_adapter does not exist",
+                "start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1",
+            )
+        )
+    if f.dev_mode is False:
+        out.append(
+            Problem(
+                name,
+                "dev mode is off: /pause, /resume and /server_info do not exist",
+                "start it with VLLM_SERVER_DEV_MODE=1",
+            )
+        )
+    if f.max_loras is not None and f.max_loras < need:
+        out.append(
+            Problem(
+                name,
+                f"max_loras is {f.max_loras}, below max_staleness + 2 = {need} "
+                "(TRL refuses to start)",
+                f"start it with --max-loras {need}, or train with max_staleness "
+                f"{max(f.max_loras - 2, 0)} (--max-staleness {max(f.max_loras - 2, 0)})",
+            )
+        )
+    if f.data_parallel_size is not None and f.data_parallel_size > 1:
+        out.append(
+            Problem(
+                name,
+                f"data_parallel_size is {f.data_parallel_size}: TRL refuses adapter-only sync "
+                "with DP > 1, and runtime loads reach one API server only",
+                "run one vLLM server per GPU group (--data-parallel-size 1) and list each "
+                "in --replicas",
+            )
+        )
+    if f.adapters:
+        shown = ", ".join(f.adapters[:4]) + (", ..." if len(f.adapters) > 4 else "")
+        if stale and all(fnmatch.fnmatchcase(a, stale) for a in f.adapters):
+            out.append(
+                Problem(
+                    name,
+                    f"{len(f.adapters)} leftover adapter(s) ({shown}) will be unloaded at start "
+                    f"(--unload-stale {stale!r})",
+                    note=True,
+                )
+            )
+        else:
+            out.append(
+                Problem(
+                    name,
+                    f"{len(f.adapters)} leftover adapter(s) from an earlier run: {shown} "
+                    "(a second load of trl-policy-v1 is answered 400, fatal for TRL)",
+                    "give --unload-stale 'trl-policy-*' (the router unloads them at start), "
+                    "or restart the replica",
+                )
+            )
+    if f.paused:
+        out.append(
+            Problem(
+                name,
+                "the replica is paused (an earlier run stopped between /pause and /resume); "
+                "TRL's first sync resumes it",
+                note=True,
+            )
+        )
+    out += [
+        Problem(name, f"unexpected answer: {odd}", "see the replica's log", note=True)
+        for odd in f.oddities
+    ]
+    return out
+
+
+def _disagreement(
+    fleet: Sequence[ReplicaFacts], attr: str, label: str, note: bool = False
+) -> list[Problem]:
+    by_value: dict[object, list[str]] = {}
+    for f in fleet:
+        value = getattr(f, attr)
+        if value is not None:
+            by_value.setdefault(value, []).append(f.name)
+    if len(by_value) < 2:
+        return []
+    parts = "; ".join(f"{value} on {', '.join(names)}" for value, names in by_value.items())
+    return [
+        Problem(
+            None,
+            f"replicas disagree on {label}: {parts}",
+            "" if note else "start every replica with the same model and LoRA flags",
+            note=note,
+        )
+    ]
+
+
+# --- reporting ------------------------------------------------------------------------------
+
+
+def _flag(value: int | None, bad: bool) -> str | int | None:
+    """A number, marked with `!` when it is one of the problems listed under the table."""
+    return f"{value}!" if bad and value is not None else value
+
+
+def _yes_no(value: bool | None) -> str:
+    return "-" if value is None else ("yes" if value else "NO")
+
+
+def report(fleet: Sequence[ReplicaFacts], problems: Sequence[Problem], max_staleness: int) -> str:
+    """The text `--check` prints: the table, the problems with their fixes, the verdict."""
+    need = max_staleness + 2
+    headers = (
+        "replica",
+        "status",
+        "base model",
+        "vLLM",
+        "rank",
+        "loras",
+        "block",
+        "DP",
+        "load API",
+        "dev mode",
+        "adapters",
+    )
+    stale = [p.replica for p in problems if not p.note and "leftover" in p.what]
+    rows = [
+        (
+            f.name,
+            "up" if f.answer == "ok" else f.answer.upper(),
+            f.model,
+            f.version,
+            "off" if f.lora is False else f.max_lora_rank,
+            _flag(f.max_loras, f.max_loras is not None and f.max_loras < need),
+            f.block_size,
+            _flag(f.data_parallel_size, (f.data_parallel_size or 1) > 1),
+            _yes_no(f.runtime_loading),
+            _yes_no(f.dev_mode),
+            _flag(len(f.adapters), f.name in stale) if f.answer in ("ok", "dead") else None,
+        )
+        for f in fleet
+    ]
+    lines = [
+        f"lora-router --check: {len(fleet)} replica(s); --max-staleness {max_staleness} "
+        f"needs max_loras >= {need}",
+        "",
+        render_table(headers, rows),
+        "",
+    ]
+    errors = [p for p in problems if not p.note]
+    notes = [p for p in problems if p.note]
+    if errors:
+        lines.append("Problems (NO, UPPER CASE and ! in the table):")
+    for n, p in enumerate(errors, 1):
+        lines.append(f"  {n}. {p.replica or 'fleet'}: {p.what}")
+        if p.fix:
+            lines.append(f"     fix: {p.fix}")
+    for p in notes:
+        lines.append(f"  note: {p.replica or 'fleet'}: {p.what}")
+    if errors or notes:
+        lines.append("")
+    if errors:
+        lines.append(f"NOT READY: {len(errors)} problem(s) would break a training run.")
+    else:
+        f0 = fleet[0] if fleet else None
+        summary = (
+            f" ({f0.model}, max_lora_rank {f0.max_lora_rank}, max_loras {f0.max_loras}, "
+            f"block size {f0.block_size})"
+            if f0 is not None
+            else ""
+        )
+        lines.append(f"READY: {len(fleet)} replica(s) agree{summary}.")
+    # The summary reads the first replica: with no error, every replica agrees with it.
+    return "\n".join(lines)
+
+
+async def check(config: Config) -> tuple[list[ReplicaFacts], list[Problem]]:
+    """Probe the fleet of `config` and judge it."""
+    fleet = await probe_fleet(config)
+    problems = judge(fleet, max_staleness=config.max_staleness, unload_stale=config.unload_stale)
+    return fleet, problems
+
+
+def run_check(config: Config, out: TextIO | None = None) -> int:
+    """The `--check` command: print the report, return the exit status (0: ready)."""
+    fleet, problems = asyncio.run(check(config))
+    print(report(fleet, problems, config.max_staleness), file=out or sys.stdout)
+    return 1 if any(not p.note for p in problems) else 0

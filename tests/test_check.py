@@ -1,0 +1,185 @@
+"""`lora-router --check` against emulated replicas over real sockets: a ready fleet passes, and
+each failure the emulator can show is named in the table and fails the check."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import socket
+import ssl
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from lora_router import cli
+from lora_router.check import check, report
+from lora_router.config import Config, ReplicaAddress, Secret
+from lora_router.emulator import EmulatorConfig, start_emulator, write_adapter
+from lora_router.emulator.faults import Faults
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@asynccontextmanager
+async def replicas(*configs: EmulatorConfig) -> AsyncIterator[list[Any]]:
+    started = [await start_emulator(c) for c in configs]
+    try:
+        yield started
+    finally:
+        for emulator in started:
+            await emulator.stop()
+
+
+def fleet_config(emulators: list[Any], **changes: Any) -> Config:
+    return Config(replicas=tuple(ReplicaAddress.parse(e.url) for e in emulators), **changes)
+
+
+async def run_check(config: Config) -> tuple[int, str]:
+    fleet, problems = await check(config)
+    text = report(fleet, problems, config.max_staleness)
+    return (1 if any(not p.note for p in problems) else 0), text
+
+
+async def test_a_ready_fleet_exits_0_through_the_command_line() -> None:
+    async with replicas(EmulatorConfig(), EmulatorConfig()) as emus:
+        urls = ",".join(e.url for e in emus)
+        out = io.StringIO()
+        status = await asyncio.to_thread(
+            _main_capturing, ["--check", "--replicas", urls, "--no-token"], out
+        )
+    assert status == 0, out.getvalue()
+    assert out.getvalue().splitlines()[-1].startswith("READY: 2 replica(s) agree")
+
+
+def _main_capturing(argv: list[str], out: io.StringIO) -> int:
+    with contextlib.redirect_stdout(out):
+        return cli.main(argv)
+
+
+@pytest.mark.parametrize(
+    ("name", "configs", "expected"),
+    [
+        ("lora-off", [EmulatorConfig(enable_lora=False)], "LoRA is disabled"),
+        (
+            "runtime-loading-off",
+            [EmulatorConfig(runtime_lora_updating=False)],
+            "runtime adapter loading is off",
+        ),
+        ("dev-mode-off", [EmulatorConfig(dev_mode=False)], "dev mode is off"),
+        ("too-few-slots", [EmulatorConfig(max_loras=5)], "max_loras is 5, below"),
+        (
+            "rank-disagreement",
+            [EmulatorConfig(max_lora_rank=16), EmulatorConfig(max_lora_rank=8)],
+            "disagree on max_lora_rank",
+        ),
+        (
+            "slots-disagreement",
+            [EmulatorConfig(max_loras=6), EmulatorConfig(max_loras=8)],
+            "disagree on max_loras",
+        ),
+        (
+            "block-disagreement",
+            [EmulatorConfig(block_size=16), EmulatorConfig(block_size=32)],
+            "disagree on block size",
+        ),
+        (
+            "model-disagreement",
+            [EmulatorConfig(model="Qwen/Qwen2.5-Math-1.5B"), EmulatorConfig(model="other/m")],
+            "disagree on base model",
+        ),
+        ("dead-engine", [EmulatorConfig(faults=Faults(dead=True))], "engine is dead"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+async def test_each_failure_is_named_and_fails_the_check(
+    name: str, configs: list[EmulatorConfig], expected: str
+) -> None:
+    async with replicas(*configs) as emus:
+        status, text = await run_check(fleet_config(emus))
+    assert status == 1, text
+    assert expected in text
+    assert "NOT READY" in text.splitlines()[-1]
+
+
+async def test_an_unreachable_replica_is_named() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again at once: nothing listens there
+    async with replicas(EmulatorConfig()) as emus:
+        config = fleet_config(emus)
+        dead = ReplicaAddress.parse(f"http://127.0.0.1:{port}")
+        status, text = await run_check(Config(replicas=(*config.replicas, dead)))
+    assert status == 1
+    assert f"{dead.name}: unreachable: cannot connect" in text
+
+
+async def test_a_rejected_token_is_unauthorized_and_the_right_one_passes() -> None:
+    async with replicas(EmulatorConfig(api_key="right")) as emus:
+        wrong, wrong_text = await run_check(fleet_config(emus, token=Secret("wrong")))
+        right, right_text = await run_check(fleet_config(emus, token=Secret("right")))
+    assert wrong == 1 and "unauthorized: HTTP 401" in wrong_text
+    assert "right" not in wrong_text and "wrong" not in wrong_text  # the token never shows
+    assert right == 0, right_text
+
+
+async def test_leftover_adapters_fail_unless_unload_stale_covers_them(tmp_path: Path) -> None:
+    async with replicas(EmulatorConfig()) as emus:
+        path = write_adapter(tmp_path / "trl-policy-v1", rank=1)
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(
+                emus[0].url + "/v1/load_lora_adapter",
+                json={"lora_name": "trl-policy-v1", "lora_path": str(path)},
+            ) as resp,
+        ):
+            assert resp.status == 200
+        status, text = await run_check(fleet_config(emus))
+        covered, covered_text = await run_check(fleet_config(emus, unload_stale="trl-policy-*"))
+    assert status == 1 and "leftover adapter(s) from an earlier run: trl-policy-v1" in text
+    assert covered == 0 and "will be unloaded at start" in covered_text
+
+
+async def test_the_check_changes_nothing_on_the_replicas() -> None:
+    async with replicas(EmulatorConfig()) as emus:
+        status, _ = await run_check(fleet_config(emus))
+        emu = emus[0]
+        assert status == 0
+        assert emu.state.adapters == {} and not emu.state.paused
+        paths = {r.path.split("?")[0] for r in emu.requests}
+    assert "/pause" not in paths and "/v1/unload_lora_adapter" not in paths
+
+
+async def test_tls_replicas_are_checked_with_the_ca_file(tmp_path: Path) -> None:
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    async with replicas(EmulatorConfig(ssl=server_ctx)) as emus:
+        assert emus[0].url.startswith("https://")
+        trusted, trusted_text = await run_check(fleet_config(emus, ca_file=str(ca_file)))
+        untrusted, untrusted_text = await run_check(fleet_config(emus))
+    assert trusted == 0, trusted_text
+    assert untrusted == 1 and "TLS certificate not trusted" in untrusted_text
+    assert "--ca-file" in untrusted_text
+
+
+async def test_the_command_line_passes_the_token_and_max_staleness(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("REPLICA_TOKEN", "right")
+    async with replicas(EmulatorConfig(api_key="right", max_loras=6)) as emus:
+        argv = ["--check", "--replicas", emus[0].url, "--token-env", "REPLICA_TOKEN"]
+        ready_out, strict_out = io.StringIO(), io.StringIO()
+        ready = await asyncio.to_thread(_main_capturing, argv, ready_out)
+        strict = await asyncio.to_thread(
+            _main_capturing, [*argv, "--max-staleness", "5"], strict_out
+        )
+    assert ready == 0, ready_out.getvalue()
+    assert strict == 1 and "below max_staleness + 2 = 7" in strict_out.getvalue()

@@ -1,0 +1,77 @@
+"""The rules of `lora-router --check`, on facts as the probes would report them (no sockets)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from lora_router.check import ReplicaFacts, judge, report
+
+
+def ready(name: str = "http://a:8000", **changes: object) -> ReplicaFacts:
+    facts = ReplicaFacts(
+        name=name,
+        version="0.33.0",
+        model="Qwen/Qwen2.5-Math-1.5B",
+        max_model_len=4096,
+        lora=True,
+        max_lora_rank=16,
+        max_loras=6,
+        block_size=16,
+        data_parallel_size=1,
+        dev_mode=True,
+        runtime_loading=True,
+        paused=False,
+    )
+    return replace(facts, **changes)  # type: ignore[arg-type]
+
+
+def errors(fleet: list[ReplicaFacts], **kwargs: object) -> list[str]:
+    kwargs.setdefault("max_staleness", 4)
+    return [p.what for p in judge(fleet, **kwargs) if not p.note]  # type: ignore[arg-type]
+
+
+def test_a_ready_fleet_has_no_problem() -> None:
+    assert judge([ready("http://a:1"), ready("http://b:1")], max_staleness=4) == []
+
+
+def test_data_parallel_above_one_is_refused() -> None:
+    (what,) = errors([ready(data_parallel_size=2)])
+    assert "data_parallel_size is 2" in what
+
+
+def test_max_loras_must_cover_max_staleness_plus_two() -> None:
+    assert errors([ready(max_loras=6)], max_staleness=4) == []
+    (what,) = errors([ready(max_loras=6)], max_staleness=5)
+    assert "below max_staleness + 2 = 7" in what
+
+
+def test_disagreement_names_the_field_and_the_replicas() -> None:
+    (what,) = errors([ready("http://a:1"), ready("http://b:1", block_size=32)])
+    assert "block size" in what and "32 on http://b:1" in what
+
+
+def test_an_unreachable_replica_is_one_problem_and_takes_no_part_in_agreement() -> None:
+    down = ReplicaFacts(name="http://b:1", answer="unreachable", detail="cannot connect")
+    (what,) = errors([ready("http://a:1"), down])
+    assert what.startswith("unreachable")
+
+
+def test_leftover_adapters_are_a_problem_unless_unload_stale_matches_them_all() -> None:
+    reused = ready(adapters=["trl-policy-v1", "trl-policy-v2"])
+    assert len(errors([reused])) == 1
+    assert errors([reused], unload_stale="trl-policy-*") == []
+    assert len(errors([reused], unload_stale="other-*")) == 1
+
+
+def test_a_paused_replica_is_a_note_not_a_failure() -> None:
+    problems = judge([ready(paused=True)], max_staleness=4)
+    assert problems and all(p.note for p in problems)
+
+
+def test_the_report_ends_with_the_verdict() -> None:
+    fleet = [ready(lora=False, max_lora_rank=None, max_loras=None)]
+    text = report(fleet, judge(fleet, max_staleness=4), max_staleness=4)
+    assert "LoRA is disabled" in text and "--enable-lora" in text
+    assert text.splitlines()[-1].startswith("NOT READY: 1 problem")
+    good = [ready()]
+    assert report(good, [], max_staleness=4).splitlines()[-1].startswith("READY")
