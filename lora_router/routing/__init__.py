@@ -1,0 +1,45 @@
+"""Routing: which replica gets a completion. Pure functions of their inputs, tested without sockets.
+
+- `keys`: a prompt as vLLM's prefix cache sees it — chained xxh3 hashes of whole blocks, seeded
+  by the model (adapter version), plus a hash of the whole prompt; fallbacks for text, chat and
+  batches are documented there.
+- `ring`: a consistent-hash ring of replica names with virtual nodes.
+- `affinity`: a bounded LRU table of where recent prompts went, answering "which earlier
+  prompts does this one start with?" at any length.
+- `policy`: the policies behind `--policy`: `prefix` (exact-prefix affinity + consistent
+  hashing with bounded loads), `round-robin`, `least-loaded`; `make_policy` builds one.
+
+The HTTP layer keys a request (`prompt_key`/`text_key`), asks `policy.choose(key, routable)`,
+and counts the request in flight on the replica it gets. Nothing in this package does I/O,
+reads a clock, draws random numbers, logs, or changes a replica.
+"""
+
+from .keys import PromptKey, encode_messages, messages_key, prompt_key, text_key
+from .policy import (
+    POLICIES,
+    Decision,
+    DecisionCounts,
+    LeastLoaded,
+    Policy,
+    PrefixAffinity,
+    RoundRobin,
+    make_policy,
+)
+from .ring import HashRing
+
+__all__ = [
+    "POLICIES",
+    "Decision",
+    "DecisionCounts",
+    "HashRing",
+    "LeastLoaded",
+    "Policy",
+    "PrefixAffinity",
+    "PromptKey",
+    "RoundRobin",
+    "encode_messages",
+    "make_policy",
+    "messages_key",
+    "prompt_key",
+    "text_key",
+]

@@ -1,0 +1,94 @@
+"""What routing one prompt costs: key + choose, on this machine, in microseconds.
+
+    python bench/route_cost.py [--tokens 4000] [--replicas 8] [--table 200000]
+
+The affinity table is first filled to its cap with GRPO-like prompts (a shared template plus a
+problem), so lookups and evictions run at their steady-state cost, and replicas have requests
+in flight. The prompt comes as the HTTP layer hands it over: an `array('I')` (validation packs
+the ids; that pass is the HTTP layer's and is timed separately as "pack"). Each figure is the
+median over 7 rounds of the per-call time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import timeit
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lora_router.routing.keys import prompt_key
+from lora_router.routing.policy import PrefixAffinity
+
+MODEL = "trl-policy-v2"
+
+
+@dataclass
+class Replica:
+    name: str
+    in_flight: int = 0
+
+
+def per_call_us(fn: Callable[[], object], number: int, rounds: int = 7) -> float:
+    return statistics.median(timeit.repeat(fn, number=number, repeat=rounds)) / number * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Time key + choose for one prompt.")
+    parser.add_argument("--tokens", type=int, default=4000)
+    parser.add_argument("--replicas", type=int, default=8)
+    parser.add_argument("--table", type=int, default=200_000)
+    parser.add_argument("--template", type=int, default=300)
+    args = parser.parse_args()
+
+    rng = random.Random(0)
+    reps = [
+        Replica(f"http://replica-{i}:8000", rng.randrange(20, 40)) for i in range(args.replicas)
+    ]
+    policy = PrefixAffinity(table_size=args.table)
+    policy.set_members([r.name for r in reps])
+    template = [rng.randrange(150_000) for _ in range(args.template)]
+    for _ in range(args.table):
+        filler = template + [rng.randrange(150_000) for _ in range(rng.randrange(20, 200))]
+        policy.choose(prompt_key("trl-policy-v1", filler), reps)
+
+    def new_prompt(length: int) -> array[int]:
+        tail = [rng.randrange(150_000) for _ in range(length - len(template))]
+        return array("I", template + tail)
+
+    number, rounds = 1000, 7
+    ids = list(new_prompt(args.tokens))
+    prompt = array("I", ids)
+    fresh = iter([new_prompt(args.tokens) for _ in range(number * rounds)])
+    turn2 = array("I", [*ids, *(rng.randrange(150_000) for _ in range(300))])
+    policy.choose(prompt_key(MODEL, prompt), reps)  # make it known: its siblings follow
+
+    figures = {
+        "pack (HTTP layer's validation)": per_call_us(lambda: array("I", ids), number),
+        "key only": per_call_us(lambda: prompt_key(MODEL, prompt), number),
+        "key + choose, fresh prompt": per_call_us(
+            lambda: policy.choose(prompt_key(MODEL, next(fresh)), reps), number
+        ),
+        "key + choose, sibling": per_call_us(
+            lambda: policy.choose(prompt_key(MODEL, prompt), reps), number
+        ),
+        "key + choose, next turn (+300 tokens)": per_call_us(
+            lambda: policy.choose(prompt_key(MODEL, turn2), reps), number
+        ),
+    }
+    print(
+        f"python {sys.version.split()[0]}, {args.tokens}-token prompt, {args.replicas} replicas, "
+        f"affinity table {len(policy.table)} anchors"
+    )
+    for name, us in figures.items():
+        print(f"  {name:40s} {us:7.1f} us")
+
+
+if __name__ == "__main__":
+    main()

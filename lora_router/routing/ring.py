@@ -1,0 +1,74 @@
+"""A consistent-hash ring of replica names (the shape of groupcache's `consistenthash`).
+
+Each replica owns `vnodes` points on a 64-bit ring, placed by xxh3 of its name with a fixed
+seed, so every router process given the same names builds the same ring. A key is served by
+the first point at or after it; `walk` goes on from there and yields each replica once, which
+is the order in which bounded-load routing tries them. Removing a replica moves only the arcs
+that ended at its points, and with many points per replica those arcs are spread over all the
+survivors rather than handed to one neighbour.
+
+Pure: no I/O, no clock, no randomness, no knowledge of load or health (the policy filters).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterable, Iterator
+
+from xxhash import xxh3_64_intdigest
+
+RING_SEED = int.from_bytes(b"lr-ring\0", "big")
+DEFAULT_VNODES = 160
+
+
+def point(name: str, index: int) -> int:
+    """Where virtual node `index` of replica `name` sits on the ring."""
+    return xxh3_64_intdigest(f"{name}#{index}".encode(), RING_SEED)
+
+
+class HashRing:
+    """Replica names on a ring; immutable once built (membership changes build a new one)."""
+
+    __slots__ = ("_names", "_owners", "_points", "vnodes")
+
+    def __init__(self, names: Iterable[str] = (), vnodes: int = DEFAULT_VNODES) -> None:
+        if vnodes < 1:
+            raise ValueError("vnodes must be at least 1")
+        self.vnodes = vnodes
+        self._names = frozenset(names)
+        # Sorting on (point, name) makes the ring independent of the order names were given,
+        # even in the (2^-64) case of two names landing on one point.
+        placed = sorted((point(name, i), name) for name in self._names for i in range(vnodes))
+        self._points = [p for p, _ in placed]
+        self._owners = [name for _, name in placed]
+
+    @property
+    def names(self) -> frozenset[str]:
+        return self._names
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def walk(self, key: int) -> Iterator[str]:
+        """Every member once, in ring order from the first point at or after `key`."""
+        owners = self._owners
+        n = len(owners)
+        if not n:
+            return
+        wanted = len(self._names)
+        seen: set[str] = set()
+        i = bisect_left(self._points, key)
+        for step in range(n):
+            name = owners[(i + step) % n]
+            if name not in seen:
+                seen.add(name)
+                yield name
+                if len(seen) == wanted:
+                    return
+
+    def owner(self, key: int) -> str | None:
+        """The member that serves `key` when every member has room."""
+        return next(self.walk(key), None)

@@ -1,0 +1,127 @@
+"""Keys are what vLLM caches: whole blocks, chained, seeded by the model, the same everywhere."""
+
+from __future__ import annotations
+
+import struct
+from array import array
+
+import orjson
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lora_router.routing.keys import (
+    TEXT_SEED,
+    TOKEN_SEED,
+    encode_messages,
+    messages_key,
+    prompt_key,
+    text_key,
+)
+
+token_ids = st.lists(st.integers(0, 2**32 - 1), max_size=300)
+block_sizes = st.sampled_from([1, 2, 7, 16, 32])
+models = st.none() | st.text(max_size=20)
+
+
+def expected_chain(model: str | None, tokens: list[int], block: int) -> tuple[list[int], int]:
+    """The key, computed independently from the definition in the module docstring."""
+    seed = TOKEN_SEED if model is None else xxhash.xxh3_64_intdigest(model.encode(), TOKEN_SEED)
+    chain = []
+    full_blocks = len(tokens) // block
+    for i in range(full_blocks):
+        packed = struct.pack(f"<{block}I", *tokens[i * block : (i + 1) * block])
+        seed = xxhash.xxh3_64_intdigest(packed, seed)
+        chain.append(seed)
+    tail = tokens[full_blocks * block :]
+    return chain, xxhash.xxh3_64_intdigest(struct.pack(f"<{len(tail)}I", *tail), seed)
+
+
+@given(models, token_ids, block_sizes)
+def test_key_is_the_chained_xxh3_of_whole_blocks(model, tokens, block):
+    key = prompt_key(model, tokens, block)
+    assert (key.chain, key.full) == expected_chain(model, tokens, block)
+    assert key.length == len(tokens)
+
+
+def test_key_is_the_same_in_every_process():
+    # Fixed values: a change here re-homes every prompt of a running fleet's routers.
+    key = prompt_key("trl-policy-v3", list(range(40)), 16)
+    assert key.chain == [684874375104575926, 16763698087684802013]
+    assert key.full == 1001531387772093032
+    base = prompt_key(None, list(range(40)), 16)
+    assert base.chain == [12714365579011400679, 7121910011406943785]
+    assert base.full == 10304835192161313092
+
+
+@given(models, token_ids, token_ids, token_ids, block_sizes)
+def test_prompts_share_chain_values_exactly_for_shared_whole_blocks(model, common, a, b, block):
+    ka = prompt_key(model, common + a, block)
+    kb = prompt_key(model, common + b, block)
+    shared = 0
+    while (shared + 1) * block <= min(len(common + a), len(common + b)) and (
+        (common + a)[: (shared + 1) * block] == (common + b)[: (shared + 1) * block]
+    ):
+        shared += 1
+    assert ka.chain[:shared] == kb.chain[:shared]
+    assert set(ka.chain[shared:]).isdisjoint(kb.chain[shared:])
+
+
+@given(token_ids, block_sizes)
+def test_versions_never_share_a_chain_value(tokens, block):
+    v3 = prompt_key("trl-policy-v3", tokens, block)
+    v4 = prompt_key("trl-policy-v4", tokens, block)
+    assert set(v3.chain).isdisjoint(v4.chain)
+    assert v3.full != v4.full
+
+
+@given(st.binary(max_size=400), st.sampled_from([1, 16, 64]))
+def test_text_is_keyed_by_blocks_of_utf8_bytes(data, block):
+    key = text_key("m", data, block)
+    seed = xxhash.xxh3_64_intdigest(b"m", TEXT_SEED)
+    chain = []
+    for i in range(len(data) // block):
+        seed = xxhash.xxh3_64_intdigest(data[i * block : (i + 1) * block], seed)
+        chain.append(seed)
+    assert key.chain == chain
+    assert key.full == xxhash.xxh3_64_intdigest(data[len(chain) * block :], seed)
+
+
+chat_messages = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"])})
+    | st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant"]), "content": st.text(max_size=200)}
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+@given(chat_messages, chat_messages)
+def test_a_later_chat_turn_extends_the_earlier_turns_key(earlier, later):
+    first = messages_key("m", earlier)
+    second = messages_key("m", earlier + later)
+    assert second.data.startswith(first.data)
+    assert second.chain[: len(first.chain)] == first.chain
+
+
+@given(chat_messages)
+def test_chat_is_keyed_as_its_compact_sorted_messages(messages):
+    data = b"".join(orjson.dumps(m, option=orjson.OPT_SORT_KEYS) for m in messages)
+    assert encode_messages(messages) == data
+    assert messages_key("m", messages) == text_key("m", data)
+
+
+@given(models, token_ids, block_sizes)
+def test_packed_ids_key_like_the_list_they_came_from(model, tokens, block):
+    # The HTTP layer validates by packing into array('I'); the key must not depend on that.
+    assert prompt_key(model, array("I", tokens), block) == prompt_key(model, tokens, block)
+
+
+@settings(max_examples=50)
+@given(models, token_ids)
+def test_seed_domains_keep_tokens_and_text_apart(model, tokens):
+    as_tokens = prompt_key(model, tokens, 16)
+    as_text = text_key(model, as_tokens.data, 64)
+    assert as_tokens.seed != as_text.seed
+    assert as_tokens.full != as_text.full

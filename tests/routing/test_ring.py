@@ -1,0 +1,75 @@
+"""The ring: deterministic, and a membership change moves only what it must."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lora_router.routing.ring import HashRing
+
+names = st.lists(
+    st.integers(1, 65535).map(lambda port: f"http://10.0.0.1:{port}"),
+    min_size=2,
+    max_size=9,
+    unique=True,
+)
+positions = st.integers(0, 2**64 - 1)
+
+_RNG = random.Random(7)
+KEYS = [_RNG.getrandbits(64) for _ in range(4000)]
+
+
+@given(names, positions)
+def test_walk_yields_every_member_once(members, key):
+    walked = list(HashRing(members, vnodes=40).walk(key))
+    assert sorted(walked) == sorted(members)
+
+
+@given(names, st.randoms(use_true_random=False), positions)
+def test_ring_does_not_depend_on_the_order_of_its_members(members, rnd, key):
+    shuffled = list(members)
+    rnd.shuffle(shuffled)
+    assert list(HashRing(members).walk(key)) == list(HashRing(shuffled).walk(key))
+
+
+@settings(max_examples=30)
+@given(names, st.data())
+def test_removing_a_member_moves_only_its_keys(members, data):
+    gone = data.draw(st.sampled_from(members))
+    before = HashRing(members)
+    after = HashRing([m for m in members if m != gone])
+    for key in KEYS[:1000]:
+        if before.owner(key) != gone:
+            assert after.owner(key) == before.owner(key)
+
+
+@settings(max_examples=20)
+@given(names.filter(lambda m: len(m) >= 4), st.data())
+def test_a_removed_members_keys_spread_over_the_survivors(members, data):
+    gone = data.draw(st.sampled_from(members))
+    before = HashRing(members)
+    after = HashRing([m for m in members if m != gone])
+    moved = Counter(after.owner(k) for k in KEYS if before.owner(k) == gone)
+    survivors = len(members) - 1
+    # Every survivor takes some, none takes the lot: no hotspot next to the dead replica.
+    assert len(moved) == survivors
+    assert max(moved.values()) <= 2.5 * sum(moved.values()) / survivors
+
+
+@settings(max_examples=20)
+@given(names)
+def test_adding_a_member_moves_about_one_nth_of_the_keys(members):
+    before = HashRing(members[:-1])
+    after = HashRing(members)
+    moved = [k for k in KEYS if before.owner(k) != after.owner(k)]
+    assert all(after.owner(k) == members[-1] for k in moved)
+    share = len(moved) / len(KEYS)
+    assert 0.5 / len(members) <= share <= 1.6 / len(members)
+
+
+def test_an_empty_ring_walks_nothing():
+    assert list(HashRing([]).walk(5)) == []
+    assert HashRing([]).owner(5) is None
