@@ -47,6 +47,8 @@ def read_completion(body: bytes, *, chat: bool, max_prompt_tokens: int) -> Compl
         raise bad_request("`stream` must be a boolean.", param="stream")
     if chat:
         tokens, text = None, _messages_text(data.get("messages"))
+    elif data.get("prompt") is None and "prompt_embeds" in data:
+        tokens, text = None, None  # embeddings instead of a prompt: the replica judges them
     else:
         tokens, text = _prompt(data.get("prompt"), max_prompt_tokens)
     return Completion(model=model, tokens=tokens, text=text, stream=bool(stream))

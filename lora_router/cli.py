@@ -10,10 +10,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import signal
+import ssl
 import sys
 from collections.abc import Mapping, Sequence
+from typing import NoReturn
 
 from lora_router import __version__
 from lora_router.config import Config, ReplicaAddress, Secret
@@ -25,15 +28,42 @@ class UsageError(Exception):
     """A command line that cannot run; the message is the one line the user sees."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag costs one line (not the whole usage) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = Config(replicas=())
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="lora-router",
         description="Make N vLLM replicas, retrained live through LoRA adapters, look like one "
         "vLLM server: prefix-affinity routing, fenced adapter broadcasts, streaming.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"lora-router {__version__}")
+
+    g = p.add_argument_group("try it, check a fleet")
+    g.add_argument(
+        "--demo",
+        action="store_true",
+        help="run a short GRPO-shaped training run through a router in front of 3 emulated "
+        "replicas on this machine, then exit (no other flag needed)",
+    )
+    g.add_argument(
+        "--check",
+        action="store_true",
+        help="probe every replica for what would break a TRL run, print a table, "
+        "exit 0 only if the fleet is ready",
+    )
+    g.add_argument(
+        "--max-staleness",
+        type=int,
+        default=d.max_staleness,
+        help="the trainer's max_staleness; --check wants max_loras >= it + 2",
+    )
 
     g = p.add_argument_group("replicas and credentials")
     g.add_argument(
@@ -57,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key-env",
         metavar="NAME",
         help="environment variable holding the key clients must send as a bearer "
-        "token (required to listen beyond loopback)",
+        "token (required to listen beyond loopback; GET /health and /ping stay open)",
     )
     g.add_argument(
         "--insecure-listen",
@@ -235,29 +265,62 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config
         replicas = tuple(ReplicaAddress.parse(u) for u in args.replicas.split(",") if u.strip())
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if not replicas:
+        raise UsageError("--replicas is required: a comma-separated list of replica URLs")
     if len({r.name for r in replicas}) != len(replicas):
         raise UsageError("--replicas lists the same replica twice")
     token = Secret("")
     if args.token_env:
-        if args.token_env not in environ:
-            raise UsageError(f"--token-env {args.token_env}: that variable is not set")
+        if not environ.get(args.token_env):
+            raise UsageError(f"--token-env {args.token_env}: that variable is not set or empty")
         token = Secret(environ[args.token_env])
     elif not args.no_token:
         raise UsageError("give --token-env NAME (the replicas' bearer token) or --no-token")
     api_key = Secret("")
     if args.api_key_env:
         if not environ.get(args.api_key_env):
-            raise UsageError(f"--api-key-env {args.api_key_env}: that variable is not set")
+            raise UsageError(f"--api-key-env {args.api_key_env}: that variable is not set or empty")
         api_key = Secret(environ[args.api_key_env])
     if not _is_loopback(args.host) and not api_key and not args.insecure_listen:
         raise UsageError(
             f"--host {args.host} is reachable beyond this machine: give --api-key-env NAME "
             "so clients must authenticate, or --insecure-listen"
         )
-    if args.ca_file and not os.path.isfile(args.ca_file):
-        raise UsageError(f"--ca-file {args.ca_file}: no such file")
+    if args.ca_file:
+        if not os.path.isfile(args.ca_file):
+            raise UsageError(f"--ca-file {args.ca_file}: no such file")
+        try:
+            ssl.create_default_context(cafile=args.ca_file)
+        except (ssl.SSLError, ValueError, OSError):
+            raise UsageError(
+                f"--ca-file {args.ca_file}: not a PEM bundle of CA certificates"
+            ) from None
+    if not 0 <= args.port <= 65535:
+        raise UsageError("--port must be between 0 and 65535 (0: any free port)")
+    seconds = (
+        "connect_timeout",
+        "first_byte_timeout",
+        "idle_timeout",
+        "fence_timeout",
+        "header_timeout",
+        "body_timeout",
+        "keepalive_timeout",
+        "upstream_idle_timeout",
+        "load_retry_interval",
+        "load_deadline",
+        "health_interval",
+        "health_timeout",
+        "breaker_cooldown",
+    )
+    for name in seconds:
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            raise UsageError(f"--{name.replace('_', '-')} must be a positive number of seconds")
+    for name in ("shutdown_grace", "status_interval"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise UsageError(f"--{name.replace('_', '-')} must be 0 or more seconds")
     positive = (
-        "port",
         "vnodes",
         "affinity_table_size",
         "max_body_bytes",
@@ -275,8 +338,10 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
     if args.block_size is not None and args.block_size <= 0:
         raise UsageError("--block-size must be positive")
-    if args.load_factor <= 0:
+    if not (math.isfinite(args.load_factor) and args.load_factor > 0):
         raise UsageError("--load-factor must be positive")
+    if args.max_staleness < 0:
+        raise UsageError("--max-staleness must be 0 or more")
     if args.retries < 0:
         raise UsageError("--retries must be 0 or more")
     return Config(
@@ -312,6 +377,7 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config
         load_deadline=args.load_deadline,
         unload_stale=args.unload_stale,
         down_replica_policy=args.down_replica_policy,
+        max_staleness=args.max_staleness,
         health_interval=args.health_interval,
         health_timeout=args.health_timeout,
         health_failures=args.health_failures,
@@ -344,11 +410,19 @@ async def serve_until_signal(config: Config) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.demo:
+        from lora_router.demo import run_demo
+
+        return run_demo()
     try:
         config = build_config(args, os.environ)
     except UsageError as exc:
         print(f"lora-router: error: {exc}", file=sys.stderr)
         return 2
+    if args.check:
+        from lora_router.check import run_check
+
+        return run_check(config)
     logging.basicConfig(
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

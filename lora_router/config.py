@@ -130,6 +130,7 @@ class Config:
     load_deadline: float = 300.0
     unload_stale: str | None = None
     down_replica_policy: str = "replay"  # replay | fail
+    max_staleness: int = 4  # the trainer's max_staleness; --check wants max_loras >= it + 2
 
     # Health
     health_interval: float = 2.0
@@ -147,6 +148,10 @@ class Config:
         """The client TLS context for https replicas (system store, plus --ca-file)."""
         if not any(r.tls for r in self.replicas):
             return None
+        return self.tls_context()
+
+    def tls_context(self) -> ssl.SSLContext:
+        """A client TLS context whatever the replicas (for https replicas added at run time)."""
         ctx = ssl.create_default_context()
         if self.ca_file:
             ctx.load_verify_locations(cafile=self.ca_file)

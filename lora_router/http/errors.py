@@ -26,6 +26,7 @@ _TYPES = {
     502: "BadGateway",
     503: "ServiceUnavailableError",
     504: "GatewayTimeout",
+    505: "HTTPVersionNotSupported",
 }
 
 REASONS = {
@@ -46,6 +47,7 @@ REASONS = {
     502: b"Bad Gateway",
     503: b"Service Unavailable",
     504: b"Gateway Timeout",
+    505: b"HTTP Version Not Supported",
 }
 
 

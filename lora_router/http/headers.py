@@ -41,6 +41,7 @@ _REQUEST_REPLACED = HOP_BY_HOP | {
 # Response headers dropped before the client sees them. Transfer-Encoding is kept: the body is
 # forwarded byte for byte, so its framing (chunked) must stay as the replica wrote it.
 _RESPONSE_DROPPED = (HOP_BY_HOP - {b"transfer-encoding"}) | {b"x-lora-router-replica"}
+_RESPONSE_DROPPED_DECHUNKED = _RESPONSE_DROPPED | {b"transfer-encoding"}
 
 REPLICA_HEADER = b"x-lora-router-replica"
 
@@ -72,8 +73,8 @@ def upstream_request_head(
     has_request_id = False
     for name, value in headers:
         if name in _REQUEST_REPLACED or name in named:
-            if name == b"x-forwarded-for":
-                forwarded_for = value + b", "
+            if name == b"x-forwarded-for" and name not in named:
+                forwarded_for += value + b", "  # several fields are one list (RFC 9110 §5.3)
             continue
         if name == b"x-request-id":
             has_request_id = True
@@ -89,18 +90,22 @@ def upstream_request_head(
     return b"".join(lines)
 
 
-def client_response_head(raw_head: bytes, replica: bytes, keep_alive: bool) -> bytes:
+def client_response_head(
+    raw_head: bytes, replica: bytes, keep_alive: bool, dechunked: bool
+) -> bytes:
     """Rewrite a replica's response head for the client.
 
     `raw_head` is the head exactly as received, up to and excluding the blank line. The status
     line and every end-to-end header pass verbatim; hop-by-hop headers are dropped; the router
-    adds which replica answered (an index, never its URL) and its own `Connection`.
+    adds which replica answered (an index, never its URL) and its own `Connection`. When the body
+    is `dechunked` for an HTTP/1.0 client, `Transfer-Encoding` goes too (the close ends it).
     """
     status_line, *lines = raw_head.split(b"\r\n")
     fields = [(line.partition(b":")[0].strip().lower(), line) for line in lines]
     named = connection_tokens((name, line.partition(b":")[2]) for name, line in fields)
+    dropped = _RESPONSE_DROPPED_DECHUNKED if dechunked else _RESPONSE_DROPPED
     out = [status_line]
-    out += (line for name, line in fields if name not in _RESPONSE_DROPPED and name not in named)
+    out += (line for name, line in fields if name not in dropped and name not in named)
     out.append(REPLICA_HEADER + b": " + replica)
     out.append(b"connection: keep-alive" if keep_alive else b"connection: close")
     out.append(b"\r\n")

@@ -8,14 +8,22 @@ connection's limits and deadlines:
   (a fixed deadline, not an idle timer: a client trickling one byte a second is still cut off);
 - header bytes, header count and body bytes are capped (431 / 413);
 - an idle keep-alive connection is closed after `keepalive_timeout`.
+While a request is being answered the client's deadlines are off (the replica's apply); a
+pipelined request that arrives meanwhile gets its full deadlines once the answer in front of it
+is complete.
 
 The request body is buffered (it is needed whole to route and, before the first response byte,
 to retry); response bodies are never buffered here: the upstream side writes them straight to
 `transport` and uses `pause_writing`/`resume_writing` below to slow the replica down when the
 client reads slowly.
 
-What this module must never do: answer a malformed or ambiguous request with anything but 400
-and a closed connection (request smuggling), or run two requests of a connection at once.
+End of input from the client while its request is in flight means the client is gone (as in
+nginx): the connection closes and the replica's connection with it, which makes vLLM abort the
+generation. Half-closing clients are not supported.
+
+What this module must never do: answer a malformed or ambiguous request with anything but an
+error and a closed connection (request smuggling), let trailers or anything after the headers
+add request headers, or run two requests of a connection at once.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -36,7 +45,11 @@ from lora_router.http.headers import response_head
 log = logging.getLogger(__name__)
 
 _JSON = [(b"content-type", b"application/json")]
+_LINGER = 2.0  # seconds a closing connection keeps draining the client's input
 _METHODS = frozenset({b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"OPTIONS", b"PATCH"})
+# NUL and other controls (but tab) are never legitimate in a header value. llhttp already
+# refuses them in strict mode; this is the second lock, in C speed.
+_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 @dataclass(slots=True)
@@ -61,16 +74,26 @@ class Request:
 
 
 class Limits(Protocol):
-    header_timeout: float
-    body_timeout: float
-    keepalive_timeout: float
-    max_body_bytes: int
-    max_header_bytes: int
-    max_headers: int
+    """The settings a connection reads (a `Config` is one; read-only, as a frozen Config is)."""
+
+    @property
+    def header_timeout(self) -> float: ...
+    @property
+    def body_timeout(self) -> float: ...
+    @property
+    def keepalive_timeout(self) -> float: ...
+    @property
+    def max_body_bytes(self) -> int: ...
+    @property
+    def max_header_bytes(self) -> int: ...
+    @property
+    def max_headers(self) -> int: ...
 
 
 class ResponseSink(Protocol):
     """What the upstream side needs of a client connection to stream a response into it."""
+
+    keep_alive: bool
 
     def write(self, data: bytes | memoryview) -> None: ...
     def on_upstream(self, transport: asyncio.Transport | None) -> None: ...
@@ -107,7 +130,9 @@ class ConnectionCount:
 
 
 class _Phase:
-    IDLE, HEADERS, BODY, HANDLING, CLOSED = range(5)
+    """Where the parser is in the client's byte stream (independent of answering)."""
+
+    IDLE, HEADERS, BODY = range(3)
 
 
 class ClientConnection(asyncio.Protocol):
@@ -122,6 +147,10 @@ class ClientConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._client_ip = b""
         self._phase = _Phase.IDLE
+        self._closed = False
+        self._broken = False  # the input can no longer be parsed; answer what is queued, close
+        self._error: HTTPError | None = None  # raised by a parser callback, read after it
+        self._continue = False  # a `100 Continue` owed once the answer in front is complete
         self._timer: asyncio.TimerHandle | None = None
         self._queue: deque[Request] = deque()
         self._task: asyncio.Task[None] | None = None
@@ -144,18 +173,18 @@ class ClientConnection(asyncio.Protocol):
         self._client_ip = str(peer[0]).encode() if peer else b"unknown"
         if len(self._count.open) >= self._count.limit:
             # Past the cap, refuse cleanly: an answer the client can read, then close.
-            self._phase = _Phase.CLOSED
             body = error_body(503, "Too many open connections to the router.")
-            transport.write(response_head(503, REASONS[503], _JSON, len(body), False) + body)
-            transport.close()
+            self.transport.write(response_head(503, REASONS[503], _JSON, len(body), False) + body)
+            self._close()
             return
         self._count.open.add(self)
         self._arm(self._limits.keepalive_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._phase = _Phase.CLOSED
+        self._closed = True
         self._count.discard(self)
         self._disarm()
+        self._queue.clear()
         # The client went away: stop the replica's work too (vLLM aborts a generation when its
         # connection closes, which frees the GPU for requests someone still waits for).
         if self._upstream is not None:
@@ -167,27 +196,22 @@ class ClientConnection(asyncio.Protocol):
             self._writable.set()
 
     def data_received(self, data: bytes) -> None:
-        if self._phase == _Phase.CLOSED:
+        if self._closed or self._broken:
             return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            # CONNECT and `Upgrade:` would turn this connection into a tunnel; never.
+            # `Upgrade:` (or CONNECT) would turn this connection into a tunnel: never. A request
+            # that was complete is answered without the upgrade, then the connection closes.
             self._fail(HTTPError(501, "CONNECT and protocol upgrades are not supported."))
         except httptools.HttpParserError as exc:
-            # An HTTPError raised by a callback below arrives as the parser error's context.
-            cause = exc.__context__
-            if isinstance(cause, HTTPError):
-                self._fail(cause)
-            else:
-                self._fail(HTTPError(400, f"Malformed HTTP request: {exc}."))
+            error, self._error = self._error, None
+            self._fail(error or HTTPError(400, f"Malformed HTTP request: {exc}."))
 
     def eof_received(self) -> bool | None:
-        # A half-closed client still gets the answers to what it sent; then the connection ends.
-        self.keep_alive = False
-        if self._task is None and not self._queue:
-            return None  # nothing pending: let the transport close
-        return True
+        # The client is gone, or half-closed: either way nothing it sent after this is coming,
+        # and a request in flight is abandoned (see the module docstring).
+        return None
 
     def pause_writing(self) -> None:
         if self._upstream is not None:
@@ -206,7 +230,8 @@ class ClientConnection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._phase = _Phase.HEADERS
-        self._arm(self._limits.header_timeout)
+        if self._task is None:
+            self._arm(self._limits.header_timeout)
         self._url = b""
         self._headers = []
         self._header_bytes = 0
@@ -219,51 +244,60 @@ class ClientConnection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._count_header_bytes(len(name) + len(value))
+        if self._phase != _Phase.HEADERS:
+            return  # a trailer of a chunked body: counted against the limit, never forwarded
         if len(self._headers) >= self._limits.max_headers:
-            raise HTTPError(431, "Too many request headers.")
-        for byte in value:
-            # NUL and other controls (but tab) in a value are never legitimate; llhttp lets some
-            # through, and a replica might read them differently than we do.
-            if (byte < 0x20 and byte != 0x09) or byte == 0x7F:
-                raise HTTPError(400, "Control characters in a header value.")
+            self._raise(HTTPError(431, "Too many request headers."))
+        if _CONTROL.search(value) is not None:
+            self._raise(HTTPError(400, "Control characters in a header value."))
         self._headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         limits = self._limits
-        self._arm(limits.body_timeout)
         self._phase = _Phase.BODY
-        lengths = {v.strip() for k, v in self._headers if k == b"content-length"}
-        codings = [v for k, v in self._headers if k == b"transfer-encoding"]
+        if self._task is None:
+            self._arm(limits.body_timeout)
+        version = self._parser.get_http_version()
+        if version not in ("1.1", "1.0"):
+            self._raise(HTTPError(505, f"HTTP/{version} is not supported."))
+        headers = self._headers
+        lengths = [v for k, v in headers if k == b"content-length"]
+        codings = [v for k, v in headers if k == b"transfer-encoding"]
         if len(lengths) > 1 or (lengths and codings):
-            raise HTTPError(400, "Conflicting Content-Length / Transfer-Encoding headers.")
-        if codings and b",".join(codings).strip().lower() != b"chunked":
-            raise HTTPError(501, "Only the chunked transfer coding is supported.")
-        if lengths:
-            length = int(next(iter(lengths)))  # llhttp has already checked it is a number
-            if length > limits.max_body_bytes:
-                raise HTTPError(413, f"Request body over {limits.max_body_bytes} bytes.")
-        expect = [v for k, v in self._headers if k == b"expect"]
-        if expect and self.transport is not None:
-            if expect != [b"100-continue"] and [e.lower() for e in expect] != [b"100-continue"]:
-                raise HTTPError(417, "Only `Expect: 100-continue` is supported.")
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self._raise(HTTPError(400, "Conflicting Content-Length / Transfer-Encoding headers."))
+        if codings and (
+            version == "1.0" or len(codings) > 1 or codings[0].strip().lower() != b"chunked"
+        ):
+            # Only a plain `chunked` means the same to every parser on the way (RFC 9112 §6.1).
+            self._raise(HTTPError(400, "Only `Transfer-Encoding: chunked` (HTTP/1.1) is accepted."))
+        if lengths and int(lengths[0]) > limits.max_body_bytes:  # llhttp checked the digits
+            self._raise(HTTPError(413, f"Request body over {limits.max_body_bytes} bytes."))
+        expect = [v.lower() for k, v in headers if k == b"expect"]
+        if expect:
+            if expect != [b"100-continue"]:
+                self._raise(HTTPError(417, "Only `Expect: 100-continue` is supported."))
+            if version == "1.1" and (lengths or codings):
+                if self._task is None:
+                    self._write_continue()
+                else:
+                    self._continue = True  # after the answer in front of it
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
         if self._body_bytes > self._limits.max_body_bytes:
-            raise HTTPError(413, f"Request body over {self._limits.max_body_bytes} bytes.")
+            self._raise(HTTPError(413, f"Request body over {self._limits.max_body_bytes} bytes."))
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        url = self._url
-        if not url.startswith(b"/"):
-            # Absolute-form and authority-form (CONNECT) targets would make a proxy talk to
-            # the host they name; this router only ever talks to its replicas.
-            raise HTTPError(400, "Only origin-form request targets (`/path`) are accepted.")
         parser = self._parser
         method = parser.get_method()
         if method not in _METHODS:
-            raise HTTPError(501, f"Method {method.decode('latin-1')} is not supported.")
+            self._raise(HTTPError(501, f"Method {method.decode('latin-1')} is not supported."))
+        url = self._url
+        if not url.startswith(b"/"):
+            # Absolute-form and authority-form targets would make a proxy talk to the host
+            # they name; this router only ever talks to its replicas.
+            self._raise(HTTPError(400, "Only origin-form request targets (`/path`) are accepted."))
         path, _, query = url.partition(b"?")
         request = Request(
             method=method,
@@ -277,10 +311,11 @@ class ClientConnection(asyncio.Protocol):
             client_ip=self._client_ip,
         )
         self._body = []
+        self._phase = _Phase.IDLE
+        self._continue = False
         self._queue.append(request)
-        self._phase = _Phase.HANDLING
-        self._disarm()
         if self._task is None:
+            self._disarm()
             self._start_next()
         elif self.transport is not None:
             # A pipelined request waits for the one in front; stop reading until then.
@@ -308,16 +343,20 @@ class ClientConnection(asyncio.Protocol):
         self._finish_response()
 
     def _finish_response(self) -> None:
-        if self._phase == _Phase.CLOSED or self.transport is None:
+        if self._closed or self.transport is None:
             return
         if not self.keep_alive:
             self._close()
             return
         if self._queue:
             self._start_next()
+            if not self._queue:
+                self.transport.resume_reading()
             return
-        self._phase = _Phase.IDLE
-        self._arm(self._limits.keepalive_timeout)
+        self._rearm()
+        if self._continue and self._phase == _Phase.BODY:
+            self._write_continue()
+        self._continue = False
         self.transport.resume_reading()
 
     # -- writing answers ---------------------------------------------------------------------
@@ -341,7 +380,7 @@ class ClientConnection(asyncio.Protocol):
         headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         """A whole response written by the router itself."""
-        if self.response_started or self.transport is None:
+        if self.response_started or self.transport is None or self._closed:
             return
         self.response_started = True
         reason = REASONS.get(status, b"Unknown")
@@ -364,7 +403,7 @@ class ClientConnection(asyncio.Protocol):
     def close_when_idle(self) -> None:
         """Finish the request in progress, if any, then close (graceful shutdown)."""
         self.keep_alive = False
-        if self._phase in (_Phase.IDLE, _Phase.CLOSED):
+        if self._task is None and self._phase == _Phase.IDLE:
             self._close()
 
     def abort(self) -> None:
@@ -373,29 +412,64 @@ class ClientConnection(asyncio.Protocol):
 
     # -- internals -------------------------------------------------------------------------
 
+    def _raise(self, error: HTTPError) -> None:
+        # httptools replaces an exception raised in a callback by its own error; keep ours.
+        self._error = error
+        raise error
+
     def _count_header_bytes(self, n: int) -> None:
         self._header_bytes += n
         if self._header_bytes > self._limits.max_header_bytes:
-            raise HTTPError(431, f"Request headers over {self._limits.max_header_bytes} bytes.")
+            self._raise(
+                HTTPError(431, f"Request headers over {self._limits.max_header_bytes} bytes.")
+            )
+
+    def _write_continue(self) -> None:
+        if self.transport is not None:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def _fail(self, error: HTTPError) -> None:
-        """A request the router will not parse further: answer it and close the connection."""
-        self._queue.clear()
+        """Input the router will not parse further: answer it and close the connection.
+
+        A request already being answered is finished first (the error then goes unsaid);
+        requests queued behind it are dropped.
+        """
+        self._broken = True
         self.keep_alive = False
-        if self._task is None or self._task.done():
+        self._queue.clear()
+        if self._task is None:
             self.send(error.status, error.body())
             self._close()
-        else:
-            # The request in front is still running; it is answered first, then we close.
-            self._phase = _Phase.HANDLING
-            if self.transport is not None:
-                self.transport.pause_reading()
+        elif self.transport is not None:
+            self.transport.pause_reading()
 
     def _close(self) -> None:
-        self._phase = _Phase.CLOSED
+        """Close after what was written, lingering like nginx: the answer and a FIN go out,
+        and what the client still sends is read and dropped for a moment. Closing with unread
+        input would make the kernel reset the connection and destroy the answer unread."""
+        if self._closed:
+            return
+        self._closed = True
         self._disarm()
-        if self.transport is not None:
-            self.transport.close()
+        transport = self.transport
+        if transport is None:
+            return
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.resume_reading()
+        transport.write_eof()
+        self._timer = self._loop.call_later(_LINGER, transport.abort)
+
+    def _rearm(self) -> None:
+        """Start the client's deadline for whatever the parser is in the middle of."""
+        limits = self._limits
+        if self._phase == _Phase.HEADERS:
+            self._arm(limits.header_timeout)
+        elif self._phase == _Phase.BODY:
+            self._arm(limits.body_timeout)
+        else:
+            self._arm(limits.keepalive_timeout)
 
     def _arm(self, seconds: float) -> None:
         if self._timer is not None:
@@ -409,7 +483,9 @@ class ClientConnection(asyncio.Protocol):
 
     def _on_timeout(self) -> None:
         self._timer = None
-        if self._phase in (_Phase.HEADERS, _Phase.BODY):
+        if self._task is not None:
+            return  # answering: the replica's timeouts apply
+        if self._phase != _Phase.IDLE:
             self.keep_alive = False
             self.send(408, error_body(408, "The request was not received in time."))
         self._close()

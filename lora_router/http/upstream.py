@@ -67,6 +67,7 @@ class _Exchange:
         "head_buf",
         "head_only",
         "head_sent",
+        "reusable",
         "sink",
     )
 
@@ -81,6 +82,9 @@ class _Exchange:
         self.head_buf = b""
         self.head_sent = False
         self.complete = False
+        # Whether the connection may carry another request. Never after HEAD: the parser still
+        # expects the body the headers announced.
+        self.reusable = False
         self.close_delimited = False
 
 
@@ -132,33 +136,65 @@ class UpstreamConnection(asyncio.Protocol):
             return
         self._last = self._loop.time()
         if ex.head_sent:
+            # Parse before forwarding: bytes past the end of this response never reach the
+            # client (the parser fails the exchange on them instead).
+            self._feed(data)
+            if self._ex is not ex:
+                return
             if not ex.dechunk:
                 ex.sink.write(data)
-            self._feed(data)
+        elif not self._head(ex, data):
             return
+        if ex.complete:
+            self._finish(keep=ex.reusable)
+
+    def _head(self, ex: _Exchange, data: bytes) -> bool:
+        """Collect the response head; once whole, send it on with what followed it."""
         if not ex.head_buf:
             # The first response byte: from now on the replica is streaming, not thinking.
             self._arm(self._pool.stream_idle_timeout)
         buf = ex.head_buf + data
-        end = buf.find(b"\r\n\r\n")
-        if end < 0:
-            if len(buf) > _MAX_HEAD:
-                self._fail("protocol", "the replica sent an oversized response head", True)
-            ex.head_buf = buf
-            return
+        while True:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buf) > _MAX_HEAD:
+                    self._fail("protocol", "the replica sent an oversized response head", True)
+                    return False
+                ex.head_buf = buf
+                return False
+            body_at = end + 4
+            self._feed(memoryview(buf)[:body_at])  # on_headers_complete, maybe message complete
+            if self._ex is not ex:
+                return False  # the parser rejected the head
+            status = self._parser.get_status_code()
+            if status >= 200:
+                break
+            if status == 101:
+                self._fail("protocol", "the replica switched protocols unasked", True)
+                return False
+            # An interim answer (103 Early Hints): not forwarded; the final head follows.
+            ex.complete = False
+            buf = buf[body_at:]
         ex.head_buf = b""
-        self._feed(buf)  # runs on_headers_complete, maybe on_message_complete
-        if ex.done.done() and not ex.complete:
-            return  # the parser rejected the response
-        head = client_response_head(buf[:end], self._pool.label, self._client_keep_alive(ex, buf))
+        keep_alive = self._client_keep_alive(ex, buf[:end])
         ex.head_sent = True
-        ex.sink.write(head)
-        if not ex.dechunk and len(buf) > end + 4:
-            ex.sink.write(memoryview(buf)[end + 4 :])
-        if ex.complete:
-            self._finish(keep=self._reusable(ex))
+        ex.sink.write(client_response_head(buf[:end], self._pool.label, keep_alive, ex.dechunk))
+        if len(buf) > body_at and not ex.head_only:
+            rest = memoryview(buf)[body_at:]
+            self._feed(rest)
+            if self._ex is not ex:
+                return False
+            if not ex.dechunk:
+                ex.sink.write(rest)
+        return True
 
     # -- httptools callbacks ----------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        ex = self._ex
+        if ex is not None and ex.complete:
+            # A second response where one was asked for: never pass it on (response splitting).
+            raise ValueError("bytes after the end of the response")
 
     def on_headers_complete(self) -> None:
         ex = self._ex
@@ -174,11 +210,10 @@ class UpstreamConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         ex = self._ex
-        if ex is None:
-            return
-        ex.complete = True
-        if ex.head_sent:
-            self._finish(keep=self._reusable(ex))
+        if ex is not None:
+            ex.complete = True
+            # Read now: once the callback returns, llhttp resets its state for the next message.
+            ex.reusable = self._parser.should_keep_alive() and not ex.head_only
 
     # -- the exchange -------------------------------------------------------------------------
 
@@ -191,23 +226,19 @@ class UpstreamConnection(asyncio.Protocol):
         ex.sink.on_upstream(self.transport)
         self.transport.write(data)
 
-    def _reusable(self, ex: _Exchange) -> bool:
-        # After a HEAD response the parser still expects the body its headers announced.
-        return self._parser.should_keep_alive() and not ex.head_only
-
-    def _client_keep_alive(self, ex: _Exchange, buf: bytes) -> bool:
+    def _client_keep_alive(self, ex: _Exchange, head: bytes) -> bool:
         """Whether the client may keep its connection after this response."""
         status = self._parser.get_status_code()
-        framed = ex.head_only or status in (204, 304) or 100 <= status < 200
+        framed = ex.head_only or status in (204, 304)
         if not framed:
-            head = buf[: buf.find(b"\r\n\r\n")].lower()
-            framed = b"\r\ncontent-length:" in head or b"\r\ntransfer-encoding:" in head
+            lowered = head.lower()
+            framed = b"\r\ncontent-length:" in lowered or b"\r\ntransfer-encoding:" in lowered
         ex.close_delimited = not framed
         # Close-delimited bodies and HTTP/1.0 clients (dechunked body) end with a close.
-        ex.client_keep_alive = framed and not ex.dechunk
+        ex.client_keep_alive = framed and not ex.dechunk and ex.sink.keep_alive
         return ex.client_keep_alive
 
-    def _feed(self, data: bytes) -> None:
+    def _feed(self, data: bytes | memoryview) -> None:
         if self._ex is not None and self._ex.head_only and self._ex.complete:
             return
         try:
@@ -224,6 +255,10 @@ class UpstreamConnection(asyncio.Protocol):
         if not ex.done.done():
             ex.done.set_result(ex.client_keep_alive)
         if keep and not self.closed:
+            # A slow client may have paused this connection; in the pool it must read again,
+            # or it would neither see the replica close it nor answer its next request.
+            assert self.transport is not None
+            self.transport.resume_reading()
             self._pool.release(self)
         else:
             self._abort()

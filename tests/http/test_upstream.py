@@ -1,0 +1,111 @@
+"""The replica side on its own: a pool with sinks the test controls."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from http_harness import FakeReplica
+
+from lora_router.config import ReplicaAddress
+from lora_router.http.upstream import UpstreamPool
+
+
+class Sink:
+    """A client connection stand-in; `pausing` behaves like a client whose buffer is full."""
+
+    keep_alive = True
+
+    def __init__(self, pausing: bool = False) -> None:
+        self.pausing = pausing
+        self.data = b""
+        self.upstream: asyncio.Transport | None = None
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.data += bytes(data)
+        if self.pausing and self.upstream is not None:
+            self.upstream.pause_reading()
+
+    def on_upstream(self, transport: asyncio.Transport | None) -> None:
+        self.upstream = transport
+
+
+def pool_for(replica: FakeReplica, **kw: float) -> UpstreamPool:
+    settings = dict(connect_timeout=1.0, first_byte_timeout=1.0, stream_idle_timeout=1.0)
+    settings.update(kw)
+    return UpstreamPool(
+        ReplicaAddress.parse(replica.url),
+        b"0",
+        None,
+        idle_timeout=settings.pop("idle_timeout", 5.0),
+        max_connections=4,
+        **settings,
+    )
+
+
+GET = b"GET /a HTTP/1.1\r\nhost: x\r\n\r\n"
+
+
+async def test_a_connection_paused_by_a_slow_client_reads_again_back_in_the_pool(replica):
+    pool = pool_for(replica)
+    try:
+        first = Sink(pausing=True)  # pauses the replica connection on the last write
+        assert await pool.forward(GET, first, head_only=False, http11=True)
+        assert first.data.endswith(b'{"ok":true}')
+        second = Sink()
+        assert await pool.forward(GET, second, head_only=False, http11=True)
+        assert second.data.endswith(b'{"ok":true}')
+        assert len(replica.conns) == 1  # the same, reused connection
+    finally:
+        pool.close()
+
+
+async def test_an_idle_pooled_connection_is_closed_after_its_timeout(replica):
+    pool = pool_for(replica, idle_timeout=0.2)
+    try:
+        await pool.forward(GET, Sink(), head_only=False, http11=True)
+        assert pool.open_connections == 1
+        async with asyncio.timeout(2):
+            await replica.conns[0].closed.wait()
+        assert pool.open_connections == 0
+    finally:
+        pool.close()
+
+
+async def test_a_replica_closing_an_idle_connection_is_noticed_in_the_pool(replica):
+    pool = pool_for(replica)
+    try:
+        await pool.forward(GET, Sink(), head_only=False, http11=True)
+        replica.conns[0].abort()
+        async with asyncio.timeout(2):
+            while pool.open_connections:
+                await asyncio.sleep(0.01)
+        assert await pool.forward(GET, Sink(), head_only=False, http11=True)
+        assert len(replica.conns) == 2
+    finally:
+        pool.close()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+async def test_thousands_of_idle_client_connections_cost_bounded_memory(router):
+    loop = asyncio.get_running_loop()
+    socks = []
+    base = _rss()
+    try:
+        for _ in range(2000):
+            s = socket.socket()
+            s.setblocking(False)
+            await loop.sock_connect(s, ("127.0.0.1", router.port))
+            socks.append(s)
+        async with asyncio.timeout(10):
+            while len(router.connections.open) < 2000:
+                await asyncio.sleep(0.01)
+        # both ends of each connection live in this process; about 4 KB is measured
+        assert (_rss() - base) / 2000 < 16 * 1024
+    finally:
+        for s in socks:
+            s.close()

@@ -1,0 +1,202 @@
+"""`lora-router`: flags to Config, one clear line and status 2 for anything unusable, and a
+SIGTERM that lets in-flight requests finish before exiting 0."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import uvloop
+
+from lora_router.cli import UsageError, build_config, build_parser, main
+from lora_router.emulator import EmulatorConfig, start_emulator
+
+TOKEN = "hf_cli-tok3n-NEVER-LEAK"
+ENV = {"HF_TOKEN": TOKEN, "API_KEY": "k", "EMPTY": ""}
+
+
+def config(*argv: str, environ: dict[str, str] | None = None):
+    return build_config(build_parser().parse_args(list(argv)), ENV if environ is None else environ)
+
+
+def run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lora_router.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_help_lists_every_group_of_flags() -> None:
+    result = run("--help")
+    assert result.returncode == 0
+    for flag in (
+        "--replicas",
+        "--token-env",
+        "--ca-file",
+        "--api-key-env",
+        "--max-body-bytes",
+        "--header-timeout",
+        "--max-connections",
+        "--max-upstream-connections",
+    ):
+        assert flag in result.stdout
+
+
+def test_a_good_command_line_builds_the_config() -> None:
+    c = config(
+        "--replicas",
+        "http://a:8000,https://b.example/prefix/",
+        "--token-env",
+        "HF_TOKEN",
+        "--max-body-bytes",
+        "1000",
+        "--header-timeout",
+        "2.5",
+        "--port",
+        "0",
+    )
+    assert [r.name for r in c.replicas] == ["http://a:8000", "https://b.example:443/prefix"]
+    assert c.token.reveal() == TOKEN and TOKEN not in repr(c)
+    assert c.max_body_bytes == 1000 and c.header_timeout == 2.5 and c.port == 0
+
+
+BAD = {
+    "no replicas": ["--token-env", "HF_TOKEN"],
+    "empty replicas": ["--replicas", "", "--token-env", "HF_TOKEN"],
+    "only commas": ["--replicas", " , ,", "--token-env", "HF_TOKEN"],
+    "not a url": ["--replicas", "replica-1:8000", "--token-env", "HF_TOKEN"],
+    "ftp url": ["--replicas", "ftp://a", "--token-env", "HF_TOKEN"],
+    "bad port": ["--replicas", "http://a:99999", "--token-env", "HF_TOKEN"],
+    "credentials in url": ["--replicas", "http://u:p@a", "--token-env", "HF_TOKEN"],
+    "twice": ["--replicas", "http://a:80,http://a", "--token-env", "HF_TOKEN"],
+    "token unset": ["--replicas", "http://a", "--token-env", "NOPE"],
+    "token empty": ["--replicas", "http://a", "--token-env", "EMPTY"],
+    "no token flag": ["--replicas", "http://a"],
+    "api key unset": ["--replicas", "http://a", "--no-token", "--api-key-env", "NOPE"],
+    "public without key": ["--replicas", "http://a", "--no-token", "--host", "0.0.0.0"],
+    "missing ca file": ["--replicas", "https://a", "--no-token", "--ca-file", "/nonexistent"],
+    "negative timeout": ["--replicas", "http://a", "--no-token", "--header-timeout", "-1"],
+    "nan timeout": ["--replicas", "http://a", "--no-token", "--idle-timeout", "nan"],
+    "zero body limit": ["--replicas", "http://a", "--no-token", "--max-body-bytes", "0"],
+    "port too big": ["--replicas", "http://a", "--no-token", "--port", "70000"],
+}
+
+
+@pytest.mark.parametrize("argv", BAD.values(), ids=BAD.keys())
+def test_unusable_command_lines_are_a_usage_error(argv: list[str]) -> None:
+    with pytest.raises(UsageError):
+        config(*argv)
+
+
+def test_a_ca_file_that_is_not_pem_is_a_usage_error(tmp_path) -> None:
+    bogus = tmp_path / "ca.pem"
+    bogus.write_text("not a certificate")
+    with pytest.raises(UsageError, match="--ca-file"):
+        config("--replicas", "https://a", "--no-token", "--ca-file", str(bogus))
+
+
+def test_public_listen_with_a_key_or_insecure_flag_is_allowed() -> None:
+    assert (
+        config(
+            "--replicas", "http://a", "--no-token", "--host", "0.0.0.0", "--api-key-env", "API_KEY"
+        ).api_key.reveal()
+        == "k"
+    )
+    assert config(
+        "--replicas", "http://a", "--no-token", "--host", "0.0.0.0", "--insecure-listen"
+    ).insecure_listen
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--replicas", "http://a", "--token-env", "NOPE"],
+        ["--replicas", "not a url", "--no-token"],
+        ["--replicas", "http://a", "--no-token", "--no-such-flag"],
+        ["--replicas", "http://a", "--no-token", "--port", "eighty"],
+        ["--replicas", "http://a", "--no-token", "--policy", "random"],
+    ],
+)
+def test_bad_flags_print_one_line_and_exit_2(argv: list[str]) -> None:
+    result = run(*argv)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lora-router: error: ")
+    assert result.stdout == ""
+
+
+def test_main_returns_2_without_starting(capsys, monkeypatch) -> None:
+    monkeypatch.delenv("NOPE", raising=False)
+    assert main(["--replicas", "http://a", "--token-env", "NOPE"]) == 2
+    assert "NOPE" in capsys.readouterr().err
+
+
+def test_sigterm_lets_the_request_in_flight_finish_then_exits_0() -> None:
+    uvloop.run(_sigterm_drains())
+
+
+async def _sigterm_drains() -> None:
+    # A slow replica: about 1 s for this completion.
+    emu = await start_emulator(EmulatorConfig(port=0, decode_s_per_token=0.05, api_key=TOKEN))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "lora_router.cli",
+        "--replicas",
+        emu.url,
+        "--token-env",
+        "HF_TOKEN",
+        "--port",
+        "0",
+        "--shutdown-grace",
+        "10",
+        "--log-level",
+        "debug",
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "HF_TOKEN": TOKEN},
+    )
+    assert proc.stderr is not None
+    log = b""
+    try:
+        async with asyncio.timeout(20):
+            while not (m := re.search(rb"listening on [\d.]+:(\d+)", log)):
+                line = await proc.stderr.readline()
+                assert line, log
+                log += line
+        port = int(m.group(1))
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = b'{"model": "%s", "prompt": [1, 2, 3], "max_tokens": 20, "stream": true}' % (
+            emu.config.model.encode()
+        )
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % len(body) + body
+        )
+        async with asyncio.timeout(10):
+            first = await reader.readuntil(b"data: ")  # the stream has started
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(15):
+            rest = await reader.read()  # to the close, after the whole stream
+            code = await proc.wait()
+            log += await proc.stderr.read()
+        answer = first + rest
+        assert answer.startswith(b"HTTP/1.1 200")
+        assert answer.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+        assert code == 0, log
+        with pytest.raises(OSError):  # no longer listening
+            await asyncio.open_connection("127.0.0.1", port)
+        assert TOKEN.encode() not in log and TOKEN.encode() not in answer
+        writer.close()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await emu.stop()
