@@ -10,6 +10,7 @@ put the replica token anywhere but the `Authorization` header of a request to a 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 # Hop-by-hop headers, RFC 9110 §7.6.1 (and RFC 2616 §13.5.1 for the older names): they
@@ -44,6 +45,20 @@ _RESPONSE_DROPPED = (HOP_BY_HOP - {b"transfer-encoding"}) | {b"x-lora-router-rep
 _RESPONSE_DROPPED_DECHUNKED = _RESPONSE_DROPPED | {b"transfer-encoding"}
 
 REPLICA_HEADER = b"x-lora-router-replica"
+
+# A response header line whose name is dropped. llhttp rejects whitespace before the colon, so
+# `\r\nname:` in the lower-cased head finds every such line.
+_DROPPED_LINE = re.compile(
+    rb"\r\n(?:" + b"|".join(re.escape(name) for name in sorted(_RESPONSE_DROPPED)) + rb"):"
+)
+_DROPPED_LINES = re.compile(
+    rb"\r\n(?:" + b"|".join(re.escape(n) for n in sorted(_RESPONSE_DROPPED)) + rb"):[^\r\n]*",
+    re.IGNORECASE,
+)
+_CONNECTION_VALUE = re.compile(rb"\r\nconnection:([^\r\n]*)")
+_PLAIN_CONNECTION = frozenset({b"keep-alive", b"close", b""})
+_KEEP_ALIVE_TAIL = b"\r\nconnection: keep-alive\r\n\r\n"
+_CLOSE_TAIL = b"\r\nconnection: close\r\n\r\n"
 
 
 def connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
@@ -91,7 +106,7 @@ def upstream_request_head(
 
 
 def client_response_head(
-    raw_head: bytes, replica: bytes, keep_alive: bool, dechunked: bool
+    raw_head: bytes, replica: bytes, keep_alive: bool, dechunked: bool, lowered: bytes = b""
 ) -> bytes:
     """Rewrite a replica's response head for the client.
 
@@ -99,7 +114,24 @@ def client_response_head(
     line and every end-to-end header pass verbatim; hop-by-hop headers are dropped; the router
     adds which replica answered (an index, never its URL) and its own `Connection`. When the body
     is `dechunked` for an HTTP/1.0 client, `Transfer-Encoding` goes too (the close ends it).
+    `lowered` is `raw_head.lower()` when the caller has it already.
     """
+    tail = _KEEP_ALIVE_TAIL if keep_alive else _CLOSE_TAIL
+    if not dechunked:
+        lowered = lowered or raw_head.lower()
+        if _DROPPED_LINE.search(lowered) is None:
+            # The usual case with vLLM (uvicorn sends no hop-by-hop header): the head passes
+            # whole.
+            return b"".join((raw_head, b"\r\n", REPLICA_HEADER, b": ", replica, tail))
+        if all(
+            token.strip() in _PLAIN_CONNECTION
+            for value in _CONNECTION_VALUE.findall(lowered)
+            for token in value.split(b",")
+        ):
+            # Hop-by-hop lines, but no header named by `Connection` (nginx's `Connection:
+            # keep-alive`): cut the lines out in one pass.
+            kept = _DROPPED_LINES.sub(b"", raw_head)
+            return b"".join((kept, b"\r\n", REPLICA_HEADER, b": ", replica, tail))
     status_line, *lines = raw_head.split(b"\r\n")
     fields = [(line.partition(b":")[0].strip().lower(), line) for line in lines]
     named = connection_tokens((name, line.partition(b":")[2]) for name, line in fields)
@@ -107,9 +139,7 @@ def client_response_head(
     out = [status_line]
     out += (line for name, line in fields if name not in dropped and name not in named)
     out.append(REPLICA_HEADER + b": " + replica)
-    out.append(b"connection: keep-alive" if keep_alive else b"connection: close")
-    out.append(b"\r\n")
-    return b"\r\n".join(out)
+    return b"\r\n".join(out) + tail
 
 
 def response_head(

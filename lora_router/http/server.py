@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import re
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -152,6 +153,8 @@ class ClientConnection(asyncio.Protocol):
         self._error: HTTPError | None = None  # raised by a parser callback, read after it
         self._continue = False  # a `100 Continue` owed once the answer in front is complete
         self._timer: asyncio.TimerHandle | None = None
+        self._wake = 0.0
+        self._deadline = math.inf
         self._queue: deque[Request] = deque()
         self._task: asyncio.Task[None] | None = None
         self._upstream: asyncio.Transport | None = None
@@ -183,7 +186,7 @@ class ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self._count.discard(self)
-        self._disarm()
+        self._cancel_timer()
         self._queue.clear()
         # The client went away: stop the replica's work too (vLLM aborts a generation when its
         # connection closes, which frees the GPU for requests someone still waits for).
@@ -450,7 +453,7 @@ class ClientConnection(asyncio.Protocol):
         if self._closed:
             return
         self._closed = True
-        self._disarm()
+        self._cancel_timer()
         transport = self.transport
         if transport is None:
             return
@@ -471,18 +474,44 @@ class ClientConnection(asyncio.Protocol):
         else:
             self._arm(limits.keepalive_timeout)
 
+    # One timer per connection, moved lazily: `_deadline` says when the current phase times
+    # out; the timer is moved only when that is earlier than its scheduled wake-up, and never
+    # sleeps past `header_timeout`, so the next request's header deadline never needs it moved.
+    # In the steady state a request costs no timer call; an idle connection wakes up to
+    # re-check itself every `header_timeout` seconds.
+
     def _arm(self, seconds: float) -> None:
+        now = self._loop.time()
+        self._deadline = now + seconds
+        wake = now + min(seconds, self._limits.header_timeout)
+        if self._timer is None or wake < self._wake:
+            self._schedule(wake)
+
+    def _schedule(self, wake: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = self._loop.call_later(seconds, self._on_timeout)
+        self._wake = wake
+        self._timer = self._loop.call_at(wake, self._on_timer)
 
     def _disarm(self) -> None:
+        self._deadline = math.inf  # the timer, if any, wakes up to find nothing due
+
+    def _cancel_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
-    def _on_timeout(self) -> None:
+    def _on_timer(self) -> None:
         self._timer = None
+        if self._closed or self._deadline == math.inf:
+            return
+        now = self._loop.time()
+        if now < self._deadline:
+            self._schedule(min(self._deadline, now + self._limits.header_timeout))
+            return
+        self._on_timeout()
+
+    def _on_timeout(self) -> None:
         if self._task is not None:
             return  # answering: the replica's timeouts apply
         if self._phase != _Phase.IDLE:

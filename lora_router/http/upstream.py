@@ -100,6 +100,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._last = 0.0
         self._limit = 0.0
+        self._wake = 0.0
         self.closed = False
         self.used = False
 
@@ -176,16 +177,26 @@ class UpstreamConnection(asyncio.Protocol):
             ex.complete = False
             buf = buf[body_at:]
         ex.head_buf = b""
-        keep_alive = self._client_keep_alive(ex, buf[:end])
+        head = buf[:end]
+        lowered = head.lower()
+        keep_alive = self._client_keep_alive(ex, lowered)
         ex.head_sent = True
-        ex.sink.write(client_response_head(buf[:end], self._pool.label, keep_alive, ex.dechunk))
+        out = client_response_head(head, self._pool.label, keep_alive, ex.dechunk, lowered)
         if len(buf) > body_at and not ex.head_only:
             rest = memoryview(buf)[body_at:]
-            self._feed(rest)
+            if ex.dechunk:
+                ex.sink.write(out)  # on_body writes the decoded body after it
+                self._feed(rest)
+                return self._ex is ex
+            self._feed(rest)  # before forwarding: bytes past the response's end never go out
             if self._ex is not ex:
+                # Rejected (e.g. a second response behind this one): the head alone goes out
+                # and the failure closes the client's connection, so nothing smuggled follows.
+                ex.sink.write(out)
                 return False
-            if not ex.dechunk:
-                ex.sink.write(rest)
+            # One write for head and body: a small answer costs the client one segment.
+            out += rest
+        ex.sink.write(out)
         return True
 
     # -- httptools callbacks ----------------------------------------------------------------
@@ -226,12 +237,12 @@ class UpstreamConnection(asyncio.Protocol):
         ex.sink.on_upstream(self.transport)
         self.transport.write(data)
 
-    def _client_keep_alive(self, ex: _Exchange, head: bytes) -> bool:
-        """Whether the client may keep its connection after this response."""
+    def _client_keep_alive(self, ex: _Exchange, lowered: bytes) -> bool:
+        """Whether the client may keep its connection after this response (`lowered`: the
+        response head in lower case)."""
         status = self._parser.get_status_code()
         framed = ex.head_only or status in (204, 304)
         if not framed:
-            lowered = head.lower()
             framed = b"\r\ncontent-length:" in lowered or b"\r\ntransfer-encoding:" in lowered
         ex.close_delimited = not framed
         # Close-delimited bodies and HTTP/1.0 clients (dechunked body) end with a close.
@@ -250,7 +261,6 @@ class UpstreamConnection(asyncio.Protocol):
         ex = self._ex
         assert ex is not None
         self._ex = None
-        self._cancel_timer()
         ex.sink.on_upstream(None)
         if not ex.done.done():
             ex.done.set_result(ex.client_keep_alive)
@@ -275,24 +285,36 @@ class UpstreamConnection(asyncio.Protocol):
         )
 
     # -- timers -----------------------------------------------------------------------------
+    # One timer per connection, moved lazily. `_last` (the last byte either way) and `_limit`
+    # (the timeout of the current phase) say when the connection is due; the timer is moved
+    # only when that comes earlier than its scheduled wake-up, and it never sleeps longer than
+    # the pool's idle timeout. So a request costs no timer call at all in the steady state; an
+    # idle or slow connection re-checks itself at most every `idle_timeout` seconds.
 
     def _arm(self, limit: float) -> None:
         self._limit = limit
-        self._cancel_timer()
-        self._timer = self._loop.call_at(self._last + limit, self._on_timer)
+        wake = self._last + min(limit, self._pool.idle_timeout)
+        if self._timer is None or wake < self._wake:
+            self._schedule(wake)
+
+    def _schedule(self, wake: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._wake = wake
+        self._timer = self._loop.call_at(wake, self._on_timer)
 
     def _on_timer(self) -> None:
-        # One timer per connection, re-armed lazily: data_received only stamps `_last`, so a
-        # fast stream costs no timer churn.
         self._timer = None
-        ex = self._ex
-        if ex is None:
-            self._abort()  # idle in the pool for too long
+        if self.closed:
             return
         now = self._loop.time()
         deadline = self._last + self._limit
         if now < deadline:
-            self._timer = self._loop.call_at(deadline, self._on_timer)
+            self._schedule(min(deadline, now + self._pool.idle_timeout))
+            return
+        ex = self._ex
+        if ex is None:
+            self._abort()  # idle in the pool for too long
             return
         received = ex.head_sent or bool(ex.head_buf)
         what = "between response bytes" if received else "for the first response byte"
