@@ -7,6 +7,12 @@ problem), so lookups and evictions run at their steady-state cost, and replicas 
 in flight. The prompt comes as the HTTP layer hands it over: an `array('I')` (validation packs
 the ids; that pass is the HTTP layer's and is timed separately as "pack"). Each figure is the
 median over 7 rounds of the per-call time.
+
+The three routing cases: a *fresh* prompt (unknown: its chain is computed and scanned), a
+*sibling* (this exact prompt was routed before, as the G samples of a GRPO prompt are), and a
+*next turn* (the known prompt plus 300 new tokens: a continuation, each call a different one,
+so that it is not a sibling of the previous call's). "key" builds the key as the HTTP layer
+does; "key + chain" also forces the per-block chain, which only a scan of the table needs.
 """
 
 from __future__ import annotations
@@ -66,12 +72,19 @@ def main() -> None:
     ids = list(new_prompt(args.tokens))
     prompt = array("I", ids)
     fresh = iter([new_prompt(args.tokens) for _ in range(number * rounds)])
-    turn2 = array("I", [*ids, *(rng.randrange(150_000) for _ in range(300))])
+    turns = iter(
+        [
+            array("I", [*ids, *(rng.randrange(150_000) for _ in range(300))])
+            for _ in range(number * rounds)
+        ]
+    )
     policy.choose(prompt_key(MODEL, prompt), reps)  # make it known: its siblings follow
+    decisions = policy.counts.as_dict()
 
     figures = {
         "pack (HTTP layer's validation)": per_call_us(lambda: array("I", ids), number),
-        "key only": per_call_us(lambda: prompt_key(MODEL, prompt), number),
+        "key": per_call_us(lambda: prompt_key(MODEL, prompt), number),
+        "key + chain": per_call_us(lambda: prompt_key(MODEL, prompt).chain, number),
         "key + choose, fresh prompt": per_call_us(
             lambda: policy.choose(prompt_key(MODEL, next(fresh)), reps), number
         ),
@@ -79,9 +92,15 @@ def main() -> None:
             lambda: policy.choose(prompt_key(MODEL, prompt), reps), number
         ),
         "key + choose, next turn (+300 tokens)": per_call_us(
-            lambda: policy.choose(prompt_key(MODEL, turn2), reps), number
+            lambda: policy.choose(prompt_key(MODEL, next(turns)), reps), number
         ),
     }
+    # Each case must have been routed as named, or its figure measures something else.
+    after = policy.counts.as_dict()
+    made = {kind: after[kind] - decisions[kind] for kind in after if after[kind] != decisions[kind]}
+    calls = number * rounds
+    if made != {"fresh": calls, "sibling": calls, "continuation": calls}:
+        raise SystemExit(f"the cases were not routed as named: {made}")
     print(
         f"python {sys.version.split()[0]}, {args.tokens}-token prompt, {args.replicas} replicas, "
         f"affinity table {len(policy.table)} anchors"

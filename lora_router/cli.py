@@ -115,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="epsilon of consistent hashing with bounded loads: no replica takes "
         "more than (1+eps) times the mean in-flight requests by affinity",
     )
+    g.add_argument(
+        "--load-slack",
+        type=int,
+        default=d.load_slack,
+        help="requests in flight a replica may take above the mean even when that exceeds "
+        "(1+eps) times it: lets the G samples of a prompt meet on one replica when few "
+        "requests are in flight",
+    )
     g.add_argument("--vnodes", type=int, default=d.vnodes, help="virtual nodes per replica")
     g.add_argument(
         "--affinity-table-size",
@@ -338,6 +346,8 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
     if args.block_size is not None and args.block_size <= 0:
         raise UsageError("--block-size must be positive")
+    if args.load_slack < 0:
+        raise UsageError("--load-slack must be 0 or more")
     if not (math.isfinite(args.load_factor) and args.load_factor > 0):
         raise UsageError("--load-factor must be positive")
     if args.max_staleness < 0:
@@ -355,6 +365,7 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config
         policy=args.policy,
         block_size=args.block_size,
         load_factor=args.load_factor,
+        load_slack=args.load_slack,
         vnodes=args.vnodes,
         affinity_table_size=args.affinity_table_size,
         connect_timeout=args.connect_timeout,

@@ -102,6 +102,7 @@ class Config:
     policy: str = "prefix"  # prefix | round-robin | least-loaded
     block_size: int | None = None  # None: read cache_config.block_size from the replicas, else 16
     load_factor: float = 0.25  # epsilon of consistent hashing with bounded loads
+    load_slack: int = 16  # in-flight requests a replica may take over the mean regardless of ε
     vnodes: int = 160
     affinity_table_size: int = 200_000
 

@@ -1,8 +1,8 @@
 """Routing: which replica gets a completion. Pure functions of their inputs, tested without sockets.
 
-- `keys`: a prompt as vLLM's prefix cache sees it — chained xxh3 hashes of whole blocks, seeded
-  by the model (adapter version), plus a hash of the whole prompt; fallbacks for text, chat and
-  batches are documented there.
+- `keys`: a prompt as vLLM's prefix cache sees it, seeded by the model (adapter version): one
+  xxh3 hash of the whole prompt (all a repeated prompt needs) and, only when asked for, chained
+  xxh3 hashes of whole blocks; fallbacks for text, chat and batches are documented there.
 - `ring`: a consistent-hash ring of replica names with virtual nodes.
 - `affinity`: a bounded LRU table of where recent prompts went, answering "which earlier
   prompts does this one start with?" at any length.

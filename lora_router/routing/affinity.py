@@ -1,22 +1,32 @@
 """The affinity table: which replica each recent prompt was sent to, and exact-prefix lookup.
 
-An *anchor* says "this exact prompt went to replica R". It is filed under the prompt's *head*
-(the chain value of its last full block, or the model seed when it has none) and holds the
-length of the prompt's tail past that block and its `full` hash. A later prompt Q starts with
-an earlier prompt P exactly when, at P's number of full blocks, Q has the same head and Q's
-next `tail` bytes hash (seeded by that head) to P's `full`. So `find` looks up only the levels
-of Q's chain that head some anchor, and hashes a few tail slices there. That finds earlier
-prompts at any length, not only at block boundaries, and only *whole* earlier prompts: two
-prompts that merely share a chat template or a system prompt never match each other, however
-long the template, because neither is a prefix of the other.
+An *anchor* says "this exact prompt went to replica R". It holds the prompt's `full` hash (the
+whole prompt under its model's seed, see `keys`) and the length of its tail past its last full
+block, and it is filed twice:
 
-Memory is bounded: at most `capacity` anchors, least recently used head evicted first (a
-lookup that matches refreshes its head), and at most `PER_HEAD` anchors under one head (only
-prompts that differ within their last partial block share a head). Nothing here knows about
-load or health.
+- under its `full`, in the exact index (`full -> head`): the commonest lookup, a *sibling* (the
+  G samples of a GRPO prompt are G identical requests), is one dict lookup on a hash the key
+  computed when it was built, and never needs the key's chain;
+- under its *head*, the chain value of its last full block (the model seed when it has none).
+  A later prompt Q starts with an earlier prompt P exactly when Q's first `b + tail` bytes hash
+  to P's `full`, `b` being P's full blocks in bytes; at that length Q's chain has P's head. So
+  `find` intersects Q's chain with the heads that hold anchors, and hashes one prefix of Q per
+  anchor there (`PromptKey.prefix_hash`). That finds earlier prompts at any length, not only at
+  block boundaries, and only *whole* earlier prompts: two prompts that merely share a chat
+  template or a system prompt never match each other, however long the template, because
+  neither is a prefix of the other.
 
-Must never: do I/O, log, hold more than `capacity` anchors, hash anything itself except tail
-slices through `PromptKey.prefix_hash` (all hashing is defined in `keys`).
+A 64-bit `full` names an exact prompt under one model; two different prompts colliding would
+only make one be routed as the other's sibling (about one lookup in 2**64 / capacity).
+
+Memory is bounded: at most `capacity` anchors, least recently used head evicted first with all
+its anchors (a lookup that matches refreshes its head), and at most `PER_HEAD` anchors under one
+head (only prompts that differ within their last partial block share a head). The exact index
+holds one entry per anchor, and every eviction removes from both. Nothing here knows about load
+or health.
+
+Must never: do I/O, log, hold more than `capacity` anchors, hash anything itself (all hashing is
+defined in `keys`: `PromptKey.full`, `.chain` and `.prefix_hash`).
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ _by_tail = itemgetter(1)
 class AffinityTable:
     """An LRU map from prompts to the replica they were placed on, with prefix lookup."""
 
-    __slots__ = ("_heads", "_per_head", "_size", "capacity")
+    __slots__ = ("_exact", "_heads", "_per_head", "capacity")
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
@@ -47,30 +57,39 @@ class AffinityTable:
         # Never more under one head than the whole table holds, so that evicting the least
         # recently used heads always stops before the head just written.
         self._per_head = min(PER_HEAD, capacity)
+        # head -> its anchors, least recently used head first.
         self._heads: OrderedDict[int, Anchor | list[Anchor]] = OrderedDict()
-        self._size = 0
+        # full -> the head its anchor is filed under: exactly one entry per anchor.
+        self._exact: dict[int, int] = {}
 
     def __len__(self) -> int:
-        return self._size
+        return len(self._exact)
 
     def home(self, key: PromptKey) -> str | None:
-        """Where this exact prompt was placed, if the table remembers."""
-        entry = self._heads.get(key.head(len(key.chain)))
-        for replica, _, full in _anchors(entry):
-            if full == key.full:
+        """Where this exact prompt was placed, if the table remembers. Needs no chain."""
+        full = key.full
+        head = self._exact.get(full)
+        if head is None:
+            return None
+        for replica, _, anchored in _anchors(self._heads.get(head)):
+            if anchored == full:
                 return replica
         return None
 
     def find(self, key: PromptKey) -> Iterator[tuple[str, bool]]:
         """Replicas of earlier prompts that `key` starts with, longest prompt first, as
-        (replica, exact) pairs; `exact` means the earlier prompt is this very prompt."""
+        (replica, exact) pairs; `exact` means the earlier prompt is this very prompt.
+
+        The exact match comes first and costs no chain: a caller that stops there (a sibling
+        placed on its home) never computes it."""
+        full = key.full
+        head = self._exact.get(full)
+        if head is not None:
+            replica = self._touch(head, full)
+            if replica is not None:
+                yield replica, True
         heads = self._heads
         chain = key.chain
-        own = len(chain)
-        # The commonest case, a sibling, needs no scan.
-        exact = self._touch(key.head(own), key.full)
-        if exact is not None:
-            yield exact, True
         # Most levels of a prompt head no anchor; a set intersection (in C) finds the few that
         # do, instead of a Python loop over every block.
         levels = sorted((chain.index(h) + 1 for h in heads.keys() & chain), reverse=True)
@@ -81,40 +100,47 @@ class AffinityTable:
             head = key.head(level)
             room = size - level * key.block_bytes
             # Longest tail first; the tail that fills `room` is this prompt, looked up above.
-            for _, tail, full in sorted(_anchors(heads.get(head)), key=_by_tail, reverse=True):
-                if tail < room and key.prefix_hash(level, tail) == full:
-                    replica = self._touch(head, full)
+            for _, tail, anchored in sorted(_anchors(heads.get(head)), key=_by_tail, reverse=True):
+                if tail < room and key.prefix_hash(level, tail) == anchored:
+                    replica = self._touch(head, anchored)
                     if replica is not None:
                         yield replica, False
 
     def record(self, key: PromptKey, replica: str, *, replace: bool = False) -> None:
         """Remember that `key` went to `replica`. An existing anchor is kept (the first
-        placement of a prompt is its home) unless `replace`."""
+        placement of a prompt is its home) unless `replace`; either way its head is refreshed.
+        Only a new prompt needs the key's chain (for its head)."""
         heads = self._heads
-        head = key.head(len(key.chain))
-        anchor = (replica, key.tail_bytes, key.full)
+        exact = self._exact
+        full = key.full
+        head = exact.get(full)
+        if head is not None:
+            heads.move_to_end(head)
+            if replace:
+                anchor = (replica, key.tail_bytes, full)
+                known = heads[head]
+                if isinstance(known, tuple):
+                    heads[head] = anchor
+                else:
+                    known[[a[2] for a in known].index(full)] = anchor
+            return
+        head = key.head(key.blocks)
+        anchor = (replica, key.tail_bytes, full)
         entry = heads.get(head)
         if entry is None:
             heads[head] = anchor
-            self._size += 1
         else:
             heads.move_to_end(head)
             group = [entry] if isinstance(entry, tuple) else entry
-            for i, (_, _, full) in enumerate(group):
-                if full == key.full:
-                    if replace:
-                        group[i] = anchor
-                        heads[head] = group if len(group) > 1 else anchor
-                    return
             group.append(anchor)
-            self._size += 1
             if len(group) > self._per_head:
-                del group[0]
-                self._size -= 1
+                del exact[group.pop(0)[2]]
             heads[head] = group if len(group) > 1 else anchor
-        while self._size > self.capacity:
+        exact[full] = head
+        while len(exact) > self.capacity:
             _, old = heads.popitem(last=False)
-            self._size -= 1 if isinstance(old, tuple) else len(old)
+            for _, _, evicted in _anchors(old):
+                del exact[evicted]
 
     def _touch(self, head: int, full: int) -> str | None:
         """The replica of the anchor (head, full), marked as just used; None if absent."""

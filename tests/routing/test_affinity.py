@@ -1,16 +1,38 @@
-"""The affinity table finds whole earlier prompts, at any length, and stays bounded."""
+"""The affinity table finds whole earlier prompts, at any length, the exact one without the
+prompt's chain, and stays bounded."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lora_router.routing.affinity import AffinityTable
-from lora_router.routing.keys import prompt_key
+from lora_router.routing.affinity import AffinityTable, _anchors
+from lora_router.routing.keys import PromptKey, prompt_key
 
 tokens = st.lists(st.integers(0, 1000), max_size=120)
 nonempty = st.lists(st.integers(0, 1000), min_size=1, max_size=120)
 block_sizes = st.sampled_from([1, 4, 16])
+
+
+class ChainlessKey(PromptKey):
+    """A key that fails if its chain is asked for: what needs only `full` must not ask."""
+
+    @property
+    def chain(self) -> list[int]:
+        raise AssertionError("the chain was computed")
+
+
+def chainless(key: PromptKey) -> ChainlessKey:
+    return ChainlessKey(key.data, key.seed, key.block_bytes, key.length)
+
+
+def assert_consistent(table: AffinityTable) -> None:
+    """The exact index holds one entry per anchor, naming the head it is filed under, and
+    the table's length counts them."""
+    filed = {a[2]: head for head, entry in table._heads.items() for a in _anchors(entry)}
+    assert filed == table._exact
+    held = [1 if isinstance(e, tuple) else len(e) for e in table._heads.values()]
+    assert sum(held) == len(table) <= table.capacity
 
 
 @given(tokens, tokens, block_sizes)
@@ -40,6 +62,21 @@ def test_the_longest_earlier_prompt_comes_first(first, second, third, block):
     assert found == [("long", not third), ("short", False)]
 
 
+@given(tokens, tokens, block_sizes)
+def test_the_exact_prompt_is_found_and_kept_without_its_chain(prompt, shorter, block):
+    # A sibling, the commonest request, costs one hash of the whole prompt; so do reading and
+    # replacing a known prompt's home. Only a scan for shorter prompts needs the chain.
+    table = AffinityTable(100)
+    table.record(prompt_key("m", prompt + shorter, block), "A")
+    sibling = chainless(prompt_key("m", prompt + shorter, block))
+    assert next(table.find(sibling)) == ("A", True)
+    assert table.home(sibling) == "A"
+    table.record(sibling, "B")
+    table.record(sibling, "C", replace=True)
+    assert table.home(sibling) == "C"
+    assert_consistent(table)
+
+
 @given(tokens, block_sizes)
 def test_the_first_placement_of_a_prompt_sticks(prompt, block):
     table = AffinityTable(100)
@@ -64,10 +101,17 @@ def test_the_table_never_holds_more_than_its_capacity(capacity, prompts, block):
     table = AffinityTable(capacity)
     for i, prompt in enumerate(prompts):
         table.record(prompt_key("m", prompt, block), f"r{i % 3}")
-        assert len(table) <= capacity
-    # The count is honest: it is what the heads hold.
-    held = [1 if isinstance(e, tuple) else len(e) for e in table._heads.values()]
-    assert sum(held) == len(table)
+        assert_consistent(table)  # every eviction leaves the index and the heads agreeing
+    # What is left is found first, as itself, on a replica it was placed on.
+    placed: dict[tuple[int, ...], set[str]] = {}
+    for i, prompt in enumerate(prompts):
+        placed.setdefault(tuple(prompt), set()).add(f"r{i % 3}")
+    for prompt, replicas in placed.items():
+        key = prompt_key("m", list(prompt), block)
+        home = table.home(key)
+        if home is not None:
+            assert home in replicas
+            assert next(table.find(key)) == (home, True)
 
 
 @given(st.lists(tokens, min_size=3, max_size=10))
@@ -88,8 +132,17 @@ def test_a_prompt_found_again_outlives_untouched_ones(suffixes):
 def test_prompts_under_one_head_stay_bounded_and_keep_the_newest(capacity, prompts):
     # Prompts shorter than a block all sit under the model's seed.
     table = AffinityTable(capacity)
-    for prompt in prompts:
-        table.record(prompt_key("m", prompt, 16), "A")
-        assert len(table) <= capacity
+    for i, prompt in enumerate(prompts):
+        table.record(prompt_key("m", prompt, 16), f"r{i}")
+        assert_consistent(table)
     if prompts:
-        assert table.home(prompt_key("m", prompts[-1], 16)) == "A"
+        last = prompt_key("m", prompts[-1], 16)
+        # The newest prompt is kept (an earlier placement of it, if one is left, sticks).
+        assert table.home(last) in {f"r{i}" for i, p in enumerate(prompts) if p == prompts[-1]}
+        # Replacing one anchor of a shared head leaves the others where they were.
+        before = {tuple(p): table.home(prompt_key("m", p, 16)) for p in prompts}
+        table.record(last, "new", replace=True)
+        assert_consistent(table)
+        for prompt, home in before.items():
+            expected = "new" if list(prompt) == prompts[-1] else home
+            assert table.home(prompt_key("m", list(prompt), 16)) == expected

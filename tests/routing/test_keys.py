@@ -1,4 +1,5 @@
-"""Keys are what vLLM caches: whole blocks, chained, seeded by the model, the same everywhere."""
+"""Keys are what vLLM caches: whole blocks, chained, seeded by the model, the same everywhere;
+the whole prompt is one hash, and the chain is only computed when asked for."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lora_router.routing import keys as keys_module
 from lora_router.routing.keys import (
     TEXT_SEED,
     TOKEN_SEED,
@@ -24,34 +26,68 @@ block_sizes = st.sampled_from([1, 2, 7, 16, 32])
 models = st.none() | st.text(max_size=20)
 
 
-def expected_chain(model: str | None, tokens: list[int], block: int) -> tuple[list[int], int]:
-    """The key, computed independently from the definition in the module docstring."""
+def expected_key(model: str | None, tokens: list[int], block: int) -> tuple[list[int], int]:
+    """(chain, full), computed independently from the definitions in the module docstring."""
     seed = TOKEN_SEED if model is None else xxhash.xxh3_64_intdigest(model.encode(), TOKEN_SEED)
+    full = xxhash.xxh3_64_intdigest(struct.pack(f"<{len(tokens)}I", *tokens), seed)
     chain = []
-    full_blocks = len(tokens) // block
-    for i in range(full_blocks):
+    for i in range(len(tokens) // block):
         packed = struct.pack(f"<{block}I", *tokens[i * block : (i + 1) * block])
         seed = xxhash.xxh3_64_intdigest(packed, seed)
         chain.append(seed)
-    tail = tokens[full_blocks * block :]
-    return chain, xxhash.xxh3_64_intdigest(struct.pack(f"<{len(tail)}I", *tail), seed)
+    return chain, full
 
 
 @given(models, token_ids, block_sizes)
-def test_key_is_the_chained_xxh3_of_whole_blocks(model, tokens, block):
+def test_key_is_the_xxh3_of_the_prompt_and_the_chained_xxh3_of_whole_blocks(model, tokens, block):
     key = prompt_key(model, tokens, block)
-    assert (key.chain, key.full) == expected_chain(model, tokens, block)
+    assert (key.chain, key.full) == expected_key(model, tokens, block)
     assert key.length == len(tokens)
+    assert (key.blocks, key.tail_bytes) == (len(tokens) // block, len(tokens) % block * 4)
 
 
 def test_key_is_the_same_in_every_process():
     # Fixed values: a change here re-homes every prompt of a running fleet's routers.
     key = prompt_key("trl-policy-v3", list(range(40)), 16)
     assert key.chain == [684874375104575926, 16763698087684802013]
-    assert key.full == 1001531387772093032
+    assert key.full == 10202612783900772515
     base = prompt_key(None, list(range(40)), 16)
     assert base.chain == [12714365579011400679, 7121910011406943785]
-    assert base.full == 10304835192161313092
+    assert base.full == 17677036808822813041
+
+
+@given(models, token_ids, block_sizes)
+def test_the_whole_prompt_is_one_hash_and_the_chain_waits_until_asked(model, tokens, block):
+    original = keys_module._chain
+    calls = []
+
+    def counting_chain(*args):
+        calls.append(args)
+        return original(*args)
+
+    keys_module._chain = counting_chain  # (hypothesis and function-scoped monkeypatch clash)
+    try:
+        key = prompt_key(model, tokens, block)
+        assert calls == []  # `full` alone: all a sibling needs
+        assert key.chain is key.chain  # computed once, then cached
+        assert len(calls) == 1
+    finally:
+        keys_module._chain = original
+    assert key == prompt_key(model, tokens, block)  # a cached chain is not part of equality
+
+
+@given(models, token_ids, st.data(), block_sizes)
+def test_a_prefix_hash_is_the_full_hash_of_that_prefix(model, tokens, data, block):
+    key = prompt_key(model, tokens, block)
+    cut = data.draw(st.integers(0, len(tokens)))
+    level, rest = divmod(cut, block)
+    assert key.prefix_hash(level, rest * 4) == prompt_key(model, tokens[:cut], block).full
+
+
+@given(models, token_ids)
+def test_the_full_hash_does_not_depend_on_the_block_size(model, tokens):
+    # Documented: one router (one table) uses one block size, so `full` need not encode it.
+    assert prompt_key(model, tokens, 1).full == prompt_key(model, tokens, 16).full
 
 
 @given(models, token_ids, token_ids, token_ids, block_sizes)
@@ -84,7 +120,7 @@ def test_text_is_keyed_by_blocks_of_utf8_bytes(data, block):
         seed = xxhash.xxh3_64_intdigest(data[i * block : (i + 1) * block], seed)
         chain.append(seed)
     assert key.chain == chain
-    assert key.full == xxhash.xxh3_64_intdigest(data[len(chain) * block :], seed)
+    assert key.full == xxhash.xxh3_64_intdigest(data, xxhash.xxh3_64_intdigest(b"m", TEXT_SEED))
 
 
 chat_messages = st.lists(

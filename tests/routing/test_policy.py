@@ -117,6 +117,25 @@ def test_a_spill_does_not_move_the_home(prompt, n):
     assert policy.choose(key, reps) == (home, "sibling")
 
 
+class ChainlessKey(PromptKey):
+    """A key that fails if its chain is asked for (as in test_affinity)."""
+
+    @property
+    def chain(self) -> list[int]:
+        raise AssertionError("the chain was computed")
+
+
+@given(tokens, fleet_sizes)
+def test_a_sibling_placed_on_its_home_costs_no_chain(prompt, n):
+    # 7 of 8 GRPO requests are siblings: routing one hashes the prompt once, block by block never.
+    reps = fleet(n)
+    policy = prefix_policy(reps)
+    home = send(policy, prompt_key("m", prompt), reps).replica
+    key = prompt_key("m", prompt)
+    sibling = ChainlessKey(key.data, key.seed, key.block_bytes, key.length)
+    assert send(policy, sibling, reps) == (home, "sibling")
+
+
 @given(tokens, nonempty, fleet_sizes, loads)
 def test_continuations_follow_their_prefix_while_the_bound_allows(prompt, more, n, load):
     reps = fleet(n)
