@@ -2,28 +2,42 @@
 
 - **Routed**: `POST /v1/completions` and `/v1/chat/completions`. The body is read once for
   `model` and the prompt; the request waits at the adapter fence if its adapter is being
-  loaded; the routing policy picks a replica among those allowed to serve the model; the
-  body goes out byte for byte and the answer streams back untouched.
-- **Broadcast**: adapter loads/unloads, pause/resume, prefix-cache resets — to every replica,
-  through the fleet's control plane.
-- **Read-only and local**: health, server info, the model list, metrics, status.
-Anything else is forwarded to one replica, like a single vLLM server would answer it.
+  loaded (fleet/fence.py: forwarded only once every live replica acknowledged the adapter,
+  and only to a replica that holds it); the routing policy picks a replica among those allowed
+  to serve the model; the body goes out byte for byte and the answer streams back untouched.
+- **Broadcast**: `POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`, `/pause`, `/resume`,
+  `/reset_prefix_cache` — to every live replica, serialized, through the control plane
+  (fleet/control.py).
+- **Read-only and local**: `/health` and `/ping` (every live replica must be healthy),
+  `/v1/models` (one replica's list, filtered by the fence), and the operators' membership
+  routes under `/router/replicas`.
+Anything else (`/server_info`, `/tokenize`, `/version`, ...) is forwarded to one healthy
+replica, like a single vLLM server would answer it.
 
 Retries: a routed request that failed without receiving a single response byte (connection
 refused or reset, replica gone) is tried on the next replica the policy picks, at most
 `config.retries` times. Once a byte has arrived nothing is retried (see http/upstream.py).
+Every routed outcome is reported to the health monitor (fleet/health.py): failures and 5xx
+count against the replica's circuit breaker and wake its health check.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
+
+import orjson
 
 from lora_router.body import read_completion
-from lora_router.config import Config
+from lora_router.config import Config, ReplicaAddress
+from lora_router.fleet.control import ControlPlane, Reply
+from lora_router.fleet.fence import AdapterFence, AdapterState
 from lora_router.fleet.fleet import Fleet
+from lora_router.fleet.health import HealthMonitor
 from lora_router.fleet.replica import Replica
-from lora_router.http.errors import HTTPError
+from lora_router.http.auth import authenticate
+from lora_router.http.errors import HTTPError, bad_request, model_not_found
 from lora_router.http.headers import upstream_request_head
 from lora_router.http.server import ClientConnection, Request
 from lora_router.http.upstream import UpstreamError
@@ -33,31 +47,117 @@ from lora_router.routing.policy import Policy
 log = logging.getLogger(__name__)
 
 _ROUTED = {b"/v1/completions": False, b"/v1/chat/completions": True}
+_ADMIN = b"/router/replicas"
+_LOOPBACK = (b"127.", b"::1", b"::ffff:127.")
+
+Route = Callable[[Request, ClientConnection], Awaitable[None]]
+
+
+class _StatusSink:
+    """The client connection, as the upstream side writes into it, plus the status it got.
+
+    The first write is always the response head; its status is read there, then `write` is
+    rebound to the connection's own, so the streamed body costs no extra call per chunk.
+
+    With `divert_404`, a 404 head and its body are swallowed instead (`diverted`): a replica
+    that answers 404 for an adapter the fence says is live has lost it (it restarted between
+    two health checks), and vLLM checks the model before any byte of a stream, so nothing has
+    reached the client and the request can go to another replica.
+    """
+
+    __slots__ = ("_conn", "divert_404", "diverted", "on_upstream", "status", "write")
+
+    def __init__(self, conn: ClientConnection, divert_404: bool) -> None:
+        self._conn = conn
+        self.status = 0
+        self.divert_404 = divert_404
+        self.diverted = False
+        self.on_upstream = conn.on_upstream
+        self.write: Callable[[bytes | memoryview], None] = self._head
+
+    @property
+    def keep_alive(self) -> bool:
+        return self._conn.keep_alive
+
+    @keep_alive.setter
+    def keep_alive(self, value: bool) -> None:
+        self._conn.keep_alive = value
+
+    def _head(self, data: bytes | memoryview) -> None:
+        if data[:5] == b"HTTP/":
+            self.status = int(bytes(data[9:12]))
+        if self.status == 404 and self.divert_404:
+            self.diverted = True
+            self.write = self._drop
+            return
+        self.write = self._conn.write
+        self._conn.write(data)
+
+    def _drop(self, data: bytes | memoryview) -> None:
+        pass
 
 
 class RouterApp:
     """Everything a request needs, wired once at start."""
 
-    def __init__(self, config: Config, fleet: Fleet, policy: Policy) -> None:
+    def __init__(
+        self,
+        config: Config,
+        fleet: Fleet,
+        policy: Policy,
+        fence: AdapterFence,
+        control: ControlPlane,
+        health: HealthMonitor,
+    ) -> None:
         self.config = config
         self.fleet = fleet
         self.policy = policy
+        self.fence = fence
+        self.control = control
+        self.health = health
         self.block_size = config.block_size or 16
         token = config.token.reveal()
         self._authorization = f"Bearer {token}".encode() if token else None
+        # (method, path) -> handler, for every route the router answers itself.
+        self.routes: dict[tuple[bytes, bytes], Route] = {
+            (b"POST", b"/v1/load_lora_adapter"): self.load_adapter,
+            (b"POST", b"/v1/unload_lora_adapter"): self.unload_adapter,
+            (b"POST", b"/pause"): self.dev_broadcast,
+            (b"POST", b"/resume"): self.dev_broadcast,
+            (b"POST", b"/reset_prefix_cache"): self.dev_broadcast,
+            (b"GET", b"/health"): self.health_check,
+            (b"GET", b"/ping"): self.health_check,
+            (b"POST", b"/ping"): self.health_check,
+            (b"GET", b"/v1/models"): self.models,
+            (b"GET", _ADMIN): self.list_replicas,
+            (b"POST", _ADMIN): self.add_replica,
+        }
 
     async def handle(self, request: Request, conn: ClientConnection) -> None:
+        authenticate(request, self.config)
         chat = _ROUTED.get(request.path)
         if chat is not None and request.method == b"POST":
             await self.completion(request, conn, chat)
+            return
+        route = self.routes.get((request.method, request.path))
+        if route is not None:
+            await route(request, conn)
+        elif request.method == b"DELETE" and request.path.startswith(_ADMIN + b"/"):
+            await self.remove_replica(request, conn)
         else:
             await self.forward_any(request, conn)
+
+    # -- routed -----------------------------------------------------------------------------
 
     async def completion(self, request: Request, conn: ClientConnection, chat: bool) -> None:
         fields = read_completion(
             request.body, chat=chat, max_prompt_tokens=self.config.max_prompt_tokens
         )
         model = fields.model
+        # The fence: returns at once for the base model and live adapters; waits while the
+        # adapter's load is being broadcast; raises vLLM's 404 for unknown names.
+        await self.fence.admit(model)
+        adapter = model is not None and model not in self.fleet.base_models
         key: PromptKey | None
         if fields.tokens is not None:
             key = prompt_key(model, fields.tokens, self.block_size)
@@ -65,19 +165,31 @@ class RouterApp:
             key = text_key(model, fields.text)
         else:
             key = None
+        health = self.health
         tried: list[Replica] = []
         while True:
             routable = self.fleet.routable(model, tried)
             if not routable:
                 raise HTTPError(503, _no_replica(model, tried))
             replica = self.policy.choose(key, routable).replica
+            replica.breaker.begin()
+            sink = _StatusSink(conn, divert_404=adapter)
             try:
-                await self._forward(request, conn, replica)
-                return
+                await self._forward(request, conn, replica, sink)
             except UpstreamError as exc:
+                health.report_failure(replica)
                 tried.append(replica)
                 if not exc.retryable or len(tried) > self.config.retries:
                     raise _upstream_http_error(replica, exc) from None
+                continue
+            if not sink.diverted:
+                health.report_status(replica, sink.status)
+                return
+            assert model is not None
+            health.report_missing_adapter(replica, model)
+            tried.append(replica)
+            if len(tried) > self.config.retries:
+                raise _lost_adapter_error(model, tried, self.fence.state(model))
 
     async def forward_any(self, request: Request, conn: ClientConnection) -> None:
         """A path the router has no rule for: one replica answers, as a single server would."""
@@ -86,11 +198,17 @@ class RouterApp:
             raise HTTPError(503, "No replica is available.")
         replica = min(routable, key=lambda r: r.in_flight)
         try:
-            await self._forward(request, conn, replica)
+            await self._forward(request, conn, replica, conn)
         except UpstreamError as exc:
             raise _upstream_http_error(replica, exc) from None
 
-    async def _forward(self, request: Request, conn: ClientConnection, replica: Replica) -> None:
+    async def _forward(
+        self,
+        request: Request,
+        conn: ClientConnection,
+        replica: Replica,
+        sink: ClientConnection | _StatusSink,
+    ) -> None:
         address = replica.address
         request_id = request.header(b"x-request-id") or uuid.uuid4().hex.encode()
         head = upstream_request_head(
@@ -107,13 +225,102 @@ class RouterApp:
         try:
             keep_alive = await replica.pool.forward(
                 head + request.body,
-                conn,
+                sink,
                 head_only=request.method == b"HEAD",
                 http11=request.http11,
             )
         finally:
             replica.in_flight -= 1
         conn.keep_alive = conn.keep_alive and keep_alive
+
+    # -- broadcasts and read-only routes ----------------------------------------------------
+
+    async def load_adapter(self, request: Request, conn: ClientConnection) -> None:
+        _send(conn, await self.control.load(request.body))
+
+    async def unload_adapter(self, request: Request, conn: ClientConnection) -> None:
+        _send(conn, await self.control.unload(request.body))
+
+    async def dev_broadcast(self, request: Request, conn: ClientConnection) -> None:
+        path = request.path.decode("latin-1")
+        query = request.query.decode("latin-1")
+        _send(conn, await self.control.dev_broadcast(path[1:], path, query, request.body))
+
+    async def health_check(self, request: Request, conn: ClientConnection) -> None:
+        _send(conn, await self.control.health(request.path.decode("latin-1")))
+
+    async def models(self, request: Request, conn: ClientConnection) -> None:
+        _send(conn, await self.control.models())
+
+    # -- membership (operators) -------------------------------------------------------------
+
+    def _admin_allowed(self, request: Request) -> None:
+        # With an API key, `authenticate` has already checked it; without one the router
+        # trusts only this machine, whatever address it listens on.
+        if not self.config.api_key and not request.client_ip.startswith(_LOOPBACK):
+            raise HTTPError(
+                403,
+                "Membership changes are accepted from loopback clients only, unless the "
+                "router has an API key (--api-key-env).",
+            )
+
+    async def list_replicas(self, request: Request, conn: ClientConnection) -> None:
+        self._admin_allowed(request)
+        payload = {"replicas": [_replica_json(r) for r in self.fleet.replicas]}
+        _send(conn, Reply(200, orjson.dumps(payload), [(b"content-type", b"application/json")]))
+
+    async def add_replica(self, request: Request, conn: ClientConnection) -> None:
+        """`POST /router/replicas {"url": ...}`: replayed, then serving (200), or, when it does
+        not answer or its replay fails, kept out of service and retried by its health check
+        (202)."""
+        self._admin_allowed(request)
+        try:
+            doc = orjson.loads(request.body)
+        except orjson.JSONDecodeError:
+            doc = None
+        url = doc.get("url") if isinstance(doc, dict) else None
+        if not isinstance(url, str):
+            raise bad_request('Expected a JSON object {"url": "http(s)://host:port"}.', "url")
+        try:
+            address = ReplicaAddress.parse(url)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="url") from None
+        existing = self.fleet.by_name(address.name)
+        if existing is not None:
+            raise HTTPError(409, f"{existing.describe()} is already in the fleet.")
+        replica = await self.health.add(address)
+        status = 200 if replica.admitted else 202
+        body = orjson.dumps(_replica_json(replica))
+        _send(conn, Reply(status, body, [(b"content-type", b"application/json")]))
+
+    async def remove_replica(self, request: Request, conn: ClientConnection) -> None:
+        """`DELETE /router/replicas/{id}`: no new work at once, removed once drained."""
+        self._admin_allowed(request)
+        tail = request.path[len(_ADMIN) + 1 :]
+        replica = self.fleet.find(int(tail)) if tail.isdigit() else None
+        if replica is None:
+            raise HTTPError(404, f"No replica with id {tail.decode('latin-1')!r} in the fleet.")
+        drained = await self.health.remove(replica)
+        payload = {**_replica_json(replica), "drained": drained}
+        _send(conn, Reply(200, orjson.dumps(payload), [(b"content-type", b"application/json")]))
+
+
+def _send(conn: ClientConnection, reply: Reply) -> None:
+    conn.send(reply.status, reply.body, reply.headers)
+
+
+def _replica_json(r: Replica) -> dict[str, object]:
+    return {
+        "id": r.rid,
+        "url": r.name,
+        "healthy": r.healthy,
+        "admitted": r.admitted,
+        "draining": r.draining,
+        "in_flight": r.in_flight,
+        "breaker": r.breaker.state,
+        "adapters": sorted(r.adapters),
+        "last_error": r.last_error,
+    }
 
 
 def _no_replica(model: str | None, tried: list[Replica]) -> str:
@@ -123,6 +330,14 @@ def _no_replica(model: str | None, tried: list[Replica]) -> str:
     return f"No replica is available for model `{model}`." if model else "No replica is available."
 
 
+def _lost_adapter_error(model: str, tried: list[Replica], state: AdapterState | None) -> HTTPError:
+    if state is not AdapterState.LIVE:
+        # Unloaded while this request was on its way: what vLLM answers for a gone name.
+        return model_not_found(model)
+    names = ", ".join(r.describe() for r in tried)
+    return HTTPError(502, f"The adapter `{model}` was missing on {names}; they are being replayed.")
+
+
 def _upstream_http_error(replica: Replica, exc: UpstreamError) -> HTTPError:
     status = 504 if exc.kind == "timeout" else 502
-    return HTTPError(status, f"Replica {replica.rid} ({replica.name}): {exc}.")
+    return HTTPError(status, f"{replica.describe()}: {exc}.")

@@ -1,5 +1,11 @@
-"""A running router: the listening socket, the fleet, the policy and the app, started and
-stopped together. Tests and the demo start routers in-process through this class."""
+"""A running router: the listening socket, the fleet, its fence, control plane and health
+checks, the policy and the app, started and stopped together. Tests and the demo start routers
+in-process through this class.
+
+Start order matters: the replicas are read first (adapters already on them, their KV block
+size, `--unload-stale`), so the first request already sees the fleet as it is; the socket
+opens next; the health watchers start last.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +14,13 @@ import logging
 
 from lora_router.app import RouterApp
 from lora_router.config import Config
+from lora_router.fleet.control import ControlPlane
+from lora_router.fleet.fence import AdapterFence
 from lora_router.fleet.fleet import Fleet
+from lora_router.fleet.health import HealthMonitor
+from lora_router.fleet.replay import discover
 from lora_router.http.server import ConnectionCount, serve
+from lora_router.routing.keys import DEFAULT_BLOCK_SIZE
 from lora_router.routing.policy import make_policy
 
 log = logging.getLogger("lora_router")
@@ -21,6 +32,9 @@ class RouterRuntime:
         self.server: asyncio.Server | None = None
         self.connections: ConnectionCount | None = None
         self.fleet: Fleet | None = None
+        self.fence: AdapterFence | None = None
+        self.control: ControlPlane | None = None
+        self.health: HealthMonitor | None = None
         self.app: RouterApp | None = None
 
     @property
@@ -34,15 +48,23 @@ class RouterRuntime:
 
     async def start(self) -> None:
         config = self.config
-        self.fleet = Fleet(config, config.ssl_context())
+        self.fleet = fleet = Fleet(config, config.ssl_context())
         policy = make_policy(
             config.policy,
             load_factor=config.load_factor,
             vnodes=config.vnodes,
             table_size=config.affinity_table_size,
         )
-        policy.set_members([r.name for r in self.fleet.replicas])
-        self.app = RouterApp(config, self.fleet, policy)
+        policy.set_members([r.name for r in fleet.replicas])
+        fleet.on_members = policy.set_members
+        self.fence = fence = AdapterFence(config.fence_timeout)
+        fence.base_models = fleet.base_models  # one set, filled by discovery and replays
+        self.control = control = ControlPlane(config, fleet, fence)
+        await control.open()
+        block_size = await discover(control)
+        self.health = health = HealthMonitor(config, fleet, control)
+        self.app = RouterApp(config, fleet, policy, fence, control, health)
+        self.app.block_size = config.block_size or block_size or DEFAULT_BLOCK_SIZE
         self.server, self.connections = await serve(
             self.app.handle,
             config,
@@ -50,12 +72,14 @@ class RouterRuntime:
             config.port,
             max_connections=config.max_connections,
         )
+        health.start()
         log.info(
-            "lora-router listening on %s:%d, %d replicas (%s), policy %s",
+            "lora-router listening on %s:%d, %d replicas (%s), %d in service, policy %s",
             config.host,
             self.port,
-            len(config.replicas),
-            ", ".join(r.name for r in config.replicas),
+            len(fleet.replicas),
+            ", ".join(r.name for r in fleet.replicas),
+            len(fleet.live()),
             config.policy,
         )
 
@@ -63,7 +87,11 @@ class RouterRuntime:
         """Stop accepting, give in-flight requests `grace` seconds, then close everything."""
         if self.server is not None:
             self.server.close()
+        if self.health is not None:
+            await self.health.stop()
         if self.connections is not None:
             await self.connections.drain(grace)
+        if self.control is not None:
+            await self.control.close()
         if self.fleet is not None:
             self.fleet.close()

@@ -4,11 +4,18 @@ State here is written by the fleet (health, admission, adapters) and by the requ
 (`in_flight`, incremented around every forwarded request in a try/finally so the count is exact
 on every path: success, error, client disconnect, cancellation). It is read by the routing
 policy, which must never write it.
+
+Life cycle: a replica is *healthy* when its last health judgement passed, and *admitted* when,
+on top of that, every live adapter and the fleet's pause state were replayed onto it. Only
+admitted replicas receive traffic or broadcasts; an ejected one is neither healthy nor
+admitted, and goes back through a replay before it serves again. `draining` marks a replica an
+operator is removing: it takes nothing new and leaves once its in-flight requests are done.
 """
 
 from __future__ import annotations
 
 from lora_router.config import ReplicaAddress
+from lora_router.fleet.breaker import CircuitBreaker
 from lora_router.http.upstream import UpstreamPool
 
 
@@ -19,26 +26,53 @@ class Replica:
         "adapters",
         "address",
         "admitted",
+        "admitted_at",
+        "base_model",
+        "breaker",
+        "draining",
+        "ejected_at",
+        "ejections",
         "healthy",
         "in_flight",
         "label",
+        "last_error",
+        "load_seconds",
         "name",
         "pool",
         "rid",
     )
 
-    def __init__(self, rid: int, address: ReplicaAddress, pool: UpstreamPool) -> None:
+    def __init__(
+        self, rid: int, address: ReplicaAddress, pool: UpstreamPool, breaker: CircuitBreaker
+    ) -> None:
         self.rid = rid
         self.address = address
         self.name = address.name  # ring identity: the same URLs give the same placements
         self.label = str(rid).encode()  # what clients see in x-lora-router-replica
         self.pool = pool
+        self.breaker = breaker
         self.in_flight = 0
         self.healthy = True
         # Admitted: the live adapters and the pause state were replayed onto it; until then it
         # serves no request at all.
         self.admitted = True
+        self.draining = False
         self.adapters: dict[str, str] = {}  # adapter name -> lora_path, as acknowledged
+        self.base_model: str | None = None  # entry 0 of its /v1/models
+        self.ejections = 0
+        self.ejected_at: float | None = None  # loop time of the last ejection
+        self.admitted_at: float | None = None  # loop time of the last admission
+        self.last_error = ""  # why it was last ejected or refused admission
+        self.load_seconds = 0.0  # how long its last adapter load took (broadcast order)
+
+    @property
+    def live(self) -> bool:
+        """Takes traffic and broadcasts."""
+        return self.healthy and self.admitted and not self.draining
+
+    def describe(self) -> str:
+        """How errors name a replica: index and URL (the URL never carries a credential)."""
+        return f"Replica {self.rid} ({self.name})"
 
     def __repr__(self) -> str:
         return f"Replica({self.rid}, {self.name}, in_flight={self.in_flight})"

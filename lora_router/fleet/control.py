@@ -1,0 +1,679 @@
+"""The control plane: adapter broadcasts behind the fence, fleet-wide dev-mode calls, and the
+one aiohttp session every router-to-replica control request goes through (health checks,
+discovery and replays included: see health.py and replay.py).
+
+Broadcasts (`load`, `unload`, `pause`, `resume`, `reset_prefix_cache`) are **serialized**: one
+at a time, in arrival order (an `asyncio.Lock`, which wakes its waiters first come first
+served), each sent to every live replica concurrently. A broadcast runs in a task of its own,
+shielded from the client: a trainer that disconnects mid-load must not leave half the fleet
+with an adapter the other half lacks.
+
+- **Load** is all-or-nothing. A 404 "No adapter found" (the replica's mount has not caught up)
+  is retried every `load_retry_interval` until `load_deadline`; past it the answer is **504,
+  never 404** (TRL reads 404 as "runtime LoRA updating is off"). "400 already loaded" counts as
+  present when the replica's `/v1/models` lists the name with the same `root`, and as a conflict
+  otherwise (explained, with `--unload-stale`). Any real failure unloads the adapter from the
+  replicas that took it and answers with the first failure, naming the replica. Success
+  answers vLLM's own body and headers (plain text, no Content-Type).
+- **Unload**: the fence stops routing the name when the request arrives; the broadcast then
+  drops it everywhere; 404 "cannot be found" counts as done. Requests already forwarded under
+  the name finish on their replicas (vLLM keeps serving a request whose adapter it
+  unregistered); one that passed the fence an instant before the unload arrived can still meet
+  a replica that dropped the name, and gets vLLM's 404 (the routed path retries it elsewhere,
+  then answers 404 itself). Unloading frees the name, not the memory: vLLM keeps the weights
+  until its LRU evicts them, so `--max-loras` must cover every version in use
+  (`max_staleness + 2` for TRL, which loads the new version before unloading the old).
+- **Pause / resume / reset_prefix_cache** go out with the query string intact; 200 only when
+  every replica answered 200. The pause state last asked for is remembered and replayed onto
+  replicas that come back.
+- A replica that cannot be reached during a broadcast is ejected (health.py re-admits it with a
+  replay). For loads, `--down-replica-policy` decides the rest: `replay` (default) proceeds
+  with the live replicas, so training goes on and the returning replica gets the adapter before
+  it serves; `fail` refuses a load while any member replica is down or unreachable, for
+  operators who prefer a stopped trainer to a smaller fleet. The fence's invariant holds
+  either way, because a replica serves nothing before its replay.
+
+Read-only calls: `/health` and `/ping` ask every live replica; `/v1/models` comes from one
+healthy replica, filtered to the names that passed the fence, base model first.
+
+Errors name the replica by index and URL (`Replica 2 (https://host:8000)`); the bearer token
+lives only in the session's default headers and never appears in a message or a log line.
+This module must never let a name become live before every live replica acknowledged it, and
+never run two broadcasts at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from yarl import URL
+
+from lora_router.config import Config
+from lora_router.fleet.fence import AdapterEntry, AdapterFence, AdapterState
+from lora_router.fleet.fleet import Fleet
+from lora_router.fleet.replica import Replica
+from lora_router.http.errors import HTTPError, bad_request
+from lora_router.http.headers import HOP_BY_HOP, REPLICA_HEADER
+
+log = logging.getLogger(__name__)
+
+_JSON = (b"content-type", b"application/json")
+_JSON_REQUEST = {"Content-Type": "application/json"}
+# Headers of a replica's answer that describe its connection or framing, not the message; the
+# router frames its own answer.
+_NOT_COPIED = HOP_BY_HOP | {b"content-length", REPLICA_HEADER}
+_MOUNT_LAG = "No adapter found"
+_ALREADY_LOADED = "already been loaded"
+
+
+@dataclass(slots=True)
+class Reply:
+    """A whole answer the router sends for a control route."""
+
+    status: int
+    body: bytes
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Answer:
+    """One replica's answer to one control request; `status` 0 means no HTTP answer at all."""
+
+    replica: Replica
+    status: int
+    body: bytes = b""
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    error: str = ""  # the transport failure when status is 0
+
+    def parsed(self) -> Any:
+        try:
+            return orjson.loads(self.body)
+        except orjson.JSONDecodeError:
+            return None
+
+    def message(self) -> str:
+        """The error text, whichever of vLLM's shapes it came in."""
+        if self.status == 0:
+            return self.error
+        doc = self.parsed()
+        if isinstance(doc, dict):
+            err = doc.get("error")
+            if isinstance(err, dict) and isinstance(err.get("message"), str):
+                return str(err["message"])
+            if isinstance(err, str):
+                return err  # dev-mode routes answer {"error": "<string>"}
+            if isinstance(doc.get("detail"), str):
+                return str(doc["detail"])  # FastAPI's own 404/405
+        text = self.body.decode("utf-8", "replace").strip()
+        return text[:500] or f"HTTP {self.status}"
+
+    def error_type(self) -> str | None:
+        doc = self.parsed()
+        if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
+            kind = doc["error"].get("type")
+            return kind if isinstance(kind, str) else None
+        return None
+
+
+@dataclass(slots=True)
+class Holdings:
+    """A replica's `/v1/models`: base model names (first is entry 0) and adapter roots."""
+
+    bases: list[str] = field(default_factory=list)
+    adapters: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def base(self) -> str | None:
+        return self.bases[0] if self.bases else None
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What one replica did with one adapter load."""
+
+    replica: Replica
+    kind: str  # loaded | present | conflict | failed | timeout | down
+    answer: Answer | None = None
+    detail: str = ""
+
+
+class ControlPlane:
+    """Broadcasts and read-only fleet calls over one aiohttp session (module docstring)."""
+
+    def __init__(self, config: Config, fleet: Fleet, fence: AdapterFence) -> None:
+        self.config = config
+        self.fleet = fleet
+        self.fence = fence
+        self.session: aiohttp.ClientSession | None = None
+        # The broadcast lock: held by every broadcast, and by the last step of a replay, so a
+        # replica is admitted between two broadcasts, never during one.
+        self.lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        # The pause the fleet is under: the query string of the last /pause, or None after a
+        # /resume. `pause_known` stays False until the router has broadcast either, so a
+        # replica coming back is not resumed on a guess.
+        self.paused: str | None = None
+        self.pause_known = False
+        self.replica_info: dict[int, dict[str, Any]] = {}  # rid -> what discovery read
+        self.received = 0  # broadcasts received since start
+        self.pending = 0  # broadcasts received and not yet answered (queued or running)
+        # Plain counters for metrics: (operation, outcome) -> count / seconds.
+        self.counts: Counter[tuple[str, str]] = Counter()
+        self.seconds: dict[tuple[str, str], float] = {}
+        self.on_broadcast: Callable[[str, str, float], None] | None = None
+
+    # -- session ----------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        config = self.config
+        token = config.token.reveal()
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ssl=config.tls_context()),
+            headers=headers,
+            # Bodies are passed on as the replica sent them, never re-encoded.
+            auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),  # replicas set none; skip the per-request work
+            timeout=aiohttp.ClientTimeout(
+                total=None, connect=config.connect_timeout, sock_read=config.first_byte_timeout
+            ),
+        )
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.session is not None:
+            await self.session.close()
+
+    async def call(
+        self,
+        replica: Replica,
+        method: str,
+        path: str,
+        *,
+        body: bytes | None = None,
+        query: str = "",
+        timeout: float | None = None,
+    ) -> Answer:
+        """One request to one replica; transport failures come back as `status` 0."""
+        assert self.session is not None, "ControlPlane.open() was not called"
+        url = URL(replica.name + path + (f"?{query}" if query else ""), encoded=True)
+        headers = _JSON_REQUEST if body is not None else None
+        client_timeout = aiohttp.ClientTimeout(total=timeout) if timeout is not None else None
+        # One retry, only when the request never got an answer on a pooled connection the
+        # replica had closed while idle. Every control request is safe to send twice: a load
+        # sent twice reads as "already loaded" with our root, an unload as 404, the rest are
+        # idempotent in vLLM.
+        for attempt in (0, 1):
+            try:
+                async with self.session.request(
+                    method, url, data=body, headers=headers, timeout=client_timeout
+                ) as resp:
+                    data = await resp.read()
+                    return Answer(replica, resp.status, data, list(resp.raw_headers))
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                if attempt or isinstance(exc, aiohttp.ClientConnectorError):
+                    return Answer(replica, 0, error=_transport_error(exc))
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                return Answer(replica, 0, error=_transport_error(exc, timeout))
+        raise AssertionError("unreachable")
+
+    async def _queue(self, op: Coroutine[Any, Any, Reply]) -> Reply:
+        """Run a broadcast in its own task, in arrival order, whatever happens to the client."""
+        self.received += 1
+        self.pending += 1
+        task = asyncio.get_running_loop().create_task(op)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return await asyncio.shield(task)
+
+    def _done(self, task: asyncio.Task[Reply]) -> None:
+        self.pending -= 1
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # the client may have left: its error is not "never retrieved"
+
+    def _record(
+        self, op: str, outcome: str, started: float, subject: str = "", detail: str = ""
+    ) -> None:
+        seconds = asyncio.get_running_loop().time() - started
+        self.counts[op, outcome] += 1
+        self.seconds[op, outcome] = self.seconds.get((op, outcome), 0.0) + seconds
+        if self.on_broadcast is not None:
+            self.on_broadcast(op, outcome, seconds)
+        # A few lines per weight sync: loads and unloads are what an operator looks for.
+        level = logging.WARNING if outcome in ("failed", "error") else logging.INFO
+        if level == logging.INFO and op not in ("load", "unload"):
+            level = logging.DEBUG
+        what = f"{op} {subject}".strip()
+        why = f": {detail}" if detail else ""
+        log.log(level, "%s: %s in %.3f s%s", what, outcome, seconds, why)
+
+    # -- loads ------------------------------------------------------------------------------
+
+    async def load(self, body: bytes) -> Reply:
+        """`POST /v1/load_lora_adapter`, all-or-nothing on the live replicas."""
+        name, path, inplace = _load_fields(body)
+        # At arrival, not in its turn: completions naming it from now on wait at the fence.
+        entry = self.fence.begin_load(name, path, body, inplace)
+        return await self._queue(self._load_op(entry, name, path, body))
+
+    async def _load_op(self, entry: AdapterEntry, name: str, path: str, body: bytes) -> Reply:
+        started = asyncio.get_running_loop().time()
+        ok, failure, outcome = False, "the router stopped", "error"
+        try:
+            async with self.lock:
+                if entry.state is AdapterState.LIVE:
+                    # A repeated load of a live name: present everywhere, as vLLM's success.
+                    ok, outcome = True, "present"
+                    return _loaded_reply(name, None, self.fleet.live())
+                reply = await self._broadcast_load(name, path, body)
+                ok, outcome = True, "ok"
+                return reply
+        except HTTPError as exc:
+            failure, outcome = exc.message, "failed"
+            raise
+        finally:
+            self.fence.finish_load(entry, ok, failure)
+            self._record("load", outcome, started, repr(name), "" if ok else failure)
+
+    async def _broadcast_load(self, name: str, path: str, body: bytes) -> Reply:
+        fleet = self.fleet
+        if self.config.down_replica_policy == "fail":
+            down = [r for r in fleet.replicas if not r.live and not r.draining]
+            if down:
+                raise HTTPError(
+                    503,
+                    f"Cannot load adapter '{name}': {_named(down)} "
+                    f"{'is' if len(down) == 1 else 'are'} out of service"
+                    f"{_reason(down[0])} and --down-replica-policy is 'fail'.",
+                )
+        targets = fleet.live()
+        if not targets:
+            raise HTTPError(503, f"Cannot load adapter '{name}': no replica is in service.")
+        # The slowest replica decides when the name goes live, so its clock starts first:
+        # requests go out in the order of the replicas' last load times, slowest first (with
+        # eight replicas, the last one sent starts about a millisecond after the first).
+        targets.sort(key=lambda r: r.load_seconds, reverse=True)
+        deadline = asyncio.get_running_loop().time() + self.config.load_deadline
+        outcomes = await asyncio.gather(
+            *(self.load_on(r, name, path, body, deadline) for r in targets)
+        )
+        for o in outcomes:
+            if o.kind == "down":
+                fleet.eject(o.replica, f"unreachable during the load of '{name}': {o.detail}")
+        accepted = [o for o in outcomes if o.kind in ("loaded", "present")]
+        failed = [o for o in outcomes if o.kind in ("conflict", "failed", "timeout")]
+        if self.config.down_replica_policy == "fail":
+            failed += [o for o in outcomes if o.kind == "down"]
+        if accepted and not failed:
+            accepted.sort(key=lambda o: o.replica.rid)
+            for o in accepted:
+                o.replica.adapters[name] = path
+            first = next((o.answer for o in accepted if o.kind == "loaded"), None)
+            return _loaded_reply(name, first, [o.replica for o in accepted])
+        # All or nothing: take it back from every replica that may hold it now. A replica that
+        # timed out may still finish its load later; that copy is read as "present" by the
+        # next load of the same name and path, or unloaded by a replay.
+        await self.unload_from(
+            name, [o.replica for o in outcomes if o.kind in ("loaded", "present", "timeout")]
+        )
+        if not failed:
+            down = [o.replica for o in outcomes]
+            raise HTTPError(
+                503, f"Cannot load adapter '{name}': {_named(down)} could not be reached."
+            )
+        raise _load_failure(name, path, min(failed, key=_failure_rank), self.config)
+
+    async def load_on(
+        self, replica: Replica, name: str, path: str, body: bytes, deadline: float
+    ) -> Outcome:
+        """Load on one replica, retrying mount lag until `deadline`."""
+        last = "no answer"
+        started = asyncio.get_running_loop().time()
+        try:
+            async with asyncio.timeout_at(deadline):
+                while True:  # bounded by the deadline
+                    answer = await self.call(replica, "POST", "/v1/load_lora_adapter", body=body)
+                    if answer.status == 200:
+                        replica.load_seconds = asyncio.get_running_loop().time() - started
+                        return Outcome(replica, "loaded", answer)
+                    if answer.status == 0:
+                        return Outcome(replica, "down", answer, answer.error)
+                    message = answer.message()
+                    if answer.status == 404 and _MOUNT_LAG in message:
+                        last = message
+                        await asyncio.sleep(self.config.load_retry_interval)
+                        continue
+                    if answer.status == 400 and _ALREADY_LOADED in message:
+                        return await self._reconcile(replica, name, path, answer)
+                    return Outcome(replica, "failed", answer, message)
+        except TimeoutError:
+            return Outcome(replica, "timeout", None, last)
+
+    async def _reconcile(self, replica: Replica, name: str, path: str, answer: Answer) -> Outcome:
+        """ "Already loaded": present if the replica holds the name at the same path."""
+        held = await self.holdings(replica)
+        if held is None:
+            return Outcome(replica, "failed", answer, answer.message())
+        root = held.adapters.get(name)
+        if root == path:
+            return Outcome(replica, "present", answer)
+        return Outcome(replica, "conflict", answer, root or "")
+
+    async def unload_from(self, name: str, replicas: Sequence[Replica]) -> list[Answer]:
+        body = orjson.dumps({"lora_name": name})
+        answers = await asyncio.gather(
+            *(self.call(r, "POST", "/v1/unload_lora_adapter", body=body) for r in replicas)
+        )
+        for a in answers:
+            if a.status in (200, 404):
+                a.replica.adapters.pop(name, None)
+            else:
+                log.warning(
+                    "could not unload adapter %r from %s: %s",
+                    name,
+                    a.replica.describe(),
+                    a.message(),
+                )
+        return list(answers)
+
+    # -- unloads ----------------------------------------------------------------------------
+
+    async def unload(self, body: bytes) -> Reply:
+        """`POST /v1/unload_lora_adapter`: unroutable at once, then dropped everywhere."""
+        name = _unload_name(body)
+        entry = self.fence.begin_unload(name)
+        return await self._queue(self._unload_op(entry, name, body))
+
+    async def _unload_op(self, entry: AdapterEntry, name: str, body: bytes) -> Reply:
+        started = asyncio.get_running_loop().time()
+        outcome, detail = "failed", ""
+        try:
+            async with self.lock:
+                targets = self.fleet.live()
+                if not targets:
+                    raise HTTPError(503, f"Cannot unload adapter '{name}': no replica in service.")
+                known = bool(entry.path) or any(name in r.adapters for r in self.fleet.replicas)
+                answers = await asyncio.gather(
+                    *(self.call(r, "POST", "/v1/unload_lora_adapter", body=body) for r in targets)
+                )
+                for a in answers:
+                    if a.status in (200, 404):
+                        a.replica.adapters.pop(name, None)
+                    elif a.status == 0:
+                        # Its replay on return drops the name (it mirrors the fleet).
+                        self.fleet.eject(a.replica, f"unreachable during an unload: {a.error}")
+                failed = [a for a in answers if a.status not in (200, 404, 0)]
+                if failed:
+                    raise _replica_failure(failed[0], f"Cannot unload adapter '{name}'")
+                done = [a for a in answers if a.status == 200]
+                if not done and not known:
+                    # Nobody knew it: the answer a single vLLM gives for an unknown name.
+                    first = next((a for a in answers if a.status == 404), None)
+                    if first is not None:
+                        outcome = "unknown"
+                        return Reply(404, first.body, _copied_headers(first.headers, [first]))
+                outcome = "ok"
+                if done:
+                    return Reply(200, done[0].body, _copied_headers(done[0].headers, done))
+                text = f"Success: LoRA adapter '{name}' removed successfully."
+                return Reply(200, text.encode(), _copied_headers([], answers))
+        except HTTPError as exc:
+            detail = exc.message
+            raise
+        finally:
+            self.fence.finish_unload(entry)
+            self._record("unload", outcome, started, repr(name), detail)
+
+    # -- pause, resume, reset_prefix_cache --------------------------------------------------
+
+    async def dev_broadcast(self, op: str, path: str, query: str, body: bytes) -> Reply:
+        """`/pause`, `/resume`, `/reset_prefix_cache` on every live replica, query intact."""
+        return await self._queue(self._dev_op(op, path, query, body))
+
+    async def _dev_op(self, op: str, path: str, query: str, body: bytes) -> Reply:
+        started = asyncio.get_running_loop().time()
+        outcome, detail = "failed", ""
+        try:
+            async with self.lock:
+                # Remembered as asked, before the outcome: replays converge on the trainer's
+                # latest wish, whichever replicas failed this time.
+                if op == "pause":
+                    self.paused, self.pause_known = query, True
+                elif op == "resume":
+                    self.paused, self.pause_known = None, True
+                targets = self.fleet.live()
+                if not targets:
+                    raise HTTPError(503, f"Cannot {op}: no replica is in service.")
+                answers = await asyncio.gather(
+                    *(self.call(r, "POST", path, query=query, body=body or None) for r in targets)
+                )
+                for a in answers:
+                    if a.status == 0:
+                        self.fleet.eject(a.replica, f"unreachable during /{op}: {a.error}")
+                failed = [a for a in answers if a.status not in (200, 0)]
+                if failed:
+                    raise _replica_failure(failed[0], f"/{op} failed")
+                done = [a for a in answers if a.status == 200]
+                if not done:
+                    raise HTTPError(503, f"Cannot {op}: {_named(targets)} could not be reached.")
+                outcome = "ok"
+                payload = done[0].body
+                if op == "reset_prefix_cache":
+                    # vLLM answers success=false while blocks are held; the fleet succeeded
+                    # only if every replica did.
+                    docs = [a.parsed() for a in done]
+                    success = all(isinstance(d, dict) and d.get("success") is True for d in docs)
+                    payload = orjson.dumps({"success": success})
+                return Reply(200, payload, _copied_headers(done[0].headers, done))
+        except HTTPError as exc:
+            detail = exc.message
+            raise
+        finally:
+            self._record(op, outcome, started, detail=detail)
+
+    # -- read-only --------------------------------------------------------------------------
+
+    async def health(self, path: str) -> Reply:
+        """`/health`, `/ping`: 200 only when every live replica answers 200."""
+        targets = self.fleet.live()
+        if not targets:
+            out = [r for r in self.fleet.replicas if not r.draining]
+            why = f" ({_named(out)} out of service{_reason(out[0])})" if out else ""
+            raise HTTPError(503, f"No replica is in service{why}.")
+        answers = await asyncio.gather(
+            *(self.call(r, "GET", path, timeout=self.config.health_timeout) for r in targets)
+        )
+        bad = next((a for a in answers if a.status != 200), None)
+        if bad is not None:
+            what = bad.error if bad.status == 0 else f"HTTP {bad.status}"
+            raise HTTPError(503, f"{bad.replica.describe()} is not healthy: {what}.")
+        return Reply(200, b"", _copied_headers([], answers))
+
+    async def models(self) -> Reply:
+        """`/v1/models` from one healthy replica, listing only names that passed the fence."""
+        candidates = sorted(self.fleet.routable(None), key=lambda r: r.in_flight)
+        if not candidates:
+            raise HTTPError(503, "No replica is in service.")
+        last: Answer | None = None
+        for replica in candidates[:3]:  # a few tries, never the whole fleet
+            answer = await self.call(replica, "GET", "/v1/models")
+            doc = answer.parsed() if answer.status == 200 else None
+            if isinstance(doc, dict) and isinstance(doc.get("data"), list):
+                cards = [c for c in doc["data"] if isinstance(c, dict)]
+                doc["data"] = self._fenced_cards(cards)
+                headers = [_JSON, (REPLICA_HEADER, replica.label)]
+                return Reply(200, orjson.dumps(doc), headers)
+            last = answer
+        assert last is not None
+        raise _replica_failure(last, "Cannot list models")
+
+    def _fenced_cards(self, cards: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        base = [c for c in cards if not c.get("parent")]
+        by_id = {c.get("id"): c for c in cards if c.get("parent")}
+        parent = base[0].get("id") if base else None
+        out = list(base)  # entry 0 must be the base model: TRL reads its max_model_len
+        for name, entry in self.fence.live().items():
+            card = by_id.get(name)
+            if card is None:
+                # Every admitted replica holds every live name; this is only reached if one
+                # was changed behind the router's back. Describe it as vLLM would.
+                card = {
+                    "id": name,
+                    "object": "model",
+                    "owned_by": "vllm",
+                    "root": entry.path,
+                    "parent": parent,
+                    "max_model_len": None,
+                }
+            out.append(card)
+        return out
+
+    async def holdings(self, replica: Replica) -> Holdings | None:
+        """What a replica's `/v1/models` says it serves, or None if it does not answer."""
+        answer = await self.call(
+            replica, "GET", "/v1/models", timeout=max(self.config.health_timeout, 1.0)
+        )
+        doc = answer.parsed() if answer.status == 200 else None
+        if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
+            return None
+        held = Holdings()
+        for card in doc["data"]:
+            if not isinstance(card, dict) or not isinstance(card.get("id"), str):
+                continue
+            if card.get("parent"):
+                held.adapters[card["id"]] = str(card.get("root") or "")
+            else:
+                held.bases.append(card["id"])  # the base model and its aliases
+        return held
+
+
+# -- request bodies ---------------------------------------------------------------------------
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        doc = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc.msg}.") from None
+    if not isinstance(doc, dict):
+        raise bad_request("The request body must be a JSON object.")
+    return doc
+
+
+def _load_fields(body: bytes) -> tuple[str, str, bool]:
+    doc = _json_object(body)
+    name, path = doc.get("lora_name"), doc.get("lora_path")
+    if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+        raise HTTPError(
+            400, "Both 'lora_name' and 'lora_path' must be provided.", type="InvalidUserInput"
+        )
+    inplace = doc.get("load_inplace", False)
+    if not isinstance(inplace, bool):
+        raise bad_request("`load_inplace` must be a boolean.", param="load_inplace")
+    return name, path, inplace
+
+
+def _unload_name(body: bytes) -> str:
+    name = _json_object(body).get("lora_name")
+    if not isinstance(name, str) or not name:
+        raise HTTPError(
+            400, "'lora_name' needs to be provided to unload an adapter.", type="InvalidUserInput"
+        )
+    return name
+
+
+# -- answers ----------------------------------------------------------------------------------
+
+
+def _copied_headers(
+    headers: Sequence[tuple[bytes, bytes]], answers: Sequence[Answer]
+) -> list[tuple[bytes, bytes]]:
+    """A replica's end-to-end headers (vLLM's own, e.g. no Content-Type on a load's plain
+    text), plus which replicas acknowledged."""
+    out = [(k.lower(), v) for k, v in headers if k.lower() not in _NOT_COPIED]
+    out.append((REPLICA_HEADER, b",".join(a.replica.label for a in answers)))
+    return out
+
+
+def _loaded_reply(name: str, answer: Answer | None, acked: Sequence[Replica]) -> Reply:
+    labels = b",".join(r.label for r in acked)
+    if answer is not None:
+        headers = [(k.lower(), v) for k, v in answer.headers if k.lower() not in _NOT_COPIED]
+        return Reply(200, answer.body, [*headers, (REPLICA_HEADER, labels)])
+    text = f"Success: LoRA adapter '{name}' added successfully."
+    return Reply(200, text.encode(), [(REPLICA_HEADER, labels)])
+
+
+def _failure_rank(o: Outcome) -> tuple[int, int]:
+    # A replica's own refusal explains more than a timeout, which explains more than silence.
+    order = {"conflict": 0, "failed": 0, "timeout": 1, "down": 2}
+    return order[o.kind], o.replica.rid
+
+
+def _load_failure(name: str, path: str, o: Outcome, config: Config) -> HTTPError:
+    who = o.replica.describe()
+    if o.kind == "timeout":
+        return HTTPError(
+            504,
+            f"{who} did not load adapter '{name}' within {config.load_deadline:g} s "
+            f"(--load-deadline); last answer: {o.detail}",
+        )
+    if o.kind == "down":
+        return HTTPError(503, f"Cannot load adapter '{name}': {who} is unreachable: {o.detail}")
+    if o.kind == "conflict":
+        held = f"from '{o.detail}'" if o.detail else "(at a path its /v1/models does not show)"
+        return HTTPError(
+            400,
+            f"{who} already holds adapter '{name}' loaded {held}, not from '{path}'. Adapters "
+            "left on reused replicas by an earlier run can be cleared at start with "
+            "--unload-stale PATTERN (e.g. 'trl-policy-*'), or unloaded first.",
+            type="InvalidUserInput",
+        )
+    assert o.answer is not None
+    if o.answer.status == 404:
+        return HTTPError(
+            404,
+            f"{who} has no adapter routes ({o.detail}): start it with "
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1.",
+        )
+    return _replica_failure(o.answer, f"Cannot load adapter '{name}'")
+
+
+def _replica_failure(answer: Answer, what: str) -> HTTPError:
+    """A replica's refusal, passed on with its status and type and the replica named."""
+    who = answer.replica.describe()
+    if answer.status == 0:
+        return HTTPError(503, f"{what}: {who} is unreachable: {answer.error}")
+    status = answer.status if answer.status >= 400 else 502
+    return HTTPError(
+        status, f"{what}: {who} answered: {answer.message()}", type=answer.error_type()
+    )
+
+
+def _named(replicas: Sequence[Replica]) -> str:
+    return ", ".join(r.describe() for r in replicas)
+
+
+def _reason(replica: Replica) -> str:
+    return f": {replica.last_error}" if replica.last_error else ""
+
+
+def _transport_error(exc: BaseException, timeout: float | None = None) -> str:
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {timeout:g} s" if timeout else "timed out"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"cannot connect ({exc.os_error.__class__.__name__})"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "the replica closed the connection"
+    return exc.__class__.__name__

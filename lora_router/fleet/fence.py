@@ -1,0 +1,245 @@
+"""The version fence: which adapter names the fleet serves, and requests waiting for one.
+
+THE INVARIANT this package exists for:
+
+    A completion naming adapter A is forwarded only to a replica that has A loaded, and only
+    after every live replica has acknowledged loading A.
+
+The fence holds the first half of it ("only after every live replica acknowledged"): a name is
+*live* here only once its load broadcast succeeded on every live replica (control.py). The
+second half ("only to a replica that has A loaded") is `Fleet.routable`, which lists only
+replicas whose acknowledged adapters include A; a replica coming back is admitted only after
+every live adapter was replayed onto it (health.py, replay.py).
+
+Each name the router knows is in one state:
+
+- **loading**: a load was asked for (set when the request *arrives*, not when its turn in the
+  control queue comes, so an eager client may name the version right after asking for it);
+  completions for it wait here, up to `fence_timeout`, then get a clear 503;
+- **live**: completions pass;
+- **unloading**: set when the unload request arrives: the name stops being routable at once
+  (new completions get vLLM's 404) while in-flight ones finish on their replicas.
+
+A name in none of these states is unknown: vLLM's own 404 `model_not_found`, answered by the
+router rather than by a random replica. The base model (and `model` absent) always passes.
+
+Every request arriving for a name creates or joins an *entry*; the control plane applies
+operations in arrival order and reports each outcome back on the entry it was given, so a
+late outcome never overwrites a newer request's state (an unload that arrived after a load
+supersedes it even if the load finishes later). Loading the same name at two paths, or
+re-pointing a live name at new weights (`load_inplace`), is refused here: vLLM keys cached KV
+blocks by name, so a re-pointed name would serve stale KV, and replicas would disagree on its
+weights while the broadcast runs.
+
+Pure state and waiting: no I/O. It must never let a completion through for a name that is not
+live, and never answer 404 for a name that is still loading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Callable, Iterable
+
+from lora_router.http.errors import HTTPError, bad_request, model_not_found
+
+
+class AdapterState(enum.Enum):
+    LOADING = "loading"
+    LIVE = "live"
+    UNLOADING = "unloading"
+
+
+class AdapterEntry:
+    """One name's state as set by one run of requests (see the module docstring)."""
+
+    __slots__ = ("body", "failure", "name", "path", "pending", "settled", "state", "version")
+
+    def __init__(self, name: str, state: AdapterState, path: str, body: bytes) -> None:
+        self.name = name
+        self.state = state
+        self.path = path
+        self.body = body  # the load request as the client sent it (replayed verbatim)
+        self.pending = 1  # control operations still to report on this entry
+        self.settled = asyncio.Event()  # set when waiters should look again
+        self.failure: str | None = None  # why its load failed, for the waiters' 404
+        self.version = 0  # the fence version at which it became live
+
+
+class AdapterFence:
+    """Adapter names and their states; the routed path's gate (`admit`)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._entries: dict[str, AdapterEntry] = {}
+        self.base_models: set[str] = set()
+        # Bumped whenever the set of live names changes; readers (status, replay) compare it.
+        self.version = 0
+        # Plain counters for metrics and the status page.
+        self.waiting = 0
+        self.waits = 0
+        self.wait_seconds = 0.0
+        self.wait_timeouts = 0
+        self.on_wait: Callable[[str, float, str], None] | None = None  # (name, s, outcome)
+
+    # -- the routed path --------------------------------------------------------------------
+
+    async def admit(self, model: str | None) -> None:
+        """Return when a completion for `model` may be routed; raise HTTPError otherwise."""
+        if model is None or model in self.base_models:
+            return
+        entry = self._entries.get(model)
+        if entry is not None and entry.state is AdapterState.LIVE:
+            return
+        await self._wait(model)
+
+    async def _wait(self, model: str) -> None:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        deadline = start + self.timeout
+        outcome = "unknown"
+        self.waiting += 1
+        try:
+            # Bounded: each pass either returns, raises, or waits for a state change that
+            # happens at most a few times per control operation, all before the deadline.
+            while True:
+                entry = self._entries.get(model)
+                if entry is None or entry.state is AdapterState.UNLOADING:
+                    raise model_not_found(model)
+                if entry.state is AdapterState.LIVE:
+                    outcome = "live"
+                    return
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    outcome = "timeout"
+                    raise self._still_loading(model)
+                try:
+                    await asyncio.wait_for(entry.settled.wait(), remaining)
+                except TimeoutError:
+                    outcome = "timeout"
+                    raise self._still_loading(model) from None
+                if entry.failure is not None and self._entries.get(model) is None:
+                    outcome = "failed"
+                    raise model_not_found_after(model, entry.failure)
+        finally:
+            self.waiting -= 1
+            waited = loop.time() - start
+            if outcome != "unknown":
+                self.waits += 1
+                self.wait_seconds += waited
+                if outcome == "timeout":
+                    self.wait_timeouts += 1
+                if self.on_wait is not None:
+                    self.on_wait(model, waited, outcome)
+
+    def _still_loading(self, model: str) -> HTTPError:
+        return HTTPError(
+            503,
+            f"The adapter `{model}` is still being loaded on the replicas after "
+            f"{self.timeout:g} s (--fence-timeout); retry once its load has answered.",
+        )
+
+    # -- what the control plane reports -----------------------------------------------------
+
+    def begin_load(self, name: str, path: str, body: bytes, inplace: bool) -> AdapterEntry:
+        """A load request arrived: from now on completions for `name` wait instead of 404."""
+        current = self._entries.get(name)
+        if current is not None and current.state is not AdapterState.UNLOADING:
+            if inplace:
+                raise bad_request(
+                    f"The lora adapter '{name}' is already loaded; lora-router does not load "
+                    "adapters in place: replicas would serve a mix of old and new weights "
+                    "under one name while the reload is broadcast, and vLLM keys cached KV "
+                    "blocks by name. Load the new weights under a new name.",
+                    param="load_inplace",
+                )
+            if current.path != path:
+                raise HTTPError(
+                    400,
+                    f"The lora adapter '{name}' has already been loaded from "
+                    f"'{current.path}', not '{path}'. Unload it first, or load the new "
+                    "weights under a new name.",
+                    type="InvalidUserInput",
+                )
+            # The same load again: it joins the entry and, in its turn, finds it live
+            # (answered as vLLM's success) or, if the first attempt failed, tries itself.
+            current.pending += 1
+            return current
+        entry = AdapterEntry(name, AdapterState.LOADING, path, body)
+        self._replace(name, entry)
+        return entry
+
+    def finish_load(self, entry: AdapterEntry, ok: bool, failure: str | None = None) -> None:
+        entry.pending -= 1
+        current = self._entries.get(entry.name) is entry
+        if ok:
+            if entry.state is not AdapterState.LIVE:
+                entry.state = AdapterState.LIVE
+                if current:
+                    self.version += 1
+                    entry.version = self.version
+            entry.settled.set()
+            return
+        if entry.state is AdapterState.LIVE or entry.pending > 0:
+            return  # an earlier load of this entry succeeded, or a later one will try
+        entry.failure = failure or "its load failed"
+        if current:
+            del self._entries[entry.name]
+        entry.settled.set()
+
+    def begin_unload(self, name: str) -> AdapterEntry:
+        """An unload request arrived: the name stops being routable now."""
+        current = self._entries.get(name)
+        if current is not None and current.state is AdapterState.UNLOADING:
+            current.pending += 1
+            return current
+        entry = AdapterEntry(name, AdapterState.UNLOADING, current.path if current else "", b"")
+        self._replace(name, entry)
+        return entry
+
+    def finish_unload(self, entry: AdapterEntry) -> None:
+        entry.pending -= 1
+        if entry.pending == 0 and self._entries.get(entry.name) is entry:
+            del self._entries[entry.name]
+            entry.settled.set()
+
+    def mark_live(self, name: str, path: str, body: bytes) -> None:
+        """A name found on every replica at start (static `--lora-modules`)."""
+        entry = AdapterEntry(name, AdapterState.LIVE, path, body)
+        entry.pending = 0
+        self._replace(name, entry)
+        self.version += 1
+        entry.version = self.version
+
+    def _replace(self, name: str, entry: AdapterEntry) -> None:
+        old = self._entries.pop(name, None)  # pop, so the new entry goes last (load order)
+        self._entries[name] = entry
+        if old is not None:
+            if old.state is AdapterState.LIVE:
+                self.version += 1
+            old.settled.set()  # its waiters look again and find the new state
+
+    # -- readers ----------------------------------------------------------------------------
+
+    def state(self, name: str) -> AdapterState | None:
+        entry = self._entries.get(name)
+        return entry.state if entry is not None else None
+
+    def live(self) -> dict[str, AdapterEntry]:
+        """Live names in load order (the order `/v1/models` lists them)."""
+        return {n: e for n, e in self._entries.items() if e.state is AdapterState.LIVE}
+
+    def entries(self) -> Iterable[AdapterEntry]:
+        return list(self._entries.values())
+
+    def in_motion(self, name: str) -> bool:
+        """Whether a load or unload of `name` has arrived and not yet finished."""
+        entry = self._entries.get(name)
+        return entry is not None and entry.state is not AdapterState.LIVE
+
+
+def model_not_found_after(model: str, failure: str) -> HTTPError:
+    """vLLM's 404 for a name whose load the waiter saw fail, with the reason appended (vLLM
+    0.33 appends to this message too, so clients match on its start)."""
+    message = f"{model_not_found(model).message} Its load failed: {failure}"
+    return HTTPError(404, message, param="model")

@@ -1,0 +1,274 @@
+"""Fleet health: active checks, passive reports, ejection, and re-admission with a replay.
+
+Each replica has a watcher task that, every `health_interval`, asks its `/health` (bounded by
+`health_timeout`):
+
+- a serving replica that fails `health_failures` checks in a row is **ejected** (neither
+  healthy nor admitted: no traffic, no broadcasts). A serving replica that passes is also asked
+  for its `/v1/models`: if it lacks an adapter that was live before the question, it restarted
+  (vLLM keeps adapters in process memory) and is ejected at once, then replayed;
+- an ejected replica that passes `health_successes` checks in a row is **re-admitted**: every
+  live adapter is loaded onto it (with the mount-lag retries of a broadcast), stale names are
+  unloaded and the fleet's pause state applied (replay.py) — only then does it
+  become routable. Until then no request for any adapter reaches it.
+
+Passive reports come from the routed path: a connection refused or reset, a timeout or a 5xx
+counts against the replica's circuit breaker (breaker.py) and marks it *suspect*, which wakes
+its watcher at once; a suspect replica that then fails one check is ejected without waiting
+for the threshold, so a crashed replica leaves the fleet within one round trip rather than
+within `health_failures` intervals. A 404 for an adapter the fence says is live means the
+replica restarted between two checks: it is ejected at once and replayed (the routed path has
+already sent that request elsewhere). 503 answers while the fleet is paused are
+vLLM 0.33 refusing work by request, not failures, and are not counted.
+
+Operators add and remove replicas at run time (`add`, `remove`): an added replica is replayed
+before it serves; a removed one stops taking requests at once and leaves the fleet when its
+in-flight requests are done (or after `shutdown_grace`).
+
+This module must never make a replica routable without a completed replay, nor run two
+re-admissions of one replica at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from lora_router.config import Config, ReplicaAddress
+from lora_router.fleet.control import ControlPlane
+from lora_router.fleet.fence import AdapterState
+from lora_router.fleet.fleet import Fleet
+from lora_router.fleet.replay import ReplayError, readmit
+from lora_router.fleet.replica import Replica
+
+log = logging.getLogger(__name__)
+
+
+class _Watch:
+    """The watcher state of one replica."""
+
+    __slots__ = ("failures", "lock", "successes", "suspect", "task", "wake")
+
+    def __init__(self) -> None:
+        self.wake = asyncio.Event()
+        self.lock = asyncio.Lock()  # one re-admission at a time
+        self.failures = 0
+        self.successes = 0
+        self.suspect = False
+        self.task: asyncio.Task[None] | None = None
+
+
+class HealthMonitor:
+    """Watchers for every replica, passive reports, membership changes."""
+
+    def __init__(self, config: Config, fleet: Fleet, control: ControlPlane) -> None:
+        self.config = config
+        self.fleet = fleet
+        self.control = control
+        self._watches: dict[Replica, _Watch] = {}
+        # Plain counters for metrics.
+        self.checks = 0
+        self.check_failures = 0
+        self.readmissions = 0
+        self.readmission_failures = 0
+        self.restarts_detected = 0
+        self.last_readmit_seconds = 0.0
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for replica in self.fleet.replicas:
+            self._watch(replica)
+
+    async def stop(self) -> None:
+        tasks = [w.task for w in self._watches.values() if w.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._watches.clear()
+
+    def _watch(self, replica: Replica) -> _Watch:
+        watch = self._watches.get(replica)
+        if watch is None:
+            watch = self._watches[replica] = _Watch()
+            watch.task = asyncio.get_running_loop().create_task(self._run(replica, watch))
+        return watch
+
+    # -- passive reports from the routed path -----------------------------------------------
+
+    def report_status(self, replica: Replica, status: int) -> None:
+        """The status line a replica answered a routed request with."""
+        if status >= 500:
+            if status == 503 and self.control.paused is not None:
+                return  # paused on purpose (vLLM 0.33 abort/wait modes refuse new work)
+            self.report_failure(replica)
+            return
+        replica.breaker.success()
+
+    def report_missing_adapter(self, replica: Replica, model: str) -> None:
+        """A replica answered 404 for `model`. If the fence still says it is live, the replica
+        lost it (a restart between two checks): out of service until replayed."""
+        if self.control.fence.state(model) is not AdapterState.LIVE or not replica.admitted:
+            return  # the name was being unloaded: the replica is right
+        self.restarts_detected += 1
+        self.fleet.eject(replica, f"answered 404 for live adapter {model!r} (restarted?)")
+        watch = self._watches.get(replica)
+        if watch is not None:
+            # It answers, so it is back already: replay at the next check, not after the
+            # success threshold.
+            watch.successes = self.config.health_successes
+            watch.wake.set()
+
+    def report_failure(self, replica: Replica) -> None:
+        """A routed request failed on this replica (refused, reset, timeout, 5xx)."""
+        replica.breaker.failure(asyncio.get_running_loop().time())
+        self._wake(replica, suspect=True)
+
+    def _wake(self, replica: Replica, *, suspect: bool) -> None:
+        watch = self._watches.get(replica)
+        if watch is not None:
+            watch.suspect = watch.suspect or suspect
+            watch.wake.set()
+
+    # -- the watcher ------------------------------------------------------------------------
+
+    async def _run(self, replica: Replica, watch: _Watch) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self.config.health_interval
+        # Early checks (on a passive report) are spaced at least this much, so a burst of
+        # failing requests costs a few probes a second, not one per request.
+        min_gap = min(interval / 4, 0.1)
+        last = loop.time()  # discovery (or the admin route) has just looked at it
+        while replica in self.fleet.replicas and not replica.draining:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(watch.wake.wait(), max(0.0, last + interval - loop.time()))
+            gap = last + min_gap - loop.time()
+            if gap > 0:
+                await asyncio.sleep(gap)
+            watch.wake.clear()
+            last = loop.time()
+            try:
+                await self._check(replica, watch)
+            except Exception:  # a watcher must outlive any one bad answer
+                log.exception("health check of %s failed unexpectedly", replica.describe())
+
+    async def _check(self, replica: Replica, watch: _Watch) -> None:
+        config = self.config
+        self.checks += 1
+        answer = await self.control.call(replica, "GET", "/health", timeout=config.health_timeout)
+        ok = answer.status == 200
+        if not ok:
+            self.check_failures += 1
+        if replica.admitted and replica.healthy:
+            if not ok:
+                watch.successes = 0
+                watch.failures += 1
+                if watch.failures >= config.health_failures or watch.suspect:
+                    what = answer.error or f"HTTP {answer.status}"
+                    self.fleet.eject(replica, f"/health: {what}")
+                watch.suspect = False
+                return
+            watch.failures = 0
+            watch.suspect = False
+            if await self._lost_adapters(replica):
+                self.restarts_detected += 1
+                # It answers, so it is back already: replay now rather than after the
+                # success threshold.
+                watch.successes = config.health_successes
+                watch.wake.set()
+            return
+        watch.failures = 0
+        if not ok:
+            watch.successes = 0
+            replica.last_error = f"/health: {answer.error or f'HTTP {answer.status}'}"
+            return
+        watch.successes += 1
+        if watch.successes >= config.health_successes:
+            await self.admit(replica)
+
+    async def _lost_adapters(self, replica: Replica) -> bool:
+        """Whether a serving replica lacks an adapter that was live before we asked."""
+        before = {n: e.path for n, e in self.control.fence.live().items()}
+        if not before:
+            return False
+        held = await self.control.holdings(replica)
+        if held is None or not replica.admitted:
+            return False
+        fence = self.control.fence
+        lost = [
+            n
+            for n, path in before.items()
+            if held.adapters.get(n) != path and fence.state(n) is AdapterState.LIVE
+        ]
+        if lost:
+            shown = ", ".join(lost[:3]) + (" ..." if len(lost) > 3 else "")
+            self.fleet.eject(replica, f"restarted: it no longer holds {shown}")
+        return bool(lost)
+
+    # -- admission --------------------------------------------------------------------------
+
+    async def admit(self, replica: Replica) -> bool:
+        """Replay the fleet's state onto a replica that answers, then let it serve."""
+        watch = self._watch(replica)
+        async with watch.lock:
+            if replica.admitted and replica.healthy:
+                return True
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            replica.healthy = True
+            try:
+                await readmit(self.control, replica)
+            except ReplayError as exc:
+                self.readmission_failures += 1
+                watch.successes = 0
+                replica.healthy = False
+                replica.last_error = f"replay failed: {exc}"
+                log.warning("%s stays out of service: replay failed: %s", replica.describe(), exc)
+                return False
+            self.readmissions += 1
+            self.last_readmit_seconds = loop.time() - started
+            watch.successes = 0
+            watch.failures = 0
+            watch.suspect = False
+            replica.last_error = ""
+            log.info(
+                "%s is back in service (%d adapters replayed in %.2f s)",
+                replica.describe(),
+                len(replica.adapters),
+                self.last_readmit_seconds,
+            )
+            return True
+
+    # -- membership -------------------------------------------------------------------------
+
+    async def add(self, address: ReplicaAddress) -> Replica:
+        """A replica added at run time: watched at once, serving after its replay."""
+        replica = self.fleet.add(address, admitted=False)
+        replica.healthy = False
+        self._watch(replica)
+        answer = await self.control.call(
+            replica, "GET", "/health", timeout=self.config.health_timeout
+        )
+        if answer.status == 200:
+            await self.admit(replica)
+        else:
+            replica.last_error = f"/health: {answer.error or f'HTTP {answer.status}'}"
+        return replica
+
+    async def remove(self, replica: Replica) -> bool:
+        """Drain and remove a replica; returns whether its requests finished in time."""
+        replica.draining = True  # routable() and broadcasts skip it from now on
+        watch = self._watches.pop(replica, None)
+        if watch is not None and watch.task is not None:
+            watch.task.cancel()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.shutdown_grace
+        # in_flight is a plain counter written by the request path; polling it at a short
+        # fixed step is the simplest exact wait, and it is bounded by the grace period.
+        while replica.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        drained = replica.in_flight == 0
+        self.fleet.remove(replica)
+        log.info("%s removed from the fleet (drained: %s)", replica.describe(), drained)
+        return drained

@@ -1,0 +1,198 @@
+"""Fixtures for the fleet tests: emulated replicas on free ports, routers started in-process with
+short timeouts, adapter directories, and the invariant monitor.
+
+`FenceMonitor` watches the fence's invariant from the replicas' side: every time an emulated
+replica resolves the model of a completion naming an adapter, it records a violation unless
+that replica holds the adapter and every replica the router counts as live holds it too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import uvloop
+
+from lora_router.config import Config, ReplicaAddress
+from lora_router.emulator import Emulator, EmulatorConfig, Engine, start_emulator, write_adapter
+from lora_router.runtime import RouterRuntime
+
+# Short deadlines so every timeout path ends within a test's budget; no background health
+# checks unless a test asks for them.
+FAST = dict(
+    port=0,
+    connect_timeout=1.0,
+    first_byte_timeout=10.0,
+    idle_timeout=10.0,
+    fence_timeout=5.0,
+    load_retry_interval=0.02,
+    load_deadline=3.0,
+    health_interval=3600.0,
+    health_timeout=1.0,
+    health_failures=2,
+    health_successes=1,
+    shutdown_grace=2.0,
+    status_interval=0.0,
+)
+
+StartEmulators = Callable[..., Awaitable[list[Emulator]]]
+StartRouter = Callable[..., Awaitable[RouterRuntime]]
+
+
+def pytest_asyncio_loop_factories(config: Any, item: Any) -> dict[str, Callable[[], Any]]:
+    return {"uvloop": uvloop.new_event_loop}
+
+
+def router_config(emulators: Iterable[Emulator], **overrides: Any) -> Config:
+    settings: dict[str, Any] = {**FAST, **overrides}
+    return Config(replicas=tuple(ReplicaAddress.parse(e.url) for e in emulators), **settings)
+
+
+class FenceMonitor:
+    """Records every completion that reaches a replica in breach of the fence's invariant."""
+
+    def __init__(self) -> None:
+        self.emulators: list[Emulator] = []
+        self.router: RouterRuntime | None = None
+        self.violations: list[str] = []
+        self.checked = 0
+        self.check_fleet = True  # the "every live replica" half (off around restarts)
+
+    def observe(self, engine: Engine, model: object) -> None:
+        if not isinstance(model, str) or model == engine.config.model:
+            return
+        self.checked += 1
+        if model not in engine.registry:
+            self.violations.append(f"{model} reached a replica that does not hold it")
+        if not self.check_fleet or self.router is None or self.router.fleet is None:
+            return
+        by_url = {e.url: e for e in self.emulators}
+        for replica in self.router.fleet.replicas:
+            emu = by_url.get(replica.name)
+            live = replica.live and emu is not None and emu.listening
+            if live and emu is not None and model not in emu.state.registry:
+                self.violations.append(
+                    f"{model} was routed while live replica {replica.rid} lacks it"
+                )
+
+
+@pytest.fixture
+def monitor(monkeypatch: pytest.MonkeyPatch) -> FenceMonitor:
+    watcher = FenceMonitor()
+    original = Engine.resolve_model
+
+    def resolve_model(self: Engine, name: object) -> Any:
+        watcher.observe(self, name)
+        return original(self, name)
+
+    monkeypatch.setattr(Engine, "resolve_model", resolve_model)
+    return watcher
+
+
+@pytest.fixture
+async def emulators(monitor: FenceMonitor) -> AsyncIterator[StartEmulators]:
+    started: list[Emulator] = []
+
+    async def start(n: int, **settings: Any) -> list[Emulator]:
+        new = [await start_emulator(EmulatorConfig(**settings)) for _ in range(n)]
+        started.extend(new)
+        monitor.emulators.extend(new)
+        return new
+
+    yield start
+    for emu in started:
+        await emu.stop()
+
+
+@pytest.fixture
+async def router(monitor: FenceMonitor) -> AsyncIterator[StartRouter]:
+    started: list[RouterRuntime] = []
+
+    async def start(emus: Iterable[Emulator], **overrides: Any) -> RouterRuntime:
+        runtime = RouterRuntime(router_config(emus, **overrides))
+        await runtime.start()
+        started.append(runtime)
+        monitor.router = runtime
+        return runtime
+
+    yield start
+    for runtime in started:
+        await runtime.stop(grace=0.0)
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+@pytest.fixture
+def adapter(tmp_path: Path) -> Callable[[str], str]:
+    """Write an adapter directory as TRL lays it out; returns its absolute path."""
+
+    def write(name: str) -> str:
+        return str(write_adapter(tmp_path / ".vllm_lora" / name))
+
+    return write
+
+
+async def call(
+    client: aiohttp.ClientSession, method: str, url: str, json: Any = None
+) -> tuple[int, bytes, Any]:
+    """One request, read whole: status, body, headers."""
+    async with client.request(method, url, json=json) as response:
+        return response.status, await response.read(), response.headers
+
+
+async def load(client: aiohttp.ClientSession, url: str, name: str, path: str) -> tuple[int, bytes]:
+    body = {"lora_name": name, "lora_path": path, "load_inplace": False}
+    status, data, _ = await call(client, "POST", url + "/v1/load_lora_adapter", body)
+    return status, data
+
+
+async def unload(client: aiohttp.ClientSession, url: str, name: str) -> tuple[int, bytes]:
+    status, data, _ = await call(
+        client, "POST", url + "/v1/unload_lora_adapter", {"lora_name": name}
+    )
+    return status, data
+
+
+async def complete(
+    client: aiohttp.ClientSession, url: str, model: str | None = None, **fields: Any
+) -> tuple[int, Any]:
+    body: dict[str, Any] = {"prompt": list(range(40)), "max_tokens": 4, **fields}
+    if model is not None:
+        body["model"] = model
+    status, data, _ = await call(client, "POST", url + "/v1/completions", body)
+    return status, _json(data)
+
+
+def _json(data: bytes) -> Any:
+    import orjson
+
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return data
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 5.0, step: float = 0.01) -> None:
+    """Wait for a condition the router reaches on its own (a health check, a replay)."""
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(step)
+
+
+def paths_of(emu: Emulator, route: str) -> list[str | None]:
+    """The bodies' adapter names of every request `emu` received on `route`, in order."""
+    import orjson
+
+    names: list[str | None] = []
+    for r in emu.requests:
+        if r.path.split("?")[0] == route:
+            names.append(orjson.loads(r.body).get("lora_name") if r.body else None)
+    return names

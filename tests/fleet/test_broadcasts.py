@@ -1,0 +1,440 @@
+"""Adapter broadcasts and the fence, end to end: a router in front of emulated replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import aiohttp
+import orjson
+import pytest
+
+from .conftest import (
+    FenceMonitor,
+    StartEmulators,
+    StartRouter,
+    call,
+    complete,
+    load,
+    paths_of,
+    unload,
+)
+
+Adapter = Callable[[str], str]
+
+
+async def test_load_reaches_every_replica_and_answers_vllms_own_success(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    emus = await emulators(3)
+    rt = await router(emus)
+    body = {"lora_name": "trl-policy-v1", "lora_path": adapter("trl-policy-v1")}
+    async with client.post(rt.url + "/v1/load_lora_adapter", json=body) as resp:
+        text = await resp.read()
+        assert resp.status == 200
+        # vLLM's success is plain text with no Content-Type at all; the router keeps it so.
+        assert "Content-Type" not in resp.headers
+        assert resp.headers["x-lora-router-replica"] == "0,1,2"
+    assert text == b"Success: LoRA adapter 'trl-policy-v1' added successfully."
+    for emu in emus:
+        assert emu.state.adapters == {"trl-policy-v1": body["lora_path"]}
+
+
+async def test_mount_lag_is_retried_until_the_replica_sees_the_files(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    emus = await emulators(3)
+    emus[1].faults.mount_lag = 3
+    rt = await router(emus)
+    status, _ = await load(client, rt.url, "v1", adapter("v1"))
+    assert status == 200
+    assert paths_of(emus[1], "/v1/load_lora_adapter") == ["v1"] * 4
+    assert paths_of(emus[0], "/v1/load_lora_adapter") == ["v1"]
+
+
+async def test_a_load_that_never_becomes_visible_answers_504_never_404(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    emus = await emulators(3)
+    emus[2].faults.mount_lag = 10_000
+    rt = await router(emus, load_deadline=0.3)
+    status, data = await load(client, rt.url, "v1", adapter("v1"))
+    assert status == 504
+    message = orjson.loads(data)["error"]["message"]
+    assert f"Replica 2 ({emus[2].url})" in message and "No adapter found" in message
+    # All or nothing: the replicas that took it gave it back.
+    assert all("v1" not in emu.state.adapters for emu in emus)
+
+
+async def test_a_real_failure_rolls_back_and_names_the_replica(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    adapter: Adapter,
+    monitor: FenceMonitor,
+) -> None:
+    emus = await emulators(3)
+    emus[1].faults.load_failures = 1
+    rt = await router(emus)
+    status, data = await load(client, rt.url, "v1", adapter("v1"))
+    assert status == 500
+    error = orjson.loads(data)["error"]
+    assert error["message"].startswith(f"Cannot load adapter 'v1': Replica 1 ({emus[1].url})")
+    assert error["type"] == "InternalServerError"
+    assert all("v1" not in emu.state.adapters for emu in emus)
+    assert paths_of(emus[0], "/v1/unload_lora_adapter") == ["v1"]
+    # The name never became live: completions get vLLM's 404 from the router itself.
+    status, body = await complete(client, rt.url, "v1")
+    assert status == 404 and body["error"]["message"] == "The model `v1` does not exist."
+    assert monitor.checked == 0
+
+
+async def test_already_loaded_at_the_same_path_reads_as_present(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    emus = await emulators(3)
+    rt = await router(emus)
+    path = adapter("v1")
+    # Replica 0 got it outside the router (a load whose answer was lost, say).
+    status, _ = await load(client, emus[0].url, "v1", path)
+    assert status == 200
+    status, _ = await load(client, rt.url, "v1", path)
+    assert status == 200
+    assert all(emu.state.adapters == {"v1": path} for emu in emus)
+    assert (await complete(client, rt.url, "v1"))[0] == 200
+
+
+async def test_already_loaded_from_another_path_is_a_conflict_that_explains_itself(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    emus = await emulators(3)
+    rt = await router(emus)
+    await load(client, emus[2].url, "trl-policy-v1", adapter("old-run"))
+    status, data = await load(client, rt.url, "trl-policy-v1", adapter("trl-policy-v1"))
+    assert status == 400
+    message = orjson.loads(data)["error"]["message"]
+    assert f"Replica 2 ({emus[2].url})" in message
+    assert "old-run" in message and "--unload-stale" in message
+    assert "trl-policy-v1" not in emus[0].state.adapters  # rolled back
+    assert "trl-policy-v1" in emus[2].state.adapters  # not the router's to remove
+
+
+async def test_unload_stale_clears_matching_adapters_at_start(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    emus = await emulators(2)
+    for emu in emus:
+        await load(client, emu.url, "trl-policy-v1", adapter("old-run"))
+        await load(client, emu.url, "keep-me", adapter("keep-me"))
+    rt = await router(emus, unload_stale="trl-policy-*")
+    assert all(set(emu.state.adapters) == {"keep-me"} for emu in emus)
+    # TRL's first load now works instead of colliding with the earlier run's adapter.
+    assert (await load(client, rt.url, "trl-policy-v1", adapter("trl-policy-v1")))[0] == 200
+
+
+async def test_adapters_present_on_every_replica_at_start_are_served(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    emus = await emulators(3)
+    for emu in emus:
+        await load(client, emu.url, "static", adapter("static"))
+    await load(client, emus[0].url, "partial", adapter("partial"))
+    rt = await router(emus)
+    _, data, _ = await call(client, "GET", rt.url + "/v1/models")
+    ids = [card["id"] for card in orjson.loads(data)["data"]]
+    assert ids == [emus[0].config.model, "static"]
+    assert (await complete(client, rt.url, "static"))[0] == 200
+    status, _ = await complete(client, rt.url, "partial")
+    assert status == 404
+
+
+async def test_unknown_model_is_answered_by_the_router_not_a_replica(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(2)
+    rt = await router(emus)
+    before = [len(e.requests) for e in emus]
+    status, data, headers = await call(
+        client, "POST", rt.url + "/v1/completions", {"model": "ghost", "prompt": [1, 2]}
+    )
+    assert status == 404
+    assert orjson.loads(data) == {
+        "error": {
+            "message": "The model `ghost` does not exist.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    }
+    assert "x-lora-router-replica" not in headers
+    assert [len(e.requests) for e in emus] == before
+
+
+async def test_eager_requests_wait_at_the_fence_until_every_replica_loaded(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    adapter: Adapter,
+    monitor: FenceMonitor,
+) -> None:
+    emus = await emulators(3)
+    emus[2].faults.load_delay_s = 0.3  # the slowest replica decides when the name is live
+    rt = await router(emus)
+    assert rt.fence is not None
+    loading = asyncio.create_task(load(client, rt.url, "v1", adapter("v1")))
+    await asyncio.sleep(0.05)  # the load has reached the replicas; replica 2 is still busy
+    eager = [asyncio.create_task(complete(client, rt.url, "v1")) for _ in range(6)]
+    await asyncio.sleep(0.05)
+    assert rt.fence.waiting == 6 and not any(t.done() for t in eager)
+    assert (await loading)[0] == 200
+    assert [(await t)[0] for t in eager] == [200] * 6
+    assert monitor.checked == 6 and monitor.violations == []
+
+
+async def test_a_request_waiting_past_the_fence_timeout_gets_a_clear_503(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    emus = await emulators(2)
+    emus[1].faults.load_delay_s = 0.5
+    rt = await router(emus, fence_timeout=0.1)
+    loading = asyncio.create_task(load(client, rt.url, "v1", adapter("v1")))
+    await asyncio.sleep(0.02)
+    status, body = await complete(client, rt.url, "v1")
+    assert status == 503 and "still being loaded" in body["error"]["message"]
+    assert (await loading)[0] == 200
+
+
+async def test_unload_stops_routing_at_once_while_in_flight_requests_finish(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    emus = await emulators(2, decode_s_per_token=0.02)
+    rt = await router(emus)
+    await load(client, rt.url, "v1", adapter("v1"))
+    in_flight = [
+        asyncio.create_task(complete(client, rt.url, "v1", max_tokens=15, prompt=[i] * 40))
+        for i in range(4)
+    ]
+    await asyncio.sleep(0.1)
+    status, _ = await unload(client, rt.url, "v1")
+    assert status == 200
+    assert all("v1" not in emu.state.adapters for emu in emus)
+    assert (await complete(client, rt.url, "v1"))[0] == 404
+    results = [await t for t in in_flight]
+    assert [s for s, _ in results] == [200] * 4
+    assert all(len(body["choices"][0]["text"]) > 0 for _, body in results)
+
+
+async def test_unload_counts_a_replica_that_never_had_it_as_done(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    emus = await emulators(2)
+    rt = await router(emus)
+    await load(client, rt.url, "v1", adapter("v1"))
+    await unload(client, emus[1].url, "v1")  # gone behind the router's back
+    assert (await unload(client, rt.url, "v1"))[0] == 200
+    # A name nobody ever had gets the answer a single vLLM gives.
+    status, data = await unload(client, rt.url, "never")
+    assert status == 404 and b"cannot be found" in data
+
+
+async def test_pause_and_resume_reach_every_replica_with_their_query(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(3)
+    rt = await router(emus)
+    status, data, _ = await call(client, "POST", rt.url + "/pause?mode=keep&clear_cache=false")
+    assert (status, orjson.loads(data)) == (200, {"status": "paused"})
+    assert all(e.state.paused and e.state.pause_mode == "keep" for e in emus)
+    assert all(
+        r.path == "/pause?mode=keep&clear_cache=false" for e in emus for r in e.requests[-1:]
+    )
+    assert rt.control is not None and rt.control.paused == "mode=keep&clear_cache=false"
+    status, data, _ = await call(client, "POST", rt.url + "/resume")
+    assert (status, orjson.loads(data)) == (200, {"status": "resumed"})
+    assert not any(e.state.paused for e in emus)
+    assert rt.control.paused is None
+
+
+async def test_a_failed_pause_names_the_replica(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(2)
+    rt = await router(emus)
+    status, data, _ = await call(client, "POST", rt.url + "/pause?mode=sideways")
+    assert status == 400
+    assert "Replica 0" in orjson.loads(data)["error"]["message"]
+
+
+async def test_reset_prefix_cache_succeeds_only_if_every_replica_did(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(2)
+    rt = await router(emus)
+    status, data, _ = await call(client, "POST", rt.url + "/reset_prefix_cache")
+    assert (status, orjson.loads(data)) == (200, {"success": True})
+    assert all(any(r.path == "/reset_prefix_cache" for r in e.requests) for e in emus)
+
+
+async def test_health_is_200_only_when_every_live_replica_is(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(3)
+    rt = await router(emus)
+    for path in ("/health", "/ping"):
+        status, data, _ = await call(client, "GET", rt.url + path)
+        assert (status, data) == (200, b"")
+    emus[1].faults.dead = True
+    status, data, _ = await call(client, "GET", rt.url + "/health")
+    assert status == 503
+    assert f"Replica 1 ({emus[1].url})" in orjson.loads(data)["error"]["message"]
+
+
+async def test_models_lists_the_base_first_and_only_fenced_adapters(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    emus = await emulators(2)
+    emus[1].faults.load_delay_s = 0.4
+    rt = await router(emus, policy="round-robin")
+    await load(client, rt.url, "v1", adapter("v1"))
+    loading = asyncio.create_task(load(client, rt.url, "v2", adapter("v2")))
+    await asyncio.sleep(0.1)
+    assert "v2" in emus[0].state.adapters  # replica 0 already has it, replica 1 not yet
+    for _ in range(2):  # whichever replica answers
+        _, data, _ = await call(client, "GET", rt.url + "/v1/models")
+        cards = orjson.loads(data)["data"]
+        assert [c["id"] for c in cards] == [emus[0].config.model, "v1"]
+        assert cards[0]["max_model_len"] == emus[0].config.max_model_len
+    await loading
+    _, data, _ = await call(client, "GET", rt.url + "/v1/models")
+    assert [c["id"] for c in orjson.loads(data)["data"]][1:] == ["v1", "v2"]
+
+
+async def test_server_info_comes_from_one_replica_as_one_server(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(3)
+    rt = await router(emus)
+    status, data, _ = await call(client, "GET", rt.url + "/server_info?config_format=json")
+    assert status == 200
+    config = orjson.loads(data)["vllm_config"]
+    assert config["parallel_config"]["data_parallel_size"] == 1
+    assert config["lora_config"]["max_loras"] == emus[0].config.max_loras
+
+
+async def test_disagreeing_replicas_are_reported_at_start(
+    emulators: StartEmulators, router: StartRouter, caplog: pytest.LogCaptureFixture
+) -> None:
+    emus = [*(await emulators(1, max_loras=6)), *(await emulators(1, max_loras=4))]
+    emus += await emulators(1, block_size=32)
+    with caplog.at_level(logging.WARNING, logger="lora_router"):
+        rt = await router(emus)
+    text = caplog.text
+    assert "disagree on max_loras (replica 0: 6, replica 1: 4, replica 2: 6)" in text
+    assert "disagree on block_size" in text
+    assert rt.app is not None and rt.app.block_size == 16  # no agreement: vLLM's default
+
+
+async def test_block_size_is_read_from_the_replicas(
+    emulators: StartEmulators, router: StartRouter
+) -> None:
+    emus = await emulators(2, block_size=32)
+    rt = await router(emus)
+    assert rt.app is not None and rt.app.block_size == 32
+
+
+async def test_broadcasts_run_one_at_a_time_in_arrival_order(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    emus = await emulators(3)
+    emus[0].faults.load_delay_s = 0.2
+    rt = await router(emus)
+    ops = [
+        ("POST", "/v1/load_lora_adapter", {"lora_name": "v1", "lora_path": adapter("v1")}),
+        ("POST", "/v1/unload_lora_adapter", {"lora_name": "v1"}),
+        ("POST", "/v1/load_lora_adapter", {"lora_name": "v2", "lora_path": adapter("v2")}),
+        ("POST", "/pause?mode=keep", None),
+        ("POST", "/resume", None),
+    ]
+    tasks = []
+    for method, path, body in ops:
+        tasks.append(asyncio.create_task(call(client, method, rt.url + path, body)))
+        await asyncio.sleep(0.01)  # fixes the arrival order
+    assert [(await t)[0] for t in tasks] == [200] * 5
+    expected = ["/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/load_lora_adapter"]
+    expected += ["/pause?mode=keep", "/resume"]
+    for emu in emus:
+        control = [r.path for r in emu.requests if r.method == "POST"]
+        assert control == expected
+        assert set(emu.state.adapters) == {"v2"}
+
+
+async def test_a_client_that_leaves_mid_load_does_not_split_the_fleet(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    emus = await emulators(3)
+    emus[1].faults.load_delay_s = 0.3
+    rt = await router(emus)
+    assert rt.fence is not None
+    body = {"lora_name": "v1", "lora_path": adapter("v1")}
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.1):
+            await call(client, "POST", rt.url + "/v1/load_lora_adapter", body)
+    await asyncio.sleep(0.4)
+    assert all("v1" in emu.state.adapters for emu in emus)
+    assert (await complete(client, rt.url, "v1"))[0] == 200
+
+
+async def test_reloading_a_live_name_in_place_is_refused(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    emus = await emulators(2)
+    rt = await router(emus)
+    path = adapter("v1")
+    await load(client, rt.url, "v1", path)
+    body = {"lora_name": "v1", "lora_path": path, "load_inplace": True}
+    status, data, _ = await call(client, "POST", rt.url + "/v1/load_lora_adapter", body)
+    assert status == 400 and "in place" in orjson.loads(data)["error"]["message"]
+    # The same load again (no in-place) is vLLM's success: it is present everywhere.
+    assert (await load(client, rt.url, "v1", path))[0] == 200
+
+
+async def test_malformed_load_requests_are_refused_like_vllm(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(1)
+    rt = await router(emus)
+    status, data, _ = await call(
+        client, "POST", rt.url + "/v1/load_lora_adapter", {"lora_name": "v1"}
+    )
+    assert status == 400
+    assert orjson.loads(data)["error"]["message"] == (
+        "Both 'lora_name' and 'lora_path' must be provided."
+    )
+    assert not any(r.path == "/v1/load_lora_adapter" for r in emus[0].requests)
+
+
+async def test_the_token_reaches_the_replicas_and_never_an_answer_or_a_log(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    adapter: Adapter,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from lora_router.config import Secret
+
+    token = "tok-5f1e2d9c"
+    emus = await emulators(2, api_key=token)  # like vLLM --api-key: /v1/* needs the bearer
+    emus[1].faults.load_failures = 1
+    with caplog.at_level(logging.DEBUG, logger="lora_router"):
+        rt = await router(emus, token=Secret(token), health_interval=0.05)
+        answers = [await load(client, rt.url, "v1", adapter("v1"))]
+        answers.append(await load(client, rt.url, "v1", adapter("v1")))
+        await emus[0].crash()
+        answers.append(await load(client, rt.url, "v2", adapter("v2")))
+        _, data, _ = await call(client, "GET", rt.url + "/health")
+        answers.append((0, data))
+    assert [status for status, _ in answers[:3]] == [500, 200, 200]
+    assert all(r.headers.get("authorization") == f"Bearer {token}" for r in emus[1].requests)
+    assert token not in caplog.text
+    assert all(token.encode() not in body for _, body in answers)

@@ -1,0 +1,387 @@
+"""Fleet health end to end: replicas that die, restart empty, fail, stall, join and leave.
+
+In every scenario every client request gets an answer, and (checked by `FenceMonitor`) no
+request for an adapter reaches a replica without it once the router could know.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import aiohttp
+import orjson
+import pytest
+
+from lora_router.app import RouterApp
+from lora_router.emulator import Emulator
+from lora_router.http.server import Request
+
+from .conftest import (
+    FenceMonitor,
+    StartEmulators,
+    StartRouter,
+    call,
+    complete,
+    load,
+    paths_of,
+    until,
+)
+
+Adapter = Callable[[str], str]
+
+
+def completions_after(emu: Emulator, start: int) -> int:
+    return sum(1 for r in emu.requests[start:] if r.path == "/v1/completions")
+
+
+async def stream(
+    client: aiohttp.ClientSession, url: str, prompt: list[int], frames: list[int]
+) -> tuple[bytes, str]:
+    """A streamed completion read to its end; returns what arrived and how it ended.
+    `frames` gets one count per chunk received, for the test to watch progress."""
+    body = {"prompt": prompt, "max_tokens": 40, "stream": True}
+    received = b""
+    try:
+        async with client.post(url + "/v1/completions", json=body) as resp:
+            async for chunk in resp.content.iter_any():
+                received += chunk
+                frames.append(1)
+    except aiohttp.ClientPayloadError:
+        return received, "cut"
+    return received, "done" if received.endswith(b"data: [DONE]\n\n") else "short"
+
+
+async def test_a_replica_killed_mid_stream_cuts_its_stream_cleanly_and_others_go_on(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    monitor: FenceMonitor,
+) -> None:
+    emus = await emulators(3, decode_s_per_token=0.01)
+    rt = await router(emus, policy="round-robin")
+    assert rt.fleet is not None
+    progress: list[list[int]] = [[], [], []]
+    streams = [asyncio.create_task(stream(client, rt.url, [i] * 40, progress[i])) for i in range(3)]
+    await until(lambda: all(len(p) >= 2 for p in progress))
+    await emus[0].crash()
+    results = [await t for t in streams]
+    assert results[0][1] == "cut" and b"data: " in results[0][0]  # started, then closed
+    assert [how for _, how in results[1:]] == ["done", "done"]
+    # The failure on real traffic ejected it at once (a failed probe of a suspect replica).
+    fleet = rt.fleet
+    await until(lambda: not fleet.replicas[0].live, timeout=1.0)
+    statuses = [(await complete(client, rt.url, prompt=[i] * 40))[0] for i in range(6)]
+    assert statuses == [200] * 6
+
+
+async def test_a_stopped_replica_is_ejected_then_readmitted_with_every_adapter_first(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    adapter: Adapter,
+    monitor: FenceMonitor,
+) -> None:
+    emus = await emulators(3)
+    interval = 0.1
+    rt = await router(emus, health_interval=interval, health_successes=2)
+    assert rt.fleet is not None and rt.health is not None
+    down = rt.fleet.replicas[1]
+    await load(client, rt.url, "v1", adapter("v1"))
+    loop = asyncio.get_running_loop()
+    crashed_at = loop.time()
+    await emus[1].crash()
+    await until(lambda: not down.healthy, timeout=2.0)
+    assert loop.time() - crashed_at <= 2 * interval + 0.1  # ejected within two intervals
+    # Its keys spread over the survivors, and the fleet keeps loading without it.
+    before = [len(e.requests) for e in emus]
+    results = [await complete(client, rt.url, "v1", prompt=[i, i + 1] * 20) for i in range(12)]
+    assert [s for s, _ in results] == [200] * 12
+    assert completions_after(emus[0], before[0]) > 0 and completions_after(emus[2], before[2]) > 0
+    assert (await load(client, rt.url, "v2", adapter("v2")))[0] == 200
+    assert (await call(client, "POST", rt.url + "/pause?mode=keep"))[0] == 200
+    # It comes back empty, as a restarted vLLM does: every live adapter and the pause state
+    # are replayed before it is routable again.
+    mark = len(emus[1].requests)
+    await emus[1].restart()
+    await until(lambda: down.live, timeout=3.0)
+    assert emus[1].state.adapters == {"v1": adapter("v1"), "v2": adapter("v2")}
+    assert emus[1].state.paused and emus[1].state.pause_mode == "keep"
+    replayed = [r.path for r in emus[1].requests[mark:] if r.method == "POST"]
+    assert sorted(replayed) == [
+        "/pause?mode=keep",
+        "/v1/load_lora_adapter",
+        "/v1/load_lora_adapter",
+    ]
+    assert (await call(client, "POST", rt.url + "/resume"))[0] == 200
+    served = [await complete(client, rt.url, "v2", prompt=[i] * 40) for i in range(12)]
+    assert [s for s, _ in served] == [200] * 12
+    assert completions_after(emus[1], mark) > 0
+    assert monitor.violations == []
+    assert rt.health.readmissions == 1
+
+
+async def test_a_replica_that_restarted_between_checks_is_replayed_before_serving_again(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    adapter: Adapter,
+    monitor: FenceMonitor,
+) -> None:
+    emus = await emulators(3)
+    rt = await router(emus, policy="round-robin")  # no health checks: only traffic can tell
+    assert rt.fleet is not None and rt.health is not None
+    for name in ("v1", "v2"):
+        await load(client, rt.url, name, adapter(name))
+    await emus[2].restart()
+    monitor.check_fleet = False  # the router cannot know yet
+    # Requests keep working: the 404 of the emptied replica never reaches the client.
+    statuses = [(await complete(client, rt.url, "v2", prompt=[i] * 40))[0] for i in range(9)]
+    assert statuses == [200] * 9
+    assert rt.health.restarts_detected == 1
+    await until(lambda: rt.fleet is not None and rt.fleet.replicas[2].live, timeout=3.0)
+    assert set(emus[2].state.adapters) == {"v1", "v2"}
+    # Exactly one request met the emptied replica: the one that revealed the restart.
+    assert len(monitor.violations) == 1
+    monitor.violations.clear()
+    monitor.check_fleet = True
+    statuses = [(await complete(client, rt.url, "v1", prompt=[i] * 40))[0] for i in range(6)]
+    assert statuses == [200] * 6
+    assert monitor.violations == []
+
+
+async def test_health_checks_notice_a_restart_before_any_request_does(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    adapter: Adapter,
+    monitor: FenceMonitor,
+) -> None:
+    emus = await emulators(2)
+    rt = await router(emus, health_interval=0.05)
+    assert rt.health is not None
+    await load(client, rt.url, "v1", adapter("v1"))
+    await emus[0].restart()
+    await until(lambda: rt.health is not None and rt.health.readmissions == 1, timeout=3.0)
+    assert rt.health.restarts_detected == 1
+    assert emus[0].state.adapters == {"v1": adapter("v1")}
+    statuses = [(await complete(client, rt.url, "v1", prompt=[i] * 40))[0] for i in range(6)]
+    assert statuses == [200] * 6
+    assert monitor.violations == []
+
+
+async def test_a_replica_answering_5xx_opens_its_breaker_and_its_keys_move(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(3)
+    rt = await router(emus, breaker_failures=3, breaker_cooldown=60.0)
+    assert rt.fleet is not None
+    prompt = list(range(64))
+    _, _, headers = await call(client, "POST", rt.url + "/v1/completions", {"prompt": prompt})
+    home = int(headers["x-lora-router-replica"])
+    emus[home].faults.error_rate = 1.0
+    mark = len(emus[home].requests)
+    statuses = [(await complete(client, rt.url, prompt=prompt))[0] for _ in range(10)]
+    # The hash policy keeps sending this prompt home until the breaker opens, never after.
+    assert statuses == [500] * 3 + [200] * 7
+    assert completions_after(emus[home], mark) == 3
+    assert rt.fleet.replicas[home].breaker.state == "open"
+    assert rt.fleet.replicas[home].healthy  # /health still passes: not ejected, just avoided
+
+
+async def test_a_refused_connection_is_retried_on_the_next_replica(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(3)
+    rt = await router(emus, policy="round-robin")
+    assert rt.fleet is not None
+    await emus[0].crash()  # the router does not know yet: no health checks in this test
+    statuses = [(await complete(client, rt.url, prompt=[i] * 40))[0] for i in range(6)]
+    assert statuses == [200] * 6
+    await until(lambda: rt.fleet is not None and not rt.fleet.replicas[0].live, timeout=1.0)
+
+
+async def test_requests_after_a_replica_dropped_its_connections_succeed(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(1)
+    rt = await router(emus)
+    assert (await complete(client, rt.url))[0] == 200  # leaves a pooled keep-alive connection
+    await emus[0].restart()  # closes every connection, the pooled one included
+    assert (await complete(client, rt.url))[0] == 200
+
+
+async def test_a_stalled_replica_times_out_without_a_retry(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(2)
+    rt = await router(emus, policy="round-robin", first_byte_timeout=0.2)
+    assert rt.fleet is not None
+    emus[0].faults.stall = True
+    try:
+        status, body = await complete(client, rt.url)
+        assert status == 504
+        assert f"Replica 0 ({emus[0].url})" in body["error"]["message"]
+        # A timeout is not retried elsewhere: the replica may still be working on it.
+        assert completions_after(emus[1], 0) == 0
+        assert rt.fleet.replicas[0].breaker.failures == 1
+    finally:
+        emus[0].faults.stall = False
+
+
+async def test_down_replica_policy_fail_refuses_loads_while_a_replica_is_out(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    emus = await emulators(3)
+    rt = await router(emus, down_replica_policy="fail", health_interval=0.05)
+    assert rt.fleet is not None
+    await emus[1].crash()
+    await until(lambda: rt.fleet is not None and not rt.fleet.replicas[1].healthy)
+    status, data = await load(client, rt.url, "v1", adapter("v1"))
+    assert status == 503
+    message = orjson.loads(data)["error"]["message"]
+    assert f"Replica 1 ({emus[1].url})" in message and "--down-replica-policy" in message
+    assert all("v1" not in e.state.adapters for e in (emus[0], emus[2]))
+
+
+async def test_a_replica_unreachable_during_a_load_is_ejected_and_gets_it_on_return(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    adapter: Adapter,
+    monitor: FenceMonitor,
+) -> None:
+    emus = await emulators(3)
+    rt = await router(emus, health_interval=0.05)
+    assert rt.fleet is not None
+    await emus[2].crash()  # the next load finds out before any health check does
+    assert (await load(client, rt.url, "v1", adapter("v1")))[0] == 200
+    assert not rt.fleet.replicas[2].live
+    assert (await complete(client, rt.url, "v1"))[0] == 200
+    await emus[2].restart()
+    await until(lambda: rt.fleet is not None and rt.fleet.replicas[2].live, timeout=3.0)
+    assert emus[2].state.adapters == {"v1": adapter("v1")}
+    assert monitor.violations == []
+
+
+async def test_an_added_replica_is_replayed_then_serves(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    emus = await emulators(2)
+    extra = (await emulators(1))[0]
+    extra.faults.mount_lag = 2  # the new machine's mount is behind too
+    rt = await router(emus)
+    assert rt.app is not None and rt.fleet is not None
+    for name in ("v1", "v2"):
+        await load(client, rt.url, name, adapter(name))
+    await call(client, "POST", rt.url + "/pause?mode=keep")
+    status, data, _ = await call(client, "POST", rt.url + "/router/replicas", {"url": extra.url})
+    assert status == 200
+    added = orjson.loads(data)
+    assert added["id"] == 2 and added["admitted"] is True
+    assert added["adapters"] == ["v1", "v2"]
+    assert extra.state.adapters == {"v1": adapter("v1"), "v2": adapter("v2")}
+    assert extra.state.paused
+    assert extra.url in rt.app.policy.ring.names  # type: ignore[attr-defined]
+    await call(client, "POST", rt.url + "/resume")
+    statuses = [(await complete(client, rt.url, "v2", prompt=[i] * 40))[0] for i in range(12)]
+    assert statuses == [200] * 12
+    assert completions_after(extra, 0) > 0
+    # The same replica twice, or a URL that is not one, is refused.
+    assert (await call(client, "POST", rt.url + "/router/replicas", {"url": extra.url}))[0] == 409
+    assert (await call(client, "POST", rt.url + "/router/replicas", {"url": "ftp://x"}))[0] == 400
+
+
+async def test_an_added_replica_that_does_not_answer_stays_out_of_service(
+    router: StartRouter, emulators: StartEmulators, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(1)
+    rt = await router(emus)
+    gone = (await emulators(1))[0]
+    await gone.crash()
+    status, data, _ = await call(client, "POST", rt.url + "/router/replicas", {"url": gone.url})
+    assert status == 202
+    assert orjson.loads(data)["admitted"] is False
+    statuses = [(await complete(client, rt.url, prompt=[i] * 40))[0] for i in range(4)]
+    assert statuses == [200] * 4
+
+
+async def test_a_removed_replica_drains_before_it_leaves(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(3, decode_s_per_token=0.01)
+    rt = await router(emus, policy="round-robin")
+    assert rt.app is not None and rt.fleet is not None
+    long = [
+        asyncio.create_task(complete(client, rt.url, prompt=[i] * 40, max_tokens=30))
+        for i in range(3)
+    ]
+    await until(lambda: emus[1].state.num_running == 1)
+    status, data, _ = await call(client, "DELETE", rt.url + "/router/replicas/1")
+    assert status == 200 and orjson.loads(data)["drained"] is True
+    assert [(await t)[0] for t in long] == [200] * 3
+    assert [r.rid for r in rt.fleet.replicas] == [0, 2]
+    mark = len(emus[1].requests)
+    statuses = [(await complete(client, rt.url, prompt=[i] * 40))[0] for i in range(6)]
+    assert statuses == [200] * 6
+    assert len(emus[1].requests) == mark
+    assert (await call(client, "DELETE", rt.url + "/router/replicas/1"))[0] == 404
+
+
+async def test_membership_changes_from_beyond_loopback_are_refused_without_an_api_key(
+    emulators: StartEmulators, router: StartRouter
+) -> None:
+    emus = await emulators(1)
+    rt = await router(emus)
+    assert rt.app is not None
+    app: RouterApp = rt.app
+    request = Request(
+        method=b"POST",
+        target=b"/router/replicas",
+        path=b"/router/replicas",
+        query=b"",
+        headers=[],
+        body=b'{"url": "http://10.0.0.9:8000"}',
+        keep_alive=True,
+        http11=True,
+        client_ip=b"10.1.2.3",
+    )
+    with pytest.raises(Exception) as err:
+        app._admin_allowed(request)
+    assert getattr(err.value, "status", None) == 403
+
+
+async def test_membership_routes_need_the_api_key_when_the_router_has_one(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    from lora_router.config import Secret
+
+    emus = await emulators(1)
+    rt = await router(emus, api_key=Secret("sesame"))
+    status, _, _ = await call(client, "GET", rt.url + "/router/replicas")
+    assert status == 401
+    async with client.get(
+        rt.url + "/router/replicas", headers={"Authorization": "Bearer sesame"}
+    ) as resp:
+        assert resp.status == 200
+        assert [r["url"] for r in (await resp.json())["replicas"]] == [emus[0].url]
+
+
+async def test_replayed_loads_use_the_trainers_own_request(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    emus = await emulators(2)
+    rt = await router(emus, health_interval=0.05)
+    assert rt.fleet is not None
+    await load(client, rt.url, "v1", adapter("v1"))
+    await emus[1].crash()
+    await until(lambda: rt.fleet is not None and not rt.fleet.replicas[1].healthy)
+    await emus[1].restart()
+    await until(lambda: rt.fleet is not None and rt.fleet.replicas[1].live, timeout=3.0)
+    sent = [r.body for r in emus[1].requests if r.path == "/v1/load_lora_adapter"]
+    assert orjson.loads(sent[-1]) == {
+        "lora_name": "v1",
+        "lora_path": adapter("v1"),
+        "load_inplace": False,
+    }
+    assert paths_of(emus[0], "/v1/load_lora_adapter") == ["v1"]
