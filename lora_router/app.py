@@ -23,11 +23,15 @@ count against the replica's circuit breaker and wake its health check.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
-import uuid
+import os
 from collections.abc import Awaitable, Callable
 
 import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import CollectorRegistry
 
 from lora_router.body import read_completion
 from lora_router.config import Config, ReplicaAddress
@@ -41,12 +45,36 @@ from lora_router.http.errors import HTTPError, bad_request, model_not_found
 from lora_router.http.headers import upstream_request_head
 from lora_router.http.server import ClientConnection, Request
 from lora_router.http.upstream import UpstreamError
+from lora_router.metrics import RequestStats
 from lora_router.routing.keys import PromptKey, prompt_key, text_key
 from lora_router.routing.policy import Policy
+from lora_router.status import RouterState, replica_json, status
 
 log = logging.getLogger(__name__)
 
 _ROUTED = {b"/v1/completions": False, b"/v1/chat/completions": True}
+_JSON = [(b"content-type", b"application/json")]
+# Paths that get their own `route` label in the metrics; everything else counts as "other", so a
+# client cannot grow the label set.
+_ROUTE_LABELS = {
+    path: path.decode()
+    for path in (
+        b"/v1/completions",
+        b"/v1/chat/completions",
+        b"/v1/load_lora_adapter",
+        b"/v1/unload_lora_adapter",
+        b"/pause",
+        b"/resume",
+        b"/reset_prefix_cache",
+        b"/health",
+        b"/ping",
+        b"/v1/models",
+        b"/server_info",
+        b"/metrics",
+        b"/router/status",
+        b"/router/replicas",
+    )
+}
 _ADMIN = b"/router/replicas"
 _LOOPBACK = (b"127.", b"::1", b"::ffff:127.")
 
@@ -108,6 +136,8 @@ class RouterApp:
         fence: AdapterFence,
         control: ControlPlane,
         health: HealthMonitor,
+        stats: RequestStats,
+        registry: CollectorRegistry,
     ) -> None:
         self.config = config
         self.fleet = fleet
@@ -115,9 +145,18 @@ class RouterApp:
         self.fence = fence
         self.control = control
         self.health = health
+        self.stats = stats
+        self.state = RouterState(fleet, fence, control, health, policy, stats)
+        self._registry = registry
+        self._loop = asyncio.get_running_loop()
         self.block_size = config.block_size or 16
         token = config.token.reveal()
         self._authorization = f"Bearer {token}".encode() if token else None
+        # Request ids for requests that come without one: unique per process and cheap (a
+        # counter behind a random prefix, not a uuid4 and its getrandom call per request).
+        # 32 hex digits like a uuid4's: 16 random, then a 64-bit counter.
+        prefix = os.urandom(8).hex()
+        self._request_ids = (f"{prefix}{n:016x}".encode() for n in itertools.count(1))
         # (method, path) -> handler, for every route the router answers itself.
         self.routes: dict[tuple[bytes, bytes], Route] = {
             (b"POST", b"/v1/load_lora_adapter"): self.load_adapter,
@@ -129,11 +168,33 @@ class RouterApp:
             (b"GET", b"/ping"): self.health_check,
             (b"POST", b"/ping"): self.health_check,
             (b"GET", b"/v1/models"): self.models,
+            (b"GET", b"/metrics"): self.metrics,
+            (b"GET", b"/router/status"): self.router_status,
             (b"GET", _ADMIN): self.list_replicas,
             (b"POST", _ADMIN): self.add_replica,
         }
 
     async def handle(self, request: Request, conn: ClientConnection) -> None:
+        """Answer one request and count it (route, status, replica, latency, first byte)."""
+        started = self._loop.time()
+        conn.replica = b"-"
+        try:
+            await self._dispatch(request, conn)
+        except HTTPError as exc:
+            # Answered by the router itself after this returns (unless a stream had begun).
+            self._observe(request, conn, started, conn.status or exc.status)
+            raise
+        except asyncio.CancelledError:
+            self._observe(request, conn, started, conn.status or 499)  # the client went away
+            raise
+        self._observe(request, conn, started, conn.status)
+
+    def _observe(self, request: Request, conn: ClientConnection, started: float, code: int) -> None:
+        first_byte = conn.first_byte_at - started if conn.first_byte_at else None
+        route = _ROUTE_LABELS.get(request.path, "other")
+        self.stats.observe(route, code, conn.replica, self._loop.time() - started, first_byte)
+
+    async def _dispatch(self, request: Request, conn: ClientConnection) -> None:
         authenticate(request, self.config)
         chat = _ROUTED.get(request.path)
         if chat is not None and request.method == b"POST":
@@ -210,7 +271,7 @@ class RouterApp:
         sink: ClientConnection | _StatusSink,
     ) -> None:
         address = replica.address
-        request_id = request.header(b"x-request-id") or uuid.uuid4().hex.encode()
+        request_id = request.header(b"x-request-id") or next(self._request_ids)
         head = upstream_request_head(
             request.method,
             address.path_prefix.encode() + request.target,
@@ -222,6 +283,7 @@ class RouterApp:
             body_length=len(request.body),
         )
         replica.in_flight += 1
+        conn.replica = replica.label
         try:
             keep_alive = await replica.pool.forward(
                 head + request.body,
@@ -252,6 +314,15 @@ class RouterApp:
     async def models(self, request: Request, conn: ClientConnection) -> None:
         _send(conn, await self.control.models())
 
+    async def metrics(self, request: Request, conn: ClientConnection) -> None:
+        """Prometheus exposition of the request counters and the live fleet state."""
+        body = generate_latest(self._registry)
+        conn.send(200, body, [(b"content-type", CONTENT_TYPE_LATEST.encode())])
+
+    async def router_status(self, request: Request, conn: ClientConnection) -> None:
+        """What an operator reads first when training stalls (see status.py)."""
+        conn.send(200, orjson.dumps(status(self.state), option=orjson.OPT_INDENT_2), _JSON)
+
     # -- membership (operators) -------------------------------------------------------------
 
     def _admin_allowed(self, request: Request) -> None:
@@ -266,8 +337,8 @@ class RouterApp:
 
     async def list_replicas(self, request: Request, conn: ClientConnection) -> None:
         self._admin_allowed(request)
-        payload = {"replicas": [_replica_json(r) for r in self.fleet.replicas]}
-        _send(conn, Reply(200, orjson.dumps(payload), [(b"content-type", b"application/json")]))
+        payload = {"replicas": [replica_json(r) for r in self.fleet.replicas]}
+        conn.send(200, orjson.dumps(payload), _JSON)
 
     async def add_replica(self, request: Request, conn: ClientConnection) -> None:
         """`POST /router/replicas {"url": ...}`: replayed, then serving (200), or, when it does
@@ -290,8 +361,7 @@ class RouterApp:
             raise HTTPError(409, f"{existing.describe()} is already in the fleet.")
         replica = await self.health.add(address)
         status = 200 if replica.admitted else 202
-        body = orjson.dumps(_replica_json(replica))
-        _send(conn, Reply(status, body, [(b"content-type", b"application/json")]))
+        conn.send(status, orjson.dumps(replica_json(replica)), _JSON)
 
     async def remove_replica(self, request: Request, conn: ClientConnection) -> None:
         """`DELETE /router/replicas/{id}`: no new work at once, removed once drained."""
@@ -301,26 +371,12 @@ class RouterApp:
         if replica is None:
             raise HTTPError(404, f"No replica with id {tail.decode('latin-1')!r} in the fleet.")
         drained = await self.health.remove(replica)
-        payload = {**_replica_json(replica), "drained": drained}
-        _send(conn, Reply(200, orjson.dumps(payload), [(b"content-type", b"application/json")]))
+        payload = {**replica_json(replica), "drained": drained}
+        conn.send(200, orjson.dumps(payload), _JSON)
 
 
 def _send(conn: ClientConnection, reply: Reply) -> None:
     conn.send(reply.status, reply.body, reply.headers)
-
-
-def _replica_json(r: Replica) -> dict[str, object]:
-    return {
-        "id": r.rid,
-        "url": r.name,
-        "healthy": r.healthy,
-        "admitted": r.admitted,
-        "draining": r.draining,
-        "in_flight": r.in_flight,
-        "breaker": r.breaker.state,
-        "adapters": sorted(r.adapters),
-        "last_error": r.last_error,
-    }
 
 
 def _no_replica(model: str | None, tried: list[Replica]) -> str:

@@ -20,8 +20,10 @@ from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
 from lora_router.fleet.replay import discover
 from lora_router.http.server import ConnectionCount, serve
+from lora_router.metrics import MetricsCollector, RequestStats, make_registry
 from lora_router.routing.keys import DEFAULT_BLOCK_SIZE
 from lora_router.routing.policy import make_policy
+from lora_router.status import metric_families, summary_line
 
 log = logging.getLogger("lora_router")
 
@@ -36,6 +38,7 @@ class RouterRuntime:
         self.control: ControlPlane | None = None
         self.health: HealthMonitor | None = None
         self.app: RouterApp | None = None
+        self._summary: asyncio.Task[None] | None = None
 
     @property
     def port(self) -> int:
@@ -54,6 +57,7 @@ class RouterRuntime:
             load_factor=config.load_factor,
             vnodes=config.vnodes,
             table_size=config.affinity_table_size,
+            load_slack=config.load_slack,
         )
         policy.set_members([r.name for r in fleet.replicas])
         fleet.on_members = policy.set_members
@@ -63,7 +67,11 @@ class RouterRuntime:
         await control.open()
         block_size = await discover(control)
         self.health = health = HealthMonitor(config, fleet, control)
-        self.app = RouterApp(config, fleet, policy, fence, control, health)
+        stats = RequestStats()
+        collector = MetricsCollector(stats)
+        registry = make_registry(collector)
+        self.app = app = RouterApp(config, fleet, policy, fence, control, health, stats, registry)
+        collector.add_source(lambda: metric_families(app.state))
         self.app.block_size = config.block_size or block_size or DEFAULT_BLOCK_SIZE
         self.server, self.connections = await serve(
             self.app.handle,
@@ -73,6 +81,8 @@ class RouterRuntime:
             max_connections=config.max_connections,
         )
         health.start()
+        if config.status_interval > 0:
+            self._summary = asyncio.get_running_loop().create_task(self._log_summaries())
         log.info(
             "lora-router listening on %s:%d, %d replicas (%s), %d in service, policy %s",
             config.host,
@@ -83,8 +93,17 @@ class RouterRuntime:
             config.policy,
         )
 
+    async def _log_summaries(self) -> None:
+        """One line every `status_interval` seconds with what an operator checks first."""
+        assert self.app is not None
+        while True:
+            await asyncio.sleep(self.config.status_interval)
+            log.info("%s", summary_line(self.app.state))
+
     async def stop(self, grace: float = 0.0) -> None:
         """Stop accepting, give in-flight requests `grace` seconds, then close everything."""
+        if self._summary is not None:
+            self._summary.cancel()
         if self.server is not None:
             self.server.close()
         if self.health is not None:

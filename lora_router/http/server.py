@@ -161,6 +161,10 @@ class ClientConnection(asyncio.Protocol):
         self._writable: asyncio.Event | None = None
         self.response_started = False
         self.keep_alive = True
+        # The answer to the current request, as far as it went (read by metrics).
+        self.status = 0
+        self.first_byte_at = 0.0
+        self.replica = b"-"  # the label of the replica that answered, set by the app
         # Parser scratch for the request being received.
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
@@ -329,6 +333,8 @@ class ClientConnection(asyncio.Protocol):
     def _start_next(self) -> None:
         request = self._queue.popleft()
         self.response_started = False
+        self.status = 0
+        self.first_byte_at = 0.0
         self.keep_alive = self.keep_alive and request.keep_alive
         self._task = self._loop.create_task(self._run(request))
 
@@ -366,7 +372,12 @@ class ClientConnection(asyncio.Protocol):
 
     def write(self, data: bytes | memoryview) -> None:
         """Raw response bytes (used by the upstream side to stream a replica's answer)."""
-        self.response_started = True
+        if not self.response_started:
+            # The first write of a response is its head: note its status and when it came.
+            self.response_started = True
+            code = bytes(data[9:12])
+            self.status = int(code) if code.isdigit() else 0
+            self.first_byte_at = self._loop.time()
         if self.transport is not None:
             self.transport.write(data)
 
@@ -386,6 +397,7 @@ class ClientConnection(asyncio.Protocol):
         if self.response_started or self.transport is None or self._closed:
             return
         self.response_started = True
+        self.status = status
         reason = REASONS.get(status, b"Unknown")
         head = response_head(status, reason, headers or _JSON, len(body), self.keep_alive)
         self.transport.write(head + body)

@@ -1,0 +1,140 @@
+"""Counters and histograms the request path updates, rendered for Prometheus at scrape time.
+
+The request path only adds to plain Python ints and lists (`Histogram.observe` is a bisect and
+two additions); nothing here takes a lock or formats text per request. When `/metrics` is
+scraped, `MetricsCollector` reads these numbers, plus the live state of the fleet and the
+routing policy, and builds prometheus-client metric families from them — the library does the
+exposition format, which is the part worth not writing by hand.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector, CollectorRegistry
+
+# Latency buckets (seconds): generation runs from milliseconds (cache hits, short answers) to
+# many minutes (3,000-token rollouts behind a queue).
+LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+    300.0, 600.0, 1800.0,
+)  # fmt: skip
+
+
+class Histogram:
+    """A fixed-bucket histogram that is cheap to update and read all at once."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        out, running = [], 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            running += count
+            out.append(("+Inf" if bound == float("inf") else repr(bound), float(running)))
+        return out
+
+
+@dataclass
+class RequestStats:
+    """What the request path records; keys are small tuples of short strings."""
+
+    requests: dict[tuple[str, int, bytes], int] = field(default_factory=dict)
+    latency: dict[str, Histogram] = field(default_factory=dict)
+    first_byte: dict[str, Histogram] = field(default_factory=dict)
+
+    def observe(
+        self, route: str, status: int, replica: bytes, seconds: float, first_byte: float | None
+    ) -> None:
+        key = (route, status, replica)
+        self.requests[key] = self.requests.get(key, 0) + 1
+        hist = self.latency.get(route)
+        if hist is None:
+            hist = self.latency[route] = Histogram()
+        hist.observe(seconds)
+        if first_byte is not None:
+            hist = self.first_byte.get(route)
+            if hist is None:
+                hist = self.first_byte[route] = Histogram()
+            hist.observe(first_byte)
+
+
+Source = Callable[[], Iterator[Metric]]
+
+
+class MetricsCollector(Collector):
+    """Renders the request stats and every registered live source at scrape time."""
+
+    def __init__(self, stats: RequestStats) -> None:
+        self._stats = stats
+        self._sources: list[Source] = []
+
+    def add_source(self, source: Source) -> None:
+        """A callable yielding metric families built from live state (fleet, policy, fence)."""
+        self._sources.append(source)
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats
+        requests = CounterMetricFamily(
+            "lora_router_requests",
+            "Requests answered, by route, HTTP status and replica (- when the router answered).",
+            labels=["route", "status", "replica"],
+        )
+        for (route, status, replica), count in sorted(stats.requests.items()):
+            requests.add_metric([route, str(status), replica.decode()], count)
+        yield requests
+        yield _histogram(
+            "lora_router_request_duration_seconds",
+            "Time from a request's arrival to the end of its answer.",
+            stats.latency,
+        )
+        yield _histogram(
+            "lora_router_time_to_first_byte_seconds",
+            "Time from a request's arrival to the replica's first response byte.",
+            stats.first_byte,
+        )
+        for source in self._sources:
+            yield from source()
+
+
+def _histogram(name: str, doc: str, by_route: dict[str, Histogram]) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc, labels=["route"])
+    for route, hist in sorted(by_route.items()):
+        family.add_metric([route], hist.cumulative(), sum_value=hist.total)
+    return family
+
+
+def gauge(name: str, doc: str, labels: list[str], rows: list[tuple[list[str], float]]) -> Metric:
+    family = GaugeMetricFamily(name, doc, labels=labels)
+    for values, value in rows:
+        family.add_metric(values, value)
+    return family
+
+
+def counter(name: str, doc: str, labels: list[str], rows: list[tuple[list[str], float]]) -> Metric:
+    family = CounterMetricFamily(name, doc, labels=labels)
+    for values, value in rows:
+        family.add_metric(values, value)
+    return family
+
+
+def make_registry(collector: MetricsCollector) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return registry

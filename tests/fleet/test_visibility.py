@@ -1,0 +1,114 @@
+"""What operators see: `/metrics` (Prometheus), `/router/status` (JSON) and the log summary."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import aiohttp
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from lora_router.status import summary_line
+
+from .conftest import StartEmulators, StartRouter, call, complete, load
+
+Adapter = Callable[[str], str]
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of an exposition, keyed by name and sorted labels."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+async def test_metrics_count_requests_by_route_status_and_replica(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(2)
+    rt = await router(emus)
+    for _ in range(3):
+        status, _ = await complete(client, rt.url)
+        assert status == 200
+    status, _ = await complete(client, rt.url, model="never-loaded")
+    assert status == 404
+    code, body, headers = await call(client, "GET", rt.url + "/metrics")
+    assert code == 200 and headers["Content-Type"].startswith("text/plain")
+    got = samples(body.decode())
+    served = {
+        labels: v
+        for (name, labels), v in got.items()
+        if name == "lora_router_requests_total" and ("route", "/v1/completions") in labels
+    }
+    ok = sum(v for labels, v in served.items() if ("status", "200") in labels)
+    assert ok == 3
+    assert all(
+        dict(labels)["replica"] in ("0", "1") for labels in served if ("status", "200") in labels
+    )
+    # The router answered the unknown model itself: no replica label.
+    assert served[(("replica", "-"), ("route", "/v1/completions"), ("status", "404"))] == 1
+    # Latency and time to first byte were observed for the three answers.
+    assert got[("lora_router_request_duration_seconds_count", (("route", "/v1/completions"),))] == 4
+    assert (
+        got[("lora_router_time_to_first_byte_seconds_count", (("route", "/v1/completions"),))] == 3
+    )
+
+
+async def test_metrics_show_fleet_state_and_routing_decisions(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    emus = await emulators(2)
+    rt = await router(emus)
+    assert (await load(client, rt.url, "trl-policy-v1", adapter("trl-policy-v1")))[0] == 200
+    for _ in range(4):  # one prompt, four samples: one fresh placement, three siblings
+        status, _ = await complete(client, rt.url, model="trl-policy-v1")
+        assert status == 200
+    _, body, _ = await call(client, "GET", rt.url + "/metrics")
+    got = samples(body.decode())
+    assert got[("lora_router_adapters_live", ())] == 1
+    assert got[("lora_router_replica_up", (("replica", "0"),))] == 1
+    assert got[("lora_router_in_flight", (("replica", "1"),))] == 0
+    assert got[("lora_router_routing_decisions_total", (("kind", "fresh"),))] == 1
+    assert got[("lora_router_routing_decisions_total", (("kind", "sibling"),))] == 3
+    assert got[("lora_router_broadcasts_total", (("op", "load"), ("outcome", "ok")))] == 1
+
+
+async def test_status_page_lists_replicas_adapters_and_fence(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    emus = await emulators(3)
+    rt = await router(emus)
+    path = adapter("trl-policy-v1")
+    assert (await load(client, rt.url, "trl-policy-v1", path))[0] == 200
+    assert (await call(client, "POST", rt.url + "/pause?mode=keep"))[0] == 200
+    code, body, _ = await call(client, "GET", rt.url + "/router/status")
+    assert code == 200
+    doc = orjson.loads(body)
+    assert [r["id"] for r in doc["replicas"]] == [0, 1, 2]
+    assert all(r["adapters"] == ["trl-policy-v1"] and r["admitted"] for r in doc["replicas"])
+    assert doc["adapters"] == {"trl-policy-v1": {"state": "live", "path": path}}
+    assert doc["paused"] == "mode=keep"
+    assert doc["fence"]["waiting"] == 0
+
+
+async def test_the_log_summary_names_what_an_operator_checks_first(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    emus = await emulators(2)
+    caplog.set_level(logging.INFO, logger="lora_router")
+    rt = await router(emus, status_interval=0.05)
+    assert (await complete(client, rt.url))[0] == 200
+    assert rt.app is not None
+    line = summary_line(rt.app.state)
+    assert "2/2 replicas serving" in line and "1 requests" in line
+    async with asyncio.timeout(5):
+        while not any("status: 2/2 replicas serving" in r.getMessage() for r in caplog.records):
+            await asyncio.sleep(0.02)
