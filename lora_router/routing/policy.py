@@ -13,12 +13,16 @@ plus an exact-prefix affinity table:
    they keep meeting on one replica while their home is full. A spill never moves the home of
    a prompt that has one (the first placement sticks, unless its replica left the ring); a new
    prompt is remembered where it went, because its KV now grows there.
-3. *Fresh prompt.* The routable replica with the fewest requests in flight, ties to the first
-   in ring order from the prompt's key. Two routers with equal loads agree, and with idle
-   replicas placement is plain consistent hashing. (Choosing the less loaded of the first two
-   on the ring, the textbook "two choices", measured worse on GRPO traces: 1.15 max/mean
-   requests per replica at 8 replicas against 1.03, and more spills later in multi-turn
-   conversations, whose home had been picked among two rather than among all.)
+3. *Fresh prompt.* Among the routable replicas with room, the one that was dealt the fewest
+   fresh prompts so far, then the one with the fewest requests in flight, ties to the first in
+   ring order from the prompt's key. Dealing families out evenly is what the oracle of
+   bench/routing.py does: in-flight counts alone measure a replica's backlog, not how many
+   families it holds, and left one replica with 13 families where the mean was 12 (1.08–1.11
+   max/mean requests per replica on multi-turn traces at 8 replicas; dealt by count: 1.00).
+   Two routers that saw the same requests agree, and on a fresh fleet placement is plain
+   consistent hashing. A replica that joins starts at the fewest count, so it does not take
+   every new prompt until it catches up. (Choosing the less loaded of the first two on the
+   ring, the textbook "two choices", measured worse still: 1.15 max/mean at 8 replicas.)
 4. *No key.* Least in flight, round robin among ties.
 
 A replica has room while its in-flight count is below the load cap
@@ -65,9 +69,11 @@ from .ring import DEFAULT_VNODES, HashRing
 
 DEFAULT_LOAD_FACTOR = 0.25
 DEFAULT_TABLE_SIZE = 200_000
-# Two groups of TRL's default 8 samples: with few requests in flight the multiplicative bound
+# Four groups of TRL's default 8 samples: with few requests in flight the multiplicative bound
 # alone is below one group, and a group scattered over replicas recomputes its prompt on each.
-DEFAULT_LOAD_SLACK = 16
+# 16 still spilled the last turns of conversations while a run drained (bench/routing.py,
+# multi-turn at 8 replicas); 32 never did.
+DEFAULT_LOAD_SLACK = 32
 
 
 class Replica(Protocol):
@@ -158,9 +164,12 @@ class PrefixAffinity:
         self.table = AffinityTable(table_size)
         self.counts = DecisionCounts()
         self._turn = 0
+        self._dealt: dict[str, int] = {}  # fresh prompts placed on each member
 
     def set_members(self, names: Sequence[str]) -> None:
         self.ring = HashRing(names, self.ring.vnodes)
+        floor = min(self._dealt.values(), default=0)
+        self._dealt = {name: self._dealt.get(name, floor) for name in names}
 
     def cap(self, routable: Sequence[Replica]) -> int:
         """The in-flight count a replica may reach by taking the next request."""
@@ -195,7 +204,7 @@ class PrefixAffinity:
             self.counts.spill += 1
             kind = "spill"
         else:
-            replica = self._least_loaded_from(key.full, by_name, routable)
+            replica = self._deal(key.full, by_name, routable, cap)
             self.counts.fresh += 1
             kind = "fresh"
         self._remember(key, home, replica.name)
@@ -220,15 +229,23 @@ class PrefixAffinity:
                 return replica
         return self._unknown_to_the_ring(routable)
 
-    def _least_loaded_from(self, position: int, by_name: dict[str, R], routable: Sequence[R]) -> R:
-        """The routable replica with the fewest in flight, ties to the first in ring order
-        from `position`. (The least loaded replica always has room.)"""
-        low = min(r.in_flight for r in routable)
+    def _deal(self, position: int, by_name: dict[str, R], routable: Sequence[R], cap: int) -> R:
+        """A fresh prompt's replica: fewest fresh prompts dealt, then fewest in flight, among
+        those with room; ties to the first in ring order from `position`."""
+        dealt = self._dealt
+        best: R | None = None
+        best_rank = (0, 0)
         for name in self.ring.walk(position):
             replica = by_name.get(name)
-            if replica is not None and replica.in_flight == low:
-                return replica
-        return self._unknown_to_the_ring(routable)
+            if replica is None or replica.in_flight >= cap:
+                continue
+            rank = (dealt.get(name, 0), replica.in_flight)
+            if best is None or rank < best_rank:
+                best, best_rank = replica, rank
+        if best is None:
+            best = self._unknown_to_the_ring(routable)
+        dealt[best.name] = dealt.get(best.name, 0) + 1
+        return best
 
     def _unknown_to_the_ring(self, routable: Sequence[R]) -> R:
         # Routable replicas the ring does not know (membership not set yet): still bounded,
