@@ -1,0 +1,275 @@
+"""Process plumbing shared by the benchmarks: instant nginx replicas, wrk runs, /proc readings.
+
+Everything here talks only to 127.0.0.1. Processes are started with `start()` and always
+stopped by `Procs.close()`, so a benchmark that fails half-way leaves nothing running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+WRK_REPORT = r"""
+done = function(summary, latency, requests)
+  io.write(string.format(
+    '\nWRKJSON {"requests": %d, "duration_us": %d, "errors": %d, "status_errors": %d, '
+    .. '"p50": %d, "p90": %d, "p99": %d, "bytes": %d}\n',
+    summary.requests, summary.duration,
+    summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.timeout,
+    summary.errors.status,
+    latency:percentile(50), latency:percentile(90), latency:percentile(99), summary.bytes))
+end
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process, its threads and its live children (nginx workers)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return ticks / os.sysconf("SC_CLK_TCK") + sum(cpu_seconds(int(c)) for c in children)
+
+
+def peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class Procs:
+    """Child processes of one benchmark run."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs: dict[int, str] = {}
+        self.tmp = Path(tempfile.mkdtemp(prefix="lora-router-bench-"))
+        self.tmp.chmod(0o755)  # nginx workers drop root and must read the reply files
+
+    def start(
+        self, argv: Sequence[str], cpus: str | None = None, **kw: object
+    ) -> subprocess.Popen[bytes]:
+        if cpus and shutil.which("taskset"):
+            argv = ["taskset", "-c", cpus, *argv]
+        log = open(self.tmp / f"proc-{len(self.procs)}.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, **kw)  # type: ignore[call-overload]
+        log.close()
+        self.procs.append(proc)
+        self.logs[proc.pid] = log.name
+        return proc
+
+    def log_tail(self, pid: int, lines: int = 20) -> str:
+        path = self.logs.get(pid)
+        return (
+            "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:]) if path else ""
+        )
+
+    def stop(self, proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc in self.procs:
+            self.procs.remove(proc)
+
+    def close(self) -> None:
+        for proc in list(self.procs):
+            self.stop(proc)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def nginx_replica(procs: Procs, port: int, body: str, content_type: str, cpus: str) -> None:
+    """An nginx that answers at once like a vLLM server would: an instant replica.
+
+    Completions get `body` (a file, so long SSE replies fit); `/v1/models` and `/server_info`
+    get enough of vLLM's shape for a router to start.
+    """
+    root = procs.tmp / f"nginx-{port}"
+    (root / "logs").mkdir(parents=True)
+    (root / "reply").write_text(body)
+    models = json.dumps(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": "Qwen/Qwen2.5-Math-1.5B",
+                    "object": "model",
+                    "root": "Qwen/Qwen2.5-Math-1.5B",
+                    "max_model_len": 4096,
+                    "parent": None,
+                }
+            ],
+        }
+    )
+    (root / "models").write_text(models)
+    (root / "server_info").write_text(
+        json.dumps(
+            {
+                "vllm_config": {
+                    "lora_config": {"max_lora_rank": 1, "max_loras": 6, "max_cpu_loras": 6},
+                    "cache_config": {"block_size": 16},
+                    "parallel_config": {"data_parallel_size": 1},
+                }
+            }
+        )
+    )
+    conf = f"""
+daemon off;
+worker_processes 1;
+pid {root}/nginx.pid;
+error_log {root}/logs/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_buffer_size 1m;
+  client_body_temp_path {root};
+  proxy_temp_path {root};
+  fastcgi_temp_path {root};
+  uwsgi_temp_path {root};
+  scgi_temp_path {root};
+  keepalive_requests 1000000;
+  server {{
+    listen 127.0.0.1:{port};
+    root {root};
+    location = /health {{ return 200; }}
+    location = /v1/models {{ default_type application/json; try_files /models =404; }}
+    location = /server_info {{ default_type application/json; try_files /server_info =404; }}
+    # POSTs to a static file are 405 in nginx; turn them back into the file.
+    location / {{
+      default_type '{content_type}'; error_page 405 =200 /reply; try_files /reply =404;
+    }}
+    location = /reply {{ default_type '{content_type}'; internal; }}
+  }}
+}}
+"""
+    (root / "nginx.conf").write_text(conf)
+    procs.start(["nginx", "-p", str(root), "-c", str(root / "nginx.conf")], cpus=cpus)
+    wait_port(port)
+
+
+def nginx_proxy(
+    procs: Procs, port: int, upstreams: Sequence[int], cpus: str
+) -> subprocess.Popen[bytes]:
+    """nginx `proxy_pass` with keep-alive upstreams: the C baseline for proxy overhead."""
+    root = procs.tmp / f"nginx-proxy-{port}"
+    (root / "logs").mkdir(parents=True)
+    servers = "".join(f"server 127.0.0.1:{p};" for p in upstreams)
+    conf = f"""
+daemon off;
+worker_processes 1;
+pid {root}/nginx.pid;
+error_log {root}/logs/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_buffer_size 1m;
+  client_body_temp_path {root};
+  proxy_temp_path {root};
+  fastcgi_temp_path {root};
+  uwsgi_temp_path {root};
+  scgi_temp_path {root};
+  keepalive_requests 1000000;
+  upstream replicas {{ {servers} keepalive 256; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://replicas;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }}
+  }}
+}}
+"""
+    (root / "nginx.conf").write_text(conf)
+    proc = procs.start(["nginx", "-p", str(root), "-c", str(root / "nginx.conf")], cpus=cpus)
+    wait_port(port)
+    return proc
+
+
+@dataclass
+class WrkResult:
+    requests: int
+    seconds: float
+    errors: int
+    p50_us: int
+    p90_us: int
+    p99_us: int
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds
+
+
+def wrk(
+    url: str,
+    body: bytes,
+    *,
+    connections: int,
+    seconds: float,
+    tmp: Path,
+    cpus: str | None = None,
+) -> WrkResult:
+    """A closed loop of `connections` clients POSTing `body` to `url` for `seconds`."""
+    script = tmp / "post.lua"
+    body_file = tmp / "body.json"
+    body_file.write_bytes(body)
+    script.write_text(
+        f"""
+local f = io.open("{body_file}", "rb")
+wrk.method = "POST"
+wrk.body = f:read("*a")
+f:close()
+wrk.headers["Content-Type"] = "application/json"
+{WRK_REPORT}
+"""
+    )
+    argv = [
+        "wrk",
+        "-t1",
+        f"-c{connections}",
+        f"-d{max(1, round(seconds))}s",
+        "-s",
+        str(script),
+        url,
+    ]
+    if cpus and shutil.which("taskset"):
+        argv = ["taskset", "-c", cpus, *argv]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    line = next(ln for ln in out.splitlines() if ln.startswith("WRKJSON "))
+    data = json.loads(line[len("WRKJSON ") :])
+    return WrkResult(
+        requests=data["requests"],
+        seconds=data["duration_us"] / 1e6,
+        errors=data["errors"] + data["status_errors"],
+        p50_us=data["p50"],
+        p90_us=data["p90"],
+        p99_us=data["p99"],
+    )
