@@ -105,6 +105,30 @@ class Procs:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def _start_nginx(procs: Procs, root: Path, http_body: str, cpus: str) -> subprocess.Popen[bytes]:
+    """One single-worker nginx in the foreground, all its files under `root`."""
+    (root / "logs").mkdir(parents=True, exist_ok=True)
+    conf = f"""
+daemon off;
+worker_processes 1;
+pid {root}/nginx.pid;
+error_log {root}/logs/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_buffer_size 1m;
+  client_body_temp_path {root};
+  proxy_temp_path {root};
+  fastcgi_temp_path {root};
+  uwsgi_temp_path {root};
+  scgi_temp_path {root};
+  keepalive_requests 1000000;
+{http_body}}}
+"""
+    (root / "nginx.conf").write_text(conf)
+    return procs.start(["nginx", "-p", str(root), "-c", str(root / "nginx.conf")], cpus=cpus)
+
+
 def nginx_replica(procs: Procs, port: int, body: str, content_type: str, cpus: str) -> None:
     """An nginx that answers at once like a vLLM server would: an instant replica.
 
@@ -112,7 +136,7 @@ def nginx_replica(procs: Procs, port: int, body: str, content_type: str, cpus: s
     get enough of vLLM's shape for a router to start.
     """
     root = procs.tmp / f"nginx-{port}"
-    (root / "logs").mkdir(parents=True)
+    root.mkdir(parents=True)
     (root / "reply").write_text(body)
     models = json.dumps(
         {
@@ -140,21 +164,7 @@ def nginx_replica(procs: Procs, port: int, body: str, content_type: str, cpus: s
             }
         )
     )
-    conf = f"""
-daemon off;
-worker_processes 1;
-pid {root}/nginx.pid;
-error_log {root}/logs/error.log warn;
-events {{ worker_connections 4096; }}
-http {{
-  access_log off;
-  client_body_buffer_size 1m;
-  client_body_temp_path {root};
-  proxy_temp_path {root};
-  fastcgi_temp_path {root};
-  uwsgi_temp_path {root};
-  scgi_temp_path {root};
-  keepalive_requests 1000000;
+    server = f"""
   server {{
     listen 127.0.0.1:{port};
     root {root};
@@ -167,10 +177,8 @@ http {{
     }}
     location = /reply {{ default_type '{content_type}'; internal; }}
   }}
-}}
 """
-    (root / "nginx.conf").write_text(conf)
-    procs.start(["nginx", "-p", str(root), "-c", str(root / "nginx.conf")], cpus=cpus)
+    _start_nginx(procs, root, server, cpus)
     wait_port(port)
 
 
@@ -179,23 +187,8 @@ def nginx_proxy(
 ) -> subprocess.Popen[bytes]:
     """nginx `proxy_pass` with keep-alive upstreams: the C baseline for proxy overhead."""
     root = procs.tmp / f"nginx-proxy-{port}"
-    (root / "logs").mkdir(parents=True)
     servers = "".join(f"server 127.0.0.1:{p};" for p in upstreams)
-    conf = f"""
-daemon off;
-worker_processes 1;
-pid {root}/nginx.pid;
-error_log {root}/logs/error.log warn;
-events {{ worker_connections 4096; }}
-http {{
-  access_log off;
-  client_body_buffer_size 1m;
-  client_body_temp_path {root};
-  proxy_temp_path {root};
-  fastcgi_temp_path {root};
-  uwsgi_temp_path {root};
-  scgi_temp_path {root};
-  keepalive_requests 1000000;
+    server = f"""
   upstream replicas {{ {servers} keepalive 256; }}
   server {{
     listen 127.0.0.1:{port};
@@ -206,10 +199,8 @@ http {{
       proxy_buffering off;
     }}
   }}
-}}
 """
-    (root / "nginx.conf").write_text(conf)
-    proc = procs.start(["nginx", "-p", str(root), "-c", str(root / "nginx.conf")], cpus=cpus)
+    proc = _start_nginx(procs, root, server, cpus)
     wait_port(port)
     return proc
 

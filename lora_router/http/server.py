@@ -42,6 +42,7 @@ import httptools
 
 from lora_router.http.errors import REASONS, HTTPError, error_body
 from lora_router.http.headers import response_head
+from lora_router.http.timer import LazyTimer
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +153,7 @@ class ClientConnection(asyncio.Protocol):
         self._broken = False  # the input can no longer be parsed; answer what is queued, close
         self._error: HTTPError | None = None  # raised by a parser callback, read after it
         self._continue = False  # a `100 Continue` owed once the answer in front is complete
-        self._timer: asyncio.TimerHandle | None = None
-        self._wake = 0.0
+        self._timer = LazyTimer(self._loop, self._on_timer)
         self._deadline = math.inf
         self._queue: deque[Request] = deque()
         self._task: asyncio.Task[None] | None = None
@@ -474,7 +474,7 @@ class ClientConnection(asyncio.Protocol):
             return
         transport.resume_reading()
         transport.write_eof()
-        self._timer = self._loop.call_later(_LINGER, transport.abort)
+        self._loop.call_later(_LINGER, transport.abort)
 
     def _rearm(self) -> None:
         """Start the client's deadline for whatever the parser is in the middle of."""
@@ -486,40 +486,27 @@ class ClientConnection(asyncio.Protocol):
         else:
             self._arm(limits.keepalive_timeout)
 
-    # One timer per connection, moved lazily: `_deadline` says when the current phase times
-    # out; the timer is moved only when that is earlier than its scheduled wake-up, and never
-    # sleeps past `header_timeout`, so the next request's header deadline never needs it moved.
-    # In the steady state a request costs no timer call; an idle connection wakes up to
-    # re-check itself every `header_timeout` seconds.
+    # `_deadline` says when the current phase times out (http/timer.py). The timer never
+    # sleeps past `header_timeout`, so the next request's header deadline never needs it moved;
+    # an idle connection wakes up to re-check itself every `header_timeout` seconds.
 
     def _arm(self, seconds: float) -> None:
         now = self._loop.time()
         self._deadline = now + seconds
-        wake = now + min(seconds, self._limits.header_timeout)
-        if self._timer is None or wake < self._wake:
-            self._schedule(wake)
-
-    def _schedule(self, wake: float) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._wake = wake
-        self._timer = self._loop.call_at(wake, self._on_timer)
+        self._timer.wake_by(now + min(seconds, self._limits.header_timeout))
 
     def _disarm(self) -> None:
         self._deadline = math.inf  # the timer, if any, wakes up to find nothing due
 
     def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._timer.cancel()
 
     def _on_timer(self) -> None:
-        self._timer = None
         if self._closed or self._deadline == math.inf:
             return
         now = self._loop.time()
         if now < self._deadline:
-            self._schedule(min(self._deadline, now + self._limits.header_timeout))
+            self._timer.wake_by(min(self._deadline, now + self._limits.header_timeout))
             return
         self._on_timeout()
 

@@ -28,6 +28,7 @@ import httptools
 from lora_router.config import ReplicaAddress
 from lora_router.http.headers import client_response_head
 from lora_router.http.server import ResponseSink
+from lora_router.http.timer import LazyTimer
 
 _MAX_HEAD: Final = 64 * 1024
 
@@ -97,10 +98,9 @@ class UpstreamConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self._ex: _Exchange | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer = LazyTimer(self._loop, self._on_timer)
         self._last = 0.0
         self._limit = 0.0
-        self._wake = 0.0
         self.closed = False
         self.used = False
 
@@ -285,32 +285,21 @@ class UpstreamConnection(asyncio.Protocol):
         )
 
     # -- timers -----------------------------------------------------------------------------
-    # One timer per connection, moved lazily. `_last` (the last byte either way) and `_limit`
-    # (the timeout of the current phase) say when the connection is due; the timer is moved
-    # only when that comes earlier than its scheduled wake-up, and it never sleeps longer than
-    # the pool's idle timeout. So a request costs no timer call at all in the steady state; an
-    # idle or slow connection re-checks itself at most every `idle_timeout` seconds.
+    # `_last` (the last byte either way) and `_limit` (the timeout of the current phase) say
+    # when the connection is due (http/timer.py). The timer never sleeps longer than the pool's
+    # idle timeout: an idle or slow connection re-checks itself that often.
 
     def _arm(self, limit: float) -> None:
         self._limit = limit
-        wake = self._last + min(limit, self._pool.idle_timeout)
-        if self._timer is None or wake < self._wake:
-            self._schedule(wake)
-
-    def _schedule(self, wake: float) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._wake = wake
-        self._timer = self._loop.call_at(wake, self._on_timer)
+        self._timer.wake_by(self._last + min(limit, self._pool.idle_timeout))
 
     def _on_timer(self) -> None:
-        self._timer = None
         if self.closed:
             return
         now = self._loop.time()
         deadline = self._last + self._limit
         if now < deadline:
-            self._schedule(min(deadline, now + self._pool.idle_timeout))
+            self._timer.wake_by(min(deadline, now + self._pool.idle_timeout))
             return
         ex = self._ex
         if ex is None:
@@ -331,9 +320,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._abort()
 
     def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._timer.cancel()
 
     def _abort(self) -> None:
         self.closed = True
