@@ -344,7 +344,19 @@ def markdown(report: Report, rows: list[dict[str, object]]) -> str:
     return "\n".join(out) + "\n"
 
 
-def plot(rows: list[dict[str, object]], path: Path) -> None:
+CONTENDER_ORDER = ["direct", "nginx", "lora-router", "vllm-router", "sglang-router"]
+
+
+def _value(rows: list[dict[str, object]], scenario: str, name: str, field: str) -> float:
+    for r in rows:
+        if r["scenario"] == scenario and r["contender"] == name and r[field] is not None:
+            return float(r[field])  # type: ignore[arg-type]
+    return 0.0
+
+
+def plot(rows: list[dict[str, object]], out: Path) -> None:
+    """overhead.png: throughput by contender and scenario; overhead_latency.png: p50 and p99
+    latency by contender at concurrency 1 and 64 (the distribution's middle and tail)."""
     try:
         import matplotlib
 
@@ -353,30 +365,37 @@ def plot(rows: list[dict[str, object]], path: Path) -> None:
     except ImportError:
         return
     scenarios = list(SCENARIOS)
-    names = sorted(
-        {str(r["contender"]) for r in rows},
-        key=lambda n: ["direct", "nginx", "lora-router", "vllm-router", "sglang-router"].index(n),
-    )
+    names = sorted({str(r["contender"]) for r in rows}, key=CONTENDER_ORDER.index)
+    colors = ["#d62728" if n == "lora-router" else "#999" for n in names]
     fig, axes = plt.subplots(1, len(scenarios), figsize=(4.2 * len(scenarios), 3.6))
     for ax, scenario in zip(axes, scenarios, strict=True):
-        vals = [
-            next(
-                (
-                    float(r["rps"])
-                    for r in rows
-                    if r["scenario"] == scenario and r["contender"] == n
-                ),
-                0.0,
-            )
-            for n in names
-        ]  # type: ignore[arg-type]
-        ax.bar(names, vals, color=["#999" if n != "lora-router" else "#d62728" for n in names])
+        ax.bar(names, [_value(rows, scenario, n, "rps") for n in names], color=colors)
         ax.set_title(scenario)
         ax.set_ylabel("requests/s" if scenario.startswith("json") else "responses/s")
         ax.tick_params(axis="x", rotation=35)
     fig.suptitle("Proxy throughput, instant replicas, proxy pinned to one core (median of rounds)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(out / "overhead.png", dpi=110)
+    plt.close(fig)
+
+    latency_scenarios = [s for s in scenarios if s.startswith("json")]
+    fig, axes = plt.subplots(1, len(latency_scenarios), figsize=(5.2 * len(latency_scenarios), 3.6))
+    width = 0.4
+    for ax, scenario in zip(axes, latency_scenarios, strict=True):
+        xs = range(len(names))
+        p50 = [_value(rows, scenario, n, "p50_us") for n in names]
+        p99 = [_value(rows, scenario, n, "p99_us") for n in names]
+        ax.bar([x - width / 2 for x in xs], p50, width, label="p50", color="#1f77b4")
+        ax.bar([x + width / 2 for x in xs], p99, width, label="p99", color="#ff7f0e")
+        ax.set_xticks(list(xs), names, rotation=35)
+        ax.set_yscale("log")
+        ax.set_ylabel("latency (µs, log scale)")
+        ax.set_title(scenario)
+        ax.legend()
+    fig.suptitle("Request latency through each proxy (median of rounds)")
+    fig.tight_layout()
+    fig.savefig(out / "overhead_latency.png", dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -410,7 +429,7 @@ def main() -> None:
         )
     )
     (out / "overhead.md").write_text(markdown(report, rows))
-    plot(rows, out / "overhead.png")
+    plot(rows, out)
     print(markdown(report, rows))
 
 
