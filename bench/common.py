@@ -67,6 +67,7 @@ class Procs:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs: dict[int, str] = {}
+        self._started = 0
         self.tmp = Path(tempfile.mkdtemp(prefix="lora-router-bench-"))
         self.tmp.chmod(0o755)  # nginx workers drop root and must read the reply files
 
@@ -75,7 +76,8 @@ class Procs:
     ) -> subprocess.Popen[bytes]:
         if cpus and shutil.which("taskset"):
             argv = ["taskset", "-c", cpus, *argv]
-        log = open(self.tmp / f"proc-{len(self.procs)}.log", "wb")  # noqa: SIM115
+        self._started += 1  # a log name per process ever started: a restart never reuses one
+        log = open(self.tmp / f"proc-{self._started}.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, **kw)  # type: ignore[call-overload]
         log.close()
         self.procs.append(proc)

@@ -304,10 +304,16 @@ class ControlPlane:
         # requests go out in the order of the replicas' last load times, slowest first (with
         # eight replicas, the last one sent starts about a millisecond after the first).
         targets.sort(key=lambda r: r.load_seconds, reverse=True)
+        # Replicas in the middle of a replay ride along, best effort: their answers never
+        # decide the broadcast, but what they accept is theirs when their replay's final pass
+        # runs (fleet/replay.py), so that pass does not load it again under the lock.
+        riders = [r for r in fleet.replicas if r.replaying and r.healthy and r not in targets]
         deadline = asyncio.get_running_loop().time() + self.config.load_deadline
-        outcomes = await asyncio.gather(
-            *(self.load_on(r, name, path, body, deadline) for r in targets)
+        outcomes, rides = await asyncio.gather(
+            asyncio.gather(*(self.load_on(r, name, path, body, deadline) for r in targets)),
+            asyncio.gather(*(self.load_on(r, name, path, body, deadline) for r in riders)),
         )
+        carried = [o.replica for o in rides if o.kind in ("loaded", "present")]
         for o in outcomes:
             if o.kind == "down":
                 fleet.eject(o.replica, f"unreachable during the load of '{name}': {o.detail}")
@@ -319,13 +325,16 @@ class ControlPlane:
             accepted.sort(key=lambda o: o.replica.rid)
             for o in accepted:
                 o.replica.adapters[name] = path
+            for replica in carried:
+                replica.adapters[name] = path
             first = next((o.answer for o in accepted if o.kind == "loaded"), None)
             return _loaded_reply(name, first, [o.replica for o in accepted])
         # All or nothing: take it back from every replica that may hold it now. A replica that
         # timed out may still finish its load later; that copy is read as "present" by the
         # next load of the same name and path, or unloaded by a replay.
         await self.unload_from(
-            name, [o.replica for o in outcomes if o.kind in ("loaded", "present", "timeout")]
+            name,
+            [o.replica for o in outcomes if o.kind in ("loaded", "present", "timeout")] + carried,
         )
         if not failed:
             down = [o.replica for o in outcomes]

@@ -136,18 +136,27 @@ def _adopt_static(control: ControlPlane, replicas: Sequence[Replica]) -> None:
 
 
 async def readmit(control: ControlPlane, replica: Replica) -> None:
-    """Bring a replica to the fleet's state, then admit it; raises ReplayError."""
-    await _converge(control, replica, final=False)
-    async with control.lock:
-        await _converge(control, replica, final=True)
-        await _replay_pause(control, replica)
-        if replica not in control.fleet.replicas or replica.draining:
-            raise ReplayError("it was removed from the fleet")
-        if not replica.healthy:
-            raise ReplayError(f"it was ejected during its replay: {replica.last_error}")
-        replica.admitted = True
-        replica.breaker.reset()
-        replica.admitted_at = asyncio.get_running_loop().time()
+    """Bring a replica to the fleet's state, then admit it; raises ReplayError.
+
+    While it replays, load broadcasts include it (best effort, see ControlPlane): a version
+    that goes live meanwhile is then already loaded when the final pass runs under the
+    broadcast lock, so that pass — and the trainer's next call queued behind it — does not
+    wait for a whole adapter load."""
+    replica.replaying = True
+    try:
+        await _converge(control, replica, final=False)
+        async with control.lock:
+            await _converge(control, replica, final=True)
+            await _replay_pause(control, replica)
+            if replica not in control.fleet.replicas or replica.draining:
+                raise ReplayError("it was removed from the fleet")
+            if not replica.healthy:
+                raise ReplayError(f"it was ejected during its replay: {replica.last_error}")
+            replica.admitted = True
+            replica.breaker.reset()
+            replica.admitted_at = asyncio.get_running_loop().time()
+    finally:
+        replica.replaying = False
 
 
 async def _converge(control: ControlPlane, replica: Replica, *, final: bool) -> None:

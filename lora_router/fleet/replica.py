@@ -39,6 +39,7 @@ class Replica:
         "load_seconds",
         "name",
         "pool",
+        "replaying",
         "rid",
     )
 
@@ -57,6 +58,9 @@ class Replica:
         # serves no request at all.
         self.admitted = True
         self.draining = False
+        # Being brought to the fleet's state (fleet/replay.py): load broadcasts that start
+        # meanwhile are sent to it too, best effort, so its final pass finds them done.
+        self.replaying = False
         self.adapters: dict[str, str] = {}  # adapter name -> lora_path, as acknowledged
         self.base_model: str | None = None  # entry 0 of its /v1/models
         self.ejections = 0

@@ -17,7 +17,7 @@ plus an exact-prefix affinity table:
    fresh prompts so far, then the one with the fewest requests in flight, ties to the first in
    ring order from the prompt's key. Dealing families out evenly is what the oracle of
    bench/routing.py does: in-flight counts alone measure a replica's backlog, not how many
-   families it holds, and left one replica with 13 families where the mean was 12 (1.08–1.11
+   families it holds, and left one replica with 13 families where the mean was 12 (1.08-1.11
    max/mean requests per replica on multi-turn traces at 8 replicas; dealt by count: 1.00).
    Two routers that saw the same requests agree, and on a fresh fleet placement is plain
    consistent hashing. A replica that joins starts at the fewest count, so it does not take

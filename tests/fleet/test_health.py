@@ -385,3 +385,38 @@ async def test_replayed_loads_use_the_trainers_own_request(
         "load_inplace": False,
     }
     assert paths_of(emus[0], "/v1/load_lora_adapter") == ["v1"]
+
+
+async def test_a_load_during_a_replay_reaches_the_replaying_replica_and_never_delays_resume(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    adapter: Adapter,
+    monitor: FenceMonitor,
+) -> None:
+    emus = await emulators(2)
+    for emu in emus:
+        emu.faults.load_delay_s = 0.3
+    rt = await router(emus, health_interval=0.05, health_successes=1)
+    assert rt.fleet is not None
+    back = rt.fleet.replicas[1]
+    assert (await load(client, rt.url, "v1", adapter("v1")))[0] == 200
+    await emus[1].crash()
+    await until(lambda: not back.live, timeout=2.0)
+    mark = len(emus[1].requests)
+    await emus[1].restart()
+    # The replay has started loading v1 when the trainer syncs v2.
+    await until(lambda: any(r.path == "/v1/load_lora_adapter" for r in emus[1].requests[mark:]))
+    assert (await call(client, "POST", rt.url + "/pause?mode=keep"))[0] == 200
+    assert (await load(client, rt.url, "v2", adapter("v2")))[0] == 200
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    assert (await call(client, "POST", rt.url + "/resume"))[0] == 200
+    # v2 rode along with the broadcast, so the replay's final pass (which the resume queues
+    # behind) had no load of 0.3 s left to do.
+    assert loop.time() - started < 0.15
+    await until(lambda: back.live, timeout=3.0)
+    loads = [r.body for r in emus[1].requests[mark:] if r.path == "/v1/load_lora_adapter"]
+    assert len(loads) == 2  # v1 by the replay, v2 by the broadcast: each once
+    assert emus[1].state.adapters == {"v1": adapter("v1"), "v2": adapter("v2")}
+    assert monitor.violations == []
