@@ -1218,10 +1218,11 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [
             "## Note",
             "",
-            f"In {len(doubled)} of {len(report['episodes'])} episodes the replay loaded in two "
-            "rounds: the trainer's load of a new version became live during the replay's first "
-            "pass, and the final pass (under the broadcast lock) loaded it afterwards, one more "
-            "load time, while trainer broadcasts queued behind it.",
+            f"In {len(doubled)} of {len(report['episodes'])} episodes the replica loaded in two "
+            "rounds: the trainer's load of a new version started while it replayed, and load "
+            "broadcasts ride along to a replaying replica, so it had one more adapter to load "
+            "before it could serve. The trainer's calls do not wait for it (the slowest trainer "
+            "call during each re-admission is in the table above).",
             "",
         ]
     return "\n".join(lines)
