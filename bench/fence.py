@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -93,7 +94,7 @@ async def measure(args: argparse.Namespace, router: str, slow: str, adapters: Pa
             await unload_via(router, f"warm-{i}")
 
         # Phase 1: the load itself, direct and through the router, interleaved.
-        for r in range(args.rounds):
+        for r in tqdm(range(args.rounds), desc="loads, direct and through the router"):
             order = ("direct", "router") if r % 2 == 0 else ("router", "direct")
             took: dict[str, float] = {}
             for kind in order:
@@ -116,7 +117,7 @@ async def measure(args: argparse.Namespace, router: str, slow: str, adapters: Pa
             assert status == 200
             baseline.append((end - start) * 1000)
         base_ms = statistics.median(baseline)
-        for r in range(args.rounds // 2):
+        for r in tqdm(range(args.rounds // 2), desc="eager completions at the fence"):
             name = f"eager-v{r}"
             path = str(write_adapter(adapters / name))
             loading = asyncio.create_task(

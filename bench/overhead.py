@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tqdm import tqdm
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (
@@ -225,6 +227,7 @@ def run(args: argparse.Namespace) -> Report:
         if not args.only or c.name in args.only.split(",")
     ]
     print("contenders:", ", ".join(c.name for c in chosen), flush=True)
+    bar = tqdm(total=len(SCENARIOS) * args.rounds * len(chosen), unit="run")
     for scenario, (conns, stream) in SCENARIOS.items():
         procs = Procs()
         try:
@@ -274,11 +277,11 @@ def run(args: argparse.Namespace) -> Report:
                     round_samples.append(sample)
                     if c.name == "direct":
                         direct_p50 = res.p50_us
-                    print(
+                    bar.update(1)
+                    bar.write(
                         f"  {scenario:10} round {rnd} {c.name:14} {res.rps:9.0f} req/s "
                         f"p50 {res.p50_us:6d} us  p99 {res.p99_us:6d} us  errors {res.errors}"
-                        + (f"  cpu {cpu:6.1f} us/req" if cpu is not None else ""),
-                        flush=True,
+                        + (f"  cpu {cpu:6.1f} us/req" if cpu is not None else "")
                     )
                 for sample in round_samples:
                     if direct_p50 is not None:
@@ -291,6 +294,7 @@ def run(args: argparse.Namespace) -> Report:
                     )
         finally:
             procs.close()
+    bar.close()
     return report
 
 

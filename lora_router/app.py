@@ -149,6 +149,7 @@ class RouterApp:
         self.state = RouterState(fleet, fence, control, health, policy, stats)
         self._registry = registry
         self._loop = asyncio.get_running_loop()
+        self._debug = log.isEnabledFor(logging.DEBUG)
         self.block_size = config.block_size or 16
         token = config.token.reveal()
         self._authorization = f"Bearer {token}".encode() if token else None
@@ -232,7 +233,12 @@ class RouterApp:
             routable = self.fleet.routable(model, tried)
             if not routable:
                 raise HTTPError(503, _no_replica(model, tried))
-            replica = self.policy.choose(key, routable).replica
+            decision = self.policy.choose(key, routable)
+            replica = decision.replica
+            if self._debug:  # one line per decision, only when asked for (--log-level debug)
+                log.debug(
+                    "%s -> replica %d (%s)", model or "base model", replica.rid, decision.kind
+                )
             replica.breaker.begin()
             sink = _StatusSink(conn, divert_404=adapter)
             try:
