@@ -21,7 +21,7 @@ it" shows. The router is the real command, `python -m lora_router.cli --replicas
 is short enough for a run of seconds). A fourth, spare replica (never in the fleet) is used at
 the end to time one replay by hand. Nothing is pinned to a core.
 
-Workload, driven like TRL's AsyncGRPOTrainer (bench/trace.py prompts: a 23-token template,
+Workload, driven like TRL's AsyncGRPOTrainer (bench/grpo_trace.py prompts: a 23-token template,
 problems of 40-400 token ids): each step N, `POST /pause?mode=keep` -> write trl-policy-vN
 (atomic rename) -> `POST /v1/load_lora_adapter` -> `POST /resume` -> unload v(N-3) once the
 rollouts naming it are done (three or four versions live); then S = 16 prompts x G = 8
@@ -78,7 +78,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.util
 import json
 import os
 import random
@@ -94,7 +93,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import aiohttp
@@ -127,18 +125,8 @@ _BACK = re.compile(
 )
 
 
-def _load_trace_module() -> ModuleType:
-    """bench/trace.py, under a name that cannot collide with the standard library's `trace`."""
-    spec = importlib.util.spec_from_file_location("bench_trace", HERE / "trace.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_trace"] = module  # dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
-
-
-bench_trace = _load_trace_module()
-
+sys.path.insert(0, str(HERE))  # bench/ modules, run as scripts
+import grpo_trace as bench_trace  # noqa: E402
 
 # --- the replica process: the emulator plus an access log -----------------------------------
 

@@ -7,7 +7,7 @@ in front of N emulated vLLM replicas, on GRPO-shaped traces, against an oracle.
     python bench/routing.py --traces multi-turn --replicas 8 --routers lr-prefix \\
         --load-factor 0.5 --out /tmp/routing  # an investigation run, results elsewhere
 
-Workload. `bench/trace.py` generates what a TRL GRPO trainer sends: S problems per step, each
+Workload. `bench/grpo_trace.py` generates what a TRL GRPO trainer sends: S problems per step, each
 sent G = 8 times (siblings), token-id prompts that start with a shared template, a new adapter
 version `trl-policy-vN` every step. Four traces, each with 2, 3 and 8 replicas: `single-turn`
 (a 23-token chat template), `system-300` and `system-1000` (a shared system prompt of 300 /
@@ -92,7 +92,6 @@ import asyncio
 import contextlib
 import datetime
 import heapq
-import importlib.util
 import json
 import os
 import re
@@ -109,7 +108,6 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from types import ModuleType
 from typing import IO, Any
 
 import aiohttp
@@ -137,18 +135,8 @@ _SEED = re.compile(rb'"seed"\s*:\s*(\d+)')
 _METRIC = re.compile(r"^(vllm:prefix_cache_(?:queries|hits))(?:_total)?\{[^}]*\}\s+(\S+)", re.M)
 
 
-def _load_trace_module() -> ModuleType:
-    """bench/trace.py, under a name that cannot collide with the standard library's `trace`."""
-    spec = importlib.util.spec_from_file_location("bench_trace", HERE / "trace.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_trace"] = module  # dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
-
-
-bench_trace = _load_trace_module()
-
+sys.path.insert(0, str(HERE))  # bench/ modules, run as scripts
+import grpo_trace as bench_trace  # noqa: E402
 
 # --- settings ------------------------------------------------------------------------------
 
@@ -1151,7 +1139,8 @@ def write_markdown(
         f"on {os.cpu_count()} cores (git {meta['git']}).",
         "",
         "Method (details in the docstring of bench/routing.py): GRPO-shaped traces from "
-        f"bench/trace.py (G = {s['group_size']}, S = {s['prompts_per_replica']} N problems per "
+        f"bench/grpo_trace.py (G = {s['group_size']}, S = {s['prompts_per_replica']} N problems "
+        "per "
         f"step single-turn, {s['multi_prompts_per_replica']} N multi-turn, {s['steps']} steps, "
         f"a new adapter version every step, at most {s['in_flight_per_replica']} N requests in "
         f"flight, completions of {s['completion_tokens'][0]}-{s['completion_tokens'][1]} "

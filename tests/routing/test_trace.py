@@ -1,4 +1,4 @@
-"""bench/trace.py: the GRPO workload the routing benchmark replays."""
+"""bench/grpo_trace.py: the GRPO workload the routing benchmark replays."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "trace.py"
+_PATH = Path(__file__).resolve().parents[2] / "bench" / "grpo_trace.py"
 _spec = importlib.util.spec_from_file_location("bench_trace", _PATH)
 assert _spec is not None and _spec.loader is not None
 trace = importlib.util.module_from_spec(_spec)

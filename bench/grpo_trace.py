@@ -19,7 +19,7 @@ replica emulator that returns `completion_tokens` tokens keeps the next turn's p
 Everything is a pure function of the spec: the same spec gives the same requests in every
 process (seeded `random.Random`, never `hash()`).
 
-Run `python bench/trace.py --help` for a summary of a trace from the command line.
+Run `python bench/grpo_trace.py --help` for a summary of a trace from the command line.
 """
 
 from __future__ import annotations
