@@ -1306,7 +1306,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=timing.max_num_seqs)
     p.add_argument("--cache-blocks", type=int, default=timing.cache_blocks)
     p.add_argument("--deadline", type=float, default=600.0, help="seconds a run may last")
-    p.add_argument("--out", type=Path, default=HERE / "results", help="output directory")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output directory (default: bench/results; with --quick, a temporary directory, so "
+        "a smoke run never overwrites the committed results)",
+    )
     p.add_argument("--keep-logs", action="store_true", help="keep router and replica logs")
     p.add_argument(
         "--from-json",
@@ -1315,6 +1321,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="only rewrite routing.md and routing.png from this routing.json (no runs)",
     )
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = (
+            Path(tempfile.mkdtemp(prefix="routing-quick-")) if args.quick else HERE / "results"
+        )
     scale = Scale()
     if args.quick:
         scale = Scale(steps=2, prompts_per_replica=4, multi_prompts_per_replica=2)
