@@ -33,7 +33,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from lora_router.body import read_completion
+from lora_router.body import Completion, read_completion
 from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.control import ControlPlane, Reply
 from lora_router.fleet.fence import AdapterFence, AdapterState
@@ -46,7 +46,7 @@ from lora_router.http.headers import upstream_request_head
 from lora_router.http.server import ClientConnection, Request
 from lora_router.http.upstream import UpstreamError
 from lora_router.metrics import RequestStats
-from lora_router.routing.keys import PromptKey, prompt_key, text_key
+from lora_router.routing.keys import PromptKey, prompt_key, text_key, wire_key
 from lora_router.routing.policy import Policy
 from lora_router.status import RouterState, replica_json, status
 
@@ -220,20 +220,24 @@ class RouterApp:
         # adapter's load is being broadcast; raises vLLM's 404 for unknown names.
         await self.fence.admit(model)
         adapter = model is not None and model not in self.fleet.base_models
-        key: PromptKey | None
-        if fields.tokens is not None:
-            key = prompt_key(model, fields.tokens, self.block_size)
-        elif fields.text is not None:
-            key = text_key(model, fields.text)
-        else:
-            key = None
+        # A sibling of a prompt seen before is recognised by the hash of its raw JSON text;
+        # only a prompt the policy does not know yet is parsed into ids and keyed by blocks.
+        wire = wire_key(model, fields.raw_tokens) if fields.raw_tokens is not None else None
+        key: PromptKey | None = None
+        keyed = False
         health = self.health
         tried: list[Replica] = []
         while True:
             routable = self.fleet.routable(model, tried)
             if not routable:
                 raise HTTPError(503, _no_replica(model, tried))
-            decision = self.policy.choose(key, routable)
+            decision = None
+            if wire is not None and not tried:
+                decision = self.policy.choose_known(wire, routable)
+            if decision is None:
+                if not keyed:
+                    key, keyed = self._key(fields, model), True
+                decision = self.policy.choose(key, routable, wire)
             replica = decision.replica
             if self._debug:  # one line per decision, only when asked for (--log-level debug)
                 log.debug(
@@ -257,6 +261,15 @@ class RouterApp:
             tried.append(replica)
             if len(tried) > self.config.retries:
                 raise _lost_adapter_error(model, tried, self.fence.state(model))
+
+    def _key(self, fields: Completion, model: str | None) -> PromptKey | None:
+        """The prompt's block-chain key (token ids, else text or chat), or None."""
+        tokens = fields.token_ids()
+        if tokens is not None:
+            return prompt_key(model, tokens, self.block_size)
+        if fields.text is not None:
+            return text_key(model, fields.text)
+        return None
 
     async def forward_any(self, request: Request, conn: ClientConnection) -> None:
         """A path the router has no rule for: one replica answers, as a single server would."""

@@ -14,7 +14,7 @@ and counts the request in flight on the replica it gets. Nothing in this package
 reads a clock, draws random numbers, logs, or changes a replica.
 """
 
-from .keys import PromptKey, encode_messages, messages_key, prompt_key, text_key
+from .keys import PromptKey, encode_messages, messages_key, prompt_key, text_key, wire_key
 from .policy import (
     POLICIES,
     Decision,
@@ -42,4 +42,5 @@ __all__ = [
     "messages_key",
     "prompt_key",
     "text_key",
+    "wire_key",
 ]

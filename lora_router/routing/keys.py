@@ -63,6 +63,7 @@ from xxhash import xxh3_64_intdigest
 # Seed domains (ASCII tags): the same bytes keyed as tokens and as text never collide.
 TOKEN_SEED = int.from_bytes(b"lr-token", "big")
 TEXT_SEED = int.from_bytes(b"lr-text\0", "big")
+WIRE_SEED = int.from_bytes(b"lr-wire\0", "big")
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default cache_config.block_size
 TEXT_BLOCK_BYTES = 64  # about 16 tokens of English text
@@ -164,6 +165,17 @@ def prompt_key(
         swapped.byteswap()
         data = swapped.tobytes()
     return PromptKey(data, model_seed(model), block_size * _TOKEN_BYTES, len(packed))
+
+
+def wire_key(model: str | None, raw: bytes) -> int:
+    """The identity of a token-id prompt as the client wrote it on the wire (its JSON text).
+
+    The G samples of a GRPO prompt are separate requests from one client, so their prompts are
+    the same bytes: a sibling is recognised by this one hash, before (and instead of) parsing
+    its ids and building its block chain. Two spellings of one prompt get different wire keys;
+    the policy then falls back to `prompt_key`, which is what vLLM caches.
+    """
+    return xxh3_64_intdigest(raw, model_seed(model, WIRE_SEED))
 
 
 def text_key(model: str | None, data: bytes, block_bytes: int = TEXT_BLOCK_BYTES) -> PromptKey:

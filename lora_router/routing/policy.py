@@ -58,6 +58,7 @@ replicas.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from fractions import Fraction
@@ -115,8 +116,16 @@ class Policy(Protocol):
     def set_members(self, names: Sequence[str]) -> None:
         """The full membership (the ring); called at start and on every add or remove."""
 
-    def choose(self, key: PromptKey | None, routable: Sequence[R]) -> Decision[R]:
-        """Pick a replica among `routable` (never empty); must not change `in_flight`."""
+    def choose(
+        self, key: PromptKey | None, routable: Sequence[R], wire: int | None = None
+    ) -> Decision[R]:
+        """Pick a replica among `routable` (never empty); must not change `in_flight`.
+        `wire` is the prompt's `wire_key`, remembered for `choose_known`."""
+        ...
+
+    def choose_known(self, wire: int, routable: Sequence[R]) -> Decision[R] | None:
+        """A sibling's replica from its `wire_key` alone, if it is known and has room;
+        None means: build the `PromptKey` and call `choose`."""
         ...
 
 
@@ -165,6 +174,9 @@ class PrefixAffinity:
         self.counts = DecisionCounts()
         self._turn = 0
         self._dealt: dict[str, int] = {}  # fresh prompts placed on each member
+        # wire_key -> the home of that exact prompt, for siblings routed without a PromptKey;
+        # as bounded as the table.
+        self._wire: OrderedDict[int, str] = OrderedDict()
 
     def set_members(self, names: Sequence[str]) -> None:
         self.ring = HashRing(names, self.ring.vnodes)
@@ -176,7 +188,32 @@ class PrefixAffinity:
         total = sum(r.in_flight for r in routable)
         return load_cap(total, len(routable), self.load_factor, self.load_slack)
 
-    def choose(self, key: PromptKey | None, routable: Sequence[R]) -> Decision[R]:
+    def choose_known(self, wire: int, routable: Sequence[R]) -> Decision[R] | None:
+        name = self._wire.get(wire)
+        if name is None:
+            return None
+        for replica in routable:
+            if replica.name == name:
+                if replica.in_flight >= self.cap(routable):
+                    return None  # full: the whole policy decides where it spills
+                self._wire.move_to_end(wire)
+                self.counts.sibling += 1
+                return Decision(replica, "sibling")
+        return None
+
+    def choose(
+        self, key: PromptKey | None, routable: Sequence[R], wire: int | None = None
+    ) -> Decision[R]:
+        decision = self._choose(key, routable)
+        if wire is not None and key is not None:
+            # The prompt's home is its first placement (a spill does not move it).
+            self._wire[wire] = self.table.home(key) or decision.replica.name
+            self._wire.move_to_end(wire)
+            if len(self._wire) > self.table.capacity:
+                self._wire.popitem(last=False)
+        return decision
+
+    def _choose(self, key: PromptKey | None, routable: Sequence[R]) -> Decision[R]:
         if key is None:
             self.counts.nokey += 1
             self._turn += 1
@@ -266,7 +303,12 @@ class RoundRobin:
     def set_members(self, names: Sequence[str]) -> None:
         pass  # the routable list is the rotation
 
-    def choose(self, key: PromptKey | None, routable: Sequence[R]) -> Decision[R]:
+    def choose_known(self, wire: int, routable: Sequence[R]) -> Decision[R] | None:
+        return None  # keys are ignored
+
+    def choose(
+        self, key: PromptKey | None, routable: Sequence[R], wire: int | None = None
+    ) -> Decision[R]:
         self._turn += 1
         self.counts.balanced += 1
         return Decision(routable[self._turn % len(routable)], "balanced")
@@ -284,7 +326,12 @@ class LeastLoaded:
     def set_members(self, names: Sequence[str]) -> None:
         pass
 
-    def choose(self, key: PromptKey | None, routable: Sequence[R]) -> Decision[R]:
+    def choose_known(self, wire: int, routable: Sequence[R]) -> Decision[R] | None:
+        return None  # keys are ignored
+
+    def choose(
+        self, key: PromptKey | None, routable: Sequence[R], wire: int | None = None
+    ) -> Decision[R]:
         self._turn += 1
         self.counts.balanced += 1
         return Decision(least_loaded(routable, self._turn), "balanced")

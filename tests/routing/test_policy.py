@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lora_router.routing.keys import PromptKey, prompt_key
+from lora_router.routing.keys import PromptKey, prompt_key, wire_key
 from lora_router.routing.policy import (
     DEFAULT_LOAD_SLACK,
     LeastLoaded,
@@ -499,3 +499,54 @@ def test_make_policy_knows_three_policies():
     assert isinstance(make_policy("least-loaded", **options), LeastLoaded)
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("random", **options)
+
+
+# -- siblings by their wire text --------------------------------------------------------------
+
+
+@given(nonempty, fleet_sizes, st.integers(1, 12))
+def test_a_sibling_is_routed_by_the_hash_of_its_wire_text_alone(prompt, n, siblings):
+    reps = fleet(n)
+    policy = prefix_policy(reps)
+    raw = str(prompt).encode()  # the JSON text a client sent
+    wire = wire_key("trl-policy-v1", raw)
+    assert policy.choose_known(wire, reps) is None  # never seen: the caller builds the key
+    first = send(policy, prompt_key("trl-policy-v1", prompt), reps)
+    policy.choose(prompt_key("trl-policy-v1", prompt), reps, wire)  # remembered by the caller
+    first.replica.in_flight -= 1
+    for _ in range(siblings):
+        decision = policy.choose_known(wire, reps)
+        assert decision is not None and decision.kind == "sibling"
+        assert decision.replica is first.replica
+    # Another model's identical text is another prompt.
+    assert policy.choose_known(wire_key("trl-policy-v2", raw), reps) is None
+
+
+def test_a_full_home_hands_the_sibling_back_to_the_whole_policy() -> None:
+    reps = fleet(2)
+    policy = prefix_policy(reps, load_slack=0)
+    key, wire = prompt_key("m", [1, 2, 3]), wire_key("m", b"[1, 2, 3]")
+    home = policy.choose(key, reps, wire).replica
+    home.in_flight = 10  # far above the cap
+    assert policy.choose_known(wire, reps) is None
+    assert policy.choose(key, reps, wire).kind == "spill"
+    home.in_flight = 0
+    known = policy.choose_known(wire, reps)
+    assert known is not None and known.replica is home  # a spill never moves the home
+
+
+@settings(max_examples=10)
+@given(st.integers(1, 50))
+def test_the_wire_index_is_bounded_like_the_table(capacity):
+    reps = fleet(3)
+    policy = prefix_policy(reps, table_size=capacity)
+    for i in range(capacity * 3):
+        policy.choose(prompt_key("m", [i, i + 1]), reps, wire_key("m", b"[%d]" % i))
+    assert len(policy._wire) <= capacity
+
+
+def test_key_blind_policies_never_claim_a_sibling() -> None:
+    reps = fleet(2)
+    for policy in (RoundRobin(), LeastLoaded()):
+        policy.choose(None, reps, wire_key("m", b"[1]"))
+        assert policy.choose_known(wire_key("m", b"[1]"), reps) is None
