@@ -44,6 +44,7 @@ def replica_json(r: Replica) -> dict[str, object]:
         "draining": r.draining,
         "in_flight": r.in_flight,
         "breaker": r.breaker.state,
+        "breaker_opens": r.breaker.opens,
         "ejections": r.ejections,
         "adapters": sorted(r.adapters),
         "last_error": r.last_error,
@@ -84,6 +85,7 @@ def status(state: RouterState) -> dict[str, object]:
             "checks": state.health.checks,
             "check_failures": state.health.check_failures,
             "readmissions": state.health.readmissions,
+            "readmission_failures": state.health.readmission_failures,
             "restarts_detected": state.health.restarts_detected,
         },
     }
@@ -133,6 +135,12 @@ def metric_families(state: RouterState) -> Iterator[Metric]:
         "Times each replica was taken out of service.",
         ["replica"],
         [(lab, r.ejections) for lab, r in zip(label, replicas, strict=True)],
+    )
+    yield counter(
+        "lora_router_breaker_opens",
+        "Times each replica's circuit breaker opened.",
+        ["replica"],
+        [(lab, r.breaker.opens) for lab, r in zip(label, replicas, strict=True)],
     )
     yield counter(
         "lora_router_routing_decisions",

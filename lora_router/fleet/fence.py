@@ -232,11 +232,6 @@ class AdapterFence:
     def entries(self) -> Iterable[AdapterEntry]:
         return list(self._entries.values())
 
-    def in_motion(self, name: str) -> bool:
-        """Whether a load or unload of `name` has arrived and not yet finished."""
-        entry = self._entries.get(name)
-        return entry is not None and entry.state is not AdapterState.LIVE
-
 
 def model_not_found_after(model: str, failure: str) -> HTTPError:
     """vLLM's 404 for a name whose load the waiter saw fail, with the reason appended (vLLM

@@ -75,7 +75,6 @@ class Fleet:
         """Take a replica out of service until health.py re-admits it with a replay."""
         if replica.healthy or replica.admitted:
             replica.ejections += 1
-            replica.ejected_at = asyncio.get_running_loop().time()
             log.warning("ejecting %s: %s", replica.describe(), reason)
         replica.healthy = False
         replica.admitted = False

@@ -154,7 +154,6 @@ async def readmit(control: ControlPlane, replica: Replica) -> None:
                 raise ReplayError(f"it was ejected during its replay: {replica.last_error}")
             replica.admitted = True
             replica.breaker.reset()
-            replica.admitted_at = asyncio.get_running_loop().time()
     finally:
         replica.replaying = False
 

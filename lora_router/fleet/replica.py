@@ -26,11 +26,9 @@ class Replica:
         "adapters",
         "address",
         "admitted",
-        "admitted_at",
         "base_model",
         "breaker",
         "draining",
-        "ejected_at",
         "ejections",
         "healthy",
         "in_flight",
@@ -64,8 +62,6 @@ class Replica:
         self.adapters: dict[str, str] = {}  # adapter name -> lora_path, as acknowledged
         self.base_model: str | None = None  # entry 0 of its /v1/models
         self.ejections = 0
-        self.ejected_at: float | None = None  # loop time of the last ejection
-        self.admitted_at: float | None = None  # loop time of the last admission
         self.last_error = ""  # why it was last ejected or refused admission
         self.load_seconds = 0.0  # how long its last adapter load took (broadcast order)
 

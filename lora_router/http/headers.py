@@ -46,16 +46,13 @@ _RESPONSE_DROPPED_DECHUNKED = _RESPONSE_DROPPED | {b"transfer-encoding"}
 
 REPLICA_HEADER = b"x-lora-router-replica"
 
-# A response header line whose name is dropped. llhttp rejects whitespace before the colon, so
-# `\r\nname:` in the lower-cased head finds every such line.
-_DROPPED_LINE = re.compile(
-    rb"\r\n(?:" + b"|".join(re.escape(name) for name in sorted(_RESPONSE_DROPPED)) + rb"):"
-)
+# A response header line whose name is dropped, to the end of its value. llhttp rejects
+# whitespace before the colon, so `\r\nname:` finds every such line.
 _DROPPED_LINES = re.compile(
     rb"\r\n(?:" + b"|".join(re.escape(n) for n in sorted(_RESPONSE_DROPPED)) + rb"):[^\r\n]*",
     re.IGNORECASE,
 )
-_CONNECTION_VALUE = re.compile(rb"\r\nconnection:([^\r\n]*)")
+_CONNECTION_VALUE = re.compile(rb"\r\nconnection:([^\r\n]*)", re.IGNORECASE)
 _PLAIN_CONNECTION = frozenset({b"keep-alive", b"close", b""})
 _KEEP_ALIVE_TAIL = b"\r\nconnection: keep-alive\r\n\r\n"
 _CLOSE_TAIL = b"\r\nconnection: close\r\n\r\n"
@@ -106,7 +103,7 @@ def upstream_request_head(
 
 
 def client_response_head(
-    raw_head: bytes, replica: bytes, keep_alive: bool, dechunked: bool, lowered: bytes = b""
+    raw_head: bytes, replica: bytes, keep_alive: bool, dechunked: bool
 ) -> bytes:
     """Rewrite a replica's response head for the client.
 
@@ -114,18 +111,16 @@ def client_response_head(
     line and every end-to-end header pass verbatim; hop-by-hop headers are dropped; the router
     adds which replica answered (an index, never its URL) and its own `Connection`. When the body
     is `dechunked` for an HTTP/1.0 client, `Transfer-Encoding` goes too (the close ends it).
-    `lowered` is `raw_head.lower()` when the caller has it already.
     """
     tail = _KEEP_ALIVE_TAIL if keep_alive else _CLOSE_TAIL
     if not dechunked:
-        lowered = lowered or raw_head.lower()
-        if _DROPPED_LINE.search(lowered) is None:
+        if _DROPPED_LINES.search(raw_head) is None:
             # The usual case with vLLM (uvicorn sends no hop-by-hop header): the head passes
             # whole.
             return b"".join((raw_head, b"\r\n", REPLICA_HEADER, b": ", replica, tail))
         if all(
-            token.strip() in _PLAIN_CONNECTION
-            for value in _CONNECTION_VALUE.findall(lowered)
+            token.strip().lower() in _PLAIN_CONNECTION
+            for value in _CONNECTION_VALUE.findall(raw_head)
             for token in value.split(b",")
         ):
             # Hop-by-hop lines, but no header named by `Connection` (nginx's `Connection:

@@ -102,7 +102,6 @@ class UpstreamConnection(asyncio.Protocol):
         self._last = 0.0
         self._limit = 0.0
         self.closed = False
-        self.used = False
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -178,10 +177,9 @@ class UpstreamConnection(asyncio.Protocol):
             buf = buf[body_at:]
         ex.head_buf = b""
         head = buf[:end]
-        lowered = head.lower()
-        keep_alive = self._client_keep_alive(ex, lowered)
+        keep_alive = self._client_keep_alive(ex, head)
         ex.head_sent = True
-        out = client_response_head(head, self._pool.label, keep_alive, ex.dechunk, lowered)
+        out = client_response_head(head, self._pool.label, keep_alive, ex.dechunk)
         if len(buf) > body_at and not ex.head_only:
             rest = memoryview(buf)[body_at:]
             if ex.dechunk:
@@ -231,18 +229,17 @@ class UpstreamConnection(asyncio.Protocol):
     def start(self, data: bytes, ex: _Exchange) -> None:
         assert self.transport is not None
         self._ex = ex
-        self.used = True
         self._last = self._loop.time()
         self._arm(self._pool.first_byte_timeout)
         ex.sink.on_upstream(self.transport)
         self.transport.write(data)
 
-    def _client_keep_alive(self, ex: _Exchange, lowered: bytes) -> bool:
-        """Whether the client may keep its connection after this response (`lowered`: the
-        response head in lower case)."""
+    def _client_keep_alive(self, ex: _Exchange, head: bytes) -> bool:
+        """Whether the client may keep its connection after this response."""
         status = self._parser.get_status_code()
         framed = ex.head_only or status in (204, 304)
         if not framed:
+            lowered = head.lower()
             framed = b"\r\ncontent-length:" in lowered or b"\r\ntransfer-encoding:" in lowered
         ex.close_delimited = not framed
         # Close-delimited bodies and HTTP/1.0 clients (dechunked body) end with a close.

@@ -73,6 +73,7 @@ async def test_metrics_show_fleet_state_and_routing_decisions(
     assert got[("lora_router_adapters_live", ())] == 1
     assert got[("lora_router_replica_up", (("replica", "0"),))] == 1
     assert got[("lora_router_in_flight", (("replica", "1"),))] == 0
+    assert got[("lora_router_breaker_opens_total", (("replica", "0"),))] == 0
     assert got[("lora_router_routing_decisions_total", (("kind", "fresh"),))] == 1
     assert got[("lora_router_routing_decisions_total", (("kind", "sibling"),))] == 3
     assert got[("lora_router_broadcasts_total", (("op", "load"), ("outcome", "ok")))] == 1
@@ -94,6 +95,8 @@ async def test_status_page_lists_replicas_adapters_and_fence(
     assert doc["adapters"] == {"trl-policy-v1": {"state": "live", "path": path}}
     assert doc["paused"] == "mode=keep"
     assert doc["fence"]["waiting"] == 0
+    assert all(r["breaker_opens"] == 0 for r in doc["replicas"])
+    assert doc["health"]["readmission_failures"] == 0
 
 
 async def test_the_log_summary_names_what_an_operator_checks_first(
