@@ -223,19 +223,25 @@ class WrkResult:
 
 def wrk(
     url: str,
-    body: bytes,
+    body: bytes | list[bytes],
     *,
     connections: int,
     seconds: float,
     tmp: Path,
     cpus: str | None = None,
+    repeat: int = 1,
 ) -> WrkResult:
-    """A closed loop of `connections` clients POSTing `body` to `url` for `seconds`."""
+    """A closed loop of `connections` clients POSTing to `url` for `seconds`.
+
+    `body` is one body, sent every time, or a list of bodies sent in turn, each `repeat` times
+    in a row (a GRPO group: G identical requests, then the next prompt's).
+    """
     script = tmp / "post.lua"
     body_file = tmp / "body.json"
-    body_file.write_bytes(body)
-    script.write_text(
-        f"""
+    if isinstance(body, bytes):
+        body_file.write_bytes(body)
+        script.write_text(
+            f"""
 local f = io.open("{body_file}", "rb")
 wrk.method = "POST"
 wrk.body = f:read("*a")
@@ -243,7 +249,29 @@ f:close()
 wrk.headers["Content-Type"] = "application/json"
 {WRK_REPORT}
 """
-    )
+        )
+    else:
+        # One JSON body per line (json.dumps never writes a raw newline), formatted once.
+        body_file.write_bytes(b"\n".join(body) + b"\n")
+        script.write_text(
+            f"""
+local requests = {{}}
+init = function(args)
+  -- Formatted once the URL is known (wrk.format takes Host and path from it).
+  for line in io.lines("{body_file}") do
+    requests[#requests + 1] = wrk.format(
+      "POST", nil, {{["Content-Type"] = "application/json"}}, line)
+  end
+end
+local sent = 0
+request = function()
+  local r = requests[(math.floor(sent / {repeat}) % #requests) + 1]
+  sent = sent + 1
+  return r
+end
+{WRK_REPORT}
+"""
+        )
     argv = [
         "wrk",
         "-t1",

@@ -6,6 +6,10 @@ then a timed window; every contender is measured in the same session, interleave
 round, and the report quotes medians over rounds and ratios, not single absolute figures. Each
 proxy is pinned to core 0; the replicas and wrk share core 1.
 
+Scenarios: one 512-token rollout request sent over and over (`json`, `sse`: every request is a
+sibling of the first), and `grpo`, the trainer's real pattern: 4,096 distinct prompts, each sent
+as G = 8 identical requests in a row, so one request in eight is a prompt nobody has seen.
+
 Reported per contender and scenario: requests/s, p50/p99 latency and the p50 added over direct,
 proxy CPU µs per request (from /proc), peak RSS.
 
@@ -46,11 +50,12 @@ MODEL = "Qwen/Qwen2.5-Math-1.5B"
 PROXY_CPU, LOAD_CPU = "0", "1"
 
 
-def completion_body(tokens: int, stream: bool, text: bool) -> bytes:
+def completion_body(tokens: int, stream: bool, text: bool, variant: int = 0) -> bytes:
+    """A rollout request; each `variant` is a different prompt from its first token on."""
     prompt: object = (
-        " ".join(f"w{i % 997}" for i in range(tokens))
+        f"p{variant} " + " ".join(f"w{i % 997}" for i in range(tokens - 1))
         if text
-        else [(i * 7919) % 151_000 for i in range(tokens)]
+        else [(i * 7919 + variant * 104_729) % 151_000 for i in range(tokens)]
     )
     body = {
         "model": MODEL,
@@ -212,11 +217,14 @@ def contenders(peers_bin: Path) -> list[Contender]:
     return found
 
 
-SCENARIOS = {  # name: (concurrency, streamed reply)
-    "json c=1": (1, False),
-    "json c=64": (64, False),
-    "sse c=64": (64, True),
+SCENARIOS = {  # name: (concurrency, streamed reply, GRPO groups)
+    "json c=1": (1, False, False),
+    "json c=64": (64, False, False),
+    "grpo c=64": (64, False, True),
+    "sse c=64": (64, True, False),
 }
+GROUP = 8  # G: the identical requests of one prompt in the "grpo" scenario
+PROMPTS = 4096  # distinct prompts it cycles through, more than any cache here keeps
 
 
 def run(args: argparse.Namespace) -> Report:
@@ -228,7 +236,7 @@ def run(args: argparse.Namespace) -> Report:
     ]
     print("contenders:", ", ".join(c.name for c in chosen), flush=True)
     bar = tqdm(total=len(SCENARIOS) * args.rounds * len(chosen), unit="run")
-    for scenario, (conns, stream) in SCENARIOS.items():
+    for scenario, (conns, stream, groups) in SCENARIOS.items():
         procs = Procs()
         try:
             reply = sse_reply(args.sse_events) if stream else json_reply()
@@ -243,7 +251,14 @@ def run(args: argparse.Namespace) -> Report:
                     wait_port(c.port, timeout=60)
                 except RuntimeError:
                     sys.exit(f"{c.name} did not start:\n{procs.log_tail(c.pid or 0)}")
-            bodies = {text: completion_body(args.tokens, stream, text) for text in (False, True)}
+            bodies: dict[bool, bytes | list[bytes]] = {
+                text: (
+                    [completion_body(args.tokens, stream, text, p) for p in range(PROMPTS)]
+                    if groups
+                    else completion_body(args.tokens, stream, text)
+                )
+                for text in (False, True)
+            }
             for rnd in range(args.rounds):
                 order = chosen[rnd % len(chosen) :] + chosen[: rnd % len(chosen)]
                 direct_p50: float | None = None
@@ -258,6 +273,7 @@ def run(args: argparse.Namespace) -> Report:
                         seconds=args.warmup,
                         tmp=procs.tmp,
                         cpus=LOAD_CPU,
+                        repeat=GROUP,
                     )
                     cpu0 = cpu_seconds(c.pid) if c.pid else 0.0
                     res = wrk(
@@ -267,6 +283,7 @@ def run(args: argparse.Namespace) -> Report:
                         seconds=args.seconds,
                         tmp=procs.tmp,
                         cpus=LOAD_CPU,
+                        repeat=GROUP,
                     )
                     cpu = (
                         (cpu_seconds(c.pid) - cpu0) * 1e6 / max(res.requests, 1) if c.pid else None
@@ -375,7 +392,7 @@ def plot(rows: list[dict[str, object]], out: Path) -> None:
     for ax, scenario in zip(axes, scenarios, strict=True):
         ax.bar(names, [_value(rows, scenario, n, "rps") for n in names], color=colors)
         ax.set_title(scenario)
-        ax.set_ylabel("requests/s" if scenario.startswith("json") else "responses/s")
+        ax.set_ylabel("responses/s" if scenario.startswith("sse") else "requests/s")
         ax.tick_params(axis="x", rotation=35)
     fig.suptitle("Proxy throughput, instant replicas, proxy pinned to one core (median of rounds)")
     fig.tight_layout()

@@ -24,7 +24,6 @@ count against the replica's circuit breaker and wake its health check.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -33,7 +32,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from lora_router.body import Completion, read_completion
+from lora_router.body import Completion, CompletionReader
 from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.control import ControlPlane, Reply
 from lora_router.fleet.fence import AdapterFence, AdapterState
@@ -82,26 +81,21 @@ Route = Callable[[Request, ClientConnection], Awaitable[None]]
 
 
 class _StatusSink:
-    """The client connection, as the upstream side writes into it, plus the status it got.
+    """The client connection, as the upstream side writes into it for an adapter's request.
 
-    The first write is always the response head; its status is read there, then `write` is
-    rebound to the connection's own, so the streamed body costs no extra call per chunk.
-
-    With `divert_404`, a 404 head and its body are swallowed instead (`diverted`): a replica
-    that answers 404 for an adapter the fence says is live has lost it (it restarted between
-    two health checks), and vLLM checks the model before any byte of a stream, so nothing has
-    reached the client and the request can go to another replica.
+    A 404 head and its body are swallowed instead (`diverted`): a replica that answers 404 for
+    an adapter the fence says is live has lost it (it restarted between two health checks), and
+    vLLM checks the model before any byte of a stream, so nothing has reached the client and
+    the request can go to another replica.
     """
 
-    __slots__ = ("_conn", "divert_404", "diverted", "on_upstream", "status", "write")
+    __slots__ = ("_conn", "diverted", "on_upstream", "write")
 
-    def __init__(self, conn: ClientConnection, divert_404: bool) -> None:
+    def __init__(self, conn: ClientConnection) -> None:
         self._conn = conn
-        self.status = 0
-        self.divert_404 = divert_404
         self.diverted = False
         self.on_upstream = conn.on_upstream
-        self.write: Callable[[bytes | memoryview], None] = self._head
+        self.write: Callable[[bytes | memoryview], None] = conn.write
 
     @property
     def keep_alive(self) -> bool:
@@ -111,18 +105,16 @@ class _StatusSink:
     def keep_alive(self, value: bool) -> None:
         self._conn.keep_alive = value
 
-    def _head(self, data: bytes | memoryview) -> None:
-        if data[:5] == b"HTTP/":
-            self.status = int(bytes(data[9:12]))
-        if self.status == 404 and self.divert_404:
+    def head(self, status: int, data: bytes) -> None:
+        if status == 404:
             self.diverted = True
-            self.write = self._drop
+            self.write = _drop
             return
-        self.write = self._conn.write
-        self._conn.write(data)
+        self._conn.head(status, data)
 
-    def _drop(self, data: bytes | memoryview) -> None:
-        pass
+
+def _drop(data: bytes | memoryview) -> None:
+    pass
 
 
 class RouterApp:
@@ -151,13 +143,15 @@ class RouterApp:
         self._loop = asyncio.get_running_loop()
         self._debug = log.isEnabledFor(logging.DEBUG)
         self.block_size = config.block_size or 16
+        self.reader = CompletionReader(config.max_prompt_tokens)
         token = config.token.reveal()
         self._authorization = f"Bearer {token}".encode() if token else None
         # Request ids for requests that come without one: unique per process and cheap (a
         # counter behind a random prefix, not a uuid4 and its getrandom call per request).
         # 32 hex digits like a uuid4's: 16 random, then a 64-bit counter.
         prefix = os.urandom(8).hex()
-        self._request_ids = (f"{prefix}{n:016x}".encode() for n in itertools.count(1))
+        self._id_prefix = prefix.encode()
+        self._ids = 0
         # (method, path) -> handler, for every route the router answers itself.
         self.routes: dict[tuple[bytes, bytes], Route] = {
             (b"POST", b"/v1/load_lora_adapter"): self.load_adapter,
@@ -180,7 +174,12 @@ class RouterApp:
         started = self._loop.time()
         conn.replica = b"-"
         try:
-            await self._dispatch(request, conn)
+            authenticate(request, self.config)
+            chat = _ROUTED.get(request.path)
+            if chat is not None and request.method == b"POST":
+                await self.completion(request, conn, chat)
+            else:
+                await self._dispatch(request, conn)
         except HTTPError as exc:
             # Answered by the router itself after this returns (unless a stream had begun).
             self._observe(request, conn, started, conn.status or exc.status)
@@ -196,11 +195,6 @@ class RouterApp:
         self.stats.observe(route, code, conn.replica, self._loop.time() - started, first_byte)
 
     async def _dispatch(self, request: Request, conn: ClientConnection) -> None:
-        authenticate(request, self.config)
-        chat = _ROUTED.get(request.path)
-        if chat is not None and request.method == b"POST":
-            await self.completion(request, conn, chat)
-            return
         route = self.routes.get((request.method, request.path))
         if route is not None:
             await route(request, conn)
@@ -209,23 +203,27 @@ class RouterApp:
         else:
             await self.forward_any(request, conn)
 
+    def _new_request_id(self) -> bytes:
+        self._ids += 1
+        return b"%s%016x" % (self._id_prefix, self._ids)
+
     # -- routed -----------------------------------------------------------------------------
 
     async def completion(self, request: Request, conn: ClientConnection, chat: bool) -> None:
-        fields = read_completion(
-            request.body, chat=chat, max_prompt_tokens=self.config.max_prompt_tokens
-        )
+        fields = self.reader.read(request.body, chat=chat)
         model = fields.model
-        # The fence: returns at once for the base model and live adapters; waits while the
+        # The fence: passes at once for the base model and live adapters; waits while the
         # adapter's load is being broadcast; raises vLLM's 404 for unknown names.
-        await self.fence.admit(model)
+        if not self.fence.admits(model):
+            assert model is not None
+            await self.fence.wait(model)
         adapter = model is not None and model not in self.fleet.base_models
         # A sibling of a prompt seen before is recognised by the hash of its raw JSON text;
         # only a prompt the policy does not know yet is parsed into ids and keyed by blocks.
-        wire = wire_key(model, fields.raw_tokens) if fields.raw_tokens is not None else None
+        raw = fields.raw_tokens
+        wire = wire_key(model, raw) if raw is not None else None
         key: PromptKey | None = None
         keyed = False
-        health = self.health
         tried: list[Replica] = []
         while True:
             routable = self.fleet.routable(model, tried)
@@ -244,20 +242,20 @@ class RouterApp:
                     "%s -> replica %d (%s)", model or "base model", replica.rid, decision.kind
                 )
             replica.breaker.begin()
-            sink = _StatusSink(conn, divert_404=adapter)
+            sink = _StatusSink(conn) if adapter else conn
             try:
                 await self._forward(request, conn, replica, sink)
             except UpstreamError as exc:
-                health.report_failure(replica)
+                self.health.report_failure(replica)
                 tried.append(replica)
                 if not exc.retryable or len(tried) > self.config.retries:
                     raise _upstream_http_error(replica, exc) from None
                 continue
-            if not sink.diverted:
-                health.report_status(replica, sink.status)
+            if not (isinstance(sink, _StatusSink) and sink.diverted):
+                self.health.report_status(replica, conn.status)
                 return
             assert model is not None
-            health.report_missing_adapter(replica, model)
+            self.health.report_missing_adapter(replica, model)
             tried.append(replica)
             if len(tried) > self.config.retries:
                 raise _lost_adapter_error(model, tried, self.fence.state(model))
@@ -289,16 +287,14 @@ class RouterApp:
         replica: Replica,
         sink: ClientConnection | _StatusSink,
     ) -> None:
-        address = replica.address
-        request_id = request.header(b"x-request-id") or next(self._request_ids)
         head = upstream_request_head(
             request.method,
-            address.path_prefix.encode() + request.target,
+            replica.target_prefix + request.target,
             request.headers,
-            host=address.host_header.encode(),
+            host=replica.host_header,
             authorization=self._authorization,
             client_ip=request.client_ip,
-            request_id=request_id,
+            new_request_id=self._new_request_id,
             body_length=len(request.body),
         )
         replica.in_flight += 1

@@ -67,7 +67,7 @@ class AdapterEntry:
 
 
 class AdapterFence:
-    """Adapter names and their states; the routed path's gate (`admit`)."""
+    """Adapter names and their states; the routed path's gate (`admits`, `wait`)."""
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
@@ -84,16 +84,17 @@ class AdapterFence:
 
     # -- the routed path --------------------------------------------------------------------
 
-    async def admit(self, model: str | None) -> None:
-        """Return when a completion for `model` may be routed; raise HTTPError otherwise."""
+    def admits(self, model: str | None) -> bool:
+        """Whether a completion for `model` may be routed now, without waiting (the base model
+        and live adapters); otherwise the caller awaits `wait`."""
         if model is None or model in self.base_models:
-            return
+            return True
         entry = self._entries.get(model)
-        if entry is not None and entry.state is AdapterState.LIVE:
-            return
-        await self._wait(model)
+        return entry is not None and entry.state is AdapterState.LIVE
 
-    async def _wait(self, model: str) -> None:
+    async def wait(self, model: str) -> None:
+        """Return once a completion for `model` may be routed; raise HTTPError (404, or 504
+        after `timeout`) when it never may."""
         loop = asyncio.get_running_loop()
         start = loop.time()
         deadline = start + self.timeout

@@ -31,6 +31,7 @@ class Replica:
         "draining",
         "ejections",
         "healthy",
+        "host_header",
         "in_flight",
         "label",
         "last_error",
@@ -39,6 +40,7 @@ class Replica:
         "pool",
         "replaying",
         "rid",
+        "target_prefix",
     )
 
     def __init__(
@@ -48,6 +50,9 @@ class Replica:
         self.address = address
         self.name = address.name  # ring identity: the same URLs give the same placements
         self.label = str(rid).encode()  # what clients see in x-lora-router-replica
+        # The request line's path prefix and the Host header, as they go on the wire.
+        self.target_prefix = address.path_prefix.encode()
+        self.host_header = address.host_header.encode()
         self.pool = pool
         self.breaker = breaker
         self.in_flight = 0

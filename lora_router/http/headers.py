@@ -11,7 +11,7 @@ put the replica token anywhere but the `Authorization` header of a request to a 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 # Hop-by-hop headers, RFC 9110 §7.6.1 (and RFC 2616 §13.5.1 for the older names): they
 # describe one connection, not the message, so a proxy must not forward them.
@@ -52,8 +52,10 @@ _DROPPED_LINES = re.compile(
     rb"\r\n(?:" + b"|".join(re.escape(n) for n in sorted(_RESPONSE_DROPPED)) + rb"):[^\r\n]*",
     re.IGNORECASE,
 )
-_CONNECTION_VALUE = re.compile(rb"\r\nconnection:([^\r\n]*)", re.IGNORECASE)
-_PLAIN_CONNECTION = frozenset({b"keep-alive", b"close", b""})
+# A `Connection` line that names other headers (anything but a lone keep-alive or close).
+_NAMING_CONNECTION = re.compile(
+    rb"\r\nconnection:(?![ \t]*(?:keep-alive|close)?[ \t]*(?:\r\n|\Z))", re.IGNORECASE
+)
 _KEEP_ALIVE_TAIL = b"\r\nconnection: keep-alive\r\n\r\n"
 _CLOSE_TAIL = b"\r\nconnection: close\r\n\r\n"
 
@@ -75,24 +77,45 @@ def upstream_request_head(
     host: bytes,
     authorization: bytes | None,
     client_ip: bytes,
-    request_id: bytes,
+    new_request_id: Callable[[], bytes],
     body_length: int,
 ) -> bytes:
-    """The request head sent to a replica (HTTP/1.1, keep-alive, exact Content-Length)."""
-    named = connection_tokens(headers)
+    """The request head sent to a replica (HTTP/1.1, keep-alive, exact Content-Length).
+
+    `new_request_id` is called only when the client sent no `X-Request-Id`.
+    """
     lines = [method, b" ", target, b" HTTP/1.1\r\nhost: ", host, b"\r\n"]
     forwarded_for = b""
     has_request_id = False
+    listed: list[bytes] = []  # values of `Connection`
     for name, value in headers:
-        if name in _REQUEST_REPLACED or name in named:
-            if name == b"x-forwarded-for" and name not in named:
+        if name in _REQUEST_REPLACED:
+            if name == b"x-forwarded-for":
                 forwarded_for += value + b", "  # several fields are one list (RFC 9110 §5.3)
+            elif name == b"connection":
+                listed.append(value)
             continue
         if name == b"x-request-id":
             has_request_id = True
         lines += (name, b": ", value, b"\r\n")
+    if listed:
+        named = connection_tokens((b"connection", v) for v in listed) - HOP_BY_HOP
+        if named:
+            # Rare: `Connection` names end-to-end headers, which are hop-by-hop for this
+            # request (RFC 9110 §7.6.1). Build the head again without them.
+            kept = [(n, v) for n, v in headers if n not in named and n != b"connection"]
+            return upstream_request_head(
+                method,
+                target,
+                kept,
+                host=host,
+                authorization=authorization,
+                client_ip=client_ip,
+                new_request_id=new_request_id,
+                body_length=body_length,
+            )
     if not has_request_id:
-        lines += (b"x-request-id: ", request_id, b"\r\n")
+        lines += (b"x-request-id: ", new_request_id(), b"\r\n")
     if authorization is not None:
         lines += (b"authorization: ", authorization, b"\r\n")
     lines += (b"x-forwarded-for: ", forwarded_for, client_ip, b"\r\n")
@@ -118,11 +141,7 @@ def client_response_head(
             # The usual case with vLLM (uvicorn sends no hop-by-hop header): the head passes
             # whole.
             return b"".join((raw_head, b"\r\n", REPLICA_HEADER, b": ", replica, tail))
-        if all(
-            token.strip().lower() in _PLAIN_CONNECTION
-            for value in _CONNECTION_VALUE.findall(raw_head)
-            for token in value.split(b",")
-        ):
+        if _NAMING_CONNECTION.search(raw_head) is None:
             # Hop-by-hop lines, but no header named by `Connection` (nginx's `Connection:
             # keep-alive`): cut the lines out in one pass.
             kept = _DROPPED_LINES.sub(b"", raw_head)

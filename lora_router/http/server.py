@@ -52,6 +52,8 @@ _METHODS = frozenset({b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"OPTIONS", b
 # NUL and other controls (but tab) are never legitimate in a header value. llhttp already
 # refuses them in strict mode; this is the second lock, in C speed.
 _CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+# Request headers that frame the body, checked together once the head is complete.
+_FRAMING = frozenset({b"content-length", b"transfer-encoding", b"expect"})
 
 
 @dataclass(slots=True)
@@ -97,7 +99,12 @@ class ResponseSink(Protocol):
 
     keep_alive: bool
 
-    def write(self, data: bytes | memoryview) -> None: ...
+    def head(self, status: int, data: bytes) -> None:
+        """The response head (and maybe the first body bytes): its first write."""
+
+    def write(self, data: bytes | memoryview) -> None:
+        """Body bytes, as they arrive."""
+
     def on_upstream(self, transport: asyncio.Transport | None) -> None: ...
 
 
@@ -143,6 +150,10 @@ class ClientConnection(asyncio.Protocol):
     def __init__(self, handler: Handler, limits: Limits, count: ConnectionCount) -> None:
         self._handler = handler
         self._limits = limits
+        # Read on every request: copied out of `limits` once.
+        self._max_header_bytes = limits.max_header_bytes
+        self._max_headers = limits.max_headers
+        self._max_body_bytes = limits.max_body_bytes
         self._count = count
         self._loop = asyncio.get_running_loop()
         self._parser = httptools.HttpRequestParser(self)
@@ -168,6 +179,8 @@ class ClientConnection(asyncio.Protocol):
         # Parser scratch for the request being received.
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
+        self._framing: list[tuple[bytes, bytes]] = []  # the headers in _FRAMING, in order
+        self._http11 = True
         self._header_bytes = 0
         self._body: list[bytes] = []
         self._body_bytes = 0
@@ -241,35 +254,48 @@ class ClientConnection(asyncio.Protocol):
             self._arm(self._limits.header_timeout)
         self._url = b""
         self._headers = []
+        self._framing = []
         self._header_bytes = 0
         self._body = []
         self._body_bytes = 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
-        self._count_header_bytes(len(url))
+        self._header_bytes += len(url)
+        if self._header_bytes > self._max_header_bytes:
+            self._headers_too_big()
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_header_bytes(len(name) + len(value))
+        self._header_bytes += len(name) + len(value)
+        if self._header_bytes > self._max_header_bytes:
+            self._headers_too_big()
         if self._phase != _Phase.HEADERS:
             return  # a trailer of a chunked body: counted against the limit, never forwarded
-        if len(self._headers) >= self._limits.max_headers:
+        if len(self._headers) >= self._max_headers:
             self._raise(HTTPError(431, "Too many request headers."))
         if _CONTROL.search(value) is not None:
             self._raise(HTTPError(400, "Control characters in a header value."))
-        self._headers.append((name.lower(), value))
+        name = name.lower()
+        self._headers.append((name, value))
+        if name in _FRAMING:
+            self._framing.append((name, value))
 
     def on_headers_complete(self) -> None:
-        limits = self._limits
         self._phase = _Phase.BODY
         if self._task is None:
-            self._arm(limits.body_timeout)
+            self._arm(self._limits.body_timeout)
         version = self._parser.get_http_version()
         if version not in ("1.1", "1.0"):
             self._raise(HTTPError(505, f"HTTP/{version} is not supported."))
-        headers = self._headers
-        lengths = [v for k, v in headers if k == b"content-length"]
-        codings = [v for k, v in headers if k == b"transfer-encoding"]
+        self._http11 = version == "1.1"
+        if self._framing:
+            self._check_framing(version)
+
+    def _check_framing(self, version: str) -> None:
+        """Content-Length, Transfer-Encoding and Expect, the headers that frame the body."""
+        framing = self._framing
+        lengths = [v for k, v in framing if k == b"content-length"]
+        codings = [v for k, v in framing if k == b"transfer-encoding"]
         if len(lengths) > 1 or (lengths and codings):
             self._raise(HTTPError(400, "Conflicting Content-Length / Transfer-Encoding headers."))
         if codings and (
@@ -277,9 +303,9 @@ class ClientConnection(asyncio.Protocol):
         ):
             # Only a plain `chunked` means the same to every parser on the way (RFC 9112 §6.1).
             self._raise(HTTPError(400, "Only `Transfer-Encoding: chunked` (HTTP/1.1) is accepted."))
-        if lengths and int(lengths[0]) > limits.max_body_bytes:  # llhttp checked the digits
-            self._raise(HTTPError(413, f"Request body over {limits.max_body_bytes} bytes."))
-        expect = [v.lower() for k, v in headers if k == b"expect"]
+        if lengths and int(lengths[0]) > self._max_body_bytes:  # llhttp checked the digits
+            self._raise(HTTPError(413, f"Request body over {self._max_body_bytes} bytes."))
+        expect = [v.lower() for k, v in framing if k == b"expect"]
         if expect:
             if expect != [b"100-continue"]:
                 self._raise(HTTPError(417, "Only `Expect: 100-continue` is supported."))
@@ -291,8 +317,8 @@ class ClientConnection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
-        if self._body_bytes > self._limits.max_body_bytes:
-            self._raise(HTTPError(413, f"Request body over {self._limits.max_body_bytes} bytes."))
+        if self._body_bytes > self._max_body_bytes:
+            self._raise(HTTPError(413, f"Request body over {self._max_body_bytes} bytes."))
         self._body.append(body)
 
     def on_message_complete(self) -> None:
@@ -314,7 +340,7 @@ class ClientConnection(asyncio.Protocol):
             headers=self._headers,
             body=b"".join(self._body),
             keep_alive=parser.should_keep_alive(),
-            http11=parser.get_http_version() == "1.1",
+            http11=self._http11,
             client_ip=self._client_ip,
         )
         self._body = []
@@ -370,14 +396,16 @@ class ClientConnection(asyncio.Protocol):
 
     # -- writing answers ---------------------------------------------------------------------
 
+    def head(self, status: int, data: bytes) -> None:
+        """A replica's response head, rewritten, maybe with the first body bytes behind it."""
+        self.response_started = True
+        self.status = status
+        self.first_byte_at = self._loop.time()
+        if self.transport is not None:
+            self.transport.write(data)
+
     def write(self, data: bytes | memoryview) -> None:
-        """Raw response bytes (used by the upstream side to stream a replica's answer)."""
-        if not self.response_started:
-            # The first write of a response is its head: note its status and when it came.
-            self.response_started = True
-            code = bytes(data[9:12])
-            self.status = int(code) if code.isdigit() else 0
-            self.first_byte_at = self._loop.time()
+        """Response body bytes, as the replica sends them."""
         if self.transport is not None:
             self.transport.write(data)
 
@@ -432,12 +460,8 @@ class ClientConnection(asyncio.Protocol):
         self._error = error
         raise error
 
-    def _count_header_bytes(self, n: int) -> None:
-        self._header_bytes += n
-        if self._header_bytes > self._limits.max_header_bytes:
-            self._raise(
-                HTTPError(431, f"Request headers over {self._limits.max_header_bytes} bytes.")
-            )
+    def _headers_too_big(self) -> None:
+        self._raise(HTTPError(431, f"Request headers over {self._max_header_bytes} bytes."))
 
     def _write_continue(self) -> None:
         if self.transport is not None:

@@ -23,6 +23,11 @@ class LazyTimer:
         self._handle: asyncio.TimerHandle | None = None
         self._wake = 0.0
 
+    @property
+    def pending(self) -> bool:
+        """Whether a wake-up is scheduled."""
+        return self._handle is not None
+
     def wake_by(self, when: float) -> None:
         """Make sure the callback runs no later than `when` (loop time)."""
         if self._handle is None or when < self._wake:

@@ -20,7 +20,9 @@ replica is the caller's decision (`UpstreamError.retryable`).
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
+from collections import deque
 from typing import Final, cast
 
 import httptools
@@ -31,6 +33,8 @@ from lora_router.http.server import ResponseSink
 from lora_router.http.timer import LazyTimer
 
 _MAX_HEAD: Final = 64 * 1024
+_COALESCE: Final = 16 * 1024  # body bytes copied behind the head to make one write
+_FRAMED: Final = re.compile(rb"\r\n(?:content-length|transfer-encoding):", re.IGNORECASE)
 
 
 class UpstreamError(Exception):
@@ -70,6 +74,7 @@ class _Exchange:
         "head_sent",
         "reusable",
         "sink",
+        "status",
     )
 
     def __init__(
@@ -82,6 +87,7 @@ class _Exchange:
         self.client_keep_alive = True
         self.head_buf = b""
         self.head_sent = False
+        self.status = 0  # of the last head parsed
         self.complete = False
         # Whether the connection may carry another request. Never after HEAD: the parser still
         # expects the body the headers announced.
@@ -153,7 +159,7 @@ class UpstreamConnection(asyncio.Protocol):
         if not ex.head_buf:
             # The first response byte: from now on the replica is streaming, not thinking.
             self._arm(self._pool.stream_idle_timeout)
-        buf = ex.head_buf + data
+        buf = ex.head_buf + data if ex.head_buf else data
         while True:
             end = buf.find(b"\r\n\r\n")
             if end < 0:
@@ -163,38 +169,55 @@ class UpstreamConnection(asyncio.Protocol):
                 ex.head_buf = buf
                 return False
             body_at = end + 4
-            self._feed(memoryview(buf)[:body_at])  # on_headers_complete, maybe message complete
+            if buf[9:10] != b"1" and not ex.dechunk and not ex.head_only:
+                break
+            # A slower, careful path: an interim head, a HEAD answer, or an HTTP/1.0 client.
+            self._feed(memoryview(buf)[:body_at])  # on_headers_complete, maybe complete
             if self._ex is not ex:
                 return False  # the parser rejected the head
-            status = self._parser.get_status_code()
-            if status >= 200:
-                break
-            if status == 101:
+            if ex.status >= 200:
+                return self._send_head(ex, buf[:end], memoryview(buf)[body_at:])
+            if ex.status == 101:
                 self._fail("protocol", "the replica switched protocols unasked", True)
                 return False
             # An interim answer (103 Early Hints): not forwarded; the final head follows.
             ex.complete = False
             buf = buf[body_at:]
+        # The usual case: one parse of everything received, then one write. Parsed before
+        # anything is forwarded, so bytes past the end of the response (a second response,
+        # response splitting) fail the exchange before a byte reaches the client.
+        self._feed(buf)
+        if self._ex is not ex:
+            return False
         ex.head_buf = b""
-        head = buf[:end]
-        keep_alive = self._client_keep_alive(ex, head)
         ex.head_sent = True
-        out = client_response_head(head, self._pool.label, keep_alive, ex.dechunk)
-        if len(buf) > body_at and not ex.head_only:
-            rest = memoryview(buf)[body_at:]
-            if ex.dechunk:
-                ex.sink.write(out)  # on_body writes the decoded body after it
-                self._feed(rest)
-                return self._ex is ex
-            self._feed(rest)  # before forwarding: bytes past the response's end never go out
+        out = client_response_head(
+            buf[:end], self._pool.label, self._client_keep_alive(ex, buf[:end]), False
+        )
+        if len(buf) == body_at:
+            ex.sink.head(ex.status, out)
+        elif len(buf) - body_at <= _COALESCE:
+            ex.sink.head(ex.status, out + buf[body_at:])  # one segment for a small answer
+        else:
+            ex.sink.head(ex.status, out)
+            ex.sink.write(memoryview(buf)[body_at:])
+        return True
+
+    def _send_head(self, ex: _Exchange, head: bytes, rest: memoryview) -> bool:
+        """The final head on the careful path, then what followed it (parsed first)."""
+        ex.head_buf = b""
+        ex.head_sent = True
+        out = client_response_head(
+            head, self._pool.label, self._client_keep_alive(ex, head), ex.dechunk
+        )
+        ex.sink.head(ex.status, out)
+        if rest and not ex.head_only:
+            # With `dechunk`, on_body writes the decoded body; otherwise forward it once parsed.
+            self._feed(rest)
             if self._ex is not ex:
-                # Rejected (e.g. a second response behind this one): the head alone goes out
-                # and the failure closes the client's connection, so nothing smuggled follows.
-                ex.sink.write(out)
                 return False
-            # One write for head and body: a small answer costs the client one segment.
-            out += rest
-        ex.sink.write(out)
+            if not ex.dechunk:
+                ex.sink.write(rest)
         return True
 
     # -- httptools callbacks ----------------------------------------------------------------
@@ -208,6 +231,7 @@ class UpstreamConnection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         ex = self._ex
         assert ex is not None
+        ex.status = self._parser.get_status_code()
         if ex.head_only:
             # A HEAD response has no body whatever its headers say; llhttp cannot know that.
             ex.complete = True
@@ -236,19 +260,13 @@ class UpstreamConnection(asyncio.Protocol):
 
     def _client_keep_alive(self, ex: _Exchange, head: bytes) -> bool:
         """Whether the client may keep its connection after this response."""
-        status = self._parser.get_status_code()
-        framed = ex.head_only or status in (204, 304)
-        if not framed:
-            lowered = head.lower()
-            framed = b"\r\ncontent-length:" in lowered or b"\r\ntransfer-encoding:" in lowered
+        framed = ex.head_only or ex.status in (204, 304) or _FRAMED.search(head) is not None
         ex.close_delimited = not framed
         # Close-delimited bodies and HTTP/1.0 clients (dechunked body) end with a close.
         ex.client_keep_alive = framed and not ex.dechunk and ex.sink.keep_alive
         return ex.client_keep_alive
 
     def _feed(self, data: bytes | memoryview) -> None:
-        if self._ex is not None and self._ex.head_only and self._ex.complete:
-            return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -288,7 +306,11 @@ class UpstreamConnection(asyncio.Protocol):
 
     def _arm(self, limit: float) -> None:
         self._limit = limit
-        self._timer.wake_by(self._last + min(limit, self._pool.idle_timeout))
+        idle = self._pool.idle_timeout
+        if limit < idle or not self._timer.pending:
+            self._timer.wake_by(self._last + min(limit, idle))
+        # else: the timer wakes within `idle` of an earlier `_last` anyway and finds the
+        # deadline then, so a long limit never moves it (the usual case: nothing to do).
 
     def _on_timer(self) -> None:
         if self.closed:
@@ -307,8 +329,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._fail("timeout", f"the replica sent nothing {what} for {self._limit:g} s", received)
 
     def idle(self) -> None:
-        """Back in the pool: close if unused for the pool's idle timeout."""
-        self._last = self._loop.time()
+        """Back in the pool (just after its last byte): close if unused for the idle timeout."""
         self._arm(self._pool.idle_timeout)
 
     def cancel(self) -> None:
@@ -351,7 +372,9 @@ class UpstreamPool:
         self.idle_timeout = idle_timeout
         self._idle: list[UpstreamConnection] = []
         self._all: set[UpstreamConnection] = set()
-        self._slots = asyncio.Semaphore(max_connections)
+        self.max_connections = max_connections
+        self._busy = 0  # exchanges in progress, at most max_connections
+        self._waiters: deque[asyncio.Future[None]] = deque()
 
     async def forward(
         self, data: bytes, sink: ResponseSink, *, head_only: bool, http11: bool
@@ -360,33 +383,49 @@ class UpstreamPool:
 
         Returns whether the client connection may stay open. Raises UpstreamError.
         """
-        async with self._slots:
+        if self._busy < self.max_connections and not self._waiters:
+            self._busy += 1
+        else:
+            await self._wait_for_slot()
+        try:
             conn = self._take_idle()
-            if conn is not None:
+            fresh = conn is None
+            while True:
+                if conn is None:
+                    conn = await self._connect()
+                done: asyncio.Future[bool] = self.loop.create_future()
+                conn.start(data, _Exchange(sink, done, head_only, http11))
                 try:
-                    return await self._exchange(conn, data, sink, head_only, http11)
+                    return await done
+                except asyncio.CancelledError:
+                    conn.cancel()
+                    raise
                 except UpstreamError as exc:
-                    if exc.received or exc.kind == "timeout":
+                    if fresh or exc.received or exc.kind == "timeout":
                         raise
                     # A reused connection died before answering: see the retry rule above.
-            conn = await self._connect()
-            return await self._exchange(conn, data, sink, head_only, http11)
+                    conn, fresh = None, True
+        finally:
+            self._release_slot()
 
-    async def _exchange(
-        self,
-        conn: UpstreamConnection,
-        data: bytes,
-        sink: ResponseSink,
-        head_only: bool,
-        http11: bool,
-    ) -> bool:
-        done: asyncio.Future[bool] = self.loop.create_future()
-        conn.start(data, _Exchange(sink, done, head_only, http11))
+    async def _wait_for_slot(self) -> None:
+        """Queue, first come first served, for a slot; it is handed over already counted."""
+        waiter: asyncio.Future[None] = self.loop.create_future()
+        self._waiters.append(waiter)
         try:
-            return await done
+            await waiter
         except asyncio.CancelledError:
-            conn.cancel()
+            if waiter.done() and not waiter.cancelled():
+                self._release_slot()  # handed a slot, then cancelled: the next one's turn
             raise
+
+    def _release_slot(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # the slot passes to it as it is
+                return
+        self._busy -= 1
 
     def _take_idle(self) -> UpstreamConnection | None:
         while self._idle:

@@ -14,15 +14,15 @@ from lora_router.http.errors import HTTPError
 async def test_base_model_and_no_model_pass_at_once() -> None:
     fence = AdapterFence(1.0)
     fence.base_models.add("base")
-    await fence.admit(None)
-    await fence.admit("base")
+    assert fence.admits(None) and fence.admits("base")
+    assert not fence.admits("nope")
     assert fence.waits == 0
 
 
 async def test_unknown_name_is_vllms_404() -> None:
     fence = AdapterFence(1.0)
     with pytest.raises(HTTPError) as err:
-        await fence.admit("nope")
+        await fence.wait("nope")
     assert err.value.status == 404
     assert err.value.message == "The model `nope` does not exist."
     assert err.value.param == "model"
@@ -31,7 +31,7 @@ async def test_unknown_name_is_vllms_404() -> None:
 async def test_a_loading_name_waits_then_passes_when_live() -> None:
     fence = AdapterFence(5.0)
     entry = fence.begin_load("v1", "/a/v1", b"{}", inplace=False)
-    waiter = asyncio.create_task(fence.admit("v1"))
+    waiter = asyncio.create_task(fence.wait("v1"))
     await asyncio.sleep(0.01)
     assert not waiter.done() and fence.waiting == 1
     fence.finish_load(entry, ok=True)
@@ -43,7 +43,7 @@ async def test_a_loading_name_waits_then_passes_when_live() -> None:
 async def test_a_failed_load_answers_its_waiters_404_with_the_reason() -> None:
     fence = AdapterFence(5.0)
     entry = fence.begin_load("v1", "/a/v1", b"{}", inplace=False)
-    waiter = asyncio.create_task(fence.admit("v1"))
+    waiter = asyncio.create_task(fence.wait("v1"))
     await asyncio.sleep(0)
     fence.finish_load(entry, ok=False, failure="Replica 2 said no")
     with pytest.raises(HTTPError) as err:
@@ -57,7 +57,7 @@ async def test_waiting_past_the_fence_timeout_is_a_clear_503() -> None:
     fence = AdapterFence(0.05)
     fence.begin_load("v1", "/a/v1", b"{}", inplace=False)
     with pytest.raises(HTTPError) as err:
-        await fence.admit("v1")
+        await fence.wait("v1")
     assert err.value.status == 503
     assert "still being loaded" in err.value.message
     assert fence.wait_timeouts == 1
@@ -66,7 +66,7 @@ async def test_waiting_past_the_fence_timeout_is_a_clear_503() -> None:
 async def test_an_unload_stops_routing_at_once_and_wakes_waiters() -> None:
     fence = AdapterFence(5.0)
     entry = fence.begin_load("v1", "/a/v1", b"{}", inplace=False)
-    waiter = asyncio.create_task(fence.admit("v1"))
+    waiter = asyncio.create_task(fence.wait("v1"))
     await asyncio.sleep(0)
     unloading = fence.begin_unload("v1")
     with pytest.raises(HTTPError) as err:

@@ -16,7 +16,7 @@ def _head(headers: list[tuple[bytes, bytes]], **kw: object) -> bytes:
         host=b"replica:8000",
         authorization=b"Bearer tok",
         client_ip=b"10.0.0.9",
-        request_id=b"new-id",
+        new_request_id=lambda: b"new-id",
         body_length=0,
     )
     args.update(kw)
@@ -93,7 +93,7 @@ def test_content_length_is_exact_and_transfer_encoding_gone() -> None:
         host=b"h",
         authorization=None,
         client_ip=b"1.2.3.4",
-        request_id=b"r",
+        new_request_id=lambda: b"r",
         body_length=12,
     )
     fields = _fields(head)

@@ -21,6 +21,9 @@ class Sink:
         self.data = b""
         self.upstream: asyncio.Transport | None = None
 
+    def head(self, status: int, data: bytes) -> None:
+        self.write(data)
+
     def write(self, data: bytes | memoryview) -> None:
         self.data += bytes(data)
         if self.pausing and self.upstream is not None:
