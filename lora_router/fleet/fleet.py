@@ -18,7 +18,7 @@ import ssl
 from collections.abc import Callable, Collection, Sequence
 
 from lora_router.config import Config, ReplicaAddress
-from lora_router.fleet.breaker import CircuitBreaker
+from lora_router.fleet.breaker import CLOSED, CircuitBreaker
 from lora_router.fleet.replica import Replica
 from lora_router.http.upstream import UpstreamPool
 
@@ -96,18 +96,20 @@ class Fleet:
         For an adapter, only replicas that acknowledged loading it; the fence has already
         made sure every live replica did before the first request was let through.
         """
-        now = asyncio.get_running_loop().time()
         adapter = model is not None and model not in self.base_models
-        return [
-            r
-            for r in self.replicas
-            if r.healthy
-            and r.admitted
-            and not r.draining
-            and (not adapter or model in r.adapters)
-            and r not in exclude
-            and r.breaker.allows(now)
-        ]
+        now = 0.0  # read only when a breaker is not closed (rare)
+        out = []
+        for r in self.replicas:
+            if not r.healthy or not r.admitted or r.draining or r in exclude:
+                continue
+            if adapter and model not in r.adapters:
+                continue
+            if r.breaker.state != CLOSED:
+                now = now or asyncio.get_running_loop().time()
+                if not r.breaker.allows(now):
+                    continue
+            out.append(r)
+        return out
 
     def _members_changed(self) -> None:
         if self.on_members is not None:

@@ -154,6 +154,7 @@ class ClientConnection(asyncio.Protocol):
         self._max_header_bytes = limits.max_header_bytes
         self._max_headers = limits.max_headers
         self._max_body_bytes = limits.max_body_bytes
+        self._header_timeout = limits.header_timeout
         self._count = count
         self._loop = asyncio.get_running_loop()
         self._parser = httptools.HttpRequestParser(self)
@@ -288,8 +289,14 @@ class ClientConnection(asyncio.Protocol):
         if version not in ("1.1", "1.0"):
             self._raise(HTTPError(505, f"HTTP/{version} is not supported."))
         self._http11 = version == "1.1"
-        if self._framing:
-            self._check_framing(version)
+        framing = self._framing
+        if framing:
+            if len(framing) == 1 and framing[0][0] == b"content-length":
+                # The usual case: one length, digits checked by llhttp.
+                if int(framing[0][1]) > self._max_body_bytes:
+                    self._raise(HTTPError(413, f"Request body over {self._max_body_bytes} bytes."))
+            else:
+                self._check_framing(version)
 
     def _check_framing(self, version: str) -> None:
         """Content-Length, Transfer-Encoding and Expect, the headers that frame the body."""
@@ -517,7 +524,10 @@ class ClientConnection(asyncio.Protocol):
     def _arm(self, seconds: float) -> None:
         now = self._loop.time()
         self._deadline = now + seconds
-        self._timer.wake_by(now + min(seconds, self._limits.header_timeout))
+        horizon = self._header_timeout
+        if seconds < horizon or not self._timer.pending:
+            self._timer.wake_by(now + min(seconds, horizon))
+        # else: a pending wake-up comes within `horizon` anyway and finds the deadline then.
 
     def _disarm(self) -> None:
         self._deadline = math.inf  # the timer, if any, wakes up to find nothing due
@@ -530,7 +540,7 @@ class ClientConnection(asyncio.Protocol):
             return
         now = self._loop.time()
         if now < self._deadline:
-            self._timer.wake_by(min(self._deadline, now + self._limits.header_timeout))
+            self._timer.wake_by(min(self._deadline, now + self._header_timeout))
             return
         self._on_timeout()
 

@@ -89,6 +89,41 @@ async def test_a_replica_closing_an_idle_connection_is_noticed_in_the_pool(repli
         pool.close()
 
 
+async def test_waiters_for_a_full_pool_get_freed_slots_and_a_cancelled_one_passes_its_turn(
+    replica,
+):
+    release = asyncio.Event()
+
+    async def respond(req, conn) -> None:
+        await release.wait()
+        await conn.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+    replica.responder = respond
+    pool = pool_for(replica)  # max_connections=4
+    try:
+        sinks = [Sink() for _ in range(7)]
+        order: list[int] = []
+
+        async def send(i: int) -> None:
+            await pool.forward(GET, sinks[i], head_only=False, http11=True)
+            order.append(i)
+
+        first = [asyncio.create_task(send(i)) for i in range(4)]
+        await replica.wait_requests(4)
+        waiting = [asyncio.create_task(send(i)) for i in range(4, 7)]
+        await asyncio.sleep(0.05)
+        assert len(replica.requests) == 4  # the other three wait for a slot
+        waiting[0].cancel()  # gives up before its turn: its place goes to the next in line
+        release.set()
+        async with asyncio.timeout(5):
+            await asyncio.gather(*first, *waiting[1:])
+        assert sorted(order[:4]) == [0, 1, 2, 3] and sorted(order[4:]) == [5, 6]
+        assert len(replica.requests) == 6 and replica.peak_active <= 4
+        assert pool._busy == 0 and not pool._waiters  # every slot came back
+    finally:
+        pool.close()
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
