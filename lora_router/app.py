@@ -105,12 +105,12 @@ class _StatusSink:
     def keep_alive(self, value: bool) -> None:
         self._conn.keep_alive = value
 
-    def head(self, status: int, data: bytes) -> None:
+    def head(self, status: int, data: bytes, body: memoryview | None = None) -> None:
         if status == 404:
             self.diverted = True
             self.write = _drop
             return
-        self._conn.head(status, data)
+        self._conn.head(status, data, body)
 
 
 def _drop(data: bytes | memoryview) -> None:

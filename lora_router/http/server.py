@@ -99,8 +99,9 @@ class ResponseSink(Protocol):
 
     keep_alive: bool
 
-    def head(self, status: int, data: bytes) -> None:
-        """The response head (and maybe the first body bytes): its first write."""
+    def head(self, status: int, data: bytes, body: memoryview | None = None) -> None:
+        """The response head (maybe with the first body bytes), then `body` if given: the
+        response's first write."""
 
     def write(self, data: bytes | memoryview) -> None:
         """Body bytes, as they arrive."""
@@ -403,13 +404,16 @@ class ClientConnection(asyncio.Protocol):
 
     # -- writing answers ---------------------------------------------------------------------
 
-    def head(self, status: int, data: bytes) -> None:
-        """A replica's response head, rewritten, maybe with the first body bytes behind it."""
+    def head(self, status: int, data: bytes, body: memoryview | None = None) -> None:
+        """A replica's response head, rewritten, and the first body bytes (one writev)."""
         self.response_started = True
         self.status = status
         self.first_byte_at = self._loop.time()
         if self.transport is not None:
-            self.transport.write(data)
+            if body is None:
+                self.transport.write(data)
+            else:
+                self.transport.writelines((data, body))
 
     def write(self, data: bytes | memoryview) -> None:
         """Response body bytes, as the replica sends them."""

@@ -33,7 +33,7 @@ from lora_router.http.server import ResponseSink
 from lora_router.http.timer import LazyTimer
 
 _MAX_HEAD: Final = 64 * 1024
-_COALESCE: Final = 16 * 1024  # body bytes copied behind the head to make one write
+_COALESCE: Final = 4 * 1024  # body bytes copied behind the head rather than written beside it
 _FRAMED: Final = re.compile(rb"\r\n(?:content-length|transfer-encoding):", re.IGNORECASE)
 
 
@@ -199,8 +199,7 @@ class UpstreamConnection(asyncio.Protocol):
         elif len(buf) - body_at <= _COALESCE:
             ex.sink.head(ex.status, out + buf[body_at:])  # one segment for a small answer
         else:
-            ex.sink.head(ex.status, out)
-            ex.sink.write(memoryview(buf)[body_at:])
+            ex.sink.head(ex.status, out, memoryview(buf)[body_at:])  # one write, no copy
         return True
 
     def _send_head(self, ex: _Exchange, head: bytes, rest: memoryview) -> bool:

@@ -21,8 +21,10 @@ class Sink:
         self.data = b""
         self.upstream: asyncio.Transport | None = None
 
-    def head(self, status: int, data: bytes) -> None:
+    def head(self, status: int, data: bytes, body: memoryview | None = None) -> None:
         self.write(data)
+        if body is not None:
+            self.write(body)
 
     def write(self, data: bytes | memoryview) -> None:
         self.data += bytes(data)
