@@ -137,9 +137,13 @@ def load_cap(total: int, n: int, load_factor: Fraction, slack: int = 0) -> int:
     Integer arithmetic on the exact fraction: with floats, `1.1 * 10 / 11` rounds up to 2 and
     would let the cap drift by one.
     """
-    den = load_factor.denominator
-    num = (den + load_factor.numerator) * (total + 1)
-    return max(-(-num // (den * n)), -(-(total + 1) // n) + slack)
+    num, den = load_factor.as_integer_ratio()
+    return _cap(total, n, den + num, den, slack)
+
+
+def _cap(total: int, n: int, grow: int, den: int, slack: int) -> int:
+    """`load_cap` with 1 + load_factor given as the integers grow / den."""
+    return max(-(-grow * (total + 1) // (den * n)), -(-(total + 1) // n) + slack)
 
 
 def least_loaded(routable: Sequence[R], turn: int) -> R:
@@ -168,6 +172,8 @@ class PrefixAffinity:
             raise ValueError("load_slack must be >= 0")
         # A decimal flag value such as 0.1 is meant as 1/10, not as its binary float.
         self.load_factor = Fraction(str(load_factor))
+        num, self._den = self.load_factor.as_integer_ratio()
+        self._grow = self._den + num  # 1 + load_factor = grow / den, read on every request
         self.load_slack = load_slack
         self.ring = HashRing((), vnodes)
         self.table = AffinityTable(table_size)
@@ -185,8 +191,10 @@ class PrefixAffinity:
 
     def cap(self, routable: Sequence[Replica]) -> int:
         """The in-flight count a replica may reach by taking the next request."""
-        total = sum(r.in_flight for r in routable)
-        return load_cap(total, len(routable), self.load_factor, self.load_slack)
+        total = 0
+        for r in routable:
+            total += r.in_flight
+        return _cap(total, len(routable), self._grow, self._den, self.load_slack)
 
     def choose_known(self, wire: int, routable: Sequence[R]) -> Decision[R] | None:
         name = self._wire.get(wire)
