@@ -102,7 +102,11 @@ class UpstreamConnection(asyncio.Protocol):
         self._pool = pool
         self._loop = pool.loop
         self.transport: asyncio.Transport | None = None
+        # No `on_body` here: httptools would copy every body chunk into a new bytes object to
+        # call it, and the body is forwarded as it was read. Only an HTTP/1.0 client's answer
+        # is decoded, by a parser with `_Dechunking` callbacks.
         self._parser = httptools.HttpResponseParser(self)
+        self._dechunking = False
         self._ex: _Exchange | None = None
         self._timer = LazyTimer(self._loop, self._on_timer)
         self._last = 0.0
@@ -235,11 +239,6 @@ class UpstreamConnection(asyncio.Protocol):
             # A HEAD response has no body whatever its headers say; llhttp cannot know that.
             ex.complete = True
 
-    def on_body(self, body: bytes) -> None:
-        ex = self._ex
-        if ex is not None and ex.dechunk:
-            ex.sink.write(body)
-
     def on_message_complete(self) -> None:
         ex = self._ex
         if ex is not None:
@@ -251,6 +250,10 @@ class UpstreamConnection(asyncio.Protocol):
 
     def start(self, data: bytes, ex: _Exchange) -> None:
         assert self.transport is not None
+        if ex.dechunk != self._dechunking:
+            # Between two responses a parser holds no state: take the kind this client needs.
+            self._dechunking = ex.dechunk
+            self._parser = httptools.HttpResponseParser(_Dechunking(self) if ex.dechunk else self)
         self._ex = ex
         self._last = self._loop.time()
         self._arm(self._pool.first_byte_timeout)
@@ -344,6 +347,22 @@ class UpstreamConnection(asyncio.Protocol):
         self._cancel_timer()
         if self.transport is not None:
             self.transport.abort()
+
+
+class _Dechunking:
+    """Parser callbacks for an answer to an HTTP/1.0 client, who cannot read chunked framing:
+    the connection's own, plus `on_body`, which writes the decoded body."""
+
+    def __init__(self, conn: UpstreamConnection) -> None:
+        self._conn = conn
+        self.on_message_begin = conn.on_message_begin
+        self.on_headers_complete = conn.on_headers_complete
+        self.on_message_complete = conn.on_message_complete
+
+    def on_body(self, body: bytes) -> None:
+        ex = self._conn._ex
+        if ex is not None:
+            ex.sink.write(body)
 
 
 class UpstreamPool:

@@ -247,6 +247,26 @@ async def test_a_stale_pooled_connection_is_retried_once_on_a_fresh_one(
     ]
 
 
+async def test_a_completion_on_a_stale_pooled_connection_is_retried_once_on_a_fresh_one(
+    replica_factory, router_factory
+):
+    # The same race on the routed path (retries there are the app's, before any byte).
+    async def respond(req: Received, conn: ReplicaConn) -> None:
+        if conn.index == 0 and len(replica.requests) == 2:
+            conn.abort()
+            return
+        await conn.write(json_response(b'{"n":%d}' % len(replica.requests)))
+
+    replica = await replica_factory(respond)
+    router = await router_factory(replica.url)
+    for expected in (b'{"n":1}', b'{"n":3}'):
+        r = await request(router.url, "POST", "/v1/completions", completion())
+        assert r.status == 200 and r.body == expected
+    assert [q.conn for q in replica.requests] == [0, 0, 1]
+    (serving,) = router.fleet.replicas
+    assert serving.breaker.failures == 0 and serving.in_flight == 0  # not the replica's fault
+
+
 async def test_a_request_is_not_retried_after_the_first_response_byte(
     replica_factory, router_factory, clients
 ):
@@ -297,17 +317,25 @@ async def test_tls_replica_verified_against_a_private_ca(replica_factory, router
     assert len(replica.requests) == before
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["new-connection", "pooled-connection"])
 async def test_client_disconnect_mid_stream_closes_the_upstream_within_a_second(
-    router, replica, clients
+    router, replica, clients, warm
 ):
     started = asyncio.Event()
 
     async def respond(req: Received, conn: ReplicaConn) -> None:
+        if req.target == b"/v1/completions" and b'"stream":false' in req.body:
+            await conn.write(json_response())
+            return
         await conn.write(SSE_HEAD + chunk(b"data: {}\n\n"))
         started.set()
         await asyncio.sleep(30)  # a long generation
 
     replica.responder = respond
+    if warm:
+        # One answered completion first: the stream then goes out on the pooled connection.
+        answered = await request(router.url, "POST", "/v1/completions", completion(stream=False))
+        assert answered.status == 200
     client = await clients(router.url)
     payload = completion(stream=True)
     await client.send(
@@ -319,6 +347,11 @@ async def test_client_disconnect_mid_stream_closes_the_upstream_within_a_second(
     client.close()
     async with asyncio.timeout(1.0):
         await replica.conns[0].closed.wait()
+    assert len(replica.conns) == 1  # the stream went out on the pooled connection, if warm
+    stats = router.app.stats.requests
+    async with asyncio.timeout(1.0):
+        while stats.get(("/v1/completions", 200, b"0"), 0) != 1 + warm:
+            await asyncio.sleep(0.01)  # counted once its replica connection is gone
 
 
 async def test_client_disconnect_while_the_replica_thinks_closes_the_upstream(
@@ -352,6 +385,13 @@ async def test_http10_client_gets_a_dechunked_body_ended_by_close(router, replic
     assert b"transfer-encoding" not in head.lower()
     assert b"connection: close" in head
     assert body == b"".join(frames)
+    # The same pooled replica connection then serves an HTTP/1.1 client: chunks pass as sent.
+    client = await clients(router.url)
+    await client.send(b"GET /stream HTTP/1.1\r\nhost: r\r\n\r\n")
+    answer = await client.response()
+    assert answer.body == b"".join(frames)
+    assert chunk(frames[0]) + chunk(frames[1]) + b"0\r\n\r\n" in answer.raw
+    assert len(replica.conns) == 1
 
 
 async def test_http10_client_with_a_content_length_answer(router, replica, clients):
