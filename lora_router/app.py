@@ -138,12 +138,12 @@ class RouterApp:
         self.control = control
         self.health = health
         self.stats = stats
-        self.state = RouterState(fleet, fence, control, health, policy, stats)
+        self.reader = CompletionReader(config.max_prompt_tokens)
+        self.state = RouterState(fleet, fence, control, health, policy, stats, self.reader)
         self._registry = registry
         self._loop = asyncio.get_running_loop()
         self._debug = log.isEnabledFor(logging.DEBUG)
         self.block_size = config.block_size or 16
-        self.reader = CompletionReader(config.max_prompt_tokens)
         token = config.token.reveal()
         self._authorization = f"Bearer {token}".encode() if token else None
         # Request ids for requests that come without one: unique per process and cheap (a
