@@ -291,13 +291,14 @@ class ClientConnection(asyncio.Protocol):
             self._raise(HTTPError(505, f"HTTP/{version} is not supported."))
         self._http11 = version == "1.1"
         framing = self._framing
-        if framing:
-            if len(framing) == 1 and framing[0][0] == b"content-length":
-                # The usual case: one length, digits checked by llhttp.
-                if int(framing[0][1]) > self._max_body_bytes:
-                    self._raise(HTTPError(413, f"Request body over {self._max_body_bytes} bytes."))
-            else:
-                self._check_framing(version)
+        if len(framing) == 1 and framing[0][0] == b"content-length":
+            self._check_length(framing[0][1])  # the usual case
+        elif framing:
+            self._check_framing(version)
+
+    def _check_length(self, value: bytes) -> None:
+        if int(value) > self._max_body_bytes:  # llhttp checked the digits
+            self._raise(HTTPError(413, f"Request body over {self._max_body_bytes} bytes."))
 
     def _check_framing(self, version: str) -> None:
         """Content-Length, Transfer-Encoding and Expect, the headers that frame the body."""
@@ -311,8 +312,8 @@ class ClientConnection(asyncio.Protocol):
         ):
             # Only a plain `chunked` means the same to every parser on the way (RFC 9112 §6.1).
             self._raise(HTTPError(400, "Only `Transfer-Encoding: chunked` (HTTP/1.1) is accepted."))
-        if lengths and int(lengths[0]) > self._max_body_bytes:  # llhttp checked the digits
-            self._raise(HTTPError(413, f"Request body over {self._max_body_bytes} bytes."))
+        if lengths:
+            self._check_length(lengths[0])
         expect = [v.lower() for k, v in framing if k == b"expect"]
         if expect:
             if expect != [b"100-continue"]:
