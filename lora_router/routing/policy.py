@@ -299,50 +299,51 @@ class PrefixAffinity:
         return least_loaded(routable, self._turn)
 
 
-class RoundRobin:
+class _KeyBlind:
+    """A policy that ignores keys: `_pick` chooses among the routable replicas."""
+
+    name = ""
+
+    def __init__(self) -> None:
+        self.counts = DecisionCounts()
+        self._turn = -1
+
+    def set_members(self, names: Sequence[str]) -> None:
+        pass  # the routable list is all it looks at
+
+    def choose_known(self, wire: int, routable: Sequence[R]) -> Decision[R] | None:
+        return None  # keys are ignored
+
+    def choose(
+        self, key: PromptKey | None, routable: Sequence[R], wire: int | None = None
+    ) -> Decision[R]:
+        self._turn += 1
+        self.counts.balanced += 1
+        return Decision(self._pick(routable, self._turn), "balanced")
+
+    @staticmethod
+    def _pick(routable: Sequence[R], turn: int) -> R:
+        raise NotImplementedError
+
+
+class RoundRobin(_KeyBlind):
     """Each routable replica in turn, keys ignored."""
 
     name = "round-robin"
 
-    def __init__(self) -> None:
-        self.counts = DecisionCounts()
-        self._turn = -1
-
-    def set_members(self, names: Sequence[str]) -> None:
-        pass  # the routable list is the rotation
-
-    def choose_known(self, wire: int, routable: Sequence[R]) -> Decision[R] | None:
-        return None  # keys are ignored
-
-    def choose(
-        self, key: PromptKey | None, routable: Sequence[R], wire: int | None = None
-    ) -> Decision[R]:
-        self._turn += 1
-        self.counts.balanced += 1
-        return Decision(routable[self._turn % len(routable)], "balanced")
+    @staticmethod
+    def _pick(routable: Sequence[R], turn: int) -> R:
+        return routable[turn % len(routable)]
 
 
-class LeastLoaded:
+class LeastLoaded(_KeyBlind):
     """Fewest requests in flight, round robin among ties, keys ignored."""
 
     name = "least-loaded"
 
-    def __init__(self) -> None:
-        self.counts = DecisionCounts()
-        self._turn = -1
-
-    def set_members(self, names: Sequence[str]) -> None:
-        pass
-
-    def choose_known(self, wire: int, routable: Sequence[R]) -> Decision[R] | None:
-        return None  # keys are ignored
-
-    def choose(
-        self, key: PromptKey | None, routable: Sequence[R], wire: int | None = None
-    ) -> Decision[R]:
-        self._turn += 1
-        self.counts.balanced += 1
-        return Decision(least_loaded(routable, self._turn), "balanced")
+    @staticmethod
+    def _pick(routable: Sequence[R], turn: int) -> R:
+        return least_loaded(routable, turn)
 
 
 POLICIES = ("prefix", "round-robin", "least-loaded")
