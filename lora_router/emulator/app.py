@@ -1,9 +1,9 @@
 """The emulator's aiohttp server: one dispatch function in front of every route.
 
-It records each request as received (`Emulator.requests`), applies the `--api-key` guard to
-/v1/*, sends generation to `serving.py` and everything else to the shared handlers of
-`control.py`, and makes aiohttp's answers look like uvicorn's where routers could notice:
-no Content-Type where Starlette sends none, and `server: uvicorn`.
+It records each request as received (`Emulator.requests`, unless `record_requests` is off),
+applies the `--api-key` guard to /v1/*, sends generation to `serving.py` and everything else
+to the shared handlers of `control.py`, and makes aiohttp's answers look like uvicorn's where
+routers could notice: no Content-Type where Starlette sends none, and `server: uvicorn`.
 """
 
 from __future__ import annotations
@@ -40,9 +40,12 @@ def build_app(replica: RecordingReplica) -> web.Application:
 
     async def dispatch(request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        replica.requests.append(
-            RecordedRequest(request.method, request.raw_path, CIMultiDict(request.headers), body)
-        )
+        if replica.config.record_requests:
+            replica.requests.append(
+                RecordedRequest(
+                    request.method, request.raw_path, CIMultiDict(request.headers), body
+                )
+            )
         path = request.path
         denied = control.unauthorized(replica.config, path, request.headers)
         if denied is not None:

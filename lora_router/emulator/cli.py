@@ -24,12 +24,13 @@ from lora_router.emulator.server import start_emulator
 
 
 def build_parser() -> argparse.ArgumentParser:
+    c, f = EmulatorConfig(), Faults()  # the defaults, written once
     p = argparse.ArgumentParser(
         prog="lora-router-emulator",
         description="An emulated vLLM replica (LoRA runtime updating + dev mode), no GPU needed.",
     )
     g = p.add_argument_group("listening")
-    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--host", default=c.host)
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     g.add_argument("--ssl-certfile", default=None, help="serve https with this certificate")
@@ -41,12 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("model and vLLM version")
-    g.add_argument("--model", default="Qwen/Qwen2.5-Math-1.5B")
-    g.add_argument("--max-model-len", type=int, default=4096)
-    g.add_argument("--vllm-version", choices=SUPPORTED_VERSIONS, default="0.33")
-    g.add_argument("--max-lora-rank", type=int, default=16)
-    g.add_argument("--max-loras", type=int, default=6)
-    g.add_argument("--max-cpu-loras", type=int, default=None)
+    g.add_argument("--model", default=c.model)
+    g.add_argument("--max-model-len", type=int, default=c.max_model_len)
+    g.add_argument("--vllm-version", choices=SUPPORTED_VERSIONS, default=c.vllm_version)
+    g.add_argument("--max-lora-rank", type=int, default=c.max_lora_rank)
+    g.add_argument("--max-loras", type=int, default=c.max_loras)
+    g.add_argument("--max-cpu-loras", type=int, default=c.max_cpu_loras)
     g.add_argument("--no-lora", action="store_true", help="serve without --enable-lora")
     g.add_argument(
         "--no-runtime-lora-updating",
@@ -61,38 +62,46 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--sse-keepalive",
         type=float,
-        default=None,
+        default=c.sse_keepalive_s,
         help="seconds between ': keep-alive' SSE comments (0.33; 0 = never)",
     )
 
     g = p.add_argument_group("engine model")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--cache-blocks", type=int, default=8192, help="prefix-cache capacity")
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--prefill-s-per-token", type=float, default=0.0)
-    g.add_argument("--decode-s-per-token", type=float, default=0.0)
+    g.add_argument("--block-size", type=int, default=c.block_size)
+    g.add_argument("--cache-blocks", type=int, default=c.cache_blocks, help="prefix-cache capacity")
+    g.add_argument("--max-num-seqs", type=int, default=c.max_num_seqs)
+    g.add_argument("--prefill-s-per-token", type=float, default=c.prefill_s_per_token)
+    g.add_argument("--decode-s-per-token", type=float, default=c.decode_s_per_token)
     g.add_argument(
-        "--adapter-load-s", type=float, default=0.0, help="time to re-read an evicted adapter"
+        "--adapter-load-s",
+        type=float,
+        default=c.adapter_load_s,
+        help="time to re-read an evicted adapter",
     )
-    g.add_argument("--mean-output-tokens", type=int, default=64)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--mean-output-tokens", type=int, default=c.mean_output_tokens)
+    g.add_argument("--seed", type=int, default=c.seed)
 
     g = p.add_argument_group("faults (also at run time: POST /emulator/faults)")
     g.add_argument(
         "--mount-lag",
         type=int,
-        default=0,
+        default=f.mount_lag,
         help="first K load attempts of each path answer 404 'No adapter found'",
     )
     g.add_argument(
-        "--load-failures", type=int, default=0, help="the next N loads answer 500 (-1: all)"
+        "--load-failures",
+        type=int,
+        default=f.load_failures,
+        help="the next N loads answer 500 (-1: all)",
     )
-    g.add_argument("--load-delay", type=float, default=0.0, help="seconds every load takes")
     g.add_argument(
-        "--error-rate", type=float, default=0.0, help="share of completions answered 5xx"
+        "--load-delay", type=float, default=f.load_delay_s, help="seconds every load takes"
     )
-    g.add_argument("--error-status", type=int, default=500)
-    g.add_argument("--error-seed", type=int, default=None)
+    g.add_argument(
+        "--error-rate", type=float, default=f.error_rate, help="share of completions answered 5xx"
+    )
+    g.add_argument("--error-status", type=int, default=f.error_status)
+    g.add_argument("--error-seed", type=int, default=f.error_seed)
     g.add_argument(
         "--stall",
         action="store_true",
@@ -101,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--crash-after-frames",
         type=int,
-        default=None,
+        default=f.crash_after_frames,
         help="cut streams after N SSE frames (non-streamed: before answering)",
     )
     g.add_argument("--dead", action="store_true", help="engine dead: /health answers 503")
@@ -155,6 +164,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         sse_keepalive_s=args.sse_keepalive,
         fast=args.fast,
         faults=faults,
+        record_requests=False,
     )
 
 

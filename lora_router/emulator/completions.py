@@ -50,7 +50,7 @@ def parse(body: Any, chat: bool) -> GenerationParams | Reply:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         return wrong_type("body", "model", "string", model)
-    prompts_or_error = _chat_prompt(body) if chat else _completion_prompts(body)
+    prompts_or_error = chat_prompt(body) if chat else _completion_prompts(body)
     if isinstance(prompts_or_error, Reply):
         return prompts_or_error
     params = GenerationParams(chat=chat, model=model, prompts=prompts_or_error)
@@ -65,11 +65,11 @@ def _completion_prompts(body: dict[str, Any]) -> list[list[int]] | Reply:
     if isinstance(prompt, str):
         prompts = [tokens.tokenize(prompt)]
     elif isinstance(prompt, list) and prompt:
-        if all(_is_token_id(t) for t in prompt):
+        if all(is_token_id(t) for t in prompt):
             prompts = [list(prompt)]
         elif all(isinstance(p, str) for p in prompt):
             prompts = [tokens.tokenize(p) for p in prompt]
-        elif all(isinstance(p, list) and all(_is_token_id(t) for t in p) for p in prompt):
+        elif all(isinstance(p, list) and all(is_token_id(t) for t in p) for p in prompt):
             prompts = [list(p) for p in prompt]
         else:
             return wrong_type("body", "prompt", "list of token ids or strings", prompt)
@@ -86,11 +86,13 @@ def _completion_prompts(body: dict[str, Any]) -> list[list[int]] | Reply:
     return prompts
 
 
-def _is_token_id(value: Any) -> bool:
+def is_token_id(value: Any) -> bool:
+    """An int that is not a bool (JSON `true` is not a token)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _chat_prompt(body: dict[str, Any]) -> list[list[int]] | Reply:
+def chat_prompt(body: dict[str, Any]) -> list[list[int]] | Reply:
+    """The token ids of a chat body's `messages`, or the 400 a bad list gets."""
     if "messages" not in body:
         return missing_field("body", "messages", body)
     messages = body["messages"]
@@ -106,7 +108,7 @@ def _sampling(body: dict[str, Any], params: GenerationParams) -> Reply | None:
     n = body.get("n", 1)
     if n is None:
         n = 1
-    if not _is_token_id(n) or n < 1:
+    if not is_token_id(n) or n < 1:
         return bad_request(f"n must be at least 1, got {n}.", "n")
     params.n = n
     limit_key = (
@@ -114,13 +116,13 @@ def _sampling(body: dict[str, Any], params: GenerationParams) -> Reply | None:
     )
     max_tokens = body.get(limit_key)
     if max_tokens is not None:
-        if not _is_token_id(max_tokens):
+        if not is_token_id(max_tokens):
             return wrong_type("body", limit_key, "integer", max_tokens)
         if max_tokens < 1:
             return bad_request(f"max_tokens must be at least 1, got {max_tokens}.", limit_key)
     params.max_tokens = max_tokens
     seed = body.get("seed")
-    if seed is not None and not _is_token_id(seed):
+    if seed is not None and not is_token_id(seed):
         return wrong_type("body", "seed", "integer", seed)
     params.seed = seed
     temperature = body.get("temperature", 1.0)
@@ -139,7 +141,7 @@ def _output_options(body: dict[str, Any], params: GenerationParams) -> Reply | N
     if params.chat:
         top = body.get("top_logprobs")
         if body.get("logprobs"):
-            params.logprobs = top if _is_token_id(top) else 0
+            params.logprobs = top if is_token_id(top) else 0
         elif top:
             return bad_request(
                 "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs"
@@ -147,7 +149,7 @@ def _output_options(body: dict[str, Any], params: GenerationParams) -> Reply | N
     else:
         logprobs = body.get("logprobs")
         if logprobs is not None:
-            if not _is_token_id(logprobs):
+            if not is_token_id(logprobs):
                 return wrong_type("body", "logprobs", "integer", logprobs)
             params.logprobs = logprobs
     if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:

@@ -41,6 +41,9 @@ class EmulatorConfig:
     enable_lora: bool = True
     runtime_lora_updating: bool = True  # VLLM_ALLOW_RUNTIME_LORA_UPDATING=1
     dev_mode: bool = True  # VLLM_SERVER_DEV_MODE=1: /pause, /resume, /server_info ...
+    # Keep every request received in `Emulator.requests` (tests read it); a standalone
+    # process has no reader, and its list would only grow.
+    record_requests: bool = True
     max_lora_rank: int = 16
     max_loras: int = 6
     max_cpu_loras: int | None = None  # None: same as max_loras, as vLLM defaults it

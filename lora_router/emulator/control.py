@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from lora_router.emulator import metrics, tokens
+from lora_router.emulator import completions, metrics, tokens
 from lora_router.emulator.adapter_files import AdapterInvalid, AdapterNotFound, read_adapter
 from lora_router.emulator.config import EmulatorConfig
 from lora_router.emulator.engine import PAUSE_MODES, Engine
@@ -32,6 +32,7 @@ from lora_router.emulator.replies import (
     ROUTE_NOT_FOUND,
     UNAUTHORIZED,
     Reply,
+    bad_request,
     empty,
     error_reply,
     flat_error,
@@ -230,9 +231,10 @@ async def tokenize(replica: Replica, req: PlainRequest) -> Reply:
     if not isinstance(body, dict):
         return wrong_type("body", "request", "dictionary", body)
     if "messages" in body:
-        if not isinstance(body["messages"], list):
-            return wrong_type("body", "messages", "list", body["messages"])
-        ids = tokens.apply_chat_template(body["messages"])
+        chat = completions.chat_prompt(body)
+        if isinstance(chat, Reply):
+            return chat
+        ids = chat[0]
     elif isinstance(body.get("prompt"), str):
         ids = tokens.tokenize(body["prompt"])
     elif "prompt" in body:
@@ -257,8 +259,10 @@ async def detokenize(replica: Replica, req: PlainRequest) -> Reply:
     if not isinstance(body, dict) or "tokens" not in body:
         return missing_field("body", "tokens", body)
     ids = body["tokens"]
-    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+    if not isinstance(ids, list) or not all(completions.is_token_id(t) for t in ids):
         return wrong_type("body", "tokens", "list", ids)
+    if any(not 0 <= t < tokens.VOCAB_SIZE for t in ids):
+        return bad_request("Token id out of vocabulary.", "tokens")
     return json_reply({"prompt": tokens.detokenize(ids)})
 
 
@@ -394,10 +398,7 @@ async def pause(replica: Replica, req: PlainRequest) -> Reply:
         return wait
     if wait and "mode" not in req.query:
         mode = "wait"  # the deprecated spelling of mode=wait
-    try:
-        await replica.state.pause(mode, clear_cache)
-    except ValueError as exc:
-        return flat_error(str(exc), 400)
+    await replica.state.pause(mode, clear_cache)  # `mode` was checked above
     return json_reply({"status": "paused"})
 
 

@@ -90,11 +90,7 @@ class _PauseState:
 class Engine:
     """One replica's engine state; replaced wholesale when the replica restarts."""
 
-    def __init__(
-        self,
-        config: EmulatorConfig,
-        reader: Callable[[str], AdapterSpec] = read_adapter,
-    ) -> None:
+    def __init__(self, config: EmulatorConfig) -> None:
         self.config = config
         self.registry = AdapterRegistry()
         self.slots = AdapterSlots(config.max_loras, config.cpu_loras)
@@ -104,7 +100,6 @@ class Engine:
         self.crashed: str | None = None  # why the engine died, if it did
         self.sleeping = False
         self.queued_while_paused = 0  # requests waiting at the door for /resume
-        self._reader = reader
         self._pause = _PauseState()
         self._pause.resumed.set()
         self._frozen: set[Seq] = set()
@@ -280,7 +275,7 @@ class Engine:
         assert seq.lora_id is not None
         if self.slots.needs_read(seq.lora_id):
             try:
-                self._reader(seq.lora_path or "")
+                read_adapter(seq.lora_path or "")
             except (AdapterNotFound, AdapterInvalid) as exc:
                 # vLLM re-reads an evicted adapter from its path; gone files kill the engine.
                 self.crashed = f"re-reading evicted adapter {seq.lora_name!r} failed: {exc}"

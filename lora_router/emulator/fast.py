@@ -36,7 +36,9 @@ from lora_router.emulator.replies import (
     SSE_DONE,
     Reply,
     bad_request,
+    engine_dead,
     error_reply,
+    model_not_found,
     sse_frame,
 )
 
@@ -285,17 +287,14 @@ class FastProtocol(asyncio.Protocol):
         if not isinstance(body, dict):
             return http_bytes(bad_request("Request body must be a JSON object."), ka)
         replica = self._replica
+        if control.is_dead(replica):  # first, as in full mode (serving.py)
+            return http_bytes(engine_dead(), ka)
         model = body.get("model")
-        if (
-            model is not None
-            and model != replica.config.model
-            and model not in replica.state.registry
-        ):
-            message = f"The model `{model}` does not exist."
-            return http_bytes(error_reply(message, "NotFoundError", 404, "model"), ka)
-        if control.is_dead(replica):
+        engine = replica.state
+        if model is not None and model != replica.config.model and model not in engine.registry:
+            config = replica.config
             return http_bytes(
-                error_reply("EngineCore encountered an issue.", "InternalServerError", 500), ka
+                model_not_found(model, config.vllm_version, engine.served_names()), ka
             )
         response = self._rendered.get(chat, body)
         return (

@@ -26,7 +26,7 @@ class Faults:
     error_rate: float = 0.0  # share of completions answered with `error_status` (0..1)
     error_status: int = 500
     error_seed: int | None = None  # a seed makes the sequence of failing requests reproducible
-    stall: bool = False  # completions wait until `release_stall()` (or stall is set False)
+    stall: bool = False  # completions wait until stall is set False again
     crash_after_frames: int | None = None  # cut the connection after N SSE frames (0: at once)
     # Engine
     dead: bool = False  # /health and /ping answer 503, completions 500
@@ -89,10 +89,6 @@ class Faults:
     def stalled(self) -> int:
         """Completions currently held by the stall."""
         return self._stalled
-
-    def release_stall(self) -> None:
-        """Let every stalled completion go on and stop stalling new ones."""
-        self.stall = False
 
     # --- runtime control -------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ here once. The shapes (contract §2):
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,22 @@ def error_body(message: str, err_type: str, code: int, param: str | None = None)
 
 def error_reply(message: str, err_type: str, code: int, param: str | None = None) -> Reply:
     return json_reply(error_body(message, err_type, code, param), status=code)
+
+
+PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
+DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+
+
+def engine_dead() -> Reply:
+    return error_reply(DEAD_MESSAGE, "InternalServerError", 500)
+
+
+def model_not_found(model: str | None, vllm_version: str, served: Iterable[str]) -> Reply:
+    """vLLM's 404 for a model it does not serve; 0.33 lists the names it does."""
+    message = f"The model `{model}` does not exist."
+    if vllm_version == "0.33":
+        message += f" Valid aliases: {', '.join(served)}"
+    return error_reply(message, "NotFoundError", 404, param="model")
 
 
 def bad_request(message: str, param: str | None = None) -> Reply:

@@ -34,21 +34,22 @@ from lora_router.emulator.engine import (
 )
 from lora_router.emulator.prefix_cache import block_hashes
 from lora_router.emulator.replies import (
+    DEAD_MESSAGE,
+    PAUSED_MESSAGE,
     SSE,
     SSE_DONE,
     SSE_KEEPALIVE,
     Reply,
+    engine_dead,
     error_reply,
     is_json_media_type,
     json_decode_error,
     json_reply,
+    model_not_found,
     sse_error_frame,
     sse_frame,
     unsupported_media_type,
 )
-
-PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
-DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 
 
 class UntypedResponse(web.Response):
@@ -97,11 +98,13 @@ async def serve_generation(
     config = replica.config
     faults = replica.faults
     if is_dead(replica):
-        return to_response(error_reply(DEAD_MESSAGE, "InternalServerError", 500))
+        return to_response(engine_dead())
     try:
         adapter = engine.resolve_model(params.model)
     except UnknownModel:
-        return to_response(_model_not_found(engine, params.model))
+        return to_response(
+            model_not_found(params.model, config.vllm_version, engine.served_names())
+        )
     too_long = completions.context_error(params, config.max_model_len)
     if too_long is not None:
         return to_response(too_long)
@@ -130,13 +133,6 @@ async def serve_generation(
         # paused or generating, the request is gone and its sequences leave the engine.
         engine.note_cancelled()
         raise
-
-
-def _model_not_found(engine: Engine, model: str | None) -> Reply:
-    message = f"The model `{model}` does not exist."
-    if engine.config.vllm_version == "0.33":
-        message += f" Valid aliases: {', '.join(engine.served_names())}"
-    return error_reply(message, "NotFoundError", 404, param="model")
 
 
 def _plan(
@@ -221,7 +217,7 @@ async def _whole(
     except GenerationPaused:
         return to_response(error_reply(PAUSED_MESSAGE, "ServiceUnavailableError", 503))
     except EngineDead:
-        return to_response(error_reply(DEAD_MESSAGE, "InternalServerError", 500))
+        return to_response(engine_dead())
     queue, tasks = _start(engine, jobs)
     try:
         pending = len(jobs)
@@ -235,7 +231,7 @@ async def _whole(
                 choice.finish_reason = value
                 pending -= 1
             else:
-                return to_response(error_reply(DEAD_MESSAGE, "InternalServerError", 500))
+                return to_response(engine_dead())
     finally:
         await _stop(tasks)
     return to_response(json_reply(renderer.whole(choices, _usage(jobs, params))))

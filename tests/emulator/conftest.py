@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -11,6 +12,22 @@ import aiohttp
 import pytest
 
 from lora_router.emulator import Emulator, EmulatorConfig, start_emulator, write_adapter
+
+FRAME = re.compile(rb"data: (\{[^\n]*\}|\[DONE\])\n\n")
+
+
+def frames_of(raw: bytes) -> list[bytes]:
+    """Split an SSE body into data frames, insisting every byte belongs to one."""
+    position, frames = 0, []
+    while position < len(raw):
+        match = FRAME.match(raw, position)
+        assert match is not None, (
+            f"bad framing at byte {position}: {raw[position : position + 60]!r}"
+        )
+        frames.append(match.group(1))
+        position = match.end()
+    return frames
+
 
 StartEmulator = Callable[..., Awaitable[Emulator]]
 

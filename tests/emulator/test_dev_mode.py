@@ -8,11 +8,11 @@ import json
 from collections.abc import Callable
 
 import aiohttp
+import pytest
 
 from lora_router.emulator import Emulator
 
-from .conftest import StartEmulator, call, complete, eventually, load
-from .test_generation import frames_of
+from .conftest import StartEmulator, call, complete, eventually, frames_of, load
 
 COMPLETIONS = "/v1/completions"
 SLOW = {"decode_s_per_token": 0.01}  # 100 tokens take a second: long enough to act mid-way
@@ -336,3 +336,20 @@ async def test_metrics_report_running_waiting_and_lora_requests(
         'waiting_lora_adapters="trl-policy-v2"}'
     ) in text
     await asyncio.gather(first, second)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/tokenize", {"messages": [1]}),
+        ("/tokenize", {"messages": [{"role": "user", "content": 5}]}),
+        ("/detokenize", {"tokens": [-1]}),
+        ("/detokenize", {"tokens": [True]}),
+    ],
+)
+async def test_tokenize_and_detokenize_answer_bad_input_400(
+    emu: Emulator, client: aiohttp.ClientSession, path: str, body: dict[str, object]
+) -> None:
+    status, raw = await call(client, "POST", emu.url + path, json=body)
+    assert status == 400, raw
+    assert json.loads(raw)["error"]["code"] == 400

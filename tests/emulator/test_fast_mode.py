@@ -8,8 +8,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from .conftest import StartEmulator, call, load
-from .test_generation import frames_of
+from .conftest import StartEmulator, call, frames_of, load
 
 COMPLETIONS = "/v1/completions"
 

@@ -12,8 +12,7 @@ import pytest
 
 from lora_router.emulator import Emulator, write_adapter
 
-from .conftest import StartEmulator, call, complete, eventually, load
-from .test_generation import frames_of
+from .conftest import StartEmulator, call, complete, eventually, frames_of, load
 
 LOAD = "/v1/load_lora_adapter"
 COMPLETIONS = "/v1/completions"

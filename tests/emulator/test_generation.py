@@ -4,31 +4,16 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Callable
 
 import aiohttp
 
 from lora_router.emulator import Emulator, tokens
 
-from .conftest import StartEmulator, call, complete, load
+from .conftest import StartEmulator, call, complete, frames_of, load
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
-FRAME = re.compile(rb"data: (\{[^\n]*\}|\[DONE\])\n\n")
-
-
-def frames_of(raw: bytes) -> list[bytes]:
-    """Split an SSE body into data frames, insisting every byte belongs to one."""
-    position, frames = 0, []
-    while position < len(raw):
-        match = FRAME.match(raw, position)
-        assert match is not None, (
-            f"bad framing at byte {position}: {raw[position : position + 60]!r}"
-        )
-        frames.append(match.group(1))
-        position = match.end()
-    return frames
 
 
 async def test_token_id_prompt_is_answered_with_token_ids_and_logprobs(
