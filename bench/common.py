@@ -30,6 +30,34 @@ end
 """
 
 
+def pinned(argv: Sequence[str], cpus: str | None) -> list[str]:
+    """`argv` run on the given CPUs (taskset), where taskset exists."""
+    if cpus and shutil.which("taskset"):
+        return ["taskset", "-c", cpus, *argv]
+    return list(argv)
+
+
+def find_binary(name: str, peers_bin: Path) -> str | None:
+    """A peer router's executable: in `peers_bin` (bench/peers.sh installs there), else PATH."""
+    local = peers_bin / name
+    return str(local) if local.exists() else shutil.which(name)
+
+
+def git_revision() -> str:
+    """`git describe` of this checkout, for the results' provenance ("?" without git)."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(Path(__file__).resolve().parent), "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    return out.stdout.strip() or "?"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -74,8 +102,7 @@ class Procs:
     def start(
         self, argv: Sequence[str], cpus: str | None = None, **kw: object
     ) -> subprocess.Popen[bytes]:
-        if cpus and shutil.which("taskset"):
-            argv = ["taskset", "-c", cpus, *argv]
+        argv = pinned(argv, cpus)
         self._started += 1  # a log name per process ever started: a restart never reuses one
         log = open(self.tmp / f"proc-{self._started}.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, **kw)  # type: ignore[call-overload]
@@ -281,9 +308,7 @@ end
         str(script),
         url,
     ]
-    if cpus and shutil.which("taskset"):
-        argv = ["taskset", "-c", cpus, *argv]
-    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(pinned(argv, cpus), capture_output=True, text=True, check=True).stdout
     line = next(ln for ln in out.splitlines() if ln.startswith("WRKJSON "))
     data = json.loads(line[len("WRKJSON ") :])
     return WrkResult(

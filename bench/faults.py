@@ -101,8 +101,10 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import Procs, free_port, wait_port
+import grpo_trace as bench_trace
+from common import Procs, free_port, git_revision, wait_port
 
+from lora_router.demo import check_answer
 from lora_router.emulator import write_adapter
 
 HERE = Path(__file__).resolve().parent
@@ -124,9 +126,6 @@ _BACK = re.compile(
     r"\((\d+) adapters replayed in ([\d.]+) s\)$"
 )
 
-
-sys.path.insert(0, str(HERE))  # bench/ modules, run as scripts
-import grpo_trace as bench_trace  # noqa: E402
 
 # --- the replica process: the emulator plus an access log -----------------------------------
 
@@ -346,12 +345,10 @@ class ReplicaView:
     """One replica in one `/router/replicas` answer."""
 
     previous: float  # when the poll before this one was sent
-    sent: float  # when this poll was sent
     seen: float  # when its answer arrived
     rid: int
     live: bool  # healthy and admitted and not draining
     adapters: tuple[str, ...]
-    last_error: str
 
 
 class Prober:
@@ -390,12 +387,10 @@ class Prober:
         for r in doc["replicas"]:
             view = ReplicaView(
                 previous,
-                sent,
                 seen,
                 int(r["id"]),
                 bool(r["healthy"] and r["admitted"] and not r["draining"]),
                 tuple(r["adapters"]),
-                str(r["last_error"]),
             )
             last = self._last.get(view.rid)
             if last is None or (last.live, last.adapters) != (view.live, view.adapters):
@@ -632,7 +627,7 @@ class Trainer:
         raw = b"".join(chunks)
         if status != 200:
             return Attempt(started, ended, status, replica, "status", _error_message(raw))
-        problem = _check_answer(raw, stream)
+        problem = check_answer(status, raw, stream)
         kind = "ok" if problem is None else "cut"
         return Attempt(started, ended, status, replica, kind, problem or "")
 
@@ -641,20 +636,6 @@ def _error_message(raw: bytes) -> str:
     with contextlib.suppress(orjson.JSONDecodeError, TypeError, KeyError, AttributeError):
         return str(orjson.loads(raw)["error"]["message"])[:300]
     return raw[:300].decode("utf-8", "replace")
-
-
-def _check_answer(raw: bytes, stream: bool) -> str | None:
-    """None if the answer is a whole completion TRL can use, else why not."""
-    if stream:
-        frames = [f for f in raw.split(b"\n\n") if f.startswith(b"data: ")]
-        if not frames or frames[-1] != b"data: [DONE]":
-            return "stream did not end with data: [DONE]"
-        return None
-    try:
-        choice = orjson.loads(raw)["choices"][0]
-    except (ValueError, KeyError, IndexError, TypeError):
-        return "not a completion"
-    return None if choice.get("token_ids") else "no choices[0].token_ids"
 
 
 # --- faults ---------------------------------------------------------------------------------
@@ -1216,18 +1197,6 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _git() -> str:
-    with contextlib.suppress(OSError, subprocess.CalledProcessError):
-        return subprocess.run(
-            ["git", "describe", "--always", "--dirty"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=HERE,
-        ).stdout.strip()
-    return "?"
-
-
 def parse_episodes(text: str, replicas: int) -> list[Episode]:
     """`rollout,load` -> kills at 10 s and 26 s, on replicas 1 and 2 (then 1 again ...)."""
     out = []
@@ -1300,7 +1269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {
         "command": " ".join(["python bench/faults.py", *args_list]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "git": _git(),
+        "git": git_revision(),
         "machine": {"cpus": os.cpu_count()},
         "total_s": round(time.time() - started, 1),
         "settings": {

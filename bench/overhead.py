@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     Procs,
     cpu_seconds,
+    find_binary,
     free_port,
     nginx_proxy,
     nginx_replica,
@@ -131,11 +132,6 @@ class Report:
     rss_mib: dict[str, float] = field(default_factory=dict)
 
 
-def find(binary: str, peers_bin: Path) -> str | None:
-    local = peers_bin / binary
-    return str(local) if local.exists() else shutil.which(binary)
-
-
 def contenders(peers_bin: Path) -> list[Contender]:
     def direct(procs: Procs, port: int, replicas: list[int]) -> int | None:
         return None
@@ -164,7 +160,7 @@ def contenders(peers_bin: Path) -> list[Contender]:
         Contender("nginx", nginx),
         Contender("lora-router", lora_router),
     ]
-    vllm_router = find("vllm-router", peers_bin)
+    vllm_router = find_binary("vllm-router", peers_bin)
     if vllm_router:
 
         def start_vllm(procs: Procs, port: int, replicas: list[int]) -> int | None:
@@ -188,7 +184,7 @@ def contenders(peers_bin: Path) -> list[Contender]:
             return procs.start(argv, cpus=PROXY_CPU).pid
 
         found.append(Contender("vllm-router", start_vllm))
-    sglang_router = find("sglang-router", peers_bin)
+    sglang_router = find_binary("sglang-router", peers_bin)
     if sglang_router:
 
         def start_sglang(procs: Procs, port: int, replicas: list[int]) -> int | None:

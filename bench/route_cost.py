@@ -41,7 +41,7 @@ class Replica:
     in_flight: int = 0
 
 
-def per_call_us(fn: Callable[[], object], number: int, rounds: int = 7) -> float:
+def per_call_us(fn: Callable[[], object], number: int, rounds: int) -> float:
     return statistics.median(timeit.repeat(fn, number=number, repeat=rounds)) / number * 1e6
 
 
@@ -82,17 +82,17 @@ def main() -> None:
     decisions = policy.counts.as_dict()
 
     figures = {
-        "pack (HTTP layer's validation)": per_call_us(lambda: array("I", ids), number),
-        "key": per_call_us(lambda: prompt_key(MODEL, prompt), number),
-        "key + chain": per_call_us(lambda: prompt_key(MODEL, prompt).chain, number),
+        "pack (HTTP layer's validation)": per_call_us(lambda: array("I", ids), number, rounds),
+        "key": per_call_us(lambda: prompt_key(MODEL, prompt), number, rounds),
+        "key + chain": per_call_us(lambda: prompt_key(MODEL, prompt).chain, number, rounds),
         "key + choose, fresh prompt": per_call_us(
-            lambda: policy.choose(prompt_key(MODEL, next(fresh)), reps), number
+            lambda: policy.choose(prompt_key(MODEL, next(fresh)), reps), number, rounds
         ),
         "key + choose, sibling": per_call_us(
-            lambda: policy.choose(prompt_key(MODEL, prompt), reps), number
+            lambda: policy.choose(prompt_key(MODEL, prompt), reps), number, rounds
         ),
         "key + choose, next turn (+300 tokens)": per_call_us(
-            lambda: policy.choose(prompt_key(MODEL, next(turns)), reps), number
+            lambda: policy.choose(prompt_key(MODEL, next(turns)), reps), number, rounds
         ),
     }
     # Each case must have been routed as named, or its figure measures something else.

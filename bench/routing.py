@@ -74,10 +74,8 @@ every completion each emulator receives (it replaces the emulator's request log,
 `Emulator.requests`), so routers that add no header are measured like the others; lora-router's
 `x-lora-router-replica` header is checked against it (`header_mismatches`).
 
-Investigation aids: `--load-factor` is passed to lora-router; `--load-slack` overrides the
-prefix policy's `load_slack` (no CLI flag exists: the router is started through a two-line
-bootstrap that changes `make_policy`'s default); `--prefill-us`, `--decode-us`,
-`--max-num-seqs`, `--cache-blocks` change the timing model.
+Investigation aids: `--load-factor` and `--load-slack` are passed to lora-router;
+`--prefill-us`, `--decode-us`, `--max-num-seqs`, `--cache-blocks` change the timing model.
 
 Outputs: bench/results/routing.json (every run and the summaries), routing.md (tables, the
 command, the date), routing.png (hit rate as a fraction of the oracle's, one panel per trace).
@@ -98,7 +96,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -137,6 +134,7 @@ _METRIC = re.compile(r"^(vllm:prefix_cache_(?:queries|hits))(?:_total)?\{[^}]*\}
 
 sys.path.insert(0, str(HERE))  # bench/ modules, run as scripts
 import grpo_trace as bench_trace  # noqa: E402
+from common import find_binary, free_port, git_revision, pinned  # noqa: E402
 
 # --- settings ------------------------------------------------------------------------------
 
@@ -233,7 +231,7 @@ class RouterOptions:
     """lora-router flags under investigation (defaults: the router's own)."""
 
     load_factor: float | None = None
-    load_slack: int | None = None  # not a CLI flag: patched into make_policy's default
+    load_slack: int | None = None
 
 
 # --- workload ------------------------------------------------------------------------------
@@ -245,12 +243,10 @@ class Item:
 
     index: int
     family: int
-    sample: int
     turn: int
     parent: int | None
     version: int
     prompt_len: int
-    max_tokens: int
     body: bytes
     expected: list[int] | None  # the completion the replicas will generate (multi-turn)
 
@@ -298,12 +294,10 @@ def build_workload(spec: Any, base: bool) -> list[Item]:
             Item(
                 index=r.index,
                 family=r.family,
-                sample=r.sample,
                 turn=r.turn,
                 parent=r.parent,
                 version=int(r.model.removeprefix(spec.model_prefix)),
                 prompt_len=len(prompt),
-                max_tokens=r.completion_tokens,
                 body=orjson.dumps(body),
                 expected=expected,
             )
@@ -363,10 +357,6 @@ async def serve_replicas(count: int, timing: Timing) -> None:
             await emulator.stop()
 
 
-def _pinned(argv: Sequence[str], cpus: str) -> list[str]:
-    return ["taskset", "-c", cpus, *argv] if shutil.which("taskset") else list(argv)
-
-
 class ReplicaHost:
     """The main process's handle on the replica subprocess."""
 
@@ -384,7 +374,7 @@ class ReplicaHost:
             json.dumps(asdict(timing)),
         ]
         proc = await asyncio.create_subprocess_exec(
-            *_pinned(argv, REPLICA_CPUS),
+            *pinned(argv, REPLICA_CPUS),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=log,
@@ -478,12 +468,6 @@ async def serve_oracle(port: int, urls: list[str]) -> None:
 # --- routers under test --------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a live process (all its threads)."""
     try:
@@ -494,10 +478,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def peer_binary(name: str) -> str | None:
-    local = PEERS_BIN / name
-    if local.exists():
-        return str(local)
-    return shutil.which(name)
+    return find_binary(name, PEERS_BIN)
 
 
 def router_argv(c: Contender, port: int, urls: list[str], options: RouterOptions) -> list[str]:
@@ -517,15 +498,9 @@ def router_argv(c: Contender, port: int, urls: list[str], options: RouterOptions
         ]
         if options.load_factor is not None:
             args += ["--load-factor", str(options.load_factor)]
-        if options.load_slack is None:
-            return [sys.executable, "-m", "lora_router.cli", *args]
-        # Investigation only: the policy's load_slack has no flag; set make_policy's default.
-        boot = (
-            "import sys; from lora_router.routing import policy; "
-            "policy.make_policy.__kwdefaults__['load_slack'] = int(sys.argv.pop(1)); "
-            "from lora_router.cli import main; sys.exit(main())"
-        )
-        return [sys.executable, "-c", boot, str(options.load_slack), *args]
+        if options.load_slack is not None:
+            args += ["--load-slack", str(options.load_slack)]
+        return [sys.executable, "-m", "lora_router.cli", *args]
     binary = peer_binary(c.kind)
     assert binary is not None
     metrics = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
@@ -572,7 +547,7 @@ class RouterProcess:
         self.log_path = log_path
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                _pinned(argv, ROUTER_CPUS), stdout=log, stderr=subprocess.STDOUT
+                pinned(argv, ROUTER_CPUS), stdout=log, stderr=subprocess.STDOUT
             )
 
     def cpu_seconds(self) -> float:
@@ -609,8 +584,6 @@ class RouterProcess:
 
 @dataclass(slots=True)
 class Outcome:
-    sent: float = 0.0  # seconds since the run started
-    done: float = 0.0
     status: int = 0  # 0: no HTTP answer
     error: str = ""
     header: str | None = None  # x-lora-router-replica
@@ -756,10 +729,8 @@ class Run:
 
         async def one(item: Item) -> None:
             nonlocal running
-            sent = time.perf_counter() - start
             try:
-                out = self.outcomes[item.index] = await self.send(item)
-                out.sent, out.done = sent, time.perf_counter() - start
+                self.outcomes[item.index] = await self.send(item)
             finally:
                 running -= 1
                 for child in children.get(item.index, ()):
@@ -1364,20 +1335,6 @@ def one_line(r: RunResult) -> str:
         f"hit {r.hit_rate:.3f} max/mean {r.max_mean_requests:.2f} "
         f"wall {r.wall_s:.2f}s failed {r.failed}"
     )
-
-
-def git_revision() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(HERE), "describe", "--always", "--dirty"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-        return out.stdout.strip() or "?"
-    except (OSError, subprocess.TimeoutExpired):
-        return "?"
 
 
 async def bench_main(args: argparse.Namespace) -> int:

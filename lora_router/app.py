@@ -101,10 +101,6 @@ class _StatusSink:
     def keep_alive(self) -> bool:
         return self._conn.keep_alive
 
-    @keep_alive.setter
-    def keep_alive(self, value: bool) -> None:
-        self._conn.keep_alive = value
-
     def head(self, status: int, data: bytes, body: memoryview | None = None) -> None:
         if status == 404:
             self.diverted = True
@@ -130,6 +126,7 @@ class RouterApp:
         health: HealthMonitor,
         stats: RequestStats,
         registry: CollectorRegistry,
+        block_size: int,
     ) -> None:
         self.config = config
         self.fleet = fleet
@@ -143,7 +140,7 @@ class RouterApp:
         self._registry = registry
         self._loop = asyncio.get_running_loop()
         self._debug = log.isEnabledFor(logging.DEBUG)
-        self.block_size = config.block_size or 16
+        self.block_size = block_size  # of the replicas' KV cache: prompt keys use it
         token = config.token.reveal()
         self._authorization = f"Bearer {token}".encode() if token else None
         # Request ids for requests that come without one: unique per process and cheap (a
@@ -221,9 +218,12 @@ class RouterApp:
         # A sibling of a prompt seen before is recognised by the hash of its raw JSON text;
         # only a prompt the policy does not know yet is parsed into ids and keyed by blocks.
         raw = fields.raw_tokens
-        wire = wire_key(model, raw) if raw is not None else None
+        uses_keys = self.policy.uses_keys
+        wire = wire_key(model, raw) if raw is not None and uses_keys else None
         key: PromptKey | None = None
-        keyed = False
+        keyed = not uses_keys  # a key-blind policy gets None
+        if not uses_keys:
+            fields.token_ids()  # still parsed once per distinct body: ids must fit 32 bits
         tried: list[Replica] = []
         while True:
             routable = self.fleet.routable(model, tried)

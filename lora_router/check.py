@@ -233,10 +233,9 @@ def judge(
     fleet: Sequence[ReplicaFacts], *, max_staleness: int, unload_stale: str | None = None
 ) -> list[Problem]:
     """Every problem that would break (or notably slow) a TRL run on this fleet."""
-    need = max_staleness + 2
     problems: list[Problem] = []
     for f in fleet:
-        problems += _judge_replica(f, need=need, max_staleness=max_staleness, stale=unload_stale)
+        problems += _judge_replica(f, max_staleness=max_staleness, stale=unload_stale)
     live = [f for f in fleet if f.answer in ("ok", "dead")]
     for attr, label in _AGREEMENT:
         problems += _disagreement(live, attr, label)
@@ -245,9 +244,13 @@ def judge(
     return problems
 
 
-def _judge_replica(
-    f: ReplicaFacts, *, need: int, max_staleness: int, stale: str | None
-) -> list[Problem]:
+def _loras_needed(max_staleness: int) -> int:
+    """Adapter slots a TRL run needs: max_staleness + 1 versions in use, plus one loading."""
+    return max_staleness + 2
+
+
+def _judge_replica(f: ReplicaFacts, *, max_staleness: int, stale: str | None) -> list[Problem]:
+    need = _loras_needed(max_staleness)
     out: list[Problem] = []
     name = f.name
     if f.answer == "unreachable":
@@ -381,7 +384,7 @@ def _yes_no(value: bool | None) -> str:
 
 def report(fleet: Sequence[ReplicaFacts], problems: Sequence[Problem], max_staleness: int) -> str:
     """The text `--check` prints: the table, the problems with their fixes, the verdict."""
-    need = max_staleness + 2
+    need = _loras_needed(max_staleness)
     headers = (
         "replica",
         "status",

@@ -16,10 +16,12 @@ import signal
 import ssl
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import fields
 from typing import NoReturn
 
 from lora_router import __version__
 from lora_router.config import Config, ReplicaAddress, Secret
+from lora_router.routing.policy import POLICIES
 
 log = logging.getLogger("lora_router")
 
@@ -98,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("routing")
     g.add_argument(
         "--policy",
-        choices=("prefix", "round-robin", "least-loaded"),
+        choices=POLICIES,
         default=d.policy,
         help="how completions pick a replica",
     )
@@ -354,50 +356,13 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config
         raise UsageError("--max-staleness must be 0 or more")
     if args.retries < 0:
         raise UsageError("--retries must be 0 or more")
-    return Config(
-        replicas=replicas,
-        token=token,
-        ca_file=args.ca_file,
-        host=args.host,
-        port=args.port,
-        api_key=api_key,
-        insecure_listen=args.insecure_listen,
-        policy=args.policy,
-        block_size=args.block_size,
-        load_factor=args.load_factor,
-        load_slack=args.load_slack,
-        vnodes=args.vnodes,
-        affinity_table_size=args.affinity_table_size,
-        connect_timeout=args.connect_timeout,
-        first_byte_timeout=args.first_byte_timeout,
-        idle_timeout=args.idle_timeout,
-        fence_timeout=args.fence_timeout,
-        header_timeout=args.header_timeout,
-        body_timeout=args.body_timeout,
-        keepalive_timeout=args.keepalive_timeout,
-        upstream_idle_timeout=args.upstream_idle_timeout,
-        shutdown_grace=args.shutdown_grace,
-        max_body_bytes=args.max_body_bytes,
-        max_header_bytes=args.max_header_bytes,
-        max_headers=args.max_headers,
-        max_connections=args.max_connections,
-        max_prompt_tokens=args.max_prompt_tokens,
-        max_upstream_connections=args.max_upstream_connections,
-        retries=args.retries,
-        load_retry_interval=args.load_retry_interval,
-        load_deadline=args.load_deadline,
-        unload_stale=args.unload_stale,
-        down_replica_policy=args.down_replica_policy,
-        max_staleness=args.max_staleness,
-        health_interval=args.health_interval,
-        health_timeout=args.health_timeout,
-        health_failures=args.health_failures,
-        health_successes=args.health_successes,
-        breaker_failures=args.breaker_failures,
-        breaker_cooldown=args.breaker_cooldown,
-        log_level=args.log_level,
-        status_interval=args.status_interval,
-    )
+    # Every other Config field is a flag of the same name.
+    given = vars(args)
+    flags = {f.name: given[f.name] for f in fields(Config) if f.name not in _DERIVED}
+    return Config(replicas=replicas, token=token, api_key=api_key, **flags)
+
+
+_DERIVED = frozenset({"replicas", "token", "api_key"})  # parsed or read from the environment
 
 
 def _is_loopback(host: str) -> bool:

@@ -14,6 +14,13 @@ import ssl
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from lora_router.routing.policy import (
+    DEFAULT_LOAD_FACTOR,
+    DEFAULT_LOAD_SLACK,
+    DEFAULT_TABLE_SIZE,
+    DEFAULT_VNODES,
+)
+
 
 class Secret:
     """A string that never shows itself in `repr`/`str` (tokens, API keys)."""
@@ -101,10 +108,11 @@ class Config:
     # Routing
     policy: str = "prefix"  # prefix | round-robin | least-loaded
     block_size: int | None = None  # None: read cache_config.block_size from the replicas, else 16
-    load_factor: float = 0.25  # epsilon of consistent hashing with bounded loads
-    load_slack: int = 16  # in-flight requests a replica may take over the mean regardless of ε
-    vnodes: int = 160
-    affinity_table_size: int = 200_000
+    # The policy's own defaults (routing/policy.py explains them).
+    load_factor: float = DEFAULT_LOAD_FACTOR  # ε of consistent hashing with bounded loads
+    load_slack: int = DEFAULT_LOAD_SLACK  # requests in flight a replica may take over the mean
+    vnodes: int = DEFAULT_VNODES
+    affinity_table_size: int = DEFAULT_TABLE_SIZE
 
     # Timeouts (seconds)
     connect_timeout: float = 10.0

@@ -415,7 +415,7 @@ class _Run:
             ) as resp:
                 replica = resp.headers.get(REPLICA_HEADER, "?")
                 raw = await resp.read()
-                problem = _check_answer(resp.status, raw, stream)
+                problem = check_answer(resp.status, raw, stream)
         except (aiohttp.ClientError, TimeoutError) as exc:
             replica, problem = "?", f"{type(exc).__name__}: {exc}"
         if step.load_done is None or sent < step.load_done:
@@ -452,7 +452,7 @@ class _Run:
         return data
 
 
-def _check_answer(status: int, raw: bytes, stream: bool) -> str | None:
+def check_answer(status: int, raw: bytes, stream: bool) -> str | None:
     """None if the answer is what TRL needs, else why not."""
     if status != 200:
         return f"HTTP {status}: {raw[:200].decode('utf-8', 'replace')}"

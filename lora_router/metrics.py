@@ -120,15 +120,18 @@ def _histogram(name: str, doc: str, by_route: dict[str, Histogram]) -> Histogram
     return family
 
 
-def gauge(name: str, doc: str, labels: list[str], rows: list[tuple[list[str], float]]) -> Metric:
-    family = GaugeMetricFamily(name, doc, labels=labels)
-    for values, value in rows:
-        family.add_metric(values, value)
-    return family
+Rows = list[tuple[list[str], float]]  # (label values, value)
 
 
-def counter(name: str, doc: str, labels: list[str], rows: list[tuple[list[str], float]]) -> Metric:
-    family = CounterMetricFamily(name, doc, labels=labels)
+def gauge(name: str, doc: str, labels: list[str], rows: Rows) -> Metric:
+    return _family(GaugeMetricFamily(name, doc, labels=labels), rows)
+
+
+def counter(name: str, doc: str, labels: list[str], rows: Rows) -> Metric:
+    return _family(CounterMetricFamily(name, doc, labels=labels), rows)
+
+
+def _family(family: GaugeMetricFamily | CounterMetricFamily, rows: Rows) -> Metric:
     for values, value in rows:
         family.add_metric(values, value)
     return family

@@ -70,9 +70,11 @@ class RouterRuntime:
         stats = RequestStats()
         collector = MetricsCollector(stats)
         registry = make_registry(collector)
-        self.app = app = RouterApp(config, fleet, policy, fence, control, health, stats, registry)
+        block_size = config.block_size or block_size or DEFAULT_BLOCK_SIZE
+        self.app = app = RouterApp(
+            config, fleet, policy, fence, control, health, stats, registry, block_size
+        )
         collector.add_source(lambda: metric_families(app.state))
-        self.app.block_size = config.block_size or block_size or DEFAULT_BLOCK_SIZE
         self.server, self.connections = await serve(
             self.app.handle,
             config,

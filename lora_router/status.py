@@ -8,7 +8,7 @@ for, from counters the other modules keep as plain attributes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client.core import Metric
@@ -20,7 +20,7 @@ from lora_router.fleet.fence import AdapterFence
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
 from lora_router.fleet.replica import Replica
-from lora_router.metrics import RequestStats, counter, gauge
+from lora_router.metrics import RequestStats, Rows, counter, gauge
 from lora_router.routing.policy import Policy
 
 
@@ -97,7 +97,7 @@ def summary_line(state: RouterState) -> str:
     """The periodic one-line summary in the log."""
     replicas = state.fleet.replicas
     serving = sum(1 for r in replicas if r.healthy and r.admitted)
-    live = sorted(e.name for e in state.fence.entries() if e.state.value == "live")
+    live = sorted(state.fence.live())
     counts = state.policy.counts.as_dict()
     decisions = " ".join(f"{k}={v}" for k, v in counts.items() if v)
     total = sum(state.stats.requests.values())
@@ -113,36 +113,40 @@ def summary_line(state: RouterState) -> str:
 def metric_families(state: RouterState) -> Iterator[Metric]:
     """The live gauges and counters of `/metrics` (request counters come from `metrics.py`)."""
     replicas = state.fleet.replicas
-    label = [[str(r.rid)] for r in replicas]
+
+    def per_replica(value: Callable[[Replica], float]) -> Rows:
+        return [([str(r.rid)], value(r)) for r in replicas]
+
+    replica = ["replica"]
     yield gauge(
         "lora_router_in_flight",
         "Requests in flight to each replica.",
-        ["replica"],
-        [(lab, r.in_flight) for lab, r in zip(label, replicas, strict=True)],
+        replica,
+        per_replica(lambda r: r.in_flight),
     )
     yield gauge(
         "lora_router_replica_up",
         "1 when the replica is healthy and admitted (its adapters replayed), else 0.",
-        ["replica"],
-        [(lab, float(r.healthy and r.admitted)) for lab, r in zip(label, replicas, strict=True)],
+        replica,
+        per_replica(lambda r: float(r.healthy and r.admitted)),
     )
     yield gauge(
         "lora_router_breaker_open",
         "1 when the replica's circuit breaker is open or half-open, else 0.",
-        ["replica"],
-        [(lab, float(r.breaker.state != CLOSED)) for lab, r in zip(label, replicas, strict=True)],
+        replica,
+        per_replica(lambda r: float(r.breaker.state != CLOSED)),
     )
     yield counter(
         "lora_router_ejections",
         "Times each replica was taken out of service.",
-        ["replica"],
-        [(lab, r.ejections) for lab, r in zip(label, replicas, strict=True)],
+        replica,
+        per_replica(lambda r: r.ejections),
     )
     yield counter(
         "lora_router_breaker_opens",
         "Times each replica's circuit breaker opened.",
-        ["replica"],
-        [(lab, r.breaker.opens) for lab, r in zip(label, replicas, strict=True)],
+        replica,
+        per_replica(lambda r: r.breaker.opens),
     )
     yield counter(
         "lora_router_body_reuses",
@@ -189,7 +193,7 @@ def metric_families(state: RouterState) -> Iterator[Metric]:
         ["op", "outcome"],
         [([op, outcome], s) for (op, outcome), s in sorted(control.seconds.items())],
     )
-    live = sum(1 for e in fence.entries() if e.state.value == "live")
+    live = len(fence.live())
     yield gauge("lora_router_adapters_live", "Adapters that pass the fence.", [], [([], live)])
     yield gauge(
         "lora_router_paused",

@@ -47,7 +47,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +91,10 @@ class Answer:
     body: bytes = b""
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     error: str = ""  # the transport failure when status is 0
+
+    def summary(self) -> str:
+        """What went wrong in a few words: the transport failure, or the status."""
+        return self.error if self.status == 0 else f"HTTP {self.status}"
 
     def parsed(self) -> Any:
         try:
@@ -167,7 +171,6 @@ class ControlPlane:
         # Plain counters for metrics: (operation, outcome) -> count / seconds.
         self.counts: Counter[tuple[str, str]] = Counter()
         self.seconds: dict[tuple[str, str], float] = {}
-        self.on_broadcast: Callable[[str, str, float], None] | None = None
 
     # -- session ----------------------------------------------------------------------------
 
@@ -248,8 +251,6 @@ class ControlPlane:
         seconds = asyncio.get_running_loop().time() - started
         self.counts[op, outcome] += 1
         self.seconds[op, outcome] = self.seconds.get((op, outcome), 0.0) + seconds
-        if self.on_broadcast is not None:
-            self.on_broadcast(op, outcome, seconds)
         # A few lines per weight sync: loads and unloads are what an operator looks for.
         level = logging.WARNING if outcome in ("failed", "error") else logging.INFO
         if level == logging.INFO and op not in ("load", "unload"):
@@ -431,12 +432,16 @@ class ControlPlane:
                     first = next((a for a in answers if a.status == 404), None)
                     if first is not None:
                         outcome = "unknown"
-                        return Reply(404, first.body, _copied_headers(first.headers, [first]))
+                        return Reply(
+                            404, first.body, _copied_headers(first.headers, [first.replica])
+                        )
                 outcome = "ok"
                 if done:
-                    return Reply(200, done[0].body, _copied_headers(done[0].headers, done))
+                    return Reply(
+                        200, done[0].body, _copied_headers(done[0].headers, _replicas(done))
+                    )
                 text = f"Success: LoRA adapter '{name}' removed successfully."
-                return Reply(200, text.encode(), _copied_headers([], answers))
+                return Reply(200, text.encode(), _copied_headers([], _replicas(answers)))
         except HTTPError as exc:
             detail = exc.message
             raise
@@ -484,7 +489,7 @@ class ControlPlane:
                     docs = [a.parsed() for a in done]
                     success = all(isinstance(d, dict) and d.get("success") is True for d in docs)
                     payload = orjson.dumps({"success": success})
-                return Reply(200, payload, _copied_headers(done[0].headers, done))
+                return Reply(200, payload, _copied_headers(done[0].headers, _replicas(done)))
         except HTTPError as exc:
             detail = exc.message
             raise
@@ -505,9 +510,8 @@ class ControlPlane:
         )
         bad = next((a for a in answers if a.status != 200), None)
         if bad is not None:
-            what = bad.error if bad.status == 0 else f"HTTP {bad.status}"
-            raise HTTPError(503, f"{bad.replica.describe()} is not healthy: {what}.")
-        return Reply(200, b"", _copied_headers([], answers))
+            raise HTTPError(503, f"{bad.replica.describe()} is not healthy: {bad.summary()}.")
+        return Reply(200, b"", _copied_headers([], _replicas(answers)))
 
     async def models(self) -> Reply:
         """`/v1/models` from one healthy replica, listing only names that passed the fence."""
@@ -606,22 +610,24 @@ def _unload_name(body: bytes) -> str:
 
 
 def _copied_headers(
-    headers: Sequence[tuple[bytes, bytes]], answers: Sequence[Answer]
+    headers: Sequence[tuple[bytes, bytes]], acked: Sequence[Replica]
 ) -> list[tuple[bytes, bytes]]:
     """A replica's end-to-end headers (vLLM's own, e.g. no Content-Type on a load's plain
     text), plus which replicas acknowledged."""
     out = [(k.lower(), v) for k, v in headers if k.lower() not in _NOT_COPIED]
-    out.append((REPLICA_HEADER, b",".join(a.replica.label for a in answers)))
+    out.append((REPLICA_HEADER, b",".join(r.label for r in acked)))
     return out
 
 
+def _replicas(answers: Sequence[Answer]) -> list[Replica]:
+    return [a.replica for a in answers]
+
+
 def _loaded_reply(name: str, answer: Answer | None, acked: Sequence[Replica]) -> Reply:
-    labels = b",".join(r.label for r in acked)
     if answer is not None:
-        headers = [(k.lower(), v) for k, v in answer.headers if k.lower() not in _NOT_COPIED]
-        return Reply(200, answer.body, [*headers, (REPLICA_HEADER, labels)])
+        return Reply(200, answer.body, _copied_headers(answer.headers, acked))
     text = f"Success: LoRA adapter '{name}' added successfully."
-    return Reply(200, text.encode(), [(REPLICA_HEADER, labels)])
+    return Reply(200, text.encode(), _copied_headers([], acked))
 
 
 def _failure_rank(o: Outcome) -> tuple[int, int]:

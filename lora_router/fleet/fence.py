@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from lora_router.http.errors import HTTPError, bad_request, model_not_found
 
@@ -53,7 +53,7 @@ class AdapterState(enum.Enum):
 class AdapterEntry:
     """One name's state as set by one run of requests (see the module docstring)."""
 
-    __slots__ = ("body", "failure", "name", "path", "pending", "settled", "state", "version")
+    __slots__ = ("body", "failure", "name", "path", "pending", "settled", "state")
 
     def __init__(self, name: str, state: AdapterState, path: str, body: bytes) -> None:
         self.name = name
@@ -63,7 +63,6 @@ class AdapterEntry:
         self.pending = 1  # control operations still to report on this entry
         self.settled = asyncio.Event()  # set when waiters should look again
         self.failure: str | None = None  # why its load failed, for the waiters' 404
-        self.version = 0  # the fence version at which it became live
 
 
 class AdapterFence:
@@ -80,7 +79,6 @@ class AdapterFence:
         self.waits = 0
         self.wait_seconds = 0.0
         self.wait_timeouts = 0
-        self.on_wait: Callable[[str, float, str], None] | None = None  # (name, s, outcome)
 
     # -- the routed path --------------------------------------------------------------------
 
@@ -130,8 +128,6 @@ class AdapterFence:
                 self.wait_seconds += waited
                 if outcome == "timeout":
                     self.wait_timeouts += 1
-                if self.on_wait is not None:
-                    self.on_wait(model, waited, outcome)
 
     def _still_loading(self, model: str) -> HTTPError:
         return HTTPError(
@@ -178,7 +174,6 @@ class AdapterFence:
                 entry.state = AdapterState.LIVE
                 if current:
                     self.version += 1
-                    entry.version = self.version
             entry.settled.set()
             return
         if entry.state is AdapterState.LIVE or entry.pending > 0:
@@ -210,7 +205,6 @@ class AdapterFence:
         entry.pending = 0
         self._replace(name, entry)
         self.version += 1
-        entry.version = self.version
 
     def _replace(self, name: str, entry: AdapterEntry) -> None:
         old = self._entries.pop(name, None)  # pop, so the new entry goes last (load order)

@@ -73,7 +73,6 @@ class HealthMonitor:
         self.readmissions = 0
         self.readmission_failures = 0
         self.restarts_detected = 0
-        self.last_readmit_seconds = 0.0
 
     # -- life cycle -------------------------------------------------------------------------
 
@@ -111,24 +110,25 @@ class HealthMonitor:
         lost it (a restart between two checks): out of service until replayed."""
         if self.control.fence.state(model) is not AdapterState.LIVE or not replica.admitted:
             return  # the name was being unloaded: the replica is right
-        self.restarts_detected += 1
-        self.fleet.eject(replica, f"answered 404 for live adapter {model!r} (restarted?)")
-        watch = self._watches.get(replica)
-        if watch is not None:
-            # It answers, so it is back already: replay at the next check, not after the
-            # success threshold.
-            watch.successes = self.config.health_successes
-            watch.wake.set()
+        self._restarted(replica, f"answered 404 for live adapter {model!r} (restarted?)")
 
     def report_failure(self, replica: Replica) -> None:
         """A routed request failed on this replica (refused, reset, timeout, 5xx)."""
         replica.breaker.failure(asyncio.get_running_loop().time())
-        self._wake(replica, suspect=True)
-
-    def _wake(self, replica: Replica, *, suspect: bool) -> None:
         watch = self._watches.get(replica)
         if watch is not None:
-            watch.suspect = watch.suspect or suspect
+            watch.suspect = True
+            watch.wake.set()
+
+    def _restarted(self, replica: Replica, reason: str) -> None:
+        """A serving replica lost live adapters: it restarted. Out of service, and since it
+        answers, it is back already: replayed at the next check, not after the success
+        threshold."""
+        self.restarts_detected += 1
+        self.fleet.eject(replica, reason)
+        watch = self._watches.get(replica)
+        if watch is not None:
+            watch.successes = self.config.health_successes
             watch.wake.set()
 
     # -- the watcher ------------------------------------------------------------------------
@@ -165,36 +165,30 @@ class HealthMonitor:
                 watch.successes = 0
                 watch.failures += 1
                 if watch.failures >= config.health_failures or watch.suspect:
-                    what = answer.error or f"HTTP {answer.status}"
-                    self.fleet.eject(replica, f"/health: {what}")
+                    self.fleet.eject(replica, f"/health: {answer.summary()}")
                 watch.suspect = False
                 return
             watch.failures = 0
             watch.suspect = False
-            if await self._lost_adapters(replica):
-                self.restarts_detected += 1
-                # It answers, so it is back already: replay now rather than after the
-                # success threshold.
-                watch.successes = config.health_successes
-                watch.wake.set()
+            await self._lost_adapters(replica)
             return
         watch.failures = 0
         if not ok:
             watch.successes = 0
-            replica.last_error = f"/health: {answer.error or f'HTTP {answer.status}'}"
+            replica.last_error = f"/health: {answer.summary()}"
             return
         watch.successes += 1
         if watch.successes >= config.health_successes:
             await self.admit(replica)
 
-    async def _lost_adapters(self, replica: Replica) -> bool:
-        """Whether a serving replica lacks an adapter that was live before we asked."""
+    async def _lost_adapters(self, replica: Replica) -> None:
+        """Take a serving replica that lacks an adapter live before we asked out of service."""
         before = {n: e.path for n, e in self.control.fence.live().items()}
         if not before:
-            return False
+            return
         held = await self.control.holdings(replica)
         if held is None or not replica.admitted:
-            return False
+            return
         fence = self.control.fence
         lost = [
             n
@@ -203,8 +197,7 @@ class HealthMonitor:
         ]
         if lost:
             shown = ", ".join(lost[:3]) + (" ..." if len(lost) > 3 else "")
-            self.fleet.eject(replica, f"restarted: it no longer holds {shown}")
-        return bool(lost)
+            self._restarted(replica, f"restarted: it no longer holds {shown}")
 
     # -- admission --------------------------------------------------------------------------
 
@@ -227,7 +220,7 @@ class HealthMonitor:
                 log.warning("%s stays out of service: replay failed: %s", replica.describe(), exc)
                 return False
             self.readmissions += 1
-            self.last_readmit_seconds = loop.time() - started
+            seconds = loop.time() - started
             watch.successes = 0
             watch.failures = 0
             watch.suspect = False
@@ -236,7 +229,7 @@ class HealthMonitor:
                 "%s is back in service (%d adapters replayed in %.2f s)",
                 replica.describe(),
                 len(replica.adapters),
-                self.last_readmit_seconds,
+                seconds,
             )
             return True
 
@@ -253,7 +246,7 @@ class HealthMonitor:
         if answer.status == 200:
             await self.admit(replica)
         else:
-            replica.last_error = f"/health: {answer.error or f'HTTP {answer.status}'}"
+            replica.last_error = f"/health: {answer.summary()}"
         return replica
 
     async def remove(self, replica: Replica) -> bool:

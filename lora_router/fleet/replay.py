@@ -64,7 +64,6 @@ async def _probe(control: ControlPlane, replica: Replica) -> str:
     held = await control.holdings(replica)
     if held is None:
         return "did not answer /v1/models at start"
-    replica.base_model = held.base
     replica.adapters = held.adapters
     control.fleet.base_models.update(held.bases)
     info: dict[str, Any] = {"base_model": held.base}
@@ -164,7 +163,6 @@ async def _converge(control: ControlPlane, replica: Replica, *, final: bool) -> 
         raise ReplayError("its /v1/models did not answer")
     fleet, fence = control.fleet, control.fence
     if held.base is not None:
-        replica.base_model = held.base
         if fleet.base_models and held.base not in fleet.base_models:
             log.warning("%s serves base model %r, unlike the fleet", replica.describe(), held.base)
         fleet.base_models.update(held.bases)

@@ -24,9 +24,7 @@ class Replica:
 
     __slots__ = (
         "adapters",
-        "address",
         "admitted",
-        "base_model",
         "breaker",
         "draining",
         "ejections",
@@ -47,7 +45,6 @@ class Replica:
         self, rid: int, address: ReplicaAddress, pool: UpstreamPool, breaker: CircuitBreaker
     ) -> None:
         self.rid = rid
-        self.address = address
         self.name = address.name  # ring identity: the same URLs give the same placements
         self.label = str(rid).encode()  # what clients see in x-lora-router-replica
         # The request line's path prefix and the Host header, as they go on the wire.
@@ -65,7 +62,6 @@ class Replica:
         # meanwhile are sent to it too, best effort, so its final pass finds them done.
         self.replaying = False
         self.adapters: dict[str, str] = {}  # adapter name -> lora_path, as acknowledged
-        self.base_model: str | None = None  # entry 0 of its /v1/models
         self.ejections = 0
         self.last_error = ""  # why it was last ejected or refused admission
         self.load_seconds = 0.0  # how long its last adapter load took (broadcast order)

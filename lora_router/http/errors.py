@@ -7,6 +7,8 @@ credential: nothing in this module ever sees the token.
 
 from __future__ import annotations
 
+from http import HTTPStatus
+
 import orjson
 
 # The `type` vLLM uses for each status it produces; other statuses get the HTTP reason.
@@ -29,26 +31,8 @@ _TYPES = {
     505: "HTTPVersionNotSupported",
 }
 
-REASONS = {
-    100: b"Continue",
-    200: b"OK",
-    400: b"Bad Request",
-    401: b"Unauthorized",
-    403: b"Forbidden",
-    404: b"Not Found",
-    405: b"Method Not Allowed",
-    408: b"Request Timeout",
-    413: b"Payload Too Large",
-    417: b"Expectation Failed",
-    429: b"Too Many Requests",
-    431: b"Request Header Fields Too Large",
-    500: b"Internal Server Error",
-    501: b"Not Implemented",
-    502: b"Bad Gateway",
-    503: b"Service Unavailable",
-    504: b"Gateway Timeout",
-    505: b"HTTP Version Not Supported",
-}
+# Reason phrases for every status the router may write (413 keeps RFC 7231's name, as vLLM).
+REASONS = {s.value: s.phrase.encode() for s in HTTPStatus} | {413: b"Payload Too Large"}
 
 
 class HTTPError(Exception):

@@ -97,7 +97,9 @@ class Limits(Protocol):
 class ResponseSink(Protocol):
     """What the upstream side needs of a client connection to stream a response into it."""
 
-    keep_alive: bool
+    @property
+    def keep_alive(self) -> bool:
+        """Whether the client's connection may stay open after this response."""
 
     def head(self, status: int, data: bytes, body: memoryview | None = None) -> None:
         """The response head (maybe with the first body bytes), then `body` if given: the
@@ -166,12 +168,12 @@ class ClientConnection(asyncio.Protocol):
         self._broken = False  # the input can no longer be parsed; answer what is queued, close
         self._error: HTTPError | None = None  # raised by a parser callback, read after it
         self._continue = False  # a `100 Continue` owed once the answer in front is complete
-        self._timer = LazyTimer(self._loop, self._on_timer)
+        self._timer = LazyTimer(self._loop, self._on_timer, self._header_timeout)
         self._deadline = math.inf
         self._queue: deque[Request] = deque()
         self._task: asyncio.Task[None] | None = None
         self._upstream: asyncio.Transport | None = None
-        self._writable: asyncio.Event | None = None
+        self._paused = False  # the client's socket buffer is full (pause_writing)
         self.response_started = False
         self.keep_alive = True
         # The answer to the current request, as far as it went (read by metrics).
@@ -205,7 +207,7 @@ class ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self._count.discard(self)
-        self._cancel_timer()
+        self._timer.cancel()
         self._queue.clear()
         # The client went away: stop the replica's work too (vLLM aborts a generation when its
         # connection closes, which frees the GPU for requests someone still waits for).
@@ -214,8 +216,6 @@ class ClientConnection(asyncio.Protocol):
             self._upstream = None
         if self._task is not None and not self._task.done():
             self._task.cancel()
-        if self._writable is not None:
-            self._writable.set()
 
     def data_received(self, data: bytes) -> None:
         if self._closed or self._broken:
@@ -236,24 +236,21 @@ class ClientConnection(asyncio.Protocol):
         return None
 
     def pause_writing(self) -> None:
+        self._paused = True
         if self._upstream is not None:
             self._upstream.pause_reading()
-        if self._writable is None:
-            self._writable = asyncio.Event()
-        self._writable.clear()
 
     def resume_writing(self) -> None:
+        self._paused = False
         if self._upstream is not None:
             self._upstream.resume_reading()
-        if self._writable is not None:
-            self._writable.set()
 
     # -- httptools callbacks --------------------------------------------------------------
 
     def on_message_begin(self) -> None:
         self._phase = _Phase.HEADERS
         if self._task is None:
-            self._arm(self._limits.header_timeout)
+            self._arm(self._header_timeout)
         self._url = b""
         self._headers = []
         self._framing = []
@@ -424,7 +421,7 @@ class ClientConnection(asyncio.Protocol):
     def on_upstream(self, transport: asyncio.Transport | None) -> None:
         """Register the replica connection now streaming into this client (for flow control)."""
         self._upstream = transport
-        if transport is not None and self._writable is not None and not self._writable.is_set():
+        if transport is not None and self._paused:
             transport.pause_reading()
 
     def send(
@@ -449,11 +446,6 @@ class ClientConnection(asyncio.Protocol):
             self._close()
             return
         self.send(error.status, error.body())
-
-    async def drain(self) -> None:
-        """Wait until the client has taken what was written (for responses the router writes)."""
-        if self._writable is not None:
-            await self._writable.wait()
 
     def close_when_idle(self) -> None:
         """Finish the request in progress, if any, then close (graceful shutdown)."""
@@ -501,7 +493,7 @@ class ClientConnection(asyncio.Protocol):
         if self._closed:
             return
         self._closed = True
-        self._cancel_timer()
+        self._timer.cancel()
         transport = self.transport
         if transport is None:
             return
@@ -529,25 +521,16 @@ class ClientConnection(asyncio.Protocol):
     def _arm(self, seconds: float) -> None:
         now = self._loop.time()
         self._deadline = now + seconds
-        horizon = self._header_timeout
-        if seconds < horizon or not self._timer.pending:
-            self._timer.wake_by(now + min(seconds, horizon))
-        # else: a pending wake-up comes within `horizon` anyway and finds the deadline then.
+        self._timer.arm(now, seconds)
 
     def _disarm(self) -> None:
         self._deadline = math.inf  # the timer, if any, wakes up to find nothing due
 
-    def _cancel_timer(self) -> None:
-        self._timer.cancel()
-
     def _on_timer(self) -> None:
         if self._closed or self._deadline == math.inf:
             return
-        now = self._loop.time()
-        if now < self._deadline:
-            self._timer.wake_by(min(self._deadline, now + self._header_timeout))
-            return
-        self._on_timeout()
+        if self._timer.due(self._loop.time(), self._deadline):
+            self._on_timeout()
 
     def _on_timeout(self) -> None:
         if self._task is not None:

@@ -15,31 +15,44 @@ from collections.abc import Callable
 
 
 class LazyTimer:
-    __slots__ = ("_callback", "_handle", "_loop", "_wake")
+    """The timer of one connection. It never sleeps longer than `horizon`, so a deadline at
+    least that far away never needs it moved: the wake-up already due finds it (`due`)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+    __slots__ = ("_callback", "_handle", "_horizon", "_loop", "_wake")
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, callback: Callable[[], None], horizon: float
+    ) -> None:
         self._loop = loop
         self._callback = callback
+        self._horizon = horizon
         self._handle: asyncio.TimerHandle | None = None
         self._wake = 0.0
 
-    @property
-    def pending(self) -> bool:
-        """Whether a wake-up is scheduled."""
-        return self._handle is not None
+    def arm(self, base: float, limit: float) -> None:
+        """The owner's deadline is now `base + limit` (loop time): wake it by then, or within
+        the horizon. The usual case, a long limit with a wake-up pending, costs nothing."""
+        if limit < self._horizon or self._handle is None:
+            self._wake_by(base + min(limit, self._horizon))
 
-    def wake_by(self, when: float) -> None:
-        """Make sure the callback runs no later than `when` (loop time)."""
-        if self._handle is None or when < self._wake:
-            if self._handle is not None:
-                self._handle.cancel()
-            self._wake = when
-            self._handle = self._loop.call_at(when, self._fire)
+    def due(self, now: float, deadline: float) -> bool:
+        """In the callback: whether `deadline` has passed; if not, sleep towards it again."""
+        if now < deadline:
+            self._wake_by(min(deadline, now + self._horizon))
+            return False
+        return True
 
     def cancel(self) -> None:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+
+    def _wake_by(self, when: float) -> None:
+        if self._handle is None or when < self._wake:
+            if self._handle is not None:
+                self._handle.cancel()
+            self._wake = when
+            self._handle = self._loop.call_at(when, self._fire)
 
     def _fire(self) -> None:
         self._handle = None

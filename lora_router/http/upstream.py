@@ -40,15 +40,14 @@ _FRAMED: Final = re.compile(rb"\r\n(?:content-length|transfer-encoding):", re.IG
 class UpstreamError(Exception):
     """A replica exchange failed.
 
-    `kind` is one of connect, reset, timeout, protocol. `responded` tells whether any response
-    byte reached the client; when it did not, the caller may answer with an error or try another
-    replica; when it did, the only thing left is to close the client's connection.
+    `kind` is one of connect, reset, timeout, protocol. `received` tells whether any response
+    byte arrived from the replica. Whether any reached the client is the client connection's
+    to know (`response_started`): if it did, the only thing left is to close that connection.
     """
 
-    def __init__(self, kind: str, message: str, *, responded: bool, received: bool) -> None:
+    def __init__(self, kind: str, message: str, *, received: bool) -> None:
         super().__init__(message)
         self.kind = kind
-        self.responded = responded
         self.received = received
 
     @property
@@ -108,7 +107,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._dechunking = False
         self._ex: _Exchange | None = None
-        self._timer = LazyTimer(self._loop, self._on_timer)
+        self._timer = LazyTimer(self._loop, self._on_timer, pool.idle_timeout)
         self._last = 0.0
         self._limit = 0.0
         self.closed = False
@@ -120,7 +119,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._cancel_timer()
+        self._timer.cancel()
         self._pool.forget(self)
         ex = self._ex
         if ex is None or ex.done.done():
@@ -195,9 +194,8 @@ class UpstreamConnection(asyncio.Protocol):
             return False
         ex.head_buf = b""
         ex.head_sent = True
-        out = client_response_head(
-            buf[:end], self._pool.label, self._client_keep_alive(ex, buf[:end]), False
-        )
+        head = buf[:end]
+        out = client_response_head(head, self._pool.label, self._client_keep_alive(ex, head), False)
         if len(buf) == body_at:
             ex.sink.head(ex.status, out)
         elif len(buf) - body_at <= _COALESCE:
@@ -297,9 +295,7 @@ class UpstreamConnection(asyncio.Protocol):
         if ex is None or ex.done.done():
             return
         ex.sink.on_upstream(None)
-        ex.done.set_exception(
-            UpstreamError(kind, message, responded=ex.head_sent, received=received)
-        )
+        ex.done.set_exception(UpstreamError(kind, message, received=received))
 
     # -- timers -----------------------------------------------------------------------------
     # `_last` (the last byte either way) and `_limit` (the timeout of the current phase) say
@@ -308,19 +304,10 @@ class UpstreamConnection(asyncio.Protocol):
 
     def _arm(self, limit: float) -> None:
         self._limit = limit
-        idle = self._pool.idle_timeout
-        if limit < idle or not self._timer.pending:
-            self._timer.wake_by(self._last + min(limit, idle))
-        # else: the timer wakes within `idle` of an earlier `_last` anyway and finds the
-        # deadline then, so a long limit never moves it (the usual case: nothing to do).
+        self._timer.arm(self._last, limit)
 
     def _on_timer(self) -> None:
-        if self.closed:
-            return
-        now = self._loop.time()
-        deadline = self._last + self._limit
-        if now < deadline:
-            self._timer.wake_by(min(deadline, now + self._pool.idle_timeout))
+        if self.closed or not self._timer.due(self._loop.time(), self._last + self._limit):
             return
         ex = self._ex
         if ex is None:
@@ -339,12 +326,9 @@ class UpstreamConnection(asyncio.Protocol):
         self._ex = None
         self._abort()
 
-    def _cancel_timer(self) -> None:
-        self._timer.cancel()
-
     def _abort(self) -> None:
         self.closed = True
-        self._cancel_timer()
+        self._timer.cancel()
         if self.transport is not None:
             self.transport.abort()
 
@@ -471,7 +455,7 @@ class UpstreamPool:
             )
             detail = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or ""
             text = f"cannot connect ({reason}{': ' + str(detail) if detail else ''})"
-            raise UpstreamError("connect", text, responded=False, received=False) from None
+            raise UpstreamError("connect", text, received=False) from None
         self._all.add(conn)
         return conn
 

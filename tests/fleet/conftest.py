@@ -41,6 +41,7 @@ FAST = dict(
 
 StartEmulators = Callable[..., Awaitable[list[Emulator]]]
 StartRouter = Callable[..., Awaitable[RouterRuntime]]
+Adapter = Callable[[str], str]  # the `adapter` fixture: a version name -> its directory
 
 
 def pytest_asyncio_loop_factories(config: Any, item: Any) -> dict[str, Callable[[], Any]]:

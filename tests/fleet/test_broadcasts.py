@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 
 import aiohttp
 import orjson
 import pytest
 
 from .conftest import (
+    Adapter,
     FenceMonitor,
     StartEmulators,
     StartRouter,
@@ -20,8 +20,6 @@ from .conftest import (
     paths_of,
     unload,
 )
-
-Adapter = Callable[[str], str]
 
 
 async def test_load_reaches_every_replica_and_answers_vllms_own_success(

@@ -7,7 +7,6 @@ request for an adapter reaches a replica without it once the router could know.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 import aiohttp
 import orjson
@@ -18,6 +17,7 @@ from lora_router.emulator import Emulator
 from lora_router.http.server import Request
 
 from .conftest import (
+    Adapter,
     FenceMonitor,
     StartEmulators,
     StartRouter,
@@ -27,8 +27,6 @@ from .conftest import (
     paths_of,
     until,
 )
-
-Adapter = Callable[[str], str]
 
 
 def completions_after(emu: Emulator, start: int) -> int:

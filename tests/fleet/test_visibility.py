@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 
 import aiohttp
 import orjson
@@ -13,9 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lora_router.status import summary_line
 
-from .conftest import StartEmulators, StartRouter, call, complete, load
-
-Adapter = Callable[[str], str]
+from .conftest import Adapter, StartEmulators, StartRouter, call, complete, load
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
