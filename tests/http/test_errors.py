@@ -308,3 +308,11 @@ async def test_in_flight_requests_per_replica_are_capped(router_factory, replica
     release.set()
     assert [r.status for r in await asyncio.gather(*pending)] == [200] * 5
     assert replica.peak_active <= 2 and len(replica.conns) <= 2
+
+
+async def test_the_router_s_own_answers_carry_their_reason_phrase(router, replica):
+    # 409 (a replica already in the fleet) is one the router writes itself.
+    body = orjson.dumps({"url": replica.url})
+    r = await request(router.url, "POST", "/router/replicas", body)
+    assert r.status == 409
+    assert r.raw.startswith(b"HTTP/1.1 409 Conflict\r\n")
