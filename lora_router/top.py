@@ -127,9 +127,9 @@ def frame(status: dict[str, Any], url: str) -> RenderableType:
     for name, entry in adapters.items():
         by_state.setdefault(str(entry.get("state")), []).append(name)
     versions = Text(
-        f"live: {', '.join(by_state.get('live', [])) or '-'}"
+        f"live: {compact(by_state.get('live', []))}"
         + "".join(
-            f"   {state}: {', '.join(names)}"
+            f"   {state}: {compact(names)}"
             for state, names in sorted(by_state.items())
             if state != "live"
         )
@@ -138,7 +138,7 @@ def frame(status: dict[str, Any], url: str) -> RenderableType:
         head,
         versions,
         _replica_table(replicas),
-        Text(_fleet_line(status.get("fleet") or {})),
+        Text(_fleet_line(status.get("fleet") or {}, replicas)),
         Text(_syncs_line(status.get("syncs") or {})),
         Text("verdict: " + verdict(status), style="bold"),
     )
@@ -152,7 +152,7 @@ def _replica_table(replicas: Sequence[dict[str, Any]]) -> Table:
         ("in flight", "right"),
         ("run/wait", "right"),
         ("KV", "right"),
-        ("hit int/total", "right"),
+        ("hit last/all", "right"),
         ("tok/s", "right"),
         ("busy", "right"),
         ("adapters held", "left"),
@@ -160,7 +160,7 @@ def _replica_table(replicas: Sequence[dict[str, Any]]) -> Table:
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for r in replicas:
         rep = r.get("reported") or {}
-        held = ", ".join(r.get("adapters") or []) or "-"
+        held = compact(r.get("adapters") or [])
         state = _state(r)
         cells = [str(r.get("id")), state, str(r.get("in_flight", 0))]
         if rep.get("status") == "ok":
@@ -180,6 +180,20 @@ def _replica_table(replicas: Sequence[dict[str, Any]]) -> Table:
     return table
 
 
+def compact(names: Sequence[str]) -> str:
+    """Adapter names in little space: TRL's versions share a prefix, so
+    `trl-policy-v7, trl-policy-v8, trl-policy-v9` reads `trl-policy-v{7,8,9}`."""
+    if not names:
+        return "-"
+    if len(names) == 1:
+        return names[0]
+    prefix = os.path.commonprefix(list(names))  # noqa: RUF071 (characters, not paths)
+    if len(prefix) < 3:
+        return ", ".join(sorted(names))
+    rest = sorted((n[len(prefix) :] for n in names), key=lambda n: (len(n), n))  # 9 before 10
+    return prefix + "{" + ",".join(rest) + "}"
+
+
 def _state(r: dict[str, Any]) -> str:
     if r.get("draining"):
         return "draining"
@@ -192,15 +206,21 @@ def _state(r: dict[str, Any]) -> str:
     return "serving"
 
 
-def _fleet_line(fleet: dict[str, Any]) -> str:
+def _fleet_line(fleet: dict[str, Any], replicas: Sequence[dict[str, Any]]) -> str:
     if not fleet.get("reporting"):
         return f"fleet: 0/{fleet.get('replicas', 0)} replicas report their /metrics"
+    ages = [
+        float(r["reported"]["age_s"])
+        for r in replicas
+        if isinstance(r.get("reported"), dict) and "age_s" in r["reported"]
+    ]
+    age = f" (replica figures up to {max(ages):.1f} s old)" if ages else ""
     return (
         f"fleet: {fleet['reporting']}/{fleet.get('replicas')} reporting, "
         f"{fleet.get('running', 0)} running, {fleet.get('waiting', 0)} waiting, "
         f"prefix-cache hit {_pct(fleet.get('prefix_cache_hit_rate'))} "
         f"({_pct(fleet.get('prefix_cache_hit_rate_total'))} since start), "
-        f"{_num(fleet.get('generation_tokens_per_s'))} tok/s"
+        f"{_num(fleet.get('generation_tokens_per_s'))} tok/s{age}"
     )
 
 

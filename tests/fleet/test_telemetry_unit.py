@@ -1,9 +1,12 @@
 """Reading a replica's `/metrics` and timing the fleet's syncs, without sockets.
 
 `data/vllm-0.32-metrics.txt` is the `/metrics` answer of a real vLLM 0.32 CPU server
-(`--enable-lora --enable-prefix-caching`, a tiny Qwen2, before its first request): ~700 lines,
-every family vLLM exposes. vLLM's `vllm:lora_requests_info` is a prometheus-client `Gauge` set to
-the current time under a new label set at every step; the tests build it the same way.
+(`--enable-lora --max-loras 3 --enable-prefix-caching`, a tiny Qwen2, before its first request):
+~700 lines, every family vLLM exposes. `data/vllm-0.32-metrics-after-traffic.txt` is the same
+server after 16 completions of 200 prompt and 400 generated tokens under adapter
+`trl-policy-v1`, loaded through the router. vLLM's `vllm:lora_requests_info` is a
+prometheus-client `Gauge` set to the current time under a new label set at every step; the
+tests build more of it the same way.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from lora_router.fleet.telemetry import MetricsError, SyncClock, parse_report
 
-REAL = (Path(__file__).parent / "data" / "vllm-0.32-metrics.txt").read_bytes()
+DATA = Path(__file__).parent / "data"
+REAL = (DATA / "vllm-0.32-metrics.txt").read_bytes()
+AFTER_TRAFFIC = (DATA / "vllm-0.32-metrics-after-traffic.txt").read_bytes()
 
 
 def with_values(text: bytes, **values: float) -> bytes:
@@ -67,6 +72,17 @@ def test_a_real_vllm_exposition_is_read() -> None:
     assert (report.generation_tokens, report.prompt_tokens) == (4096, 2048)
     # `vllm:num_requests_waiting_by_reason` and the `_created` samples are other families.
     assert report.adapters_running is None  # no LoRA request was ever scheduled
+
+
+def test_a_real_vllm_exposition_after_lora_traffic_is_read() -> None:
+    report = parse_report(AFTER_TRAFFIC, at=1.0)
+    assert (report.running, report.waiting) == (0, 0)
+    assert (report.prefix_queries, report.prefix_hits) == (3200, 1536)
+    assert (report.prompt_tokens, report.generation_tokens) == (3200, 6400)
+    # Two label sets: "trl-policy-v1" running and waiting, then the idle one, set later.
+    assert AFTER_TRAFFIC.count(b"\nvllm:lora_requests_info{") == 2
+    assert report.adapters_running == () and report.adapters_waiting == ()
+    assert report.max_lora == 3
 
 
 def test_the_newest_lora_label_set_is_the_current_one() -> None:

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from lora_router.config import Secret
-from lora_router.top import verdict
+from lora_router.top import compact, verdict
 
 from .conftest import Adapter, StartEmulators, StartRouter, call, complete, load
 
@@ -164,3 +164,10 @@ def test_top_is_a_subcommand_beside_the_routers_own_flags(
     with pytest.raises(SystemExit) as exc:
         main(["--replicas", "http://127.0.0.1:1", "--no-such-flag"])
     assert exc.value.code == 2
+
+
+def test_adapter_versions_are_shown_compactly() -> None:
+    assert compact([]) == "-"
+    assert compact(["trl-policy-v9"]) == "trl-policy-v9"
+    assert compact(["trl-policy-v10", "trl-policy-v8", "trl-policy-v9"]) == "trl-policy-v{8,9,10}"
+    assert compact(["alpha", "beta"]) == "alpha, beta"
