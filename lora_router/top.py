@@ -22,11 +22,12 @@ share of unpaused scrapes in which a replica was running or queueing any request
 1. no replica reports: **unknown**;
 2. paused ≥ 25 %: **trainer-bound** — generation stands still a quarter of the time while the
    trainer saves and loads weights;
-3. busy ≥ 90 %: **inference-bound** — the replicas never run dry, the trainer waits for
+3. busy = 0 (not one unpaused sample with a request): **idle** — no run is going on;
+4. busy ≥ 90 %: **inference-bound** — the replicas never run dry, the trainer waits for
    rollouts (more replicas, or shorter completions, would speed the run);
-4. busy < 50 %: **trainer-bound** — the replicas idle half the unpaused time, waiting for the
+5. busy < 50 %: **trainer-bound** — the replicas idle half the unpaused time, waiting for the
    trainer to ask for more;
-5. otherwise **balanced**.
+6. otherwise **balanced**.
 
 This module never writes to the router; it only reads and renders.
 """
@@ -102,6 +103,8 @@ def verdict(status: dict[str, Any]) -> str:
         return f"trainer-bound: {numbers} (paused >= 25%: generation waits on weight syncs)"
     if busy is None:
         return f"unknown: no unpaused sample yet; {numbers}"
+    if busy == 0:
+        return f"idle: {numbers} (the replicas had nothing to do)"
     if busy >= BUSY_INFERENCE_BOUND:
         return f"inference-bound: {numbers} (busy >= 90%: the replicas never run dry)"
     if busy < BUSY_TRAINER_BOUND:

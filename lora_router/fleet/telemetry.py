@@ -157,7 +157,8 @@ def parse_report(text: bytes, at: float) -> Report:
     try:
         families = list(text_string_to_metric_families(b"\n".join(kept).decode("utf-8") + "\n"))
     except (ValueError, UnicodeDecodeError, IndexError) as exc:
-        raise MetricsError(f"not a Prometheus exposition ({exc})") from None
+        # The parser quotes the offending text: a line of it is enough for status and log.
+        raise MetricsError(f"not a Prometheus exposition ({str(exc)[:120]})") from None
     values: dict[str, list[float]] = {}
     lora: tuple[float, dict[str, str]] | None = None
     for family in families:

@@ -283,3 +283,46 @@ async def test_pause_then_resume_is_one_timed_sync(
     assert got[("lora_router_sync_paused_seconds_total", ())] == pytest.approx(
         recent["seconds"], abs=1e-3
     )
+
+
+@pytest.fixture
+async def stalled_metrics_emulator(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Emulator]:
+    """An emulated replica whose `/metrics` never answers (until the test ends)."""
+    config = EmulatorConfig(port=0)
+    release = asyncio.Event()
+    original = emulator_control.routes
+
+    async def stalled(replica: Any, req: Any) -> Any:
+        await release.wait()
+        return await emulator_control.prometheus(replica, req)
+
+    def routes(cfg: EmulatorConfig) -> Any:
+        table = original(cfg)
+        if cfg is config:
+            table["/metrics"] = {"GET": stalled}
+        return table
+
+    monkeypatch.setattr(emulator_control, "routes", routes)
+    emu = await start_emulator(config)
+    yield emu
+    release.set()
+    await emu.stop()
+
+
+async def test_a_replica_whose_metrics_hang_delays_neither_health_checks_nor_requests(
+    router: StartRouter, client: aiohttp.ClientSession, stalled_metrics_emulator: Emulator
+) -> None:
+    rt = await router([stalled_metrics_emulator], health_interval=0.02, health_timeout=0.5)
+    assert rt.telemetry is not None and rt.health is not None
+    await until(lambda: rt.telemetry.scrapes >= 1)  # a scrape is hanging from now on
+    checks = rt.health.checks
+    await until(lambda: rt.health.checks >= checks + 5, timeout=0.4)  # before it times out
+    assert rt.telemetry.scrape_failures == 0  # ... still hanging
+    assert (await complete(client, rt.url, max_tokens=2))[0] == 200
+    await until(lambda: rt.telemetry.scrape_failures >= 1)
+    (replica,) = (await status_of(client, rt.url))["replicas"]
+    assert replica["reported"] == {
+        "status": "unknown",
+        "reason": "/metrics: no answer within 0.5 s",
+    }
+    assert replica["healthy"] and replica["admitted"] and replica["ejections"] == 0

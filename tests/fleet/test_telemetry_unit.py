@@ -183,3 +183,9 @@ def test_the_paused_share_looks_at_the_last_window_only() -> None:
     # At t0+470 the first sync has left the window; the running one is 80 s old.
     assert clock.share(t0 + 470, window=300) == pytest.approx(80 / 300)
     assert clock.share_total(t0 + 470) == pytest.approx(140 / 470)
+
+
+def test_a_refusal_quotes_little_of_the_answer() -> None:
+    with pytest.raises(MetricsError, match=r"^not a Prometheus exposition") as refused:
+        parse_report(b"vllm:num_requests_running{" + b"x" * 10_000 + b"\n", at=0.0)
+    assert len(str(refused.value)) < 200

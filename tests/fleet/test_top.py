@@ -34,6 +34,8 @@ def status(busy: float | None, paused: float, reporting: int = 2) -> dict[str, A
         (0.40, 0.05, "trainer-bound"),
         (0.70, 0.10, "balanced"),
         (0.50, 0.00, "balanced"),
+        (0.00, 0.10, "idle"),
+        (0.00, 0.25, "trainer-bound"),  # a fleet left paused is not idle
     ],
 )
 def test_the_verdict_follows_the_documented_rule(busy: float, paused: float, expected: str) -> None:
