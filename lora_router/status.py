@@ -179,10 +179,14 @@ def summary_line(state: RouterState) -> str:
     decisions = " ".join(f"{k}={v}" for k, v in counts.items() if v)
     total = sum(state.stats.requests.values())
     in_flight = ",".join(str(r.in_flight) for r in replicas)
+    waiting = ",".join(str(r.report.waiting) if r.report else "?" for r in replicas)
+    syncs = state.control.syncs
     return (
         f"status: {serving}/{len(replicas)} replicas serving, in flight [{in_flight}], "
+        f"waiting in replicas [{waiting}], "
         f"{total} requests, adapters live {live or '-'}, paused={state.control.paused or 'no'}, "
-        f"fence waits {state.fence.waits} ({state.fence.waiting} waiting), "
+        f"{syncs.count} syncs (paused {syncs.share(time.monotonic()):.0%} of the last "
+        f"{WINDOW_S:g} s), fence waits {state.fence.waits} ({state.fence.waiting} waiting), "
         f"routing {decisions or '-'}"
     )
 
