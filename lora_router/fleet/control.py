@@ -1,6 +1,6 @@
 """The control plane: adapter broadcasts behind the fence, fleet-wide dev-mode calls, and the
 one aiohttp session every router-to-replica control request goes through (health checks,
-discovery and replays included: see health.py and replay.py).
+discovery, replays and `/metrics` scrapes included: see health.py, replay.py, telemetry.py).
 
 Broadcasts (`load`, `unload`, `pause`, `resume`, `reset_prefix_cache`) are **serialized**: one
 at a time, in arrival order (an `asyncio.Lock`, which wakes its waiters first come first
@@ -25,7 +25,7 @@ with an adapter the other half lacks.
   (`max_staleness + 2` for TRL, which loads the new version before unloading the old).
 - **Pause / resume / reset_prefix_cache** go out with the query string intact; 200 only when
   every replica answered 200. The pause state last asked for is remembered and replayed onto
-  replicas that come back.
+  replicas that come back; `syncs` times each pause → resume (a weight sync).
 - A replica that cannot be reached during a broadcast is ejected (health.py re-admits it with a
   replay). For loads, `--down-replica-policy` decides the rest: `replay` (default) proceeds
   with the live replicas, so training goes on and the returning replica gets the adapter before
