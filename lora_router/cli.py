@@ -385,6 +385,11 @@ async def serve_until_signal(config: Config) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["top"]:  # a subcommand; every other form is the router's own flags
+        from lora_router.top import main as top
+
+        return top(argv[1:])
     args = build_parser().parse_args(argv)
     if args.demo:
         from lora_router.demo import run_demo

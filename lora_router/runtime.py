@@ -1,10 +1,10 @@
-"""A running router: the listening socket, the fleet, its fence, control plane and health
-checks, the policy and the app, started and stopped together. Tests and the demo start routers
-in-process through this class.
+"""A running router: the listening socket, the fleet, its fence, control plane, health checks
+and replica telemetry, the policy and the app, started and stopped together. Tests and the demo
+start routers in-process through this class.
 
 Start order matters: the replicas are read first (adapters already on them, their KV block
 size, `--unload-stale`), so the first request already sees the fleet as it is; the socket
-opens next; the health watchers start last.
+opens next; the health watchers and the telemetry loop start last.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from lora_router.fleet.fence import AdapterFence
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
 from lora_router.fleet.replay import discover
+from lora_router.fleet.telemetry import Telemetry
 from lora_router.http.server import ConnectionCount, serve
 from lora_router.metrics import MetricsCollector, RequestStats, make_registry
 from lora_router.routing.keys import DEFAULT_BLOCK_SIZE
@@ -37,6 +38,7 @@ class RouterRuntime:
         self.fence: AdapterFence | None = None
         self.control: ControlPlane | None = None
         self.health: HealthMonitor | None = None
+        self.telemetry: Telemetry | None = None
         self.app: RouterApp | None = None
         self._summary: asyncio.Task[None] | None = None
 
@@ -74,6 +76,8 @@ class RouterRuntime:
         self.app = app = RouterApp(
             config, fleet, policy, fence, control, health, stats, registry, block_size
         )
+        self.telemetry = telemetry = Telemetry(config, fleet, control)
+        app.state.telemetry = telemetry
         collector.add_source(lambda: metric_families(app.state))
         self.server, self.connections = await serve(
             self.app.handle,
@@ -83,6 +87,7 @@ class RouterRuntime:
             max_connections=config.max_connections,
         )
         health.start()
+        telemetry.start()
         if config.status_interval > 0:
             self._summary = asyncio.get_running_loop().create_task(self._log_summaries())
         log.info(
@@ -110,6 +115,8 @@ class RouterRuntime:
             self.server.close()
         if self.health is not None:
             await self.health.stop()
+        if self.telemetry is not None:
+            await self.telemetry.stop()
         if self.connections is not None:
             await self.connections.drain(grace)
         if self.control is not None:

@@ -1,6 +1,6 @@
 """What an operator reads first: `/router/status`, the periodic log line, and the live gauges of
 `/metrics` — read-only views over the fleet, the fence, the control plane, the health monitor,
-the routing policy and the request counters.
+the routing policy, the request counters and what the replicas report (fleet/telemetry.py).
 
 Nothing here changes state or sits on the request path: every view is built when it is asked
 for, from counters the other modules keep as plain attributes.
@@ -8,10 +8,11 @@ for, from counters the other modules keep as plain attributes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client.core import Metric
+from prometheus_client.core import HistogramMetricFamily, Metric
 
 from lora_router.body import CompletionReader
 from lora_router.fleet.breaker import CLOSED
@@ -20,6 +21,7 @@ from lora_router.fleet.fence import AdapterFence
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
 from lora_router.fleet.replica import Replica
+from lora_router.fleet.telemetry import WINDOW_S, Report, Telemetry, fleet_figures
 from lora_router.metrics import RequestStats, Rows, counter, gauge
 from lora_router.routing.policy import Policy
 
@@ -35,9 +37,38 @@ class RouterState:
     policy: Policy
     stats: RequestStats
     reader: CompletionReader
+    telemetry: Telemetry | None = None  # set by the runtime once its loop runs
 
 
-def replica_json(r: Replica) -> dict[str, object]:
+def report_json(r: Replica, busy_share: float | None = None) -> dict[str, object]:
+    """What a replica's own `/metrics` said at the last scrape, or why that is unknown."""
+    rep = r.report
+    if rep is None:
+        return {"status": "unknown", "reason": r.report_error}
+    adapters_running = list(rep.adapters_running) if rep.adapters_running is not None else None
+    adapters_waiting = list(rep.adapters_waiting) if rep.adapters_waiting is not None else None
+    return {
+        "status": "ok",
+        "age_s": round(time.monotonic() - rep.at, 3),
+        "interval_s": round(rep.interval, 3),
+        "running": rep.running,
+        "waiting": rep.waiting,
+        "kv_cache_usage": round(rep.kv_cache_usage, 4),
+        "prefix_cache_hit_rate": _rounded(rep.hit_rate),
+        "prefix_cache_hit_rate_total": _rounded(rep.hit_rate_total),
+        "generation_tokens_per_s": _rounded(rep.tokens_per_s, 1),
+        "busy_share": _rounded(busy_share),
+        "adapters_running": adapters_running,
+        "adapters_waiting": adapters_waiting,
+        "max_lora": rep.max_lora,
+        "prefix_cache_queries": rep.prefix_queries,
+        "prefix_cache_hits": rep.prefix_hits,
+        "generation_tokens": rep.generation_tokens,
+        "prompt_tokens": rep.prompt_tokens,
+    }
+
+
+def replica_json(r: Replica, busy_share: float | None = None) -> dict[str, object]:
     return {
         "id": r.rid,
         "url": r.name,
@@ -50,6 +81,7 @@ def replica_json(r: Replica) -> dict[str, object]:
         "ejections": r.ejections,
         "adapters": sorted(r.adapters),
         "last_error": r.last_error,
+        "reported": report_json(r, busy_share),
     }
 
 
@@ -64,8 +96,13 @@ def status(state: RouterState) -> dict[str, object]:
     for (route, status_code, _), count in state.stats.requests.items():
         key = f"{route} {status_code}"
         requests[key] = requests.get(key, 0) + count
+    telemetry = state.telemetry
+    replicas = state.fleet.replicas
+    busy = {r.rid: telemetry.busy_share(r) if telemetry else None for r in replicas}
     return {
-        "replicas": [replica_json(r) for r in state.fleet.replicas],
+        "replicas": [replica_json(r, busy[r.rid]) for r in replicas],
+        "fleet": fleet_json(state),
+        "syncs": syncs_json(control),
         "base_models": sorted(state.fleet.base_models),
         "adapters": adapters,
         "fence": {
@@ -93,6 +130,46 @@ def status(state: RouterState) -> dict[str, object]:
     }
 
 
+def fleet_json(state: RouterState) -> dict[str, object]:
+    """The reporting replicas' figures added up."""
+    replicas = state.fleet.replicas
+    totals = fleet_figures(replicas, state.telemetry) if state.telemetry else None
+    if totals is None or totals.reporting == 0:
+        return {"replicas": len(replicas), "reporting": 0}
+    return {
+        "replicas": len(replicas),
+        "reporting": totals.reporting,
+        "running": totals.running,
+        "waiting": totals.waiting,
+        "prefix_cache_hit_rate": _rounded(totals.hit_rate),
+        "prefix_cache_hit_rate_total": _rounded(totals.hit_rate_total),
+        "generation_tokens_per_s": _rounded(totals.tokens_per_s, 1),
+        "busy_share": _rounded(totals.busy_share),
+        "window_s": WINDOW_S,
+    }
+
+
+def syncs_json(control: ControlPlane) -> dict[str, object]:
+    """The fleet's pause -> resume intervals (the trainer's weight syncs)."""
+    clock, now = control.syncs, time.monotonic()
+    return {
+        "count": clock.count,
+        "paused_now": clock.paused_at is not None,
+        "paused_seconds": round(clock.paused_seconds(now), 3),
+        "paused_share": round(clock.share_total(now), 4),
+        "paused_share_window": round(clock.share(now), 4),
+        "window_s": WINDOW_S,
+        "recent": [
+            {"ended_s_ago": round(ago, 3), "seconds": round(seconds, 3)}
+            for ago, seconds in clock.recent(now)
+        ],
+    }
+
+
+def _rounded(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)
+
+
 def summary_line(state: RouterState) -> str:
     """The periodic one-line summary in the log."""
     replicas = state.fleet.replicas
@@ -102,10 +179,14 @@ def summary_line(state: RouterState) -> str:
     decisions = " ".join(f"{k}={v}" for k, v in counts.items() if v)
     total = sum(state.stats.requests.values())
     in_flight = ",".join(str(r.in_flight) for r in replicas)
+    waiting = ",".join(str(r.report.waiting) if r.report else "?" for r in replicas)
+    syncs = state.control.syncs
     return (
         f"status: {serving}/{len(replicas)} replicas serving, in flight [{in_flight}], "
+        f"waiting in replicas [{waiting}], "
         f"{total} requests, adapters live {live or '-'}, paused={state.control.paused or 'no'}, "
-        f"fence waits {state.fence.waits} ({state.fence.waiting} waiting), "
+        f"{syncs.count} syncs (paused {syncs.share(time.monotonic()):.0%} of the last "
+        f"{WINDOW_S:g} s), fence waits {state.fence.waits} ({state.fence.waiting} waiting), "
         f"routing {decisions or '-'}"
     )
 
@@ -201,3 +282,129 @@ def metric_families(state: RouterState) -> Iterator[Metric]:
         [],
         [([], float(control.paused is not None))],
     )
+
+    yield from telemetry_families(state)
+
+
+def telemetry_families(state: RouterState) -> Iterator[Metric]:
+    """What the replicas report, per replica and for the fleet, and the weight syncs."""
+    replica = ["replica"]
+    reports = [(r, r.report) for r in state.fleet.replicas]
+    known = [(r, rep) for r, rep in reports if rep is not None]
+    yield gauge(
+        "lora_router_replica_reporting",
+        "1 when the replica's last /metrics answer was read, 0 when its figures are unknown.",
+        replica,
+        [([str(r.rid)], float(rep is not None)) for r, rep in reports],
+    )
+
+    def reported(value: Callable[[Report], float | None]) -> Rows:
+        return [([str(r.rid)], v) for r, rep in known if (v := value(rep)) is not None]
+
+    yield gauge(
+        "lora_router_replica_requests_running",
+        "vllm:num_requests_running as the replica last reported it.",
+        replica,
+        reported(lambda rep: rep.running),
+    )
+    yield gauge(
+        "lora_router_replica_requests_waiting",
+        "vllm:num_requests_waiting as the replica last reported it.",
+        replica,
+        reported(lambda rep: rep.waiting),
+    )
+    yield gauge(
+        "lora_router_replica_kv_cache_usage",
+        "vllm:kv_cache_usage_perc as the replica last reported it (1 means full).",
+        replica,
+        reported(lambda rep: rep.kv_cache_usage),
+    )
+    yield gauge(
+        "lora_router_replica_prefix_cache_hit_ratio",
+        "Prefix-cache hits / queries (tokens) between the replica's last two reports.",
+        replica,
+        reported(lambda rep: rep.hit_rate),
+    )
+    yield gauge(
+        "lora_router_replica_generation_tokens_per_second",
+        "Tokens generated per second between the replica's last two reports.",
+        replica,
+        reported(lambda rep: rep.tokens_per_s),
+    )
+    yield gauge(
+        "lora_router_replica_adapters_running",
+        "Adapters with requests running, from vllm:lora_requests_info.",
+        replica,
+        reported(lambda rep: None if rep.adapters_running is None else len(rep.adapters_running)),
+    )
+    yield gauge(
+        "lora_router_replica_adapters_waiting",
+        "Adapters with requests waiting, from vllm:lora_requests_info.",
+        replica,
+        reported(lambda rep: None if rep.adapters_waiting is None else len(rep.adapters_waiting)),
+    )
+    yield counter(
+        "lora_router_replica_prefix_cache_queries",
+        "vllm:prefix_cache_queries_total (tokens) as last reported; resets with the replica.",
+        replica,
+        reported(lambda rep: rep.prefix_queries),
+    )
+    yield counter(
+        "lora_router_replica_prefix_cache_hits",
+        "vllm:prefix_cache_hits_total (tokens) as last reported; resets with the replica.",
+        replica,
+        reported(lambda rep: rep.prefix_hits),
+    )
+    yield counter(
+        "lora_router_replica_generation_tokens",
+        "vllm:generation_tokens_total as last reported; resets with the replica.",
+        replica,
+        reported(lambda rep: rep.generation_tokens),
+    )
+    yield counter(
+        "lora_router_replica_prompt_tokens",
+        "vllm:prompt_tokens_total as last reported; resets with the replica.",
+        replica,
+        reported(lambda rep: rep.prompt_tokens),
+    )
+    telemetry = state.telemetry
+    if telemetry is not None:
+        yield gauge(
+            "lora_router_replica_busy_share",
+            f"Share of the last {WINDOW_S:g} s of unpaused scrapes in which the replica ran or "
+            "queued requests.",
+            replica,
+            [([str(r.rid)], s) for r, _ in known if (s := telemetry.busy_share(r)) is not None],
+        )
+        totals = fleet_figures(state.fleet.replicas, telemetry)
+        yield gauge(
+            "lora_router_fleet_prefix_cache_hit_ratio",
+            "Prefix-cache hits / queries over the reporting replicas' last intervals.",
+            [],
+            [([], totals.hit_rate)] if totals.hit_rate is not None else [],
+        )
+        yield gauge(
+            "lora_router_fleet_generation_tokens_per_second",
+            "Tokens generated per second, summed over the reporting replicas.",
+            [],
+            [([], totals.tokens_per_s)] if totals.tokens_per_s is not None else [],
+        )
+    clock, now = state.control.syncs, time.monotonic()
+    yield counter(
+        "lora_router_syncs",
+        "Weight syncs: a /pause followed by a /resume.",
+        [],
+        [([], clock.count)],
+    )
+    yield counter(
+        "lora_router_sync_paused_seconds",
+        "Time the fleet spent paused for syncs (pause -> resume, the one in progress included); "
+        "its rate is the share of time paused.",
+        [],
+        [([], clock.paused_seconds(now))],
+    )
+    durations = HistogramMetricFamily(
+        "lora_router_sync_duration_seconds", "Duration of each finished sync (pause -> resume)."
+    )
+    durations.add_metric([], clock.durations.cumulative(), sum_value=clock.durations.total)
+    yield durations

@@ -1,6 +1,6 @@
 """The control plane: adapter broadcasts behind the fence, fleet-wide dev-mode calls, and the
 one aiohttp session every router-to-replica control request goes through (health checks,
-discovery and replays included: see health.py and replay.py).
+discovery, replays and `/metrics` scrapes included: see health.py, replay.py, telemetry.py).
 
 Broadcasts (`load`, `unload`, `pause`, `resume`, `reset_prefix_cache`) are **serialized**: one
 at a time, in arrival order (an `asyncio.Lock`, which wakes its waiters first come first
@@ -25,7 +25,7 @@ with an adapter the other half lacks.
   (`max_staleness + 2` for TRL, which loads the new version before unloading the old).
 - **Pause / resume / reset_prefix_cache** go out with the query string intact; 200 only when
   every replica answered 200. The pause state last asked for is remembered and replayed onto
-  replicas that come back.
+  replicas that come back; `syncs` times each pause → resume (a weight sync).
 - A replica that cannot be reached during a broadcast is ejected (health.py re-admits it with a
   replay). For loads, `--down-replica-policy` decides the rest: `replay` (default) proceeds
   with the live replicas, so training goes on and the returning replica gets the adapter before
@@ -46,8 +46,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,7 @@ from lora_router.config import Config
 from lora_router.fleet.fence import AdapterEntry, AdapterFence, AdapterState
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.replica import Replica
+from lora_router.fleet.telemetry import SyncClock
 from lora_router.http.errors import HTTPError, bad_request
 from lora_router.http.headers import HOP_BY_HOP, REPLICA_HEADER
 
@@ -171,6 +173,7 @@ class ControlPlane:
         # Plain counters for metrics: (operation, outcome) -> count / seconds.
         self.counts: Counter[tuple[str, str]] = Counter()
         self.seconds: dict[tuple[str, str], float] = {}
+        self.syncs = SyncClock()  # pause -> resume intervals, for status and metrics
 
     # -- session ----------------------------------------------------------------------------
 
@@ -206,11 +209,13 @@ class ControlPlane:
         body: bytes | None = None,
         query: str = "",
         timeout: float | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> Answer:
         """One request to one replica; transport failures come back as `status` 0."""
         assert self.session is not None, "ControlPlane.open() was not called"
         url = URL(replica.name + path + (f"?{query}" if query else ""), encoded=True)
-        headers = _JSON_REQUEST if body is not None else None
+        if body is not None:
+            headers = {**_JSON_REQUEST, **(headers or {})}
         client_timeout = aiohttp.ClientTimeout(total=timeout) if timeout is not None else None
         # One retry, only when the request never got an answer on a pooled connection the
         # replica had closed while idle. Every control request is safe to send twice: a load
@@ -464,6 +469,7 @@ class ControlPlane:
                 # latest wish, whichever replicas failed this time.
                 if op == "pause":
                     self.paused, self.pause_known = query, True
+                    self.syncs.pause(time.monotonic())
                 elif op == "resume":
                     self.paused, self.pause_known = None, True
                 targets = self.fleet.live()
@@ -494,6 +500,8 @@ class ControlPlane:
             detail = exc.message
             raise
         finally:
+            if op == "resume":  # the sync ends when the fleet was told to go on, whatever came
+                self.syncs.resume(time.monotonic())
             self._record(op, outcome, started, detail=detail)
 
     # -- read-only --------------------------------------------------------------------------

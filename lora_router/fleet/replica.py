@@ -2,8 +2,10 @@
 
 State here is written by the fleet (health, admission, adapters) and by the request path
 (`in_flight`, incremented around every forwarded request in a try/finally so the count is exact
-on every path: success, error, client disconnect, cancellation). It is read by the routing
-policy, which must never write it.
+on every path: success, error, client disconnect, cancellation) and by the telemetry loop
+(`report`: what the replica's own `/metrics` said at the last scrape, its queue included, or
+None when unknown; fleet/telemetry.py). It is read by the routing policy, which must never
+write it.
 
 Life cycle: a replica is *healthy* when its last health judgement passed, and *admitted* when,
 on top of that, every live adapter and the fleet's pause state were replayed onto it. Only
@@ -14,9 +16,14 @@ operator is removing: it takes nothing new and leaves once its in-flight request
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from lora_router.config import ReplicaAddress
 from lora_router.fleet.breaker import CircuitBreaker
 from lora_router.http.upstream import UpstreamPool
+
+if TYPE_CHECKING:
+    from lora_router.fleet.telemetry import Report
 
 
 class Replica:
@@ -37,6 +44,8 @@ class Replica:
         "name",
         "pool",
         "replaying",
+        "report",
+        "report_error",
         "rid",
         "target_prefix",
     )
@@ -65,6 +74,10 @@ class Replica:
         self.ejections = 0
         self.last_error = ""  # why it was last ejected or refused admission
         self.load_seconds = 0.0  # how long its last adapter load took (broadcast order)
+        # Its own /metrics at the last scrape (running, waiting, KV, ...); None: unknown, with
+        # the reason in report_error. Never a reason to eject it.
+        self.report: Report | None = None
+        self.report_error = "not scraped yet"
 
     @property
     def live(self) -> bool:

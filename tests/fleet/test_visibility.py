@@ -110,6 +110,8 @@ async def test_the_log_summary_names_what_an_operator_checks_first(
     assert rt.app is not None
     line = summary_line(rt.app.state)
     assert "2/2 replicas serving" in line and "1 requests" in line
+    assert "waiting in replicas [?,?]" in line  # not scraped yet: unknown, not zero
+    assert "0 syncs (paused 0% of the last 300 s)" in line
     async with asyncio.timeout(5):
         while not any("status: 2/2 replicas serving" in r.getMessage() for r in caplog.records):
             await asyncio.sleep(0.02)

@@ -1,0 +1,390 @@
+"""Replica telemetry: what each replica says about itself on its `/metrics`, and the fleet's
+weight syncs as the router saw them.
+
+Every `health_interval` (the first time one interval after start) one task asks every
+replica's `/metrics` at once, through the control plane's session and call path (so with the
+replica's token), each call bounded by `health_timeout`, and keeps the answer as a frozen
+`Report` on `Replica.report`:
+
+- queue: `vllm:num_requests_running`, `vllm:num_requests_waiting`;
+- KV use: `vllm:kv_cache_usage_perc` (0..1);
+- prefix cache: `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` (tokens), over
+  the interval since the previous report and since the replica started;
+- generated tokens per second: the change of `vllm:generation_tokens_total` over the interval;
+- adapters running and waiting: the labels `running_lora_adapters` / `waiting_lora_adapters`
+  (and `max_lora`) of `vllm:lora_requests_info`. vLLM sets that gauge to the current time under
+  a new label set at every step and never drops the old ones, so the current set is the sample
+  with the largest value.
+
+Samples of several engines (data parallel) add up; KV use is their mean. The text is parsed by
+prometheus-client's parser, which costs about 50 µs a line: only the sample lines of the
+families read here are handed to it (one `startswith` pass over the ~700 lines of a real vLLM
+0.32), and of `vllm:lora_requests_info` only the newest line (largest value field), since vLLM
+keeps every label set it ever set — thousands over a long run. prometheus-client's own
+endpoint gzips its answer when asked to (aiohttp asks by default), so the scrape asks for
+`identity`.
+
+A replica whose `/metrics` fails, is missing a family, or answers something that does not parse
+gets `report = None` ("unknown") and `report_error` saying why; nothing else changes. Each
+report also feeds a short history: the share of the recent unpaused samples in which the
+replica was running or queueing anything (`busy_share`, what `lora-router top` judges on).
+
+`SyncClock` records the fleet's pause → resume intervals (the trainer's weight syncs), fed by
+the control plane's `/pause` and `/resume` broadcasts.
+
+This module must never eject, admit or otherwise judge a replica, never run on the health
+check's or the data plane's path (its loop is its own task, and a scrape only reads state), and
+never keep a failed scrape's figures as if they were current.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from lora_router.config import Config
+from lora_router.fleet.fleet import Fleet
+from lora_router.fleet.replica import Replica
+from lora_router.metrics import Histogram
+
+if TYPE_CHECKING:
+    from lora_router.fleet.control import ControlPlane
+
+log = logging.getLogger(__name__)
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+GENERATION_TOKENS = "vllm:generation_tokens_total"
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+LORA_INFO = "vllm:lora_requests_info"
+REQUIRED = (
+    RUNNING,
+    WAITING,
+    KV_USAGE,
+    PREFIX_QUERIES,
+    PREFIX_HITS,
+    GENERATION_TOKENS,
+    PROMPT_TOKENS,
+)
+# The exact sample names, as a line starts with them (labels follow, or the value).
+_SAMPLES = tuple(n.encode() + end for n in REQUIRED for end in (b"{", b" "))
+_LORA_SAMPLE = (LORA_INFO.encode() + b"{", LORA_INFO.encode() + b" ")
+_IDENTITY = {"Accept-Encoding": "identity"}
+
+WINDOW_S = 300.0  # how far back `busy_share` and the paused share look
+SYNC_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+RECENT_SYNCS = 10  # shown in /router/status
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """One replica's `/metrics` at one scrape; counters are since the replica started."""
+
+    at: float  # time.monotonic() when the answer arrived
+    running: int
+    waiting: int
+    kv_cache_usage: float  # 0..1
+    prefix_queries: float  # tokens looked up in the prefix cache
+    prefix_hits: float  # tokens found there
+    generation_tokens: float
+    prompt_tokens: float
+    adapters_running: tuple[str, ...] | None  # None: the replica has no LoRA metrics
+    adapters_waiting: tuple[str, ...] | None
+    max_lora: int | None
+    # Changes since the previous report (interval 0.0: there was none).
+    interval: float = 0.0
+    interval_queries: float = 0.0
+    interval_hits: float = 0.0
+    interval_generation_tokens: float = 0.0
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Prefix-cache hit rate over the last interval (None: no lookups in it)."""
+        return _ratio(self.interval_hits, self.interval_queries)
+
+    @property
+    def hit_rate_total(self) -> float | None:
+        """Prefix-cache hit rate since the replica started."""
+        return _ratio(self.prefix_hits, self.prefix_queries)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Generated tokens per second over the last interval."""
+        return self.interval_generation_tokens / self.interval if self.interval > 0 else None
+
+    def following(self, previous: Report | None) -> Report:
+        """This report with its interval figures taken against `previous`."""
+        if previous is None or self.at <= previous.at:
+            return self
+        return replace(
+            self,
+            interval=self.at - previous.at,
+            interval_queries=_delta(self.prefix_queries, previous.prefix_queries),
+            interval_hits=_delta(self.prefix_hits, previous.prefix_hits),
+            interval_generation_tokens=_delta(self.generation_tokens, previous.generation_tokens),
+        )
+
+
+class MetricsError(ValueError):
+    """A `/metrics` answer that is not a vLLM exposition."""
+
+
+def parse_report(text: bytes, at: float) -> Report:
+    """Read the families of the module docstring out of one `/metrics` answer."""
+    kept: list[bytes] = []
+    newest, newest_value = b"", -math.inf
+    for line in text.splitlines():
+        if line.startswith(_SAMPLES):
+            kept.append(line)
+        elif line.startswith(_LORA_SAMPLE):
+            value = _sample_value(line)
+            if value is not None and value >= newest_value:
+                newest, newest_value = line, value
+    if newest:
+        kept.append(newest)
+    try:
+        families = list(text_string_to_metric_families(b"\n".join(kept).decode("utf-8") + "\n"))
+    except (ValueError, UnicodeDecodeError, IndexError) as exc:
+        # The parser quotes the offending text: a line of it is enough for status and log.
+        raise MetricsError(f"not a Prometheus exposition ({str(exc)[:120]})") from None
+    values: dict[str, list[float]] = {}
+    lora: tuple[float, dict[str, str]] | None = None
+    for family in families:
+        for sample in family.samples:
+            if sample.name == LORA_INFO:
+                lora = (sample.value, sample.labels)
+            elif sample.name in REQUIRED:
+                values.setdefault(sample.name, []).append(sample.value)
+    if not values:
+        raise MetricsError("no vLLM metrics in the answer")
+    missing = [name for name in REQUIRED if name not in values]
+    if missing:
+        raise MetricsError(f"no {', '.join(missing)}")
+    kv = values[KV_USAGE]
+    running, waiting, max_lora = None, None, None
+    if lora is not None:
+        labels = lora[1]
+        running = _adapters(labels.get("running_lora_adapters", ""))
+        waiting = _adapters(labels.get("waiting_lora_adapters", ""))
+        with contextlib.suppress(ValueError):
+            max_lora = int(labels.get("max_lora", ""))
+    return Report(
+        at=at,
+        running=int(sum(values[RUNNING])),
+        waiting=int(sum(values[WAITING])),
+        kv_cache_usage=sum(kv) / len(kv),
+        prefix_queries=sum(values[PREFIX_QUERIES]),
+        prefix_hits=sum(values[PREFIX_HITS]),
+        generation_tokens=sum(values[GENERATION_TOKENS]),
+        prompt_tokens=sum(values[PROMPT_TOKENS]),
+        adapters_running=running,
+        adapters_waiting=waiting,
+        max_lora=max_lora,
+    )
+
+
+class Telemetry:
+    """The scrape loop and each replica's recent busy samples (module docstring)."""
+
+    def __init__(self, config: Config, fleet: Fleet, control: ControlPlane) -> None:
+        self.config = config
+        self.fleet = fleet
+        self.control = control
+        self.scrapes = 0
+        self.scrape_failures = 0
+        self._busy: dict[int, deque[tuple[float, bool]]] = {}  # rid -> (time, busy)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        interval = self.config.health_interval
+        # The first round waits one interval too, as the health watchers do: start-up has
+        # enough requests of its own.
+        started = time.monotonic()
+        while True:
+            await asyncio.sleep(max(0.0, started + interval - time.monotonic()))
+            started = time.monotonic()
+            try:
+                await self.scrape_all()
+            except Exception:  # the loop must outlive any one bad answer
+                log.exception("replica telemetry failed unexpectedly")
+
+    async def scrape_all(self) -> None:
+        """Ask every member's `/metrics` at once; returns when all answered or timed out."""
+        replicas = [r for r in self.fleet.replicas if not r.draining]
+        await asyncio.gather(*(self.scrape(r) for r in replicas))
+        members = {r.rid for r in self.fleet.replicas}
+        for rid in [rid for rid in self._busy if rid not in members]:
+            del self._busy[rid]
+
+    async def scrape(self, replica: Replica) -> None:
+        self.scrapes += 1
+        answer = await self.control.call(
+            replica, "GET", "/metrics", timeout=self.config.health_timeout, headers=_IDENTITY
+        )
+        now = time.monotonic()
+        try:
+            if answer.status != 200:
+                raise MetricsError(f"/metrics: {answer.summary()}")
+            encoding = _header(answer.headers, b"content-encoding")
+            if encoding not in (b"", b"identity"):
+                raise MetricsError(f"/metrics came {encoding.decode('latin-1')}-encoded")
+            report = parse_report(answer.body, now).following(replica.report)
+        except MetricsError as exc:
+            self.scrape_failures += 1
+            if replica.report is not None or replica.report_error != str(exc):
+                log.info("%s reports no figures: %s", replica.describe(), exc)
+            replica.report, replica.report_error = None, str(exc)
+            return
+        replica.report, replica.report_error = report, ""
+        if self.control.paused is None:
+            # Samples taken while the fleet is paused say nothing about generation.
+            samples = self._busy.setdefault(replica.rid, deque())
+            samples.append((now, report.running + report.waiting > 0))
+            while samples and samples[0][0] < now - WINDOW_S:
+                samples.popleft()
+
+    def busy_share(self, replica: Replica) -> float | None:
+        """Share of the recent unpaused samples in which the replica ran or queued anything."""
+        samples = self._busy.get(replica.rid)
+        if not samples:
+            return None
+        return sum(1 for _, busy in samples if busy) / len(samples)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetFigures:
+    """What the reporting replicas add up to."""
+
+    reporting: int
+    running: int
+    waiting: int
+    hit_rate: float | None  # over the last interval
+    hit_rate_total: float | None
+    tokens_per_s: float | None
+    busy_share: float | None
+
+
+def fleet_figures(replicas: Iterable[Replica], telemetry: Telemetry) -> FleetFigures:
+    reports = [(r, r.report) for r in replicas if r.report is not None]
+    shares = [s for r, _ in reports if (s := telemetry.busy_share(r)) is not None]
+    rates = [rep.tokens_per_s for _, rep in reports if rep.tokens_per_s is not None]
+    return FleetFigures(
+        reporting=len(reports),
+        running=sum(rep.running for _, rep in reports),
+        waiting=sum(rep.waiting for _, rep in reports),
+        hit_rate=_ratio(
+            sum(rep.interval_hits for _, rep in reports),
+            sum(rep.interval_queries for _, rep in reports),
+        ),
+        hit_rate_total=_ratio(
+            sum(rep.prefix_hits for _, rep in reports),
+            sum(rep.prefix_queries for _, rep in reports),
+        ),
+        tokens_per_s=sum(rates) if rates else None,
+        busy_share=sum(shares) / len(shares) if shares else None,
+    )
+
+
+class SyncClock:
+    """The fleet's pause → resume intervals: how long and how often generation stood still for
+    the trainer's weight syncs. Times are `time.monotonic()`."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.paused_at: float | None = None
+        self.count = 0
+        self.seconds = 0.0  # finished syncs only
+        self.durations = Histogram(SYNC_BUCKETS)
+        # Finished (start, end) intervals: those of the last WINDOW_S (the windowed share), and
+        # the last few whenever they were (shown in /router/status).
+        self._window: deque[tuple[float, float]] = deque()
+        self._last: deque[tuple[float, float]] = deque(maxlen=RECENT_SYNCS)
+
+    def pause(self, now: float) -> None:
+        if self.paused_at is None:  # a second /pause extends the sync, it does not restart it
+            self.paused_at = now
+
+    def resume(self, now: float) -> None:
+        if self.paused_at is None:
+            return
+        start, self.paused_at = self.paused_at, None
+        self.count += 1
+        self.seconds += now - start
+        self.durations.observe(now - start)
+        self._window.append((start, now))
+        self._last.append((start, now))
+        while self._window[0][1] < now - WINDOW_S:
+            self._window.popleft()
+
+    def paused_seconds(self, now: float) -> float:
+        """Time spent paused since the router started, the sync in progress included."""
+        return self.seconds + (now - self.paused_at if self.paused_at is not None else 0.0)
+
+    def share_total(self, now: float) -> float:
+        """Share of the router's life spent paused."""
+        life = now - self.started
+        return min(1.0, self.paused_seconds(now) / life) if life > 0 else 0.0
+
+    def share(self, now: float, window: float = WINDOW_S) -> float:
+        """Share of the last `window` seconds (or of the router's life, if shorter) paused;
+        `window` must not exceed WINDOW_S, the span of the intervals kept."""
+        since = max(self.started, now - window)
+        if now <= since:
+            return 0.0
+        intervals = list(self._window)
+        if self.paused_at is not None:
+            intervals.append((self.paused_at, now))
+        paused = sum(max(0.0, end - max(start, since)) for start, end in intervals)
+        return min(1.0, paused / (now - since))
+
+    def recent(self, now: float) -> list[tuple[float, float]]:
+        """The last few finished syncs as (seconds since it ended, duration), newest first."""
+        return [(now - end, end - start) for start, end in reversed(self._last)]
+
+
+def _delta(now: float, before: float) -> float:
+    # A counter that went down was reset (the replica restarted): it counted from zero since.
+    return now - before if now >= before else now
+
+
+def _ratio(part: float, whole: float) -> float | None:
+    return part / whole if whole > 0 else None
+
+
+def _adapters(label: str) -> tuple[str, ...]:
+    return tuple(sorted(n for n in label.split(",") if n))
+
+
+def _sample_value(line: bytes) -> float | None:
+    """The value field of an exposition line (after the labels; a timestamp may follow)."""
+    fields = line[line.rfind(b"}") + 1 :].split()
+    try:
+        return float(fields[0]) if fields else None
+    except ValueError:
+        return None
+
+
+def _header(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> bytes:
+    return next((v.strip().lower() for k, v in headers if k.lower() == name), b"")

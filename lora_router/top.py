@@ -1,0 +1,303 @@
+"""`lora-router top`: a live terminal view of a running router, in the spirit of `htop`.
+
+It reads only the router's `GET /router/status` (with `--api-key-env NAME` when the router wants
+a key), so it works against any router the user can reach, and redraws every `--interval`
+seconds; `--once` prints one frame as plain text and exits (for scripts and CI logs), with
+status 1 if the router cannot be read. A frame shows:
+
+- the router: replicas serving, paused or not, the fence's version and the adapters it lets
+  through (live) or holds back (loading, unloading);
+- one row per replica: state, requests in flight from the router, running / waiting, KV use,
+  prefix-cache hit rate (last interval / since the replica started), generated tokens per
+  second, busy share, adapters held — the figures come from the replica's own `/metrics`
+  (fleet/telemetry.py); a replica that does not report shows "unknown" and why;
+- the fleet's totals and the recent weight syncs (pause → resume) with their durations;
+- a one-line verdict, with the numbers it was judged on.
+
+The verdict. Let *paused* be the share of the last window (`syncs.paused_share_window`, 300 s)
+the fleet spent paused for weight syncs, and *busy* the mean over the reporting replicas of the
+share of unpaused scrapes in which a replica was running or queueing any request
+(`fleet.busy_share`). Then, in this order:
+
+1. no replica reports: **unknown**;
+2. paused ≥ 25 %: **trainer-bound** — generation stands still a quarter of the time while the
+   trainer saves and loads weights;
+3. busy = 0 (not one unpaused sample with a request): **idle** — no run is going on;
+4. busy ≥ 90 %: **inference-bound** — the replicas never run dry, the trainer waits for
+   rollouts (more replicas, or shorter completions, would speed the run);
+5. busy < 50 %: **trainer-bound** — the replicas idle half the unpaused time, waiting for the
+   trainer to ask for more;
+6. otherwise **balanced**.
+
+This module never writes to the router; it only reads and renders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+PAUSED_TRAINER_BOUND = 0.25
+BUSY_INFERENCE_BOUND = 0.90
+BUSY_TRAINER_BOUND = 0.50
+_ONCE_WIDTH = 160  # plain-text frames are not cut to an 80-column guess
+
+
+class StatusError(Exception):
+    """The router's status could not be read; the message is the one line the user sees."""
+
+
+def fetch(url: str, api_key: str = "", timeout: float = 5.0) -> dict[str, Any]:
+    """`GET {url}/router/status`, decoded."""
+    request = urllib.request.Request(url.rstrip("/") + "/router/status")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            data = response.read()
+    except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            raise StatusError(
+                f"{url} wants an API key: pass --api-key-env NAME (the variable holding it)"
+            ) from None
+        raise StatusError(f"{url}/router/status answered HTTP {exc.code}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise StatusError(f"cannot reach {url}: {reason}") from None
+    try:
+        doc = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        raise StatusError(f"{url}/router/status is not JSON: is it a lora-router?") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("replicas"), list):
+        raise StatusError(f"{url}/router/status is not a lora-router status")
+    return doc
+
+
+def verdict(status: dict[str, Any]) -> str:
+    """The one-line verdict of the module docstring, with the numbers it was judged on."""
+    fleet = status.get("fleet") or {}
+    syncs = status.get("syncs") or {}
+    if not fleet.get("reporting"):
+        return "unknown: no replica reports its /metrics"
+    paused = float(syncs.get("paused_share_window") or 0.0)
+    busy = fleet.get("busy_share")
+    window = float(syncs.get("window_s") or 0.0)
+    numbers = (
+        f"busy {_pct(busy)} of unpaused time, paused for syncs {_pct(paused)} of the last "
+        f"{window:g} s, {fleet.get('waiting', 0)} waiting, {fleet.get('running', 0)} running"
+    )
+    if paused >= PAUSED_TRAINER_BOUND:
+        return f"trainer-bound: {numbers} (paused >= 25%: generation waits on weight syncs)"
+    if busy is None:
+        return f"unknown: no unpaused sample yet; {numbers}"
+    if busy == 0:
+        return f"idle: {numbers} (the replicas had nothing to do)"
+    if busy >= BUSY_INFERENCE_BOUND:
+        return f"inference-bound: {numbers} (busy >= 90%: the replicas never run dry)"
+    if busy < BUSY_TRAINER_BOUND:
+        return f"trainer-bound: {numbers} (busy < 50%: the replicas wait for the trainer)"
+    return f"balanced: {numbers}"
+
+
+def frame(status: dict[str, Any], url: str) -> RenderableType:
+    """One screen of `top` from one status document."""
+    replicas = status.get("replicas") or []
+    serving = sum(1 for r in replicas if _state(r) == "serving")
+    fence = status.get("fence") or {}
+    paused = status.get("paused")
+    head = Text(
+        f"lora-router {url}  {serving}/{len(replicas)} replicas serving  "
+        f"paused: {'yes (' + paused + ')' if paused is not None else 'no'}  "
+        f"fence v{fence.get('version', '?')} ({fence.get('waiting', 0)} waiting, "
+        f"{fence.get('waits', 0)} waits, {fence.get('wait_timeouts', 0)} timeouts)",
+        style="bold",
+    )
+    adapters = status.get("adapters") or {}
+    by_state: dict[str, list[str]] = {}
+    for name, entry in adapters.items():
+        by_state.setdefault(str(entry.get("state")), []).append(name)
+    versions = Text(
+        f"live: {compact(by_state.get('live', []))}"
+        + "".join(
+            f"   {state}: {compact(names)}"
+            for state, names in sorted(by_state.items())
+            if state != "live"
+        )
+    )
+    return Group(
+        head,
+        versions,
+        _replica_table(replicas),
+        Text(_fleet_line(status.get("fleet") or {}, replicas)),
+        Text(_syncs_line(status.get("syncs") or {})),
+        Text("verdict: " + verdict(status), style="bold"),
+    )
+
+
+def _replica_table(replicas: Sequence[dict[str, Any]]) -> Table:
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for name, justify in (
+        ("id", "right"),
+        ("state", "left"),
+        ("in flight", "right"),
+        ("run/wait", "right"),
+        ("KV", "right"),
+        ("hit last/all", "right"),
+        ("tok/s", "right"),
+        ("busy", "right"),
+        ("adapters held", "left"),
+    ):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for r in replicas:
+        rep = r.get("reported") or {}
+        held = compact(r.get("adapters") or [])
+        state = _state(r)
+        cells = [str(r.get("id")), state, str(r.get("in_flight", 0))]
+        if rep.get("status") == "ok":
+            cells += [
+                f"{rep.get('running')}/{rep.get('waiting')}",
+                _pct(rep.get("kv_cache_usage")),
+                f"{_pct(rep.get('prefix_cache_hit_rate'))} / "
+                f"{_pct(rep.get('prefix_cache_hit_rate_total'))}",
+                _num(rep.get("generation_tokens_per_s")),
+                _pct(rep.get("busy_share")),
+                held,
+            ]
+        else:
+            why = rep.get("reason") or "not scraped"
+            cells += ["unknown", "", "", "", "", f"{held}  (figures unknown: {why})"]
+        table.add_row(*cells)
+    return table
+
+
+def compact(names: Sequence[str]) -> str:
+    """Adapter names in little space: TRL's versions share a prefix, so
+    `trl-policy-v7, trl-policy-v8, trl-policy-v9` reads `trl-policy-v{7,8,9}`."""
+    if not names:
+        return "-"
+    if len(names) == 1:
+        return names[0]
+    prefix = os.path.commonprefix(list(names))  # noqa: RUF071 (characters, not paths)
+    if len(prefix) < 3:
+        return ", ".join(sorted(names))
+    rest = sorted((n[len(prefix) :] for n in names), key=lambda n: (len(n), n))  # 9 before 10
+    return prefix + "{" + ",".join(rest) + "}"
+
+
+def _state(r: dict[str, Any]) -> str:
+    if r.get("draining"):
+        return "draining"
+    if not r.get("healthy"):
+        return "ejected"
+    if not r.get("admitted"):
+        return "joining"
+    if r.get("breaker") not in (None, "closed"):
+        return f"breaker {r.get('breaker')}"
+    return "serving"
+
+
+def _fleet_line(fleet: dict[str, Any], replicas: Sequence[dict[str, Any]]) -> str:
+    if not fleet.get("reporting"):
+        return f"fleet: 0/{fleet.get('replicas', 0)} replicas report their /metrics"
+    ages = [
+        float(r["reported"]["age_s"])
+        for r in replicas
+        if isinstance(r.get("reported"), dict) and "age_s" in r["reported"]
+    ]
+    age = f" (replica figures up to {max(ages):.1f} s old)" if ages else ""
+    return (
+        f"fleet: {fleet['reporting']}/{fleet.get('replicas')} reporting, "
+        f"{fleet.get('running', 0)} running, {fleet.get('waiting', 0)} waiting, "
+        f"prefix-cache hit {_pct(fleet.get('prefix_cache_hit_rate'))} "
+        f"({_pct(fleet.get('prefix_cache_hit_rate_total'))} since start), "
+        f"{_num(fleet.get('generation_tokens_per_s'))} tok/s{age}"
+    )
+
+
+def _syncs_line(syncs: dict[str, Any]) -> str:
+    recent = syncs.get("recent") or []
+    shown = ", ".join(
+        f"{s.get('seconds', 0):.2f} s ({s.get('ended_s_ago', 0):.0f} s ago)" for s in recent[:5]
+    )
+    now = "  [paused now]" if syncs.get("paused_now") else ""
+    return (
+        f"syncs: {syncs.get('count', 0)}, paused {_pct(syncs.get('paused_share_window'))} of the "
+        f"last {float(syncs.get('window_s') or 0):g} s ({_pct(syncs.get('paused_share'))} since "
+        f"start); recent: {shown or '-'}{now}"
+    )
+
+
+def _pct(value: object) -> str:
+    return f"{float(value):.0%}" if isinstance(value, int | float) else "-"
+
+
+def _num(value: object) -> str:
+    return f"{float(value):,.0f}" if isinstance(value, int | float) else "-"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lora-router top",
+        description="A live view of a running lora-router, read from its /router/status.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the router's base URL")
+    p.add_argument(
+        "--api-key-env",
+        metavar="NAME",
+        help="environment variable holding the router's API key (if it has one)",
+    )
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between frames")
+    p.add_argument("--once", action="store_true", help="print one frame as plain text and exit")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    api_key = ""
+    if args.api_key_env:
+        api_key = os.environ.get(args.api_key_env, "")
+        if not api_key:
+            print(f"lora-router top: error: ${args.api_key_env} is not set", file=sys.stderr)
+            return 2
+    if args.once:
+        try:
+            status = fetch(args.url, api_key)
+        except StatusError as exc:
+            print(f"lora-router top: {exc}", file=sys.stderr)
+            return 1
+        console = Console(
+            width=None if sys.stdout.isatty() else _ONCE_WIDTH, color_system=None, highlight=False
+        )
+        console.print(frame(status, args.url))
+        return 0
+    return _live(args.url, api_key, max(0.2, args.interval))
+
+
+def _live(url: str, api_key: str, interval: float) -> int:
+    def current() -> RenderableType:
+        try:
+            return frame(fetch(url, api_key, timeout=max(1.0, interval)), url)
+        except StatusError as exc:
+            return Text(f"lora-router top: {exc} (retrying every {interval:g} s)", style="red")
+
+    try:
+        with Live(current(), auto_refresh=False, screen=False) as live:
+            while True:
+                time.sleep(interval)
+                live.update(current(), refresh=True)
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,191 @@
+"""Reading a replica's `/metrics` and timing the fleet's syncs, without sockets.
+
+`data/vllm-0.32-metrics.txt` is the `/metrics` answer of a real vLLM 0.32 CPU server
+(`--enable-lora --max-loras 3 --enable-prefix-caching`, a tiny Qwen2, before its first request):
+~700 lines, every family vLLM exposes. `data/vllm-0.32-metrics-after-traffic.txt` is the same
+server after 16 completions of 200 prompt and 400 generated tokens under adapter
+`trl-policy-v1`, loaded through the router. vLLM's `vllm:lora_requests_info` is a
+prometheus-client `Gauge` set to the current time under a new label set at every step; the
+tests build more of it the same way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+from lora_router.fleet.telemetry import MetricsError, SyncClock, parse_report
+
+DATA = Path(__file__).parent / "data"
+REAL = (DATA / "vllm-0.32-metrics.txt").read_bytes()
+AFTER_TRAFFIC = (DATA / "vllm-0.32-metrics-after-traffic.txt").read_bytes()
+
+
+def with_values(text: bytes, **values: float) -> bytes:
+    """The exposition with each named family's samples set to a value (`name__total=`...)."""
+    out = []
+    for line in text.splitlines():
+        for name, value in values.items():
+            sample = name.replace("__", ":", 1).encode()
+            if line.startswith(sample + b"{"):
+                line = line[: line.rfind(b"}") + 1] + b" " + repr(value).encode()
+        out.append(line)
+    return b"\n".join(out) + b"\n"
+
+
+def lora_info(*label_sets: tuple[str, str, float]) -> bytes:
+    """`vllm:lora_requests_info` as vLLM renders it: (running, waiting, value) per label set."""
+    registry = CollectorRegistry()
+    gauge = Gauge(
+        "vllm:lora_requests_info",
+        "Running stats on lora requests.",
+        labelnames=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        registry=registry,
+    )
+    for running, waiting, value in label_sets:
+        gauge.labels(
+            max_lora="3", waiting_lora_adapters=waiting, running_lora_adapters=running
+        ).set(value)
+    return generate_latest(registry)
+
+
+def test_a_real_vllm_exposition_is_read() -> None:
+    text = with_values(
+        REAL,
+        vllm__num_requests_running=3,
+        vllm__num_requests_waiting=2,
+        vllm__kv_cache_usage_perc=0.25,
+        vllm__prefix_cache_queries_total=1000,
+        vllm__prefix_cache_hits_total=750,
+        vllm__generation_tokens_total=4096,
+        vllm__prompt_tokens_total=2048,
+    )
+    report = parse_report(text, at=1.0)
+    assert (report.running, report.waiting) == (3, 2)
+    assert report.kv_cache_usage == 0.25
+    assert (report.prefix_queries, report.prefix_hits) == (1000, 750)
+    assert report.hit_rate_total == 0.75
+    assert (report.generation_tokens, report.prompt_tokens) == (4096, 2048)
+    # `vllm:num_requests_waiting_by_reason` and the `_created` samples are other families.
+    assert report.adapters_running is None  # no LoRA request was ever scheduled
+
+
+def test_a_real_vllm_exposition_after_lora_traffic_is_read() -> None:
+    report = parse_report(AFTER_TRAFFIC, at=1.0)
+    assert (report.running, report.waiting) == (0, 0)
+    assert (report.prefix_queries, report.prefix_hits) == (3200, 1536)
+    assert (report.prompt_tokens, report.generation_tokens) == (3200, 6400)
+    # Two label sets: "trl-policy-v1" running and waiting, then the idle one, set later.
+    assert AFTER_TRAFFIC.count(b"\nvllm:lora_requests_info{") == 2
+    assert report.adapters_running == () and report.adapters_waiting == ()
+    assert report.max_lora == 3
+
+
+def test_the_newest_lora_label_set_is_the_current_one() -> None:
+    # vLLM never drops a label set: the idle set from start-up comes back, newest value wins.
+    text = REAL + lora_info(("", "", 100.0), ("v1,v2", "v3", 200.0), ("v1", "", 150.0))
+    report = parse_report(text, at=1.0)
+    assert report.adapters_running == ("v1", "v2") and report.adapters_waiting == ("v3",)
+    assert report.max_lora == 3
+    idle_again = REAL + lora_info(("", "", 300.0), ("v1,v2", "v3", 200.0))
+    assert parse_report(idle_again, at=1.0).adapters_running == ()
+
+
+def test_the_engines_of_a_data_parallel_replica_add_up() -> None:
+    text = b"".join(
+        f'{name}{{engine="{e}",model_name="m"}} {value}\n'.encode()
+        for e in (0, 1)
+        for name, value in (
+            ("vllm:num_requests_running", 2 + e),
+            ("vllm:num_requests_waiting", e),
+            ("vllm:kv_cache_usage_perc", 0.2 + 0.4 * e),
+            ("vllm:prefix_cache_queries_total", 100),
+            ("vllm:prefix_cache_hits_total", 50),
+            ("vllm:generation_tokens_total", 10),
+            ("vllm:prompt_tokens_total", 20),
+        )
+    )
+    report = parse_report(text, at=1.0)
+    assert (report.running, report.waiting) == (5, 1)
+    assert report.kv_cache_usage == pytest.approx(0.4)
+    assert (report.prefix_queries, report.generation_tokens) == (200, 20)
+
+
+def test_interval_figures_are_taken_against_the_previous_report() -> None:
+    first = parse_report(
+        with_values(REAL, vllm__prefix_cache_queries_total=100, vllm__generation_tokens_total=50),
+        at=10.0,
+    )
+    assert first.hit_rate is None and first.tokens_per_s is None  # nothing to compare with yet
+    second = parse_report(
+        with_values(
+            REAL,
+            vllm__prefix_cache_queries_total=300,
+            vllm__prefix_cache_hits_total=180,
+            vllm__generation_tokens_total=250,
+        ),
+        at=12.0,
+    ).following(first)
+    assert second.interval == 2.0
+    assert second.hit_rate == 180 / 200
+    assert second.hit_rate_total == 180 / 300
+    assert second.tokens_per_s == 100.0
+
+
+def test_a_counter_that_went_down_counts_from_zero() -> None:
+    before = parse_report(with_values(REAL, vllm__generation_tokens_total=5000), at=0.0)
+    restarted = parse_report(with_values(REAL, vllm__generation_tokens_total=40), at=4.0)
+    assert restarted.following(before).tokens_per_s == 10.0
+
+
+@given(st.binary(max_size=300))
+def test_any_answer_is_read_or_refused_with_a_reason(body: bytes) -> None:
+    try:
+        parse_report(body, at=0.0)
+    except MetricsError as exc:
+        assert str(exc)
+
+
+@given(st.text(max_size=200))
+def test_any_text_after_a_sample_name_is_read_or_refused(tail: str) -> None:
+    try:
+        parse_report(REAL + b"vllm:num_requests_running" + tail.encode(), at=0.0)
+    except MetricsError as exc:
+        assert str(exc)
+
+
+def test_a_sync_runs_from_pause_to_resume() -> None:
+    clock = SyncClock()
+    t0 = clock.started
+    clock.pause(t0 + 10)
+    clock.pause(t0 + 11)  # a second pause extends the sync
+    assert clock.paused_seconds(t0 + 12) == 2.0
+    clock.resume(t0 + 14)
+    clock.resume(t0 + 15)  # a resume without a pause is no sync
+    assert clock.count == 1 and clock.seconds == 4.0
+    assert clock.recent(t0 + 20) == [(6.0, 4.0)]
+    assert clock.share_total(t0 + 20) == 4.0 / 20
+    assert clock.durations.counts[clock.durations.bounds.index(5.0)] == 1
+
+
+def test_the_paused_share_looks_at_the_last_window_only() -> None:
+    clock = SyncClock()
+    t0 = clock.started
+    clock.pause(t0 + 100)
+    clock.resume(t0 + 160)
+    clock.pause(t0 + 390)
+    # At t0+400: window [100, 400]; 60 s of the first sync and 10 s of the running one.
+    assert clock.share(t0 + 400, window=300) == pytest.approx(70 / 300)
+    # At t0+470 the first sync has left the window; the running one is 80 s old.
+    assert clock.share(t0 + 470, window=300) == pytest.approx(80 / 300)
+    assert clock.share_total(t0 + 470) == pytest.approx(140 / 470)
+
+
+def test_a_refusal_quotes_little_of_the_answer() -> None:
+    with pytest.raises(MetricsError, match=r"^not a Prometheus exposition") as refused:
+        parse_report(b"vllm:num_requests_running{" + b"x" * 10_000 + b"\n", at=0.0)
+    assert len(str(refused.value)) < 200

@@ -1,0 +1,175 @@
+"""`lora-router top`: the verdict rule, and `top --once` run as a process against a live router."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from lora_router.config import Secret
+from lora_router.top import compact, verdict
+
+from .conftest import Adapter, StartEmulators, StartRouter, call, complete, load
+
+
+def status(busy: float | None, paused: float, reporting: int = 2) -> dict[str, Any]:
+    return {
+        "replicas": [],
+        "fleet": {"reporting": reporting, "busy_share": busy, "waiting": 3, "running": 9},
+        "syncs": {"paused_share_window": paused, "window_s": 300.0},
+    }
+
+
+@pytest.mark.parametrize(
+    ("busy", "paused", "expected"),
+    [
+        (0.99, 0.30, "trainer-bound"),  # long syncs outweigh a busy fleet
+        (0.95, 0.05, "inference-bound"),
+        (0.90, 0.24, "inference-bound"),
+        (0.40, 0.05, "trainer-bound"),
+        (0.70, 0.10, "balanced"),
+        (0.50, 0.00, "balanced"),
+        (0.00, 0.10, "idle"),
+        (0.00, 0.25, "trainer-bound"),  # a fleet left paused is not idle
+    ],
+)
+def test_the_verdict_follows_the_documented_rule(busy: float, paused: float, expected: str) -> None:
+    line = verdict(status(busy, paused))
+    assert line.startswith(expected + ":")
+    # The numbers it was judged on are on the line.
+    assert f"busy {busy:.0%}" in line and f"paused for syncs {paused:.0%}" in line
+    assert "3 waiting" in line and "9 running" in line
+
+
+def test_no_verdict_without_a_reporting_replica() -> None:
+    assert verdict(status(0.99, 0.0, reporting=0)).startswith("unknown:")
+
+
+def pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+async def run_top(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "lora_router.cli",
+        "top",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+    )
+    async with asyncio.timeout(60):
+        out, err = await proc.communicate()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_top_once_prints_each_replicas_reported_figures(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    emus = await emulators(2)
+    rt = await router(emus)
+    assert rt.telemetry is not None
+    assert (await call(client, "POST", rt.url + "/pause?mode=keep"))[0] == 200
+    assert (await load(client, rt.url, "trl-policy-v1", adapter("trl-policy-v1")))[0] == 200
+    assert (await call(client, "POST", rt.url + "/resume"))[0] == 200
+    await rt.telemetry.scrape_all()
+    for i in (1, 2, 1, 2):
+        prompt = [i * 100 + t for t in range(48)]
+        assert (await complete(client, rt.url, "trl-policy-v1", prompt=prompt))[0] == 200
+    await rt.telemetry.scrape_all()
+    code, body, _ = await call(client, "GET", rt.url + "/router/status")
+    doc = orjson.loads(body)
+
+    code, out, err = await run_top("--once", "--url", rt.url)
+
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith(f"lora-router {rt.url}  2/2 replicas serving  paused: no")
+    assert "live: trl-policy-v1" in out
+    for replica in doc["replicas"]:
+        rep = replica["reported"]
+        row = next(
+            line.split() for line in lines if line.split()[:2] == [str(replica["id"]), "serving"]
+        )
+        assert row[2] == str(replica["in_flight"])
+        assert row[3] == f"{rep['running']}/{rep['waiting']}"
+        assert row[4] == pct(rep["kv_cache_usage"])
+        assert row[5:8] == [
+            pct(rep["prefix_cache_hit_rate"]),
+            "/",
+            pct(rep["prefix_cache_hit_rate_total"]),
+        ]
+        tokens = rep["generation_tokens_per_s"]
+        assert row[8] == (f"{tokens:,.0f}" if tokens is not None else "-")
+        assert row[9] == pct(rep["busy_share"])
+        assert row[10:] == ["trl-policy-v1"]
+    assert any(line.startswith("syncs: 1, ") for line in lines)
+    kind = verdict(doc).split(":")[0]
+    assert lines[-1].startswith(f"verdict: {kind}: busy ")
+
+
+async def test_top_once_shows_a_replica_that_does_not_report_as_unknown(
+    emulators: StartEmulators, router: StartRouter
+) -> None:
+    emus = await emulators(2)
+    rt = await router(emus)
+    await emus[1].crash()
+    assert rt.telemetry is not None
+    await rt.telemetry.scrape_all()
+    code, out, err = await run_top("--once", "--url", rt.url)
+    assert code == 0, err
+    row = next(line for line in out.splitlines() if line.split()[:1] == ["1"])
+    assert "unknown" in row and "figures unknown: /metrics: cannot connect" in row
+    assert "fleet: 1/2 reporting" in out
+
+
+async def test_top_reads_a_router_that_wants_an_api_key(
+    emulators: StartEmulators, router: StartRouter
+) -> None:
+    emus = await emulators(1)
+    rt = await router(emus, api_key=Secret("sesame"))
+    code, out, err = await run_top("--once", "--url", rt.url)
+    assert code == 1 and "wants an API key: pass --api-key-env NAME" in err
+    code, out, err = await run_top(
+        "--once", "--url", rt.url, "--api-key-env", "ROUTER_KEY", env={"ROUTER_KEY": "sesame"}
+    )
+    assert code == 0, err
+    assert "1/1 replicas serving" in out
+    assert "sesame" not in out + err
+
+
+async def test_top_once_fails_in_one_line_when_no_router_answers() -> None:
+    code, out, err = await run_top("--once", "--url", "http://127.0.0.1:9")
+    assert code == 1 and out == ""
+    assert err.startswith("lora-router top: cannot reach http://127.0.0.1:9")
+    assert len(err.splitlines()) == 1
+
+
+def test_top_is_a_subcommand_beside_the_routers_own_flags(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from lora_router.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["top", "--help"])
+    assert exc.value.code == 0
+    assert "usage: lora-router top" in capsys.readouterr().out
+    # The router's own forms are untouched: a bad flag still costs one line and status 2.
+    with pytest.raises(SystemExit) as exc:
+        main(["--replicas", "http://127.0.0.1:1", "--no-such-flag"])
+    assert exc.value.code == 2
+
+
+def test_adapter_versions_are_shown_compactly() -> None:
+    assert compact([]) == "-"
+    assert compact(["trl-policy-v9"]) == "trl-policy-v9"
+    assert compact(["trl-policy-v10", "trl-policy-v8", "trl-policy-v9"]) == "trl-policy-v{8,9,10}"
+    assert compact(["alpha", "beta"]) == "alpha, beta"
