@@ -80,6 +80,17 @@ def status(state: RouterState) -> dict[str, object]:
             "received": control.received,
             "pending": control.pending,
             "by_outcome": {f"{op} {outcome}": n for (op, outcome), n in control.counts.items()},
+            # Loads retried because a replica answers "No adapter found" (mount lag, or a
+            # mistyped path): who, for what, and for how long so far.
+            "mount_waits": [
+                {
+                    "replica": w.replica.rid,
+                    "adapter": w.name,
+                    "path": w.path,
+                    "seconds": round(seconds, 3),
+                }
+                for w, seconds in control.mount_wait_seconds()
+            ],
         },
         "routing": state.policy.counts.as_dict(),
         "requests": requests,
@@ -192,6 +203,16 @@ def metric_families(state: RouterState) -> Iterator[Metric]:
         "Total time of the broadcasts, by operation and outcome.",
         ["op", "outcome"],
         [([op, outcome], s) for (op, outcome), s in sorted(control.seconds.items())],
+    )
+    waiting: dict[int, float] = {}
+    for w, seconds in control.mount_wait_seconds():
+        waiting[w.replica.rid] = max(waiting.get(w.replica.rid, 0.0), seconds)
+    yield gauge(
+        "lora_router_load_mount_wait_seconds",
+        "How long each replica has answered 'No adapter found' to the load being retried "
+        "(0: none); a value near --load-deadline is a path the replica cannot see.",
+        replica,
+        per_replica(lambda r: waiting.get(r.rid, 0.0)),
     )
     live = len(fence.live())
     yield gauge("lora_router_adapters_live", "Adapters that pass the fence.", [], [([], live)])
