@@ -36,7 +36,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from lora_router.body import Completion, CompletionReader
+from lora_router.body import Completion, read_completion
 from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.control import ControlPlane, Reply
 from lora_router.fleet.fence import AdapterFence, AdapterState
@@ -151,8 +151,7 @@ class RouterApp:
         self.control = control
         self.health = health
         self.stats = stats
-        self.reader = CompletionReader(config.max_prompt_tokens)
-        self.state = RouterState(fleet, fence, control, health, policy, stats, self.reader)
+        self.state = RouterState(fleet, fence, control, health, policy, stats)
         self._registry = registry
         self._loop = asyncio.get_running_loop()
         self._debug = log.isEnabledFor(logging.DEBUG)
@@ -225,7 +224,9 @@ class RouterApp:
     # -- routed -----------------------------------------------------------------------------
 
     async def completion(self, request: Request, conn: ClientConnection, chat: bool) -> None:
-        fields = self.reader.read(request.body, chat=chat)
+        fields = read_completion(
+            request.body, chat=chat, max_prompt_tokens=self.config.max_prompt_tokens
+        )
         model = fields.model
         # The fence: passes at once for the base model and live adapters; waits while the
         # adapter's load is being broadcast; raises vLLM's 404 for unknown names.
@@ -241,7 +242,7 @@ class RouterApp:
         key: PromptKey | None = None
         keyed = not uses_keys  # a key-blind policy gets None
         if not uses_keys:
-            fields.token_ids()  # still parsed once per distinct body: ids must fit 32 bits
+            fields.token_ids()  # still parsed: ids must fit 32 bits
         tried: list[Replica] = []
         while True:
             routable = self.fleet.routable(model, tried)

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from prometheus_client.core import Metric
 
-from lora_router.body import CompletionReader
 from lora_router.fleet.breaker import CLOSED
 from lora_router.fleet.control import ControlPlane
 from lora_router.fleet.fence import AdapterFence
@@ -34,7 +33,6 @@ class RouterState:
     health: HealthMonitor
     policy: Policy
     stats: RequestStats
-    reader: CompletionReader
 
 
 def replica_json(r: Replica) -> dict[str, object]:
@@ -158,13 +156,6 @@ def metric_families(state: RouterState) -> Iterator[Metric]:
         "Times each replica's circuit breaker opened.",
         replica,
         per_replica(lambda r: r.breaker.opens),
-    )
-    yield counter(
-        "lora_router_body_reuses",
-        "Completion bodies identical to one read shortly before (the samples of a GRPO "
-        "prompt), routed on that reading instead of a new one.",
-        [],
-        [([], state.reader.hits)],
     )
     yield counter(
         "lora_router_routing_decisions",
