@@ -3,7 +3,7 @@
 It starts N emulated vLLM replicas in this process (a timing model, a prefix cache, and mount
 lag on the last one, so an adapter load there needs retries the way a network bucket does), a
 router in front of them, writes LoRA adapters to a temporary directory, and drives a short
-GRPO-shaped run over real HTTP exactly as TRL's AsyncGRPOTrainer does (contract §1):
+GRPO-shaped run over real HTTP as TRL 1.16's AsyncGRPOTrainer does (docs/trl-guide.md):
 
 - start: `GET /health`, `GET /server_info?config_format=json` (LoRA on, enough slots, DP 1),
   `GET /v1/models` (the base model first, with its `max_model_len`);
@@ -563,8 +563,9 @@ def summary(result: DemoResult) -> str:
         )
         lines.append(
             f"                expected: the demo sends {plan.eager_groups} groups a step while "
-            "their adapter is still loading (an eager client); TRL names vN only once its "
-            "load has answered, so with TRL these waits are rare"
+            "their adapter is still loading\n"
+            "                (an eager client); TRL names vN only once its load has answered, "
+            "so with TRL\n                these waits are rare"
         )
     else:
         lines.append("  fence         no request had to wait")

@@ -427,7 +427,7 @@ class ControlPlane:
                                 await abandoned.wait()
                         if abandoned.is_set():
                             waited = loop.time() - started
-                            return Outcome(replica, "abandoned", None, f"{waited:.1f} s: {last}")
+                            return Outcome(replica, "abandoned", None, f"{waited:.1f} s ({last})")
                         continue
                     if answer.status == 400 and _ALREADY_LOADED in message:
                         return await self._reconcile(replica, name, path, answer)
@@ -784,13 +784,7 @@ def _load_failure(name: str, path: str, o: Outcome, config: Config) -> HTTPError
         return HTTPError(
             503,
             f"The client that asked to load adapter '{name}' disconnected while {who} still "
-            f"answered 'No adapter found' (for {o.detail}); the load was abandoned.",
-        )
-    if o.kind == "abandoned":
-        return HTTPError(
-            503,
-            f"The client that asked to load adapter '{name}' disconnected while {who} still "
-            f"answered 'No adapter found' (for {o.detail}); the load was abandoned.",
+            f"answered 'No adapter found' for {o.detail}; the load was abandoned.",
         )
     if o.kind == "down":
         return HTTPError(503, f"Cannot load adapter '{name}': {who} is unreachable: {o.detail}")

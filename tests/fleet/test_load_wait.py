@@ -97,6 +97,7 @@ async def test_the_wait_ends_when_the_client_disconnects_and_a_queued_resume_is_
     assert len(paths_of(emus[1], "/v1/load_lora_adapter")) == attempts
     assert "trl-policy-v1" not in emus[0].state.adapters
     assert rt.control.counts["load", "failed"] == 1
+    assert f"disconnected while Replica 1 ({emus[1].url}) still answered" in caplog.text
     # The name is free: the corrected load then works.
     emus[1].faults.mount_lag = 0
     assert (await load(client, rt.url, "trl-policy-v1", path))[0] == 200
