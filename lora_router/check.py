@@ -3,7 +3,7 @@
 It asks every replica, with the router's token and TLS settings, the questions whose wrong
 answer would otherwise surface an hour into a run as a fatal TRL error, and prints them as one
 table plus a numbered list of problems, each with the fix. Exit status 0 only when the fleet is
-ready. What is probed (see `../shared/docs/vllm-contract.md`):
+ready. What is probed (and why TRL 1.16 needs it: docs/trl-guide.md, steps 2 and 4):
 
 | question | probe | a "no" |
 | --- | --- | --- |
