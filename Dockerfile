@@ -1,8 +1,10 @@
 # lora-router: one small image whose entrypoint is the command.
 #   docker build -t lora-router .
-#   docker run --rm -p 8000:8000 -e HF_TOKEN -e ROUTER_API_KEY lora-router \
-#     --replicas https://a--8000.hf.jobs,https://b--8000.hf.jobs --token-env HF_TOKEN \
-#     --host 0.0.0.0 --api-key-env ROUTER_API_KEY
+#   docker run --rm --network host -e HF_TOKEN lora-router \
+#     --replicas https://a--8000.hf.jobs,https://b--8000.hf.jobs --token-env HF_TOKEN
+# It must share the trainer's network (the host's, or the pod's as a sidecar) and listen on
+# loopback: TRL sends no Authorization header, so a router on 0.0.0.0 with --api-key-env
+# answers TRL 401. See the README's "Docker".
 FROM python:3.11-slim AS build
 WORKDIR /src
 COPY setup.cfg pyproject.toml README.md ./

@@ -11,6 +11,10 @@
 - **Read-only and local**: `/health` and `/ping` (every live replica must be healthy),
   `/v1/models` (one replica's list, filtered by the fence), and the operators' membership
   routes under `/router/replicas`.
+- **Refused**: vLLM's merged-weight sync (`/init_weight_transfer_engine`,
+  `/start_weight_update`, `/update_weights`, `/finish_weight_update`), which TRL falls back to
+  without LoRA. Forwarded, it would update the one replica that received it while the others
+  kept serving the old weights; only an adapter load reaches every replica.
 Anything else (`/server_info`, `/tokenize`, `/version`, ...) is forwarded to one healthy
 replica, like a single vLLM server would answer it.
 
@@ -32,7 +36,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from lora_router.body import Completion, CompletionReader
+from lora_router.body import Completion, read_completion
 from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.control import ControlPlane, Reply
 from lora_router.fleet.fence import AdapterFence, AdapterState
@@ -53,6 +57,17 @@ log = logging.getLogger(__name__)
 
 _ROUTED = {b"/v1/completions": False, b"/v1/chat/completions": True}
 _JSON = [(b"content-type", b"application/json")]
+# vLLM's merged-weight sync (an NCCL group between the trainer and one server): no route the
+# router could broadcast. TRL 1.16 falls back to it when `select_adapter_sync` says no
+# (trl/experimental/async_grpo/async_grpo_trainer.py).
+MERGED_WEIGHT_SYNC = frozenset(
+    {
+        b"/init_weight_transfer_engine",
+        b"/start_weight_update",
+        b"/update_weights",
+        b"/finish_weight_update",
+    }
+)
 # Paths that get their own `route` label in the metrics; everything else counts as "other", so a
 # client cannot grow the label set.
 _ROUTE_LABELS = {
@@ -72,6 +87,7 @@ _ROUTE_LABELS = {
         b"/metrics",
         b"/router/status",
         b"/router/replicas",
+        *sorted(MERGED_WEIGHT_SYNC),
     )
 }
 _ADMIN = b"/router/replicas"
@@ -135,8 +151,7 @@ class RouterApp:
         self.control = control
         self.health = health
         self.stats = stats
-        self.reader = CompletionReader(config.max_prompt_tokens)
-        self.state = RouterState(fleet, fence, control, health, policy, stats, self.reader)
+        self.state = RouterState(fleet, fence, control, health, policy, stats)
         self._registry = registry
         self._loop = asyncio.get_running_loop()
         self._debug = log.isEnabledFor(logging.DEBUG)
@@ -195,6 +210,8 @@ class RouterApp:
         route = self.routes.get((request.method, request.path))
         if route is not None:
             await route(request, conn)
+        elif request.path in MERGED_WEIGHT_SYNC:
+            raise merged_weight_sync_refused(request.path)
         elif request.method == b"DELETE" and request.path.startswith(_ADMIN + b"/"):
             await self.remove_replica(request, conn)
         else:
@@ -207,7 +224,9 @@ class RouterApp:
     # -- routed -----------------------------------------------------------------------------
 
     async def completion(self, request: Request, conn: ClientConnection, chat: bool) -> None:
-        fields = self.reader.read(request.body, chat=chat)
+        fields = read_completion(
+            request.body, chat=chat, max_prompt_tokens=self.config.max_prompt_tokens
+        )
         model = fields.model
         # The fence: passes at once for the base model and live adapters; waits while the
         # adapter's load is being broadcast; raises vLLM's 404 for unknown names.
@@ -223,7 +242,7 @@ class RouterApp:
         key: PromptKey | None = None
         keyed = not uses_keys  # a key-blind policy gets None
         if not uses_keys:
-            fields.token_ids()  # still parsed once per distinct body: ids must fit 32 bits
+            fields.token_ids()  # still parsed: ids must fit 32 bits
         tried: list[Replica] = []
         while True:
             routable = self.fleet.routable(model, tried)
@@ -388,6 +407,20 @@ class RouterApp:
         drained = await self.health.remove(replica)
         payload = {**replica_json(replica), "drained": drained}
         conn.send(200, orjson.dumps(payload), _JSON)
+
+
+def merged_weight_sync_refused(path: bytes) -> HTTPError:
+    """Why the router will not pass on a merged-weight sync call, and what to change."""
+    return HTTPError(
+        501,
+        f"lora-router does not forward {path.decode('latin-1')}: merged-weight sync reaches "
+        "only the one replica that receives it, and the others would keep serving the old "
+        "weights. Only adapter-only sync (/v1/load_lora_adapter) can reach every replica. TRL "
+        "falls back to merged-weight sync when the replicas run without --enable-lora (or "
+        "with --data-parallel-size > 1) or when the trainer gets no peft_config: start every "
+        "replica with --enable-lora --max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, "
+        "and pass a peft LoraConfig as peft_config (lora-router --check shows what is off).",
+    )
 
 
 def _send(conn: ClientConnection, reply: Reply) -> None:

@@ -14,22 +14,19 @@ is turned into an `array('I')` only when the router needs its blocks (`Completio
 which the G - 1 siblings of a GRPO prompt never do (they are routed by a hash of the raw text,
 see app.py). Everything else (batches, text, chat) is decoded whole.
 
-`CompletionReader` goes one step further for those siblings: TRL sends the G samples of a prompt
-as G byte-identical requests, so it remembers the last few bodies it read and hands the next
-identical one its earlier reading, for the price of one hash and one comparison.
+No memory of whole bodies: TRL 1.16 gives each of the G samples its own `seed`, so no two
+bodies are identical, and a cache of recent bodies never hit while costing every request a
+hash of its body (bench/results/body_reuse.md).
 """
 
 from __future__ import annotations
 
-import os
 import re
 from array import array
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import msgspec
 import orjson
-from xxhash import xxh3_64_intdigest
 
 from lora_router.http.errors import bad_request
 
@@ -69,44 +66,6 @@ class Completion:
             except OverflowError:  # validated as digits, but beyond 32 bits
                 raise _bad_token_ids() from None
         return self.tokens
-
-
-class CompletionReader:
-    """`read_completion` with a memory of the bodies it read last (see the module docstring).
-
-    Bounded by entry count and by the bytes of the bodies kept; only bodies that were read
-    without error are remembered, so a bad body is judged afresh every time. A hit is an exact
-    byte comparison, not only a hash match: a collision costs a decode, never a wrong answer.
-    """
-
-    def __init__(self, max_prompt_tokens: int, entries: int = 256, max_bytes: int = 16 << 20):
-        self.max_prompt_tokens = max_prompt_tokens
-        self.entries = entries
-        self.max_bytes = max_bytes
-        self.hits = 0
-        self._seed = int.from_bytes(os.urandom(8), "little")  # unpredictable buckets
-        self._recent: OrderedDict[int, tuple[bytes, Completion]] = OrderedDict()
-        self._bytes = 0
-
-    def read(self, body: bytes, *, chat: bool) -> Completion:
-        key = xxh3_64_intdigest(body, self._seed) ^ chat
-        recent = self._recent
-        seen = recent.get(key)
-        if seen is not None and seen[0] == body:
-            recent.move_to_end(key)
-            self.hits += 1
-            return seen[1]
-        fields = read_completion(body, chat=chat, max_prompt_tokens=self.max_prompt_tokens)
-        if len(body) <= self.max_bytes // 4:
-            if seen is not None:
-                self._bytes -= len(seen[0])
-            recent[key] = (body, fields)
-            recent.move_to_end(key)
-            self._bytes += len(body)
-            while len(recent) > self.entries or self._bytes > self.max_bytes:
-                _, (old, _) = recent.popitem(last=False)
-                self._bytes -= len(old)
-        return fields
 
 
 def read_completion(body: bytes, *, chat: bool, max_prompt_tokens: int) -> Completion:

@@ -3,7 +3,7 @@
 It asks every replica, with the router's token and TLS settings, the questions whose wrong
 answer would otherwise surface an hour into a run as a fatal TRL error, and prints them as one
 table plus a numbered list of problems, each with the fix. Exit status 0 only when the fleet is
-ready. What is probed (see `../shared/docs/vllm-contract.md`):
+ready. What is probed (and why TRL 1.16 needs it: docs/trl-guide.md, steps 2 and 4):
 
 | question | probe | a "no" |
 | --- | --- | --- |
@@ -144,6 +144,15 @@ async def probe_replica(session: aiohttp.ClientSession, address: ReplicaAddress)
     except aiohttp.ClientConnectorCertificateError as exc:
         facts.answer = "unreachable"
         facts.detail = f"TLS certificate not trusted ({exc.certificate_error})"
+    except aiohttp.ClientConnectorSSLError as exc:
+        # Its errno is OpenSSL's, not the OS's: strerror would say "Operation not permitted".
+        ssl_error = exc.os_error
+        reason = getattr(ssl_error, "reason", None) or str(ssl_error)
+        facts.answer = "unreachable"
+        facts.detail = (
+            f"TLS handshake failed ({reason}); if the replica serves plain HTTP, "
+            "give its URL as http://"
+        )
     except aiohttp.ClientConnectorError as exc:
         reason = os.strerror(exc.os_error.errno) if exc.os_error.errno else str(exc)
         facts.answer, facts.detail = "unreachable", f"cannot connect ({reason})"
@@ -272,8 +281,11 @@ def _judge_replica(f: ReplicaFacts, *, max_staleness: int, stale: str | None) ->
         out.append(
             Problem(
                 name,
-                "LoRA is disabled (vllm_config.lora_config is null)",
-                f"start it with --enable-lora --max-lora-rank R --max-loras {need}",
+                "LoRA is disabled (vllm_config.lora_config is null): TRL would fall back to "
+                "merged-weight sync (/init_weight_transfer_engine, /update_weights), which "
+                "reaches one replica only, so lora-router refuses it and training stops",
+                f"start it with --enable-lora --max-lora-rank R --max-loras {need} "
+                "(R: your LoraConfig's r rounded up to 1, 8, 16, 32, 64, ...)",
             )
         )
     if f.runtime_loading is False:
@@ -306,8 +318,9 @@ def _judge_replica(f: ReplicaFacts, *, max_staleness: int, stale: str | None) ->
         out.append(
             Problem(
                 name,
-                f"data_parallel_size is {f.data_parallel_size}: TRL refuses adapter-only sync "
-                "with DP > 1, and runtime loads reach one API server only",
+                f"data_parallel_size is {f.data_parallel_size}: TRL falls back to "
+                "merged-weight sync with DP > 1 (a runtime load reaches one engine only), "
+                "which lora-router refuses",
                 "run one vLLM server per GPU group (--data-parallel-size 1) and list each "
                 "in --replicas",
             )

@@ -30,6 +30,19 @@ class UsageError(Exception):
     """A command line that cannot run; the message is the one line the user sees."""
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default: the value, "off" for a switch, or the words
+    its help already gives (a flag whose default is computed says so itself)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or "(required" in text or action.default is argparse.SUPPRESS:
+            return text
+        if action.default is False:
+            return f"{text} (default: off)"
+        return f"{text} (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a bad flag costs one line (not the whole usage) and exit status 2."""
 
@@ -43,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lora-router",
         description="Make N vLLM replicas, retrained live through LoRA adapters, look like one "
         "vLLM server: prefix-affinity routing, fenced adapter broadcasts, streaming.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"lora-router {__version__}")
 
@@ -52,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--demo",
         action="store_true",
         help="run a short GRPO-shaped training run through a router in front of 3 emulated "
-        "replicas on this machine, then exit (no other flag needed)",
+        "replicas on this machine, then exit (no other flag needed; the routing flags apply "
+        "to its router)",
     )
     g.add_argument(
         "--check",
@@ -70,17 +84,24 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("replicas and credentials")
     g.add_argument(
         "--replicas",
-        help="comma-separated replica URLs, http:// or https://, optionally with a path prefix",
+        help="comma-separated replica URLs, http:// or https://, optionally with a path "
+        "prefix (required, except with --demo)",
     )
     g.add_argument(
         "--token-env",
         metavar="NAME",
-        help="environment variable holding the replicas' bearer token",
+        help="environment variable holding the replicas' bearer token "
+        "(default: none, and then --no-token is required)",
     )
     g.add_argument(
-        "--no-token", action="store_true", help="send no Authorization header to the replicas"
+        "--no-token",
+        action="store_true",
+        help="send no Authorization header to the replicas (not with --token-env)",
     )
-    g.add_argument("--ca-file", help="extra CA bundle to verify https replicas against")
+    g.add_argument(
+        "--ca-file",
+        help="extra CA bundle to verify https replicas against (default: the system's CAs)",
+    )
 
     g = p.add_argument_group("listening")
     g.add_argument("--host", default=d.host, help="address to listen on")
@@ -89,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key-env",
         metavar="NAME",
         help="environment variable holding the key clients must send as a bearer "
-        "token (required to listen beyond loopback; GET /health and /ping stay open)",
+        "token; needed to listen beyond loopback; GET /health and /ping stay open. TRL sends "
+        "no key: keep the router on the trainer's loopback (default: none, no key asked)",
     )
     g.add_argument(
         "--insecure-listen",
@@ -108,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--block-size",
         type=int,
         default=None,
-        help="tokens per KV block (default: the replicas' cache_config.block_size, else 16)",
+        help="tokens per KV block for routing keys (default: the replicas' "
+        "cache_config.block_size, else 16)",
     )
     g.add_argument(
         "--load-factor",
@@ -134,7 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("timeouts (seconds)")
-    g.add_argument("--connect-timeout", type=float, default=d.connect_timeout)
+    g.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=d.connect_timeout,
+        help="time to open a connection to a replica",
+    )
     g.add_argument(
         "--first-byte-timeout",
         type=float,
@@ -185,13 +213,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("limits")
-    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
-    g.add_argument("--max-header-bytes", type=int, default=d.max_header_bytes)
-    g.add_argument("--max-headers", type=int, default=d.max_headers)
+    g.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=d.max_body_bytes,
+        help="largest request body a client may send (413 beyond)",
+    )
+    g.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=d.max_header_bytes,
+        help="largest request head a client may send (431 beyond)",
+    )
+    g.add_argument(
+        "--max-headers",
+        type=int,
+        default=d.max_headers,
+        help="most header fields in one request (431 beyond)",
+    )
     g.add_argument(
         "--max-connections", type=int, default=d.max_connections, help="open client connections"
     )
-    g.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
+    g.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=d.max_prompt_tokens,
+        help="longest token-id prompt a completion may carry (400 beyond)",
+    )
     g.add_argument(
         "--max-upstream-connections",
         type=int,
@@ -222,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--unload-stale",
         metavar="PATTERN",
         help="at start, unload adapters matching this glob (e.g. 'trl-policy-*') "
-        "left on reused replicas",
+        "left on reused replicas (default: unload nothing)",
     )
     g.add_argument(
         "--down-replica-policy",
@@ -232,8 +280,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("health")
-    g.add_argument("--health-interval", type=float, default=d.health_interval)
-    g.add_argument("--health-timeout", type=float, default=d.health_timeout)
+    g.add_argument(
+        "--health-interval",
+        type=float,
+        default=d.health_interval,
+        help="seconds between two active /health checks of a replica",
+    )
+    g.add_argument(
+        "--health-timeout",
+        type=float,
+        default=d.health_timeout,
+        help="seconds a /health check may take before it counts as failed",
+    )
     g.add_argument(
         "--health-failures",
         type=int,
@@ -252,11 +310,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.breaker_failures,
         help="consecutive request failures that open a replica's circuit breaker",
     )
-    g.add_argument("--breaker-cooldown", type=float, default=d.breaker_cooldown)
+    g.add_argument(
+        "--breaker-cooldown",
+        type=float,
+        default=d.breaker_cooldown,
+        help="seconds an open circuit breaker waits before letting one request try",
+    )
 
     g = p.add_argument_group("visibility")
     g.add_argument(
-        "--log-level", default=d.log_level, choices=("debug", "info", "warning", "error")
+        "--log-level",
+        default=d.log_level,
+        choices=("debug", "info", "warning", "error"),
+        help="how much the router logs (debug: one line per routing decision)",
     )
     g.add_argument(
         "--status-interval",
@@ -280,6 +346,8 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config
     if len({r.name for r in replicas}) != len(replicas):
         raise UsageError("--replicas lists the same replica twice")
     token = Secret("")
+    if args.token_env and args.no_token:
+        raise UsageError("--token-env and --no-token contradict each other: give one of them")
     if args.token_env:
         if not environ.get(args.token_env):
             raise UsageError(f"--token-env {args.token_env}: that variable is not set or empty")
@@ -384,18 +452,55 @@ async def serve_until_signal(config: Config) -> None:
     await runtime.stop(grace=config.shutdown_grace)
 
 
+# The flags `--demo` passes to its own router; every other flag has no meaning there.
+DEMO_ROUTER_FLAGS = (
+    "policy",
+    "block_size",
+    "load_factor",
+    "load_slack",
+    "vnodes",
+    "affinity_table_size",
+)
+
+
+def demo_router_flags(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> dict[str, object]:
+    """The routing flags given with `--demo`, checked like a real fleet's; UsageError for any
+    other flag, which the demo would otherwise silently ignore."""
+    defaults = vars(parser.parse_args([]))
+    given = [k for k, v in vars(args).items() if k != "demo" and v != defaults[k]]
+    other = [k for k in given if k not in DEMO_ROUTER_FLAGS]
+    if other:
+        shown = ", ".join("--" + k.replace("_", "-") for k in other)
+        allowed = ", ".join("--" + k.replace("_", "-") for k in DEMO_ROUTER_FLAGS)
+        raise UsageError(
+            f"--demo starts its own emulated replicas and router, so {shown} "
+            f"{'has' if len(other) == 1 else 'have'} no meaning there; it takes only the "
+            f"routing flags ({allowed})"
+        )
+    # The same checks as for a real fleet, on a stand-in replica list.
+    stand_in = argparse.Namespace(
+        **{**vars(args), "replicas": "http://127.0.0.1:9", "no_token": True}
+    )
+    build_config(stand_in, {})
+    return {k: getattr(args, k) for k in given}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["top"]:  # a subcommand; every other form is the router's own flags
         from lora_router.top import main as top
 
         return top(argv[1:])
-    args = build_parser().parse_args(argv)
-    if args.demo:
-        from lora_router.demo import run_demo
-
-        return run_demo()
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
+        if args.demo:
+            routing = demo_router_flags(parser, args)
+            from lora_router.demo import run_demo
+
+            return run_demo(router=routing)
         config = build_config(args, os.environ)
     except UsageError as exc:
         print(f"lora-router: error: {exc}", file=sys.stderr)
@@ -410,14 +515,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     import uvloop
 
+    from lora_router.runtime import ListenError
+
     try:
         uvloop.run(serve_until_signal(config))
-    except OSError as exc:
-        print(
-            f"lora-router: error: cannot listen on {config.host}:{config.port}: {exc.strerror}",
-            file=sys.stderr,
-        )
-        return 1
+    except ListenError as exc:
+        print(f"lora-router: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -3,15 +3,16 @@
 It starts N emulated vLLM replicas in this process (a timing model, a prefix cache, and mount
 lag on the last one, so an adapter load there needs retries the way a network bucket does), a
 router in front of them, writes LoRA adapters to a temporary directory, and drives a short
-GRPO-shaped run over real HTTP exactly as TRL's AsyncGRPOTrainer does (contract §1):
+GRPO-shaped run over real HTTP as TRL 1.16's AsyncGRPOTrainer does (docs/trl-guide.md):
 
 - start: `GET /health`, `GET /server_info?config_format=json` (LoRA on, enough slots, DP 1),
   `GET /v1/models` (the base model first, with its `max_model_len`);
 - each step N: `POST /pause?mode=keep` → write `trl-policy-vN` (atomic rename) →
   `POST /v1/load_lora_adapter` → `POST /resume` → unload `v(N-5)` once N > max_staleness + 1,
   and delete the directory of `v(N-6)`;
-- rollouts: S prompts x G = 8 separate identical `/v1/completions` requests, token-id prompts
-  that share a chat-template prefix, `n` 1, `return_token_ids`, `logprobs` 0, a seed; every
+- rollouts: S prompts x G = 8 separate `/v1/completions` requests, the same token-id prompt
+  (chat-templated, sharing that prefix with the other prompts), `n` 1, `return_token_ids`,
+  `logprobs` 0, and each its own `seed`, as TRL 1.16 sends them (so the G bodies differ); every
   fourth group is streamed (SSE) to show that streams pass through untouched.
 
 Two liberties, both to exercise the router rather than to flatter it. The first two groups of
@@ -42,7 +43,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -88,7 +89,7 @@ class DemoPlan:
     replicas: int = 3
     steps: int = 7
     prompts: int = 12  # S: prompts per step
-    group: int = 8  # G: samples per prompt, sent as separate identical requests
+    group: int = 8  # G: samples per prompt, separate requests (same prompt, own seeds)
     max_tokens: int = 32
     stream_every: int = 4  # every k-th group is streamed
     eager_groups: int = 2  # groups per step sent while their adapter is still loading
@@ -96,6 +97,8 @@ class DemoPlan:
     mount_lag: int = 2  # load attempts per path the last replica answers 404 before it sees it
     policy: str = "prefix"  # the router's --policy
     seed: int = 1234
+    # Other routing flags given with `lora-router --demo` (Config field -> value).
+    routing: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(slots=True)
@@ -187,6 +190,7 @@ async def run(plan: DemoPlan, progress: TextIO | None = sys.stderr) -> DemoResul
                 health_interval=0.5,
                 max_staleness=plan.max_staleness,
                 policy=plan.policy,
+                **dict(plan.routing),
                 log_level="warning",
                 status_interval=0.0,
             )
@@ -538,7 +542,9 @@ def summary(result: DemoResult) -> str:
     lines = [
         "",
         f"lora-router demo: {plan.steps} steps x {plan.prompts} prompts x G={plan.group} "
-        f"over {plan.replicas} emulated replicas, --policy {plan.policy}, {result.wall:.1f} s",
+        f"over {plan.replicas} emulated replicas, --policy {plan.policy}"
+        + "".join(f", --{k.replace('_', '-')} {v}" for k, v in plan.routing)
+        + f", {result.wall:.1f} s",
         "",
         render_table(("replica", "requests", "share", "prefix-cache hits"), rows),
         "",
@@ -554,6 +560,12 @@ def summary(result: DemoResult) -> str:
         lines.append(
             f"  fence         {len(waits)} requests waited for their adapter's load to finish: "
             f"median {statistics.median(waits):.2f} s, max {waits[-1]:.2f} s"
+        )
+        lines.append(
+            f"                expected: the demo sends {plan.eager_groups} groups a step while "
+            "their adapter is still loading\n"
+            "                (an eager client); TRL names vN only once its load has answered, "
+            "so with TRL\n                these waits are rare"
         )
     else:
         lines.append("  fence         no request had to wait")
@@ -600,9 +612,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_demo(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
-    """The `--demo` command: run, print the summary, return 0 when every request succeeded."""
+def run_demo(
+    argv: Sequence[str] | None = None,
+    out: TextIO | None = None,
+    router: Mapping[str, Any] | None = None,
+) -> int:
+    """The `--demo` command: run, print the summary, return 0 when every request succeeded.
+    `router`: routing flags given to `lora-router --demo` (checked there), for its router."""
     args = build_parser().parse_args(argv if argv is not None else [])
+    routing = dict(router or {})
+    policy = routing.pop("policy", args.policy)
     if min(args.replicas, args.steps, args.prompts, args.group, args.max_tokens) < 1:
         print("lora-router --demo: sizes must be at least 1", file=sys.stderr)
         return 2
@@ -613,7 +632,8 @@ def run_demo(argv: Sequence[str] | None = None, out: TextIO | None = None) -> in
         group=args.group,
         max_tokens=args.max_tokens,
         mount_lag=max(0, args.mount_lag),
-        policy=args.policy,
+        policy=policy,
+        routing=tuple(sorted(routing.items())),
     )
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

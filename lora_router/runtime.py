@@ -2,9 +2,11 @@
 and replica telemetry, the policy and the app, started and stopped together. Tests and the demo
 start routers in-process through this class.
 
-Start order matters: the replicas are read first (adapters already on them, their KV block
-size, `--unload-stale`), so the first request already sees the fleet as it is; the socket
-opens next; the health watchers and the telemetry loop start last.
+Start order matters: the listening socket is bound first, before any replica is contacted, so
+a port in use fails at once with nothing to clean up; the replicas are read next (adapters
+already on them, their KV block size, `--unload-stale`), and only then does the socket accept,
+so the first request already sees the fleet as it is; the health watchers and the
+telemetry loop start last.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ from lora_router.routing.policy import make_policy
 from lora_router.status import metric_families, summary_line
 
 log = logging.getLogger("lora_router")
+
+
+class ListenError(Exception):
+    """The listening socket could not be bound; the message is the line the user sees."""
 
 
 class RouterRuntime:
@@ -66,26 +72,38 @@ class RouterRuntime:
         self.fence = fence = AdapterFence(config.fence_timeout)
         fence.base_models = fleet.base_models  # one set, filled by discovery and replays
         self.control = control = ControlPlane(config, fleet, fence)
-        await control.open()
-        block_size = await discover(control)
         self.health = health = HealthMonitor(config, fleet, control)
         stats = RequestStats()
         collector = MetricsCollector(stats)
         registry = make_registry(collector)
-        block_size = config.block_size or block_size or DEFAULT_BLOCK_SIZE
         self.app = app = RouterApp(
-            config, fleet, policy, fence, control, health, stats, registry, block_size
+            config, fleet, policy, fence, control, health, stats, registry, DEFAULT_BLOCK_SIZE
         )
         self.telemetry = telemetry = Telemetry(config, fleet, control)
         app.state.telemetry = telemetry
         collector.add_source(lambda: metric_families(app.state))
-        self.server, self.connections = await serve(
-            self.app.handle,
-            config,
-            config.host,
-            config.port,
-            max_connections=config.max_connections,
-        )
+        try:
+            self.server, self.connections = await serve(
+                app.handle,
+                config,
+                config.host,
+                config.port,
+                max_connections=config.max_connections,
+                start_serving=False,
+            )
+        except OSError as exc:
+            fleet.close()
+            raise ListenError(
+                f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}"
+            ) from None
+        try:
+            await control.open()
+            block_size = await discover(control)
+        except BaseException:
+            await self.stop()
+            raise
+        app.block_size = config.block_size or block_size or DEFAULT_BLOCK_SIZE
+        await self.server.start_serving()
         health.start()
         telemetry.start()
         if config.status_interval > 0:

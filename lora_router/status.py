@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from prometheus_client.core import HistogramMetricFamily, Metric
 
-from lora_router.body import CompletionReader
 from lora_router.fleet.breaker import CLOSED
 from lora_router.fleet.control import ControlPlane
 from lora_router.fleet.fence import AdapterFence
@@ -36,7 +35,6 @@ class RouterState:
     health: HealthMonitor
     policy: Policy
     stats: RequestStats
-    reader: CompletionReader
     telemetry: Telemetry | None = None  # set by the runtime once its loop runs
 
 
@@ -117,6 +115,17 @@ def status(state: RouterState) -> dict[str, object]:
             "received": control.received,
             "pending": control.pending,
             "by_outcome": {f"{op} {outcome}": n for (op, outcome), n in control.counts.items()},
+            # Loads retried because a replica answers "No adapter found" (mount lag, or a
+            # mistyped path): who, for what, and for how long so far.
+            "mount_waits": [
+                {
+                    "replica": w.replica.rid,
+                    "adapter": w.name,
+                    "path": w.path,
+                    "seconds": round(seconds, 3),
+                }
+                for w, seconds in control.mount_wait_seconds()
+            ],
         },
         "routing": state.policy.counts.as_dict(),
         "requests": requests,
@@ -230,13 +239,6 @@ def metric_families(state: RouterState) -> Iterator[Metric]:
         per_replica(lambda r: r.breaker.opens),
     )
     yield counter(
-        "lora_router_body_reuses",
-        "Completion bodies identical to one read shortly before (the samples of a GRPO "
-        "prompt), routed on that reading instead of a new one.",
-        [],
-        [([], state.reader.hits)],
-    )
-    yield counter(
         "lora_router_routing_decisions",
         "Routing decisions by kind (sibling, continuation, spill, fresh, nokey, balanced).",
         ["kind"],
@@ -273,6 +275,16 @@ def metric_families(state: RouterState) -> Iterator[Metric]:
         "Total time of the broadcasts, by operation and outcome.",
         ["op", "outcome"],
         [([op, outcome], s) for (op, outcome), s in sorted(control.seconds.items())],
+    )
+    waiting: dict[int, float] = {}
+    for w, seconds in control.mount_wait_seconds():
+        waiting[w.replica.rid] = max(waiting.get(w.replica.rid, 0.0), seconds)
+    yield gauge(
+        "lora_router_load_mount_wait_seconds",
+        "How long each replica has answered 'No adapter found' to the load being retried "
+        "(0: none); a value near --load-deadline is a path the replica cannot see.",
+        replica,
+        per_replica(lambda r: waiting.get(r.rid, 0.0)),
     )
     live = len(fence.live())
     yield gauge("lora_router_adapters_live", "Adapters that pass the fence.", [], [([], live)])

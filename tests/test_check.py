@@ -11,6 +11,7 @@ import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -183,3 +184,19 @@ async def test_the_command_line_passes_the_token_and_max_staleness(
         )
     assert ready == 0, ready_out.getvalue()
     assert strict == 1 and "below max_staleness + 2 = 7" in strict_out.getvalue()
+
+
+async def test_an_https_url_on_a_plain_http_replica_reports_the_tls_error() -> None:
+    async with replicas(EmulatorConfig()) as emus:
+        url = emus[0].url.replace("http://", "https://")
+        status, text = await run_check(fleet_config([SimpleNamespace(url=url)]))
+    assert status == 1
+    assert "TLS handshake failed" in text and "http://" in text
+    assert "Operation not permitted" not in text
+
+
+async def test_a_fleet_without_lora_is_told_that_trl_falls_back_to_merged_weight_sync() -> None:
+    async with replicas(EmulatorConfig(enable_lora=False)) as emus:
+        status, text = await run_check(fleet_config(emus))
+    assert status == 1
+    assert "merged-weight sync" in text and "lora-router refuses it" in text

@@ -200,3 +200,111 @@ async def _sigterm_drains() -> None:
             proc.kill()
             await proc.wait()
         await emu.stop()
+
+
+def _help_entries(text: str) -> dict[str, str]:
+    """Each option of `--help` (its first flag) -> the whole text shown for it."""
+    entries: dict[str, str] = {}
+    current = None
+    for line in text.splitlines():
+        match = re.match(r"^  (-\S+)", line)
+        if match:
+            current = match.group(1).split(",")[0]
+            entries[current] = line
+        elif current is not None and line.startswith("    "):
+            entries[current] += " " + line.strip()
+        else:
+            current = None
+    return entries
+
+
+def test_every_flag_in_help_shows_its_help_and_its_default_once() -> None:
+    result = run("--help")
+    assert result.returncode == 0
+    entries = _help_entries(result.stdout)
+    parser = build_parser()
+    options = {
+        a.option_strings[-1] if a.option_strings[0] == "-h" else a.option_strings[0]
+        for a in parser._actions
+    }
+    assert set(entries) == {"-h"} | (options - {"--help"})
+    for flag, text in entries.items():
+        if flag in ("-h", "--version"):
+            continue
+        flag_and_metavar = re.match(r"\s*-\S+(?: [A-Z_]+| \{[^}]+\})?", text)
+        assert flag_and_metavar is not None
+        described = text[flag_and_metavar.end() :].strip()
+        assert described and not described.startswith("("), f"{flag} has no help"
+        marks = text.count("(default") + text.count("(required")
+        assert marks == 1, f"{flag}: default shown {marks} times: {text}"
+        assert "(default: None)" not in text, f"{flag} shows a meaningless default"
+
+
+def test_block_size_states_its_computed_default_once() -> None:
+    text = _help_entries(run("--help").stdout)["--block-size"]
+    assert text.count("default") == 1 and "cache_config.block_size, else 16" in text
+
+
+def test_no_token_and_token_env_together_is_a_usage_error() -> None:
+    with pytest.raises(UsageError, match="--token-env and --no-token"):
+        config("--replicas", "http://a", "--token-env", "HF_TOKEN", "--no-token")
+
+
+def test_python_dash_m_lora_router_is_the_command() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "lora_router", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0 and result.stdout.startswith("lora-router ")
+
+
+def test_a_port_in_use_is_one_line_exit_2_and_no_replica_is_contacted() -> None:
+    contacted: list[bool] = []
+
+    async def scenario() -> subprocess.CompletedProcess[str]:
+        async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            contacted.append(True)
+            writer.close()
+
+        replica = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+        busy = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+        replica_port = replica.sockets[0].getsockname()[1]
+        busy_port = busy.sockets[0].getsockname()[1]
+        try:
+            argv = ["--replicas", f"http://127.0.0.1:{replica_port}", "--no-token"]
+            return await asyncio.to_thread(run, *argv, "--port", str(busy_port))
+        finally:
+            replica.close()
+            busy.close()
+
+    result = uvloop.run(scenario())
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("lora-router: error: cannot listen on 127.0.0.1:")
+    assert "in use" in lines[0]
+    assert contacted == []
+
+
+def test_demo_refuses_flags_it_would_ignore() -> None:
+    result = run("--demo", "--replicas", "http://a", "--retries", "3")
+    assert result.returncode == 2
+    line = result.stderr.strip()
+    assert line.startswith("lora-router: error: --demo starts its own")
+    assert "--replicas, --retries have no meaning there" in line and "--policy" in line
+
+
+def test_demo_checks_the_routing_flags_it_takes() -> None:
+    result = run("--demo", "--load-factor", "-1")
+    assert result.returncode == 2 and "--load-factor must be positive" in result.stderr
+
+
+def test_demo_passes_the_routing_flags_to_its_router(monkeypatch) -> None:
+    import lora_router.demo
+
+    seen: list[object] = []
+    monkeypatch.setattr(lora_router.demo, "run_demo", lambda router: seen.append(router) or 0)
+    assert main(["--demo", "--policy", "round-robin", "--vnodes", "7"]) == 0
+    assert seen == [{"policy": "round-robin", "vnodes": 7}]

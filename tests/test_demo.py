@@ -59,3 +59,27 @@ def test_demo_sizes_are_validated() -> None:
     from lora_router.demo import run_demo
 
     assert run_demo(["--replicas", "0"], out=io.StringIO()) == 2
+
+
+def test_the_demos_router_uses_the_policy_it_was_given() -> None:
+    from lora_router.demo import run_demo
+
+    out = io.StringIO()
+    sizes = ["--replicas", "2", "--steps", "2", "--prompts", "4", "--max-tokens", "4"]
+    status = run_demo([*sizes, "--no-progress"], out=out, router={"policy": "round-robin"})
+    text = out.getvalue()
+    assert status == 0, text
+    assert "--policy round-robin" in text.splitlines()[1]
+    # Round robin deals the 8 samples of a prompt 4 and 4 over 2 replicas, where prefix
+    # affinity would keep them together.
+    assert "affinity      50.0% of samples" in text
+
+
+def test_the_summary_explains_the_fence_waits() -> None:
+    from lora_router.demo import run_demo
+
+    out = io.StringIO()
+    sizes = ["--replicas", "2", "--steps", "2", "--prompts", "4", "--max-tokens", "4"]
+    assert run_demo([*sizes, "--no-progress"], out=out) == 0
+    text = " ".join(out.getvalue().split())
+    assert "an eager client" in text and "with TRL these waits are rare" in text

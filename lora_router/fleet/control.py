@@ -10,11 +10,18 @@ with an adapter the other half lacks.
 
 - **Load** is all-or-nothing. A 404 "No adapter found" (the replica's mount has not caught up)
   is retried every `load_retry_interval` until `load_deadline`; past it the answer is **504,
-  never 404** (TRL reads 404 as "runtime LoRA updating is off"). "400 already loaded" counts as
-  present when the replica's `/v1/models` lists the name with the same `root`, and as a conflict
-  otherwise (explained, with `--unload-stale`). Any real failure unloads the adapter from the
-  replicas that took it and answers with the first failure, naming the replica. Success
-  answers vLLM's own body and headers (plain text, no Content-Type).
+  never 404** (TRL reads 404 as "runtime LoRA updating is off"). A replica's "400 already
+  loaded" (the router's own resend, a replay, a load whose answer was lost) counts as present
+  when its `/v1/models` lists the name with the same `root`, and as a conflict otherwise
+  (explained, with `--unload-stale`). A *client* loading a name the fleet already serves gets
+  vLLM's own 400 "has already been loaded", as from a single server. Any real failure unloads
+  the adapter from the replicas that took it and answers with the first failure, naming the
+  replica. Success answers vLLM's own body and headers (plain text, no Content-Type).
+- **A load that cannot succeed** (a mistyped path: "No adapter found" until the deadline) is
+  logged when a replica's wait starts and every 30 s while it lasts, shown in
+  `/router/status` and the metrics (`mount_waits`), and abandoned as soon as the client that
+  asked disconnects: operations queued behind it (a `/resume`) wait for it, at most until
+  the deadline or that disconnect.
 - **Unload**: the fence stops routing the name when the request arrives; the broadcast then
   drops it everywhere; 404 "cannot be found" counts as done. Requests already forwarded under
   the name finish on their replicas (vLLM keeps serving a request whose adapter it
@@ -45,6 +52,7 @@ never run two broadcasts at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -145,13 +153,27 @@ class Outcome:
     """What one replica did with one adapter load."""
 
     replica: Replica
-    kind: str  # loaded | present | conflict | failed | timeout | down
+    kind: str  # loaded | present | conflict | failed | timeout | abandoned | down
     answer: Answer | None = None
     detail: str = ""
 
 
+@dataclass(slots=True)
+class MountWait:
+    """A replica answering "No adapter found" to a load the router keeps retrying."""
+
+    replica: Replica
+    name: str
+    path: str
+    since: float  # loop time of the first such answer
+    logged: float  # loop time of the last line logged about it
+
+
 class ControlPlane:
     """Broadcasts and read-only fleet calls over one aiohttp session (module docstring)."""
+
+    # Seconds between two log lines about a replica that still cannot see an adapter.
+    mount_wait_log_interval = 30.0
 
     def __init__(self, config: Config, fleet: Fleet, fence: AdapterFence) -> None:
         self.config = config
@@ -168,6 +190,8 @@ class ControlPlane:
         self.paused: str | None = None
         self.pause_known = False
         self.replica_info: dict[int, dict[str, Any]] = {}  # rid -> what discovery read
+        # Loads being retried because a replica does not see the files yet: (rid, name) -> wait.
+        self.mount_waits: dict[tuple[int, str], MountWait] = {}
         self.received = 0  # broadcasts received since start
         self.pending = 0  # broadcasts received and not yet answered (queued or running)
         # Plain counters for metrics: (operation, outcome) -> count / seconds.
@@ -235,14 +259,24 @@ class ControlPlane:
                 return Answer(replica, 0, error=_transport_error(exc, timeout))
         raise AssertionError("unreachable")
 
-    async def _queue(self, op: Coroutine[Any, Any, Reply]) -> Reply:
-        """Run a broadcast in its own task, in arrival order, whatever happens to the client."""
+    async def _queue(
+        self, op: Coroutine[Any, Any, Reply], abandoned: asyncio.Event | None = None
+    ) -> Reply:
+        """Run a broadcast in its own task, in arrival order, whatever happens to the client.
+
+        If the client disconnects, `abandoned` is set: the broadcast still runs to a
+        consistent end, but a load stops retrying replicas that cannot see the adapter."""
         self.received += 1
         self.pending += 1
         task = asyncio.get_running_loop().create_task(op)
         self._tasks.add(task)
         task.add_done_callback(self._done)
-        return await asyncio.shield(task)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if abandoned is not None and not task.done():
+                abandoned.set()
+            raise
 
     def _done(self, task: asyncio.Task[Reply]) -> None:
         self.pending -= 1
@@ -271,18 +305,24 @@ class ControlPlane:
         name, path, inplace = _load_fields(body)
         # At arrival, not in its turn: completions naming it from now on wait at the fence.
         entry = self.fence.begin_load(name, path, body, inplace)
-        return await self._queue(self._load_op(entry, name, path, body))
+        self._note_queue(f"load {name!r}")
+        abandoned = asyncio.Event()
+        return await self._queue(self._load_op(entry, name, path, body, abandoned), abandoned)
 
-    async def _load_op(self, entry: AdapterEntry, name: str, path: str, body: bytes) -> Reply:
+    async def _load_op(
+        self, entry: AdapterEntry, name: str, path: str, body: bytes, abandoned: asyncio.Event
+    ) -> Reply:
         started = asyncio.get_running_loop().time()
         ok, failure, outcome = False, "the router stopped", "error"
         try:
             async with self.lock:
                 if entry.state is AdapterState.LIVE:
-                    # A repeated load of a live name: present everywhere, as vLLM's success.
-                    ok, outcome = True, "present"
-                    return _loaded_reply(name, None, self.fleet.live())
-                reply = await self._broadcast_load(name, path, body)
+                    # A client loading a live name again gets vLLM's refusal: answering success
+                    # would let a restarted trainer keep the previous run's weights under it.
+                    # (The router's own resends and replays reconcile in `load_on` instead.)
+                    outcome, failure = "already_loaded", "the name is already loaded"
+                    return Reply(400, already_loaded(name).body(), [_JSON])
+                reply = await self._broadcast_load(name, path, body, abandoned)
                 ok, outcome = True, "ok"
                 return reply
         except HTTPError as exc:
@@ -292,7 +332,9 @@ class ControlPlane:
             self.fence.finish_load(entry, ok, failure)
             self._record("load", outcome, started, repr(name), "" if ok else failure)
 
-    async def _broadcast_load(self, name: str, path: str, body: bytes) -> Reply:
+    async def _broadcast_load(
+        self, name: str, path: str, body: bytes, abandoned: asyncio.Event
+    ) -> Reply:
         fleet = self.fleet
         if self.config.down_replica_policy == "fail":
             down = [r for r in fleet.replicas if not r.live and not r.draining]
@@ -316,15 +358,19 @@ class ControlPlane:
         riders = [r for r in fleet.replicas if r.replaying and r.healthy and r not in targets]
         deadline = asyncio.get_running_loop().time() + self.config.load_deadline
         outcomes, rides = await asyncio.gather(
-            asyncio.gather(*(self.load_on(r, name, path, body, deadline) for r in targets)),
-            asyncio.gather(*(self.load_on(r, name, path, body, deadline) for r in riders)),
+            asyncio.gather(
+                *(self.load_on(r, name, path, body, deadline, abandoned) for r in targets)
+            ),
+            asyncio.gather(
+                *(self.load_on(r, name, path, body, deadline, abandoned) for r in riders)
+            ),
         )
         carried = [o.replica for o in rides if o.kind in ("loaded", "present")]
         for o in outcomes:
             if o.kind == "down":
                 fleet.eject(o.replica, f"unreachable during the load of '{name}': {o.detail}")
         accepted = [o for o in outcomes if o.kind in ("loaded", "present")]
-        failed = [o for o in outcomes if o.kind in ("conflict", "failed", "timeout")]
+        failed = [o for o in outcomes if o.kind in ("conflict", "failed", "timeout", "abandoned")]
         if self.config.down_replica_policy == "fail":
             failed += [o for o in outcomes if o.kind == "down"]
         if accepted and not failed:
@@ -340,7 +386,8 @@ class ControlPlane:
         # next load of the same name and path, or unloaded by a replay.
         await self.unload_from(
             name,
-            [o.replica for o in outcomes if o.kind in ("loaded", "present", "timeout")] + carried,
+            [o.replica for o in outcomes if o.kind in ("loaded", "present", "timeout", "abandoned")]
+            + carried,
         )
         if not failed:
             down = [o.replica for o in outcomes]
@@ -350,30 +397,106 @@ class ControlPlane:
         raise _load_failure(name, path, min(failed, key=_failure_rank), self.config)
 
     async def load_on(
-        self, replica: Replica, name: str, path: str, body: bytes, deadline: float
+        self,
+        replica: Replica,
+        name: str,
+        path: str,
+        body: bytes,
+        deadline: float,
+        abandoned: asyncio.Event | None = None,
     ) -> Outcome:
-        """Load on one replica, retrying mount lag until `deadline`."""
+        """Load on one replica, retrying mount lag until `deadline`, or until `abandoned` is
+        set (the client that asked has gone)."""
+        loop = asyncio.get_running_loop()
         last = "no answer"
-        started = asyncio.get_running_loop().time()
+        started = loop.time()
+        key = (replica.rid, name)
         try:
             async with asyncio.timeout_at(deadline):
                 while True:  # bounded by the deadline
                     answer = await self.call(replica, "POST", "/v1/load_lora_adapter", body=body)
                     if answer.status == 200:
-                        replica.load_seconds = asyncio.get_running_loop().time() - started
+                        replica.load_seconds = loop.time() - started
                         return Outcome(replica, "loaded", answer)
                     if answer.status == 0:
                         return Outcome(replica, "down", answer, answer.error)
                     message = answer.message()
                     if answer.status == 404 and _MOUNT_LAG in message:
                         last = message
-                        await asyncio.sleep(self.config.load_retry_interval)
+                        self._mount_lag(key, replica, name, path, deadline)
+                        if abandoned is None:
+                            await asyncio.sleep(self.config.load_retry_interval)
+                            continue
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(self.config.load_retry_interval):
+                                await abandoned.wait()
+                        if abandoned.is_set():
+                            waited = loop.time() - started
+                            return Outcome(replica, "abandoned", None, f"{waited:.1f} s ({last})")
                         continue
                     if answer.status == 400 and _ALREADY_LOADED in message:
                         return await self._reconcile(replica, name, path, answer)
                     return Outcome(replica, "failed", answer, message)
         except TimeoutError:
             return Outcome(replica, "timeout", None, last)
+        finally:
+            if self.mount_waits.pop(key, None) is not None:
+                log.info(
+                    "load %r: %s stopped waiting for the adapter files after %.1f s",
+                    name,
+                    replica.describe(),
+                    loop.time() - started,
+                )
+
+    def mount_wait_seconds(self) -> list[tuple[MountWait, float]]:
+        """Every load still waiting for a replica to see its files, with how long so far."""
+        now = asyncio.get_running_loop().time()
+        return [(w, now - w.since) for w in self.mount_waits.values()]
+
+    def _note_queue(self, op: str) -> None:
+        """Say why an operation will wait, when what it waits behind is a load that a
+        replica cannot see yet (a mistyped path waits the whole --load-deadline)."""
+        if not (self.lock.locked() and self.mount_waits):
+            return
+        wait, seconds = max(self.mount_wait_seconds(), key=lambda ws: ws[1])
+        log.warning(
+            "%s waits for load %r: %s has answered 'No adapter found' for %.0f s (it ends "
+            "at --load-deadline, or when the client that asked for the load disconnects)",
+            op,
+            wait.name,
+            wait.replica.describe(),
+            seconds,
+        )
+
+    def _mount_lag(
+        self, key: tuple[int, str], replica: Replica, name: str, path: str, deadline: float
+    ) -> None:
+        """Record and log a "No adapter found": once when it starts, then every
+        `mount_wait_log_interval` seconds while it lasts."""
+        now = asyncio.get_running_loop().time()
+        wait = self.mount_waits.get(key)
+        if wait is None:
+            self.mount_waits[key] = MountWait(replica, name, path, now, now)
+            log.info(
+                "load %r: %s answers 'No adapter found' for %s (its mount has not caught up?); "
+                "retrying every %g s for up to %.0f s (--load-deadline)",
+                name,
+                replica.describe(),
+                path,
+                self.config.load_retry_interval,
+                deadline - now,
+            )
+        elif now - wait.logged >= self.mount_wait_log_interval:
+            wait.logged = now
+            log.warning(
+                "load %r: %s still answers 'No adapter found' for %s after %.1f s; giving up "
+                "in %.0f s (--load-deadline), or when the client that asked disconnects",
+                name,
+                replica.describe(),
+                path,
+                now - wait.since,
+                max(deadline - now, 0.0),
+            )
 
     async def _reconcile(self, replica: Replica, name: str, path: str, answer: Answer) -> Outcome:
         """ "Already loaded": present if the replica holds the name at the same path."""
@@ -408,6 +531,7 @@ class ControlPlane:
         """`POST /v1/unload_lora_adapter`: unroutable at once, then dropped everywhere."""
         name = _unload_name(body)
         entry = self.fence.begin_unload(name)
+        self._note_queue(f"unload {name!r}")
         return await self._queue(self._unload_op(entry, name, body))
 
     async def _unload_op(self, entry: AdapterEntry, name: str, body: bytes) -> Reply:
@@ -458,6 +582,7 @@ class ControlPlane:
 
     async def dev_broadcast(self, op: str, path: str, query: str, body: bytes) -> Reply:
         """`/pause`, `/resume`, `/reset_prefix_cache` on every live replica, query intact."""
+        self._note_queue(path)
         return await self._queue(self._dev_op(op, path, query, body))
 
     async def _dev_op(self, op: str, path: str, query: str, body: bytes) -> Reply:
@@ -638,9 +763,20 @@ def _loaded_reply(name: str, answer: Answer | None, acked: Sequence[Replica]) ->
     return Reply(200, text.encode(), _copied_headers([], acked))
 
 
+def already_loaded(name: str) -> HTTPError:
+    """vLLM's answer to a second load of a name it serves (serving.py,
+    `_check_load_lora_adapter_request`), word for word."""
+    return HTTPError(
+        400,
+        f"The lora adapter '{name}' has already been loaded. If you want to load the adapter "
+        "in place, set 'load_inplace' to True.",
+        type="InvalidUserInput",
+    )
+
+
 def _failure_rank(o: Outcome) -> tuple[int, int]:
     # A replica's own refusal explains more than a timeout, which explains more than silence.
-    order = {"conflict": 0, "failed": 0, "timeout": 1, "down": 2}
+    order = {"conflict": 0, "failed": 0, "timeout": 1, "abandoned": 1, "down": 2}
     return order[o.kind], o.replica.rid
 
 
@@ -651,6 +787,12 @@ def _load_failure(name: str, path: str, o: Outcome, config: Config) -> HTTPError
             504,
             f"{who} did not load adapter '{name}' within {config.load_deadline:g} s "
             f"(--load-deadline); last answer: {o.detail}",
+        )
+    if o.kind == "abandoned":
+        return HTTPError(
+            503,
+            f"The client that asked to load adapter '{name}' disconnected while {who} still "
+            f"answered 'No adapter found' for {o.detail}; the load was abandoned.",
         )
     if o.kind == "down":
         return HTTPError(503, f"Cannot load adapter '{name}': {who} is unreachable: {o.detail}")

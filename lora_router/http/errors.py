@@ -1,8 +1,8 @@
 """Error answers in vLLM's shape, so a client cannot tell the router's errors from a replica's.
 
 vLLM answers `{"error": {"message", "type", "param", "code"}}` with HTTP status = `code`
-(see shared/docs/vllm-contract.md §2). Messages may name a replica by index or URL, never a
-credential: nothing in this module ever sees the token.
+(vLLM 0.32: vllm/entrypoints/serve/exception_handling/error_response.py). Messages may name a
+replica by index or URL, never a credential: nothing in this module ever sees the token.
 """
 
 from __future__ import annotations

@@ -549,11 +549,17 @@ async def serve(
     *,
     max_connections: int,
     backlog: int = 2048,
+    start_serving: bool = True,
 ) -> tuple[asyncio.Server, ConnectionCount]:
-    """Listen on host:port; every accepted connection becomes a `ClientConnection`."""
+    """Listen on host:port; every accepted connection becomes a `ClientConnection`. With
+    `start_serving` False the socket is bound but accepts only after `start_serving()`."""
     loop = asyncio.get_running_loop()
     count = ConnectionCount(max_connections)
     server = await loop.create_server(
-        lambda: ClientConnection(handler, limits, count), host, port, backlog=backlog
+        lambda: ClientConnection(handler, limits, count),
+        host,
+        port,
+        backlog=backlog,
+        start_serving=start_serving,
     )
     return server, count

@@ -15,7 +15,7 @@ from lora_router.emulator import write_adapter
 from .conftest import FenceMonitor, StartEmulators, StartRouter, call
 
 STALENESS = 4
-G = 8  # samples per prompt: G separate identical requests
+G = 8  # samples per prompt: G separate requests, the same prompt, each its own seed (as TRL)
 
 
 def save_adapter(root: Path, name: str) -> str:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from xxhash import xxh3_64_intdigest
 
-from lora_router.body import CompletionReader, read_completion
+from lora_router.body import read_completion
 from lora_router.http.errors import HTTPError
 
 
@@ -68,48 +67,3 @@ def test_errors_are_vllm_400_naming_the_field() -> None:
     with pytest.raises(HTTPError) as info:
         read(b'{"prompt": [%s]}' % b",".join(b"1" for _ in range(101)))
     assert info.value.param == "prompt" and "101" in info.value.message
-
-
-def test_the_reader_hands_an_identical_body_its_earlier_reading() -> None:
-    reader = CompletionReader(100)
-    body = b'{"model": "trl-policy-v3", "prompt": [1, 2, 3], "seed": 7}'
-    first = reader.read(body, chat=False)
-    again = reader.read(bytes(bytearray(body)), chat=False)  # equal bytes, another object
-    assert again is first and reader.hits == 1
-    other = reader.read(body.replace(b"3]", b"4]"), chat=False)
-    assert other is not first and other.raw_tokens == b"[1, 2, 4]" and reader.hits == 1
-
-
-def test_the_reader_compares_bytes_not_only_hashes() -> None:
-    reader = CompletionReader(100)
-    a = b'{"model": "a", "prompt": [1]}'
-    b = b'{"model": "b", "prompt": [2]}'
-    reader.read(a, chat=False)
-    # Make b's slot hold a's reading, as a hash collision would.
-    (entry,) = reader._recent.values()
-    reader._recent.clear()
-    reader._recent[xxh3_64_intdigest(b, reader._seed)] = entry
-    got = reader.read(b, chat=False)
-    assert got.model == "b" and reader.hits == 0
-
-
-def test_the_reader_never_remembers_a_bad_body_and_stays_bounded() -> None:
-    reader = CompletionReader(100, entries=4, max_bytes=4096)
-    bad = b'{"prompt": [-1]}'
-    for _ in range(2):
-        with pytest.raises(HTTPError):
-            reader.read(bad, chat=False)
-    assert not reader._recent
-    for i in range(10):
-        reader.read(b'{"prompt": [%d]}' % i, chat=False)
-    assert len(reader._recent) == 4
-    big = b'{"prompt": [1], "x": "' + b"y" * 900 + b'"}'
-    for i in range(8):
-        reader.read(big.replace(b"[1]", b"[%d]" % i), chat=False)
-    assert reader._bytes <= 4096 and reader._bytes == sum(
-        len(b) for b, _ in reader._recent.values()
-    )
-    # Chat and completions never share a reading of the same bytes.
-    chat = b'{"messages": [{"role": "user", "content": "hi"}], "prompt": [5]}'
-    assert reader.read(chat, chat=True).text is not None
-    assert reader.read(chat, chat=False).raw_tokens == b"[5]"
