@@ -173,8 +173,28 @@ def _output_options(body: dict[str, Any], params: GenerationParams) -> Reply | N
     return None
 
 
-def context_error(params: GenerationParams, max_model_len: int) -> Reply | None:
-    """vLLM's length checks: the prompt alone, then prompt plus `max_tokens`."""
+def context_error(params: GenerationParams, max_model_len: int, vllm_version: str) -> Reply | None:
+    """vLLM's length checks. 0.27: the prompt alone, then prompt plus `max_tokens`. 0.32 and
+    later (seen on a real 0.32 server): `max_tokens` alone, then the prompt alone; a prompt
+    plus `max_tokens` beyond the context is not refused, `max_tokens` is clamped to fit."""
+    if vllm_version != "0.27":
+        if params.max_tokens is not None and params.max_tokens > max_model_len:
+            return bad_request(
+                f"max_tokens={params.max_tokens} cannot be greater than "
+                f"max_model_len={max_model_len}. Please request fewer output tokens. "
+                f"(parameter=max_tokens, value={params.max_tokens})",
+                "max_tokens",
+            )
+        for prompt in params.prompts:
+            if len(prompt) > max_model_len:
+                return bad_request(
+                    f"This model's maximum context length is {max_model_len} tokens. However, "
+                    f"your prompt contains {len(prompt)} input tokens, which exceeds this limit "
+                    "even without any output tokens. Please reduce the length of the input "
+                    f"prompt. (parameter=input_tokens, value={len(prompt)})",
+                    "input_tokens",
+                )
+        return None
     for prompt in params.prompts:
         if len(prompt) >= max_model_len:
             return bad_request(
@@ -193,9 +213,10 @@ def context_error(params: GenerationParams, max_model_len: int) -> Reply | None:
 
 
 def effective_max_tokens(params: GenerationParams, prompt: list[int], max_model_len: int) -> int:
+    room = max(1, max_model_len - len(prompt))
     if params.max_tokens is not None:
-        return params.max_tokens
-    return max(1, max_model_len - len(prompt))
+        return min(params.max_tokens, room)  # 0.32+ clamps; 0.27 refused the excess earlier
+    return room
 
 
 # --- rendering ---------------------------------------------------------------------------

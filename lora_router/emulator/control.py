@@ -39,7 +39,9 @@ from lora_router.emulator.replies import (
     is_json_media_type,
     json_decode_error,
     json_reply,
+    missing,
     missing_field,
+    not_of_type,
     unsupported_media_type,
     untyped_text,
     validation_error,
@@ -275,11 +277,16 @@ async def load_lora_adapter(replica: Replica, req: PlainRequest) -> Reply:
         return body
     if not isinstance(body, dict):
         return wrong_type("body", "request", "dictionary", body)
-    for key in ("lora_name", "lora_path"):
-        if key not in body:
-            return missing_field("body", key, body)
-        if not isinstance(body[key], str):
-            return wrong_type("body", key, "string", body[key])
+    # Pydantic reports every bad field at once, in field order.
+    errors = [
+        missing("body", key, body)
+        if key not in body
+        else not_of_type("body", key, "string", body[key])
+        for key in ("lora_name", "lora_path")
+        if not isinstance(body.get(key), str)
+    ]
+    if errors:
+        return validation_error(errors)
     name, path = body["lora_name"], body["lora_path"]
     inplace = body.get("load_inplace", False)
     if not isinstance(inplace, bool):
@@ -383,10 +390,11 @@ async def pause(replica: Replica, req: PlainRequest) -> Reply:
         return validation_error(
             [
                 {
-                    "type": "enum",
+                    "type": "literal_error",
                     "loc": ("query", "mode"),
                     "msg": "Input should be 'abort', 'wait' or 'keep'",
                     "input": mode,
+                    "ctx": {"expected": "'abort', 'wait' or 'keep'"},
                 }
             ]
         )
@@ -405,6 +413,11 @@ async def pause(replica: Replica, req: PlainRequest) -> Reply:
 async def resume(replica: Replica, req: PlainRequest) -> Reply:
     replica.state.resume()
     return json_reply({"status": "resumed"})
+
+
+async def get_world_size(replica: Replica, req: PlainRequest) -> Reply:
+    # TP * PP (* DP): one process each here. TRL's weight-transfer client reads it.
+    return json_reply({"world_size": 1})
 
 
 async def is_paused(replica: Replica, req: PlainRequest) -> Reply:
@@ -502,6 +515,7 @@ def routes(config: EmulatorConfig) -> dict[str, dict[str, Handler]]:
         table["/pause"] = {"POST": pause}
         table["/resume"] = {"POST": resume}
         table["/is_paused"] = {"GET": is_paused}
+        table["/get_world_size"] = {"GET": get_world_size}
         table["/reset_prefix_cache"] = {"POST": reset_prefix_cache}
         table["/server_info"] = {"GET": server_info}
         table["/is_sleeping"] = {"GET": is_sleeping}

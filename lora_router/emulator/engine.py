@@ -162,7 +162,9 @@ class Engine:
         raise UnknownModel(str(name))
 
     def served_names(self) -> list[str]:
-        return [self.config.model, *(a.name for a in self.registry.all())]
+        """What vLLM lists as "Valid aliases" in its unknown-model 404: the base model's
+        names, not the adapters (a real 0.32 server)."""
+        return [self.config.model]
 
     def extra_keys(self, adapter: Adapter | None) -> tuple[str, ...]:
         """Prefix-cache extra keys: the adapter name (0.27) or name and path (0.33)."""

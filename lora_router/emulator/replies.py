@@ -4,7 +4,11 @@ A `Reply` is a status, a body and headers; `app.py` (aiohttp) and `fast.py` (raw
 both send the same `Reply` objects, so the exact bytes of every control answer are decided
 here once. The shapes (contract §2):
 - OpenAI-style errors `{"error":{"message","type","param","code"}}` with status = code;
-- request-validation failures are 400 with type "Bad Request" (vLLM remaps FastAPI's 422);
+- request-validation failures are 400 with type "Bad Request" (vLLM remaps FastAPI's 422),
+  the message "N validation error(s):" then one line per error with a dotted `loc` and the
+  input summarised, `param` the first error's dotted `loc` (as a real 0.32 server answers);
+- error messages pass vLLM's `sanitize_message`: absolute paths under /tmp, /root, /home ...
+  read `<path>` (a real 0.32 server: "No adapter found for <path>");
 - FastAPI's own `{"detail":"Not Found"}` / `{"detail":"Method Not Allowed"}` for routes;
 - dev-mode endpoints' flat `{"error":"<string>"}`;
 - adapter load/unload success: plain text with **no** Content-Type.
@@ -13,6 +17,7 @@ here once. The shapes (contract §2):
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,8 +56,17 @@ def error_body(message: str, err_type: str, code: int, param: str | None = None)
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
+def sanitize_message(message: str) -> str:
+    """vLLM's `sanitize_message`: no memory addresses, tracebacks or file paths in errors."""
+    message = re.sub(r" at 0x[0-9a-fA-F]+>", ">", message)
+    message = re.sub(r'\n?\s*File "[^"]+", line \d+, in \S+(\n\s+.*)?', "", message)
+    message = re.sub(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+", "<path>", message)
+    message = re.sub(r"(?:/[\w\-]+)+/[\w\-]+\.\w+", "<path>", message)
+    return message.strip()
+
+
 def error_reply(message: str, err_type: str, code: int, param: str | None = None) -> Reply:
-    return json_reply(error_body(message, err_type, code, param), status=code)
+    return json_reply(error_body(sanitize_message(message), err_type, code, param), status=code)
 
 
 PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
@@ -67,7 +81,8 @@ def model_not_found(model: str | None, vllm_version: str, served: Iterable[str])
     """vLLM's 404 for a model it does not serve; 0.33 lists the names it does."""
     message = f"The model `{model}` does not exist."
     if vllm_version == "0.33":
-        message += f" Valid aliases: {', '.join(served)}"
+        # The base model's names only, adapters not (a real 0.32 server).
+        message += f" Valid aliases: {', '.join(served)}."
     return error_reply(message, "NotFoundError", 404, param="model")
 
 
@@ -77,27 +92,59 @@ def bad_request(message: str, param: str | None = None) -> Reply:
 
 
 def validation_error(errors: list[Any]) -> Reply:
-    """A FastAPI RequestValidationError as vLLM's handler reports it: 400 "Bad Request"."""
-    return error_reply(str(errors), "Bad Request", 400)
+    """A FastAPI RequestValidationError as vLLM's `validation_exception_handler` reports it:
+    400 "Bad Request", one line per error (at most 10), `param` the first error's `loc`."""
+    count = len(errors)
+    label = "error" if count == 1 else "errors"
+    message = f"{count} validation {label}:\n" + "".join(
+        f"  {_format_error(e)}\n" for e in errors[:10]
+    )
+    if count > 10:
+        message += f"  ...and {count - 10} more {label}\n"
+    first = errors[0] if errors else None
+    param = ".".join(map(str, first["loc"])) if isinstance(first, dict) else None
+    return error_reply(message.rstrip(), "Bad Request", 400, param)
+
+
+def _format_error(error: Any) -> str:
+    if not isinstance(error, dict):
+        return str(error)
+    shown = dict(error)
+    shown["loc"] = ".".join(map(str, error["loc"]))
+    if "input" in shown:
+        shown["input"] = _summarize_input(shown["input"])
+    return str(shown)
+
+
+def _summarize_input(value: Any) -> str:
+    """vLLM echoes containers by size only, everything else as text (at most 200 chars)."""
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = value if isinstance(value, str) else str(value)
+    return text[:200] + "...[truncated]" if len(text) > 200 else text
+
+
+def missing(location: str, name: str, given: Any) -> dict[str, Any]:
+    """One "Field required" entry of a validation error."""
+    return {"type": "missing", "loc": (location, name), "msg": "Field required", "input": given}
+
+
+def not_of_type(location: str, name: str, expected: str, given: Any) -> dict[str, Any]:
+    """One "Input should be a valid ..." entry of a validation error."""
+    return {
+        "type": f"{expected}_type",
+        "loc": (location, name),
+        "msg": f"Input should be a valid {expected}",
+        "input": given,
+    }
 
 
 def missing_field(location: str, name: str, given: Any) -> Reply:
-    return validation_error(
-        [{"type": "missing", "loc": (location, name), "msg": "Field required", "input": given}]
-    )
+    return validation_error([missing(location, name, given)])
 
 
 def wrong_type(location: str, name: str, expected: str, given: Any) -> Reply:
-    return validation_error(
-        [
-            {
-                "type": f"{expected}_type",
-                "loc": (location, name),
-                "msg": f"Input should be a valid {expected}",
-                "input": given,
-            }
-        ]
-    )
+    return validation_error([not_of_type(location, name, expected, given)])
 
 
 def unsupported_media_type() -> Reply:
@@ -110,7 +157,7 @@ def json_decode_error(exc: ValueError) -> Reply:
         [
             {
                 "type": "json_invalid",
-                "loc": ("body", 0),
+                "loc": ("body", getattr(exc, "pos", 0)),  # FastAPI's: the offending offset
                 "msg": "JSON decode error",
                 "input": {},
                 "ctx": {"error": str(exc)},

@@ -105,7 +105,7 @@ async def serve_generation(
         return to_response(
             model_not_found(params.model, config.vllm_version, engine.served_names())
         )
-    too_long = completions.context_error(params, config.max_model_len)
+    too_long = completions.context_error(params, config.max_model_len, config.vllm_version)
     if too_long is not None:
         return to_response(too_long)
     if faults.completion_fails():

@@ -243,10 +243,10 @@ async def test_unknown_model_is_404_before_a_stream_starts(
         assert r.headers["Content-Type"] == "application/json"
 
 
-async def test_prompt_plus_max_tokens_beyond_the_context_is_400(
+async def test_prompt_plus_max_tokens_beyond_the_context_is_400_on_0_27(
     start: StartEmulator, client: aiohttp.ClientSession
 ) -> None:
-    emu = await start(max_model_len=64)
+    emu = await start(max_model_len=64, vllm_version="0.27")
     async with client.post(
         emu.url + COMPLETIONS, json={"prompt": list(range(40)), "max_tokens": 30}
     ) as r:
@@ -254,6 +254,28 @@ async def test_prompt_plus_max_tokens_beyond_the_context_is_400(
         body = await r.json()
     assert body["error"]["type"] == "BadRequestError"
     assert "maximum context length is 64 tokens" in body["error"]["message"]
+
+
+async def test_prompt_plus_max_tokens_beyond_the_context_is_clamped_on_0_33(
+    start: StartEmulator, client: aiohttp.ClientSession
+) -> None:
+    emu = await start(max_model_len=64)
+    body = {"prompt": list(range(40)), "max_tokens": 30, "ignore_eos": True}
+    async with client.post(emu.url + COMPLETIONS, json=body) as r:
+        assert r.status == 200
+        answer = await r.json()
+    assert answer["usage"]["completion_tokens"] == 64 - 40
+
+
+async def test_max_tokens_beyond_the_context_alone_is_400_naming_max_tokens(
+    emu: Emulator, client: aiohttp.ClientSession
+) -> None:
+    body = {"prompt": [1, 2], "max_tokens": 99999}
+    async with client.post(emu.url + COMPLETIONS, json=body) as r:
+        assert r.status == 400
+        error = (await r.json())["error"]
+    assert error["param"] == "max_tokens"
+    assert error["message"].startswith("max_tokens=99999 cannot be greater than max_model_len=")
 
 
 async def test_missing_prompt_is_400_bad_request(

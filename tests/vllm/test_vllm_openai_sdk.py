@@ -1,0 +1,60 @@
+"""Streaming and chat completions through the router to real vLLM, the openai SDK as client."""
+
+from __future__ import annotations
+
+import openai
+from vllm_harness import Router
+
+
+def sdk(router: Router) -> openai.OpenAI:
+    # The router holds the replicas' token; a client without --api-key-env sends anything.
+    return openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_streamed_completion_arrives_as_chunks_ending_with_a_finish_reason(
+    router: Router, base: str
+) -> None:
+    chunks = list(
+        sdk(router).completions.create(
+            model=base, prompt="The quick brown fox", max_tokens=4, stream=True, seed=1
+        )
+    )
+    assert len(chunks) >= 2
+    assert all(c.object == "text_completion" and c.model == base for c in chunks)
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_chat_completion_answers_with_an_assistant_message(router: Router, base: str) -> None:
+    answer = sdk(router).chat.completions.create(
+        model=base, messages=[{"role": "user", "content": "hello"}], max_tokens=4, seed=2
+    )
+    assert answer.object == "chat.completion"
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].finish_reason in ("length", "stop")
+    assert answer.usage is not None and answer.usage.completion_tokens <= 4
+
+
+def test_streamed_chat_completion_arrives_as_deltas(router: Router, base: str) -> None:
+    chunks = list(
+        sdk(router).chat.completions.create(
+            model=base,
+            messages=[{"role": "user", "content": "What is 17 times 23?"}],
+            max_tokens=4,
+            stream=True,
+            seed=3,
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_unknown_model_is_vllms_404_through_the_sdk(router: Router) -> None:
+    try:
+        sdk(router).completions.create(model="trl-policy-v404", prompt=[1, 2, 3], max_tokens=2)
+    except openai.NotFoundError as exc:
+        assert exc.status_code == 404
+        assert "trl-policy-v404" in str(exc)
+    else:
+        raise AssertionError("an unknown model was served")
