@@ -3,20 +3,25 @@
 The body is decoded once with msgspec and forwarded byte for byte; nothing here re-encodes it.
 Validation covers only what the router itself relies on, and answers like vLLM would (400,
 `type: "Bad Request"`): a body that is not a JSON object, a `model` that is not a string, a
-prompt of the wrong shape, token ids that are not non-negative 32-bit integers, or more tokens
-than `max_prompt_tokens`. Everything else is the replica's to judge.
+prompt of the wrong shape, token ids that are not non-negative 32-bit integers, more tokens
+than `max_prompt_tokens`, or JSON nested deeper than the decoders go. Everything else is the
+replica's to judge. All of it is judged here, in `read_completion`, before the request is
+routed: nothing the router does with a `Completion` afterwards can fail on its content, so no
+body can earn the router's own 500.
 
 Why msgspec and a raw prompt: turning a 512-token prompt into Python ints costs more than all
 the rest of a request's routing. msgspec checks the whole body's JSON but hands the prompt over
 as its raw text. A flat list of token ids is validated on that text in C (only digits, commas
-and spaces between one pair of brackets: non-negative integers) and counted by its commas; it
-is turned into an `array('I')` only when the router needs its blocks (`Completion.token_ids`),
-which the G - 1 siblings of a GRPO prompt never do (they are routed by a hash of the raw text,
-see app.py). Everything else (batches, text, chat) is decoded whole.
+and spaces between one pair of brackets: non-negative integers) and counted by its commas. Its
+range (every id below 2**32) can only be checked by parsing it, which is also what keying it
+needs; so the first body carrying a given prompt text parses it into an `array('I')` at once,
+and `CompletionReader` remembers the last few prompt texts it parsed, exactly, so the G - 1
+siblings of a GRPO prompt (same prompt, their own seeds) skip the parse: they are routed by a
+hash of the raw text (see app.py) and never need their ids. Everything else (batches, text,
+chat) is decoded whole.
 
-`CompletionReader` goes one step further for those siblings: TRL sends the G samples of a prompt
-as G byte-identical requests, so it remembers the last few bodies it read and hands the next
-identical one its earlier reading, for the price of one hash and one comparison.
+`CompletionReader` goes one step further for whole bodies: a body byte-identical to one read
+shortly before gets that earlier reading, for the price of one hash and one comparison.
 """
 
 from __future__ import annotations
@@ -62,58 +67,91 @@ class Completion:
     stream: bool
 
     def token_ids(self) -> array[int] | None:
-        """The (first) token-id prompt as packed ids; parsed on first use."""
+        """The (first) token-id prompt as packed ids; a raw prompt is parsed on first use (its
+        text was validated by `read_completion`, so this cannot fail)."""
         if self.tokens is None and self.raw_tokens is not None:
-            try:
-                self.tokens = array("I", orjson.loads(self.raw_tokens))
-            except OverflowError:  # validated as digits, but beyond 32 bits
-                raise _bad_token_ids() from None
+            self.tokens = array("I", orjson.loads(self.raw_tokens))
         return self.tokens
 
 
-class CompletionReader:
-    """`read_completion` with a memory of the bodies it read last (see the module docstring).
+class _Recent:
+    """The last few byte strings seen, by a seeded hash and compared exactly, bounded by count
+    and by bytes."""
 
-    Bounded by entry count and by the bytes of the bodies kept; only bodies that were read
-    without error are remembered, so a bad body is judged afresh every time. A hit is an exact
-    byte comparison, not only a hash match: a collision costs a decode, never a wrong answer.
+    __slots__ = ("_bytes", "_items", "_seed", "entries", "max_bytes")
+
+    def __init__(self, entries: int, max_bytes: int) -> None:
+        self.entries = entries
+        self.max_bytes = max_bytes
+        self._seed = int.from_bytes(os.urandom(8), "little")  # unpredictable buckets
+        self._items: OrderedDict[int, tuple[bytes, object]] = OrderedDict()
+        self._bytes = 0
+
+    def key(self, data: bytes) -> int:
+        return xxh3_64_intdigest(data, self._seed)
+
+    def get(self, key: int, data: bytes) -> object | None:
+        seen = self._items.get(key)
+        if seen is None or seen[0] != data:
+            return None
+        self._items.move_to_end(key)
+        return seen[1]
+
+    def put(self, key: int, data: bytes, value: object) -> None:
+        if len(data) > self.max_bytes // 4:
+            return
+        items = self._items
+        old = items.get(key)
+        if old is not None:
+            self._bytes -= len(old[0])
+        items[key] = (data, value)
+        items.move_to_end(key)
+        self._bytes += len(data)
+        while len(items) > self.entries or self._bytes > self.max_bytes:
+            _, (gone, _) = items.popitem(last=False)
+            self._bytes -= len(gone)
+
+
+class CompletionReader:
+    """`read_completion` with a memory of the bodies and token-id prompts it read last (see the
+    module docstring).
+
+    Both memories are bounded by entry count and by bytes, and keep only what was read without
+    error, so a bad body is judged afresh every time. A hit is an exact byte comparison, not
+    only a hash match: a collision costs a decode, never a wrong answer.
     """
 
     def __init__(self, max_prompt_tokens: int, entries: int = 256, max_bytes: int = 16 << 20):
         self.max_prompt_tokens = max_prompt_tokens
-        self.entries = entries
-        self.max_bytes = max_bytes
         self.hits = 0
-        self._seed = int.from_bytes(os.urandom(8), "little")  # unpredictable buckets
-        self._recent: OrderedDict[int, tuple[bytes, Completion]] = OrderedDict()
-        self._bytes = 0
+        self._bodies = _Recent(entries, max_bytes)
+        self._prompts = _Recent(entries, max_bytes)
 
     def read(self, body: bytes, *, chat: bool) -> Completion:
-        key = xxh3_64_intdigest(body, self._seed) ^ chat
-        recent = self._recent
-        seen = recent.get(key)
-        if seen is not None and seen[0] == body:
-            recent.move_to_end(key)
+        bodies = self._bodies
+        key = bodies.key(body) ^ chat
+        seen = bodies.get(key, body)
+        if seen is not None:
             self.hits += 1
-            return seen[1]
-        fields = read_completion(body, chat=chat, max_prompt_tokens=self.max_prompt_tokens)
-        if len(body) <= self.max_bytes // 4:
-            if seen is not None:
-                self._bytes -= len(seen[0])
-            recent[key] = (body, fields)
-            recent.move_to_end(key)
-            self._bytes += len(body)
-            while len(recent) > self.entries or self._bytes > self.max_bytes:
-                _, (old, _) = recent.popitem(last=False)
-                self._bytes -= len(old)
+            return seen  # type: ignore[return-value]
+        fields = read_completion(
+            body, chat=chat, max_prompt_tokens=self.max_prompt_tokens, parsed=self._prompts
+        )
+        bodies.put(key, body, fields)
         return fields
 
 
-def read_completion(body: bytes, *, chat: bool, max_prompt_tokens: int) -> Completion:
+def read_completion(
+    body: bytes, *, chat: bool, max_prompt_tokens: int, parsed: _Recent | None = None
+) -> Completion:
+    """Read and validate a completion body (raises vLLM's 400). `parsed`: token-id prompt
+    texts already parsed once, whose ids need no second look."""
     if not body:
         raise bad_request("The request body is empty; expected a JSON object.")
     try:
         data = _decode(body)
+    except RecursionError:
+        raise _too_deep() from None
     except msgspec.ValidationError as exc:  # a subclass of DecodeError: first
         where = _WHERE.search(str(exc))
         if where is None:
@@ -138,7 +176,14 @@ def read_completion(body: bytes, *, chat: bool, max_prompt_tokens: int) -> Compl
             raise bad_request(
                 f"The prompt has {count} tokens; the limit is {max_prompt_tokens}.", "prompt"
             )
-        return Completion(model, raw, None, None, stream)
+        if parsed is not None:
+            key = parsed.key(raw)
+            if parsed.get(key, raw) is not None:
+                return Completion(model, raw, None, None, stream)
+        tokens = _range_checked(raw)
+        if parsed is not None:
+            parsed.put(key, raw, True)
+        return Completion(model, raw, tokens, None, stream)
     batch_tokens, text = _prompt(_loads(raw) if raw else None, max_prompt_tokens)
     return Completion(model, None, batch_tokens, text, stream)
 
@@ -148,6 +193,8 @@ def _loads(raw: bytes | msgspec.Raw) -> object:
     try:
         return orjson.loads(bytes(raw))
     except orjson.JSONDecodeError as exc:
+        if exc.msg.startswith("depth limit"):
+            raise _too_deep() from None
         raise bad_request(f"The request body is not valid JSON: {exc.msg}.") from None
 
 
@@ -186,6 +233,20 @@ def _tokens(ids: object, max_tokens: int) -> array[int]:
         raise _bad_token_ids() from None
 
 
+def _range_checked(raw: bytes) -> array[int]:
+    """A flat list of non-negative integers (checked on its text) as 32-bit ids."""
+    try:
+        return array("I", orjson.loads(raw))
+    # Beyond 64 bits orjson reads a float (TypeError here), beyond a double's range it gives
+    # up ("number is infinity"); between 32 and 64 bits the array overflows.
+    except (orjson.JSONDecodeError, TypeError, OverflowError):
+        raise _bad_token_ids() from None
+
+
+def _too_deep() -> Exception:
+    return bad_request("The request body is nested too deeply to be read.")
+
+
 def _bad_token_ids() -> Exception:
     return bad_request("Token ids must be integers between 0 and 4294967295.", param="prompt")
 
@@ -197,4 +258,7 @@ def _messages_text(messages: object) -> bytes:
         raise bad_request("`messages` must be a non-empty list of objects.", param="messages")
     if not all(isinstance(m, dict) for m in messages):
         raise bad_request("Every message must be a JSON object.", param="messages")
-    return b"".join(orjson.dumps(m, option=orjson.OPT_SORT_KEYS) for m in messages)
+    try:
+        return b"".join(orjson.dumps(m, option=orjson.OPT_SORT_KEYS) for m in messages)
+    except orjson.JSONEncodeError:  # nested deeper than the encoder goes (255 levels)
+        raise _too_deep() from None

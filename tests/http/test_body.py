@@ -19,10 +19,13 @@ def test_token_prompt() -> None:
     assert c.stream and c.text is None
 
 
-def test_a_token_prompt_is_kept_as_its_wire_text_until_its_ids_are_needed() -> None:
-    c = read(b'{"prompt": [7, 8,  9]}')
-    assert c.raw_tokens == b"[7, 8,  9]" and c.tokens is None  # nothing parsed yet
-    assert list(c.token_ids() or []) == [7, 8, 9]
+def test_a_sibling_prompt_is_kept_as_its_wire_text_and_not_parsed_again() -> None:
+    reader = CompletionReader(100)
+    first = reader.read(b'{"prompt": [7, 8,  9], "seed": 1}', chat=False)
+    assert first.raw_tokens == b"[7, 8,  9]" and list(first.tokens or []) == [7, 8, 9]
+    sibling = reader.read(b'{"prompt": [7, 8,  9], "seed": 2}', chat=False)
+    assert sibling.raw_tokens == b"[7, 8,  9]" and sibling.tokens is None  # not parsed
+    assert list(sibling.token_ids() or []) == [7, 8, 9]
 
 
 @pytest.mark.parametrize(
@@ -35,11 +38,29 @@ def test_token_ids_are_non_negative_integers_checked_on_the_raw_text(prompt: byt
     assert info.value.status == 400 and info.value.param == "prompt"
 
 
-def test_ids_beyond_32_bits_are_refused_when_parsed() -> None:
-    c = read(b'{"prompt": [4294967296]}')
+@pytest.mark.parametrize(
+    "number", [b"4294967296", b"18446744073709551616", b"9" * 400, b"1" + b"0" * 100_000]
+)
+def test_ids_beyond_32_bits_are_refused_before_routing(number: bytes) -> None:
     with pytest.raises(HTTPError) as info:
-        c.token_ids()
+        read(b'{"prompt": [1, %s]}' % number)
     assert info.value.status == 400 and info.value.param == "prompt"
+
+
+@pytest.mark.parametrize("field", [b"prompt", b"messages", b"x", b"model"])
+@pytest.mark.parametrize("depth", [300, 1100, 200_000])
+def test_deep_nesting_anywhere_is_a_400(field: bytes, depth: int) -> None:
+    nested = b"[" * depth + b"]" * depth
+    with pytest.raises(HTTPError) as info:
+        read(b'{"%s": %s}' % (field, nested), chat=field == b"messages")
+    assert info.value.status == 400
+
+
+def test_a_message_nested_past_the_encoders_depth_is_a_400() -> None:
+    inner = b'{"a":' * 300 + b"1" + b"}" * 300
+    with pytest.raises(HTTPError) as info:
+        read(b'{"messages": [{"role": "user", "content": %s}]}' % inner, chat=True)
+    assert info.value.status == 400 and "nested" in info.value.message
 
 
 def test_batch_is_keyed_by_its_first_prompt_and_validated_whole() -> None:
@@ -86,9 +107,10 @@ def test_the_reader_compares_bytes_not_only_hashes() -> None:
     b = b'{"model": "b", "prompt": [2]}'
     reader.read(a, chat=False)
     # Make b's slot hold a's reading, as a hash collision would.
-    (entry,) = reader._recent.values()
-    reader._recent.clear()
-    reader._recent[xxh3_64_intdigest(b, reader._seed)] = entry
+    bodies = reader._bodies
+    (entry,) = bodies._items.values()
+    bodies._items.clear()
+    bodies._items[xxh3_64_intdigest(b, bodies._seed)] = entry
     got = reader.read(b, chat=False)
     assert got.model == "b" and reader.hits == 0
 
@@ -99,16 +121,15 @@ def test_the_reader_never_remembers_a_bad_body_and_stays_bounded() -> None:
     for _ in range(2):
         with pytest.raises(HTTPError):
             reader.read(bad, chat=False)
-    assert not reader._recent
+    bodies = reader._bodies
+    assert not bodies._items and not reader._prompts._items
     for i in range(10):
         reader.read(b'{"prompt": [%d]}' % i, chat=False)
-    assert len(reader._recent) == 4
+    assert len(bodies._items) == 4 and len(reader._prompts._items) == 4
     big = b'{"prompt": [1], "x": "' + b"y" * 900 + b'"}'
     for i in range(8):
         reader.read(big.replace(b"[1]", b"[%d]" % i), chat=False)
-    assert reader._bytes <= 4096 and reader._bytes == sum(
-        len(b) for b, _ in reader._recent.values()
-    )
+    assert bodies._bytes <= 4096 and bodies._bytes == sum(len(b) for b, _ in bodies._items.values())
     # Chat and completions never share a reading of the same bytes.
     chat = b'{"messages": [{"role": "user", "content": "hi"}], "prompt": [5]}'
     assert reader.read(chat, chat=True).text is not None
