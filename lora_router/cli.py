@@ -202,7 +202,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--retries",
         type=int,
         default=d.retries,
-        help="other replicas tried when one fails before answering anything",
+        help="other replicas tried when one fails, or answers 5xx, before a byte reached the "
+        "client",
+    )
+    g.add_argument(
+        "--retry-budget",
+        type=float,
+        default=d.retry_budget,
+        metavar="SHARE",
+        help="retries in flight allowed while below this share of the routed requests in "
+        "flight (3 always are), so a sick fleet is not hammered",
     )
 
     g = p.add_argument_group("adapter broadcasts")
@@ -356,6 +365,8 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config
         raise UsageError("--max-staleness must be 0 or more")
     if args.retries < 0:
         raise UsageError("--retries must be 0 or more")
+    if not (math.isfinite(args.retry_budget) and args.retry_budget >= 0):
+        raise UsageError("--retry-budget must be a share of 0 or more (0.2: 20%)")
     # Every other Config field is a flag of the same name.
     given = vars(args)
     flags = {f.name: given[f.name] for f in fields(Config) if f.name not in _DERIVED}

@@ -21,6 +21,7 @@ from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
 from lora_router.fleet.replica import Replica
 from lora_router.metrics import RequestStats, Rows, counter, gauge
+from lora_router.retry_budget import RetryBudget
 from lora_router.routing.policy import Policy
 
 
@@ -35,6 +36,7 @@ class RouterState:
     policy: Policy
     stats: RequestStats
     reader: CompletionReader
+    budget: RetryBudget
 
 
 def replica_json(r: Replica) -> dict[str, object]:
@@ -83,6 +85,7 @@ def status(state: RouterState) -> dict[str, object]:
         },
         "routing": state.policy.counts.as_dict(),
         "requests": requests,
+        "retries": {**state.budget.retries, "refused_by_budget": state.budget.denied},
         "health": {
             "checks": state.health.checks,
             "check_failures": state.health.check_failures,
@@ -154,6 +157,21 @@ def metric_families(state: RouterState) -> Iterator[Metric]:
         "prompt), routed on that reading instead of a new one.",
         [],
         [([], state.reader.hits)],
+    )
+    budget = state.budget
+    yield counter(
+        "lora_router_retries",
+        "Routed requests tried again on another replica, by reason (transport: failed before "
+        "any response byte; 5xx: answered 5xx; missing_adapter: answered 404 for a live "
+        "adapter).",
+        ["reason"],
+        [([reason], n) for reason, n in sorted(budget.retries.items())],
+    )
+    yield counter(
+        "lora_router_retries_refused",
+        "Retries the retry budget (--retry-budget) refused.",
+        [],
+        [([], budget.denied)],
     )
     yield counter(
         "lora_router_routing_decisions",
