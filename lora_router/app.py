@@ -110,6 +110,7 @@ class _RetrySink:
         "_tried",
         "adapter",
         "diverted",
+        "held",
         "on_upstream",
         "write",
     )
@@ -122,6 +123,7 @@ class _RetrySink:
         adapter: bool,
         tried: list[Replica],
         holding: bool,
+        held: str | None,
     ) -> None:
         self._app = app
         self._conn = conn
@@ -129,6 +131,7 @@ class _RetrySink:
         self._tried = tried
         self._holding = holding
         self.adapter = adapter
+        self.held = held  # the adapter it is counted under until its head passes (fence)
         self.diverted = 0
         self.on_upstream = conn.on_upstream
         self.write: Callable[[bytes | memoryview], None] = conn.write
@@ -144,6 +147,9 @@ class _RetrySink:
             self.diverted = status
             self.write = _drop
             return
+        if self.held is not None:
+            self._app.fence.release(self.held)
+            self.held = None
         self._conn.head(status, data, body)
 
 
@@ -269,6 +275,12 @@ class RouterApp:
         budget.active += 1
         holding = False  # whether this request holds one of the budget's retry slots
         tried: list[Replica] = []
+        sink: _RetrySink | None = None
+        held = model if adapter else None
+        if held is not None:
+            # Counted as admitted under its name until answered, in the same step as the fence
+            # let it through: an unload waits for it before it is broadcast (fleet/fence.py).
+            self.fence.hold(held)
         try:
             while True:
                 routable = self.fleet.routable(model, tried)
@@ -288,7 +300,7 @@ class RouterApp:
                     )
                 replica.breaker.begin()
                 tried.append(replica)
-                sink = _RetrySink(self, conn, model, adapter, tried, holding)
+                sink = _RetrySink(self, conn, model, adapter, tried, holding, held)
                 try:
                     await self._forward(request, conn, replica, sink)
                 except UpstreamError as exc:
@@ -314,6 +326,8 @@ class RouterApp:
             budget.active -= 1
             if holding:
                 budget.release()
+            if held is not None and (sink is None or sink.held is not None):
+                self.fence.release(held)
 
     def diverts(
         self, status: int, model: str | None, adapter: bool, tried: list[Replica], holding: bool

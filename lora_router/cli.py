@@ -234,6 +234,13 @@ def build_parser() -> argparse.ArgumentParser:
         "left on reused replicas",
     )
     g.add_argument(
+        "--unload-wait",
+        type=float,
+        default=d.unload_wait,
+        help="longest an unload waits for the requests admitted under the name to be answered "
+        "before it is broadcast",
+    )
+    g.add_argument(
         "--down-replica-policy",
         choices=("replay", "fail"),
         default=d.down_replica_policy,
@@ -335,7 +342,7 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config
         value = getattr(args, name)
         if not (math.isfinite(value) and value > 0):
             raise UsageError(f"--{name.replace('_', '-')} must be a positive number of seconds")
-    for name in ("shutdown_grace", "status_interval"):
+    for name in ("shutdown_grace", "status_interval", "unload_wait"):
         value = getattr(args, name)
         if not (math.isfinite(value) and value >= 0):
             raise UsageError(f"--{name.replace('_', '-')} must be 0 or more seconds")

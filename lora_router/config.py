@@ -141,6 +141,7 @@ class Config:
     load_retry_interval: float = 0.5
     load_deadline: float = 300.0
     unload_stale: str | None = None
+    unload_wait: float = 10.0  # an unload waits this long for requests admitted under the name
     down_replica_policy: str = "replay"  # replay | fail
     max_staleness: int = 4  # the trainer's max_staleness; --check wants max_loras >= it + 2
 

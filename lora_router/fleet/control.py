@@ -15,12 +15,12 @@ with an adapter the other half lacks.
   otherwise (explained, with `--unload-stale`). Any real failure unloads the adapter from the
   replicas that took it and answers with the first failure, naming the replica. Success
   answers vLLM's own body and headers (plain text, no Content-Type).
-- **Unload**: the fence stops routing the name when the request arrives; the broadcast then
-  drops it everywhere; 404 "cannot be found" counts as done. Requests already forwarded under
-  the name finish on their replicas (vLLM keeps serving a request whose adapter it
-  unregistered); one that passed the fence an instant before the unload arrived can still meet
-  a replica that dropped the name, and gets vLLM's 404 (the routed path retries it elsewhere,
-  then answers 404 itself). Unloading frees the name, not the memory: vLLM keeps the weights
+- **Unload**: the fence stops routing the name when the request arrives; in its turn, the
+  broadcast waits until every request admitted under the name has been answered (its response
+  head arrived: vLLM keeps serving a request whose adapter it unregistered) or ended, at most
+  `--unload-wait`, then drops it everywhere; 404 "cannot be found" counts as done. So a request
+  that passed the fence an instant before the unload arrived never meets a replica that
+  dropped the name. Unloading frees the name, not the memory: vLLM keeps the weights
   until its LRU evicts them, so `--max-loras` must cover every version in use
   (`max_staleness + 2` for TRL, which loads the new version before unloading the old).
 - **Pause / resume / reset_prefix_cache** go out with the query string intact; 200 only when
@@ -410,6 +410,17 @@ class ControlPlane:
         outcome, detail = "failed", ""
         try:
             async with self.lock:
+                # In the lock: broadcasts stay in arrival order (a later load of the name must
+                # not go out before this unload).
+                left = await self.fence.drain(name, self.config.unload_wait)
+                if left:
+                    log.warning(
+                        "unload %r: %d request(s) admitted under it still unanswered after %g s "
+                        "(--unload-wait); unloading anyway",
+                        name,
+                        left,
+                        self.config.unload_wait,
+                    )
                 targets = self.fleet.live()
                 if not targets:
                     raise HTTPError(503, f"Cannot unload adapter '{name}': no replica in service.")
