@@ -92,6 +92,9 @@ def status(state: RouterState) -> dict[str, object]:
             "readmissions": state.health.readmissions,
             "readmission_failures": state.health.readmission_failures,
             "restarts_detected": state.health.restarts_detected,
+            # Replays that did not stick (the listing lacks what was loaded), by replica id.
+            "listing_flaps": {str(rid): n for rid, n in sorted(state.health.listing_flaps.items())},
+            "last_replica_kept_despite_listing": state.health.listing_kept,
         },
     }
 
@@ -150,6 +153,15 @@ def metric_families(state: RouterState) -> Iterator[Metric]:
         "Times each replica's circuit breaker opened.",
         replica,
         per_replica(lambda r: r.breaker.opens),
+    )
+    flaps = state.health.listing_flaps
+    yield counter(
+        "lora_router_replica_listing_flaps",
+        "Re-admissions of each replica that did not stick: it lacked a replayed adapter again "
+        "soon after (a URL that is a load balancer over several vLLM servers?); each one "
+        "doubles the wait before the next re-admission.",
+        replica,
+        per_replica(lambda r: flaps.get(r.rid, 0)),
     )
     yield counter(
         "lora_router_body_reuses",

@@ -130,7 +130,8 @@ async def models(replica: Replica, req: PlainRequest) -> Reply:
     config = replica.config
     now = int(time.time())
     cards = [_model_card(config.model, config.model, None, config.max_model_len, now)]
-    for adapter in replica.state.registry.all():
+    adapters = () if replica.faults.listing_hides_adapters() else replica.state.registry.all()
+    for adapter in adapters:
         cards.append(_model_card(adapter.name, adapter.path, config.model, None, now))
     return json_reply({"object": "list", "data": cards})
 
