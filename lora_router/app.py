@@ -17,13 +17,15 @@ replica, like a single vLLM server would answer it.
 Retries (the data plane's whole rule; http/upstream.py adds only the re-send of a request that
 met a pooled connection the replica had closed). A routed request is tried on the next replica
 the policy picks, at most `config.retries` times and only while the retry budget allows
-(retry_budget.py: retries below `--retry-budget` of the last seconds' requests), when nothing of
-its answer has reached the client and one of these happened:
+for 5xx retries, when nothing of its answer has reached the client and one of these happened:
 - the exchange failed before a single response byte arrived (connection refused or reset,
   replica gone; not a timeout: the replica may still be working on it);
 - the replica's head says 5xx (but 503 while the fleet is paused: vLLM refusing work on
-  purpose). The head and its body are held back (`_RetrySink`) only when a retry will be made;
-  otherwise they reach the client as the replica sent them;
+  purpose), and the retry budget allows it (retry_budget.py: retries in flight below
+  `--retry-budget` of the routed requests in flight, so a sick fleet is not hammered; the other
+  two cases cost the replicas nothing and are not budgeted). The head and its body are held
+  back (`_RetrySink`) only when a retry will be made; otherwise they reach the client as the
+  replica sent them;
 - the replica answered 404 for an adapter the fence says is live (it lost it: a restart);
   when no retry is left the router answers itself (`_lost_adapter_error`).
 Once a head has been passed on, nothing is retried: a stream that vLLM begins with a 200 and
@@ -305,10 +307,9 @@ class RouterApp:
                     await self._forward(request, conn, replica, sink)
                 except UpstreamError as exc:
                     self.health.report_failure(replica)
-                    holding = holding or bool(sink.diverted)  # held back, then cut: granted
-                    if not (exc.retryable and self._may_retry(tried, "transport", holding)):
+                    holding = holding or sink.diverted >= 500  # held back, then cut: granted
+                    if not (exc.retryable and self._may_retry(tried, "transport")):
                         raise _upstream_http_error(replica, exc) from None
-                    holding = True
                     continue
                 if not sink.diverted:
                     self.health.report_status(replica, conn.status)
@@ -319,9 +320,8 @@ class RouterApp:
                     continue
                 assert model is not None
                 self.health.report_missing_adapter(replica, model)
-                if not self._may_retry(tried, "missing_adapter", holding):
+                if not self._may_retry(tried, "missing_adapter"):
                     raise _lost_adapter_error(model, tried, self.fence.state(model))
-                holding = True
         finally:
             budget.active -= 1
             if holding:
@@ -340,11 +340,19 @@ class RouterApp:
             return False  # paused on purpose: every replica would say the same
         # Held back only if it will be retried: a replica to try (else the client gets this
         # answer rather than the router's 503), an attempt and budget left.
-        return bool(self.fleet.routable(model, tried)) and self._may_retry(tried, "5xx", holding)
+        return (
+            len(tried) <= self.config.retries
+            and bool(self.fleet.routable(model, tried))
+            and self.budget.allow(holding)
+        )
 
-    def _may_retry(self, tried: list[Replica], reason: str, holding: bool) -> bool:
-        """Whether one more attempt may be made: attempts and retry budget left."""
-        return len(tried) <= self.config.retries and self.budget.allow(reason, holding)
+    def _may_retry(self, tried: list[Replica], reason: str) -> bool:
+        """Whether one more attempt may be made after a failure that cost the replica nothing
+        (not budgeted, see the module docstring)."""
+        if len(tried) > self.config.retries:
+            return False
+        self.budget.retries[reason] += 1
+        return True
 
     def _key(self, fields: Completion, model: str | None) -> PromptKey | None:
         """The prompt's block-chain key (token ids, else text or chat), or None."""

@@ -106,13 +106,13 @@ async def test_a_stream_that_began_is_never_retried(
 def test_the_budget_keeps_a_minimum_then_a_share_of_the_requests_in_flight() -> None:
     budget = RetryBudget(0.2)
     budget.active = 20  # 20 % of 20: 4 retries in flight
-    assert [budget.allow("5xx", False) for _ in range(5)] == [True] * 4 + [False]
+    assert [budget.allow(False) for _ in range(5)] == [True] * 4 + [False]
     assert budget.denied == 1 and budget.retries["5xx"] == 4
     # A request already holding a slot keeps it for its next retry.
-    assert budget.allow("5xx", True) and budget.retrying == 4
+    assert budget.allow(True) and budget.retrying == 4
     budget.release()
-    assert budget.allow("transport", False)
+    assert budget.allow(False)
     # A lone request may still retry, up to the minimum.
     lone = RetryBudget(0.2)
     lone.active = 1
-    assert [lone.allow("5xx", False) for _ in range(MIN_RETRIES + 1)] == [True] * 3 + [False]
+    assert [lone.allow(False) for _ in range(MIN_RETRIES + 1)] == [True] * 3 + [False]
