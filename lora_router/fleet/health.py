@@ -22,14 +22,16 @@ already sent that request elsewhere). 503 answers while the fleet is paused are
 vLLM 0.33 refusing work by request, not failures, and are not counted.
 
 A replay that did not stick is a replica that lacks a live adapter again (in its listing or
-answering 404) soon after it was re-admitted: its loads were accepted but do not show, as when
-the replica URL is a load balancer over several vLLM servers. Re-admitting it at once would
-make it flap for ever (eject, replay, re-admit, eject); instead each such replay doubles the
-wait before the next re-admission (from one `health_interval` up to `_MAX_BACKOFF_S`), one
-warning names the replica and what it lacks, and `listing_flaps` counts it for the metrics. A
-replica that stays in service for a while starts afresh. And a listing alone never ejects the
-last serving replica: with no other one to take its traffic, the router keeps it serving (a
-real restart still shows, as a 404 on its first request for a lost adapter).
+answering 404) soon after it was re-admitted, or whose replay failed because it answers that an
+adapter is already loaded while its listing does not show it: its loads were accepted but do
+not show, as when the replica URL is a load balancer over several vLLM servers. Re-admitting
+it at once would make it flap for ever (eject, replay, re-admit, eject); instead each such
+replay doubles the wait before the next re-admission (from one `health_interval` up to
+`_MAX_BACKOFF_S`), one warning names the replica and what it lacks, and `listing_flaps` counts
+it for the metrics. A replica that stays in service for a while starts afresh. And a listing
+alone never ejects the last serving replica: with no other one to take its traffic, the router
+keeps it serving (a real restart still shows, as a 404 on its first request for a lost
+adapter).
 
 Operators add and remove replicas at run time (`add`, `remove`): an added replica is replayed
 before it serves; a removed one stops taking requests at once and leaves the fleet when its
@@ -50,7 +52,7 @@ from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.control import ControlPlane
 from lora_router.fleet.fence import AdapterState
 from lora_router.fleet.fleet import Fleet
-from lora_router.fleet.replay import ReplayError, readmit
+from lora_router.fleet.replay import ReplayError, UnlistedError, readmit
 from lora_router.fleet.replica import Replica
 
 log = logging.getLogger(__name__)
@@ -163,25 +165,29 @@ class HealthMonitor:
         interval = self.config.health_interval
         backoff = min(interval * 2**watch.slips, _MAX_BACKOFF_S)
         if watch.admitted_at and now - watch.admitted_at < max(8 * interval, backoff):
-            watch.slips += 1
-            self.listing_flaps[replica.rid] += 1
-            wait = min(interval * 2**watch.slips, _MAX_BACKOFF_S)
-            watch.readmit_at = now + wait
-            if watch.slips == 1:
-                shown = ", ".join(lost[:3]) + (" ..." if len(lost) > 3 else "")
-                log.warning(
-                    "%s accepted the replay of %s but does not show it soon after (its "
-                    "/v1/models or its answers lack it): is its URL a load balancer over "
-                    "several vLLM servers? Give each server its own --replicas URL. Re-admitting "
-                    "it with a back-off (%g s, doubling)",
-                    replica.describe(),
-                    shown,
-                    wait,
-                )
+            self._slipped(replica, watch, lost)
             return
         watch.slips = 0
         watch.readmit_at = 0.0
         watch.wake.set()
+
+    def _slipped(self, replica: Replica, watch: _Watch, lost: list[str]) -> None:
+        """Its replay did not stick: the next re-admission waits twice as long as the last."""
+        watch.slips += 1
+        self.listing_flaps[replica.rid] += 1
+        wait = min(self.config.health_interval * 2**watch.slips, _MAX_BACKOFF_S)
+        watch.readmit_at = asyncio.get_running_loop().time() + wait
+        if watch.slips == 1:
+            shown = ", ".join(lost[:3]) + (" ..." if len(lost) > 3 else "")
+            log.warning(
+                "%s accepted the replay of %s but does not show it (its /v1/models or its "
+                "answers lack it): is its URL a load balancer over several vLLM servers? Give "
+                "each server its own --replicas URL. Re-admitting it with a back-off (%g s, "
+                "doubling)",
+                replica.describe(),
+                shown,
+                wait,
+            )
 
     # -- the watcher ------------------------------------------------------------------------
 
@@ -280,6 +286,8 @@ class HealthMonitor:
             try:
                 await readmit(self.control, replica)
             except ReplayError as exc:
+                if isinstance(exc, UnlistedError):
+                    self._slipped(replica, watch, [exc.name])
                 self.readmission_failures += 1
                 watch.successes = 0
                 replica.healthy = False

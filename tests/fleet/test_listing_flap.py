@@ -49,10 +49,11 @@ async def test_re_admissions_of_a_replica_whose_replays_do_not_stick_back_off(
     # Each replay that did not stick doubled the wait before the next re-admission.
     assert watch.slips == health.listing_flaps[1] >= 4
     assert watch.readmit_at - watch.admitted_at >= interval * 2**watch.slips
-    # The first ejection looked like a restart; every later one was a flap, and was counted.
-    assert flappy.ejections == health.listing_flaps[1] + 1
+    # The first ejection looked like a restart; every later one, and every replay refused
+    # for the same reason, was a flap, and was counted.
+    assert flappy.ejections <= health.listing_flaps[1] + 1
     assert set(statuses) == {200} and min(live_counts) >= 1
-    warnings = [r for r in caplog.records if "does not show it soon after" in r.getMessage()]
+    warnings = [r for r in caplog.records if "but does not show it" in r.getMessage()]
     assert len(warnings) == 1 and "Replica 1" in warnings[0].getMessage()
     assert "v1" in warnings[0].getMessage()
     _, metrics, _ = await call(client, "GET", rt.url + "/metrics")
