@@ -24,8 +24,10 @@ with an adapter the other half lacks.
   until its LRU evicts them, so `--max-loras` must cover every version in use
   (`max_staleness + 2` for TRL, which loads the new version before unloading the old).
 - **Pause / resume / reset_prefix_cache** go out with the query string intact; 200 only when
-  every replica answered 200. The pause state last asked for is remembered and replayed onto
-  replicas that come back.
+  every replica answered 200. A resume also reaches, best effort, replicas out of service that
+  still run routed requests (ejected while paused), so those requests do not wait for a
+  replay. The pause state last asked for is remembered and replayed onto replicas that come
+  back.
 - A replica that cannot be reached during a broadcast is ejected (health.py re-admits it with a
   replay). For loads, `--down-replica-policy` decides the rest: `replay` (default) proceeds
   with the live replicas, so training goes on and the returning replica gets the adapter before
@@ -480,8 +482,18 @@ class ControlPlane:
                 targets = self.fleet.live()
                 if not targets:
                     raise HTTPError(503, f"Cannot {op}: no replica is in service.")
-                answers = await asyncio.gather(
-                    *(self.call(r, "POST", path, query=query, body=body or None) for r in targets)
+                # A replica taken out of service while paused, with requests still running on
+                # it (ejected for its listing, say), is resumed too, best effort: else they
+                # would wait, paused, for its replay.
+                stranded = [] if op != "resume" else self._stranded()
+                answers, _ = await asyncio.gather(
+                    asyncio.gather(
+                        *(
+                            self.call(r, "POST", path, query=query, body=body or None)
+                            for r in targets
+                        )
+                    ),
+                    asyncio.gather(*(self.call(r, "POST", path, query=query) for r in stranded)),
                 )
                 for a in answers:
                     if a.status == 0:
@@ -506,6 +518,10 @@ class ControlPlane:
             raise
         finally:
             self._record(op, outcome, started, detail=detail)
+
+    def _stranded(self) -> list[Replica]:
+        """Replicas out of service (not removed) that still have routed requests running."""
+        return [r for r in self.fleet.replicas if not r.live and not r.draining and r.in_flight]
 
     # -- read-only --------------------------------------------------------------------------
 

@@ -74,3 +74,19 @@ async def test_the_last_serving_replica_is_not_ejected_for_its_listing_alone(
     (replica,) = rt.fleet.replicas
     assert replica.live and replica.ejections == 0
     assert (await complete(client, rt.url, "v1"))[0] == 200
+
+
+async def test_a_replica_ejected_while_paused_is_resumed_for_the_requests_it_still_runs(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(2)
+    rt = await router(emus, policy="round-robin")
+    assert rt.fleet is not None
+    assert (await call(client, "POST", rt.url + "/pause?mode=keep"))[0] == 200
+    # Paused with "keep": vLLM holds new requests until resumed; one lands on each replica.
+    held = [asyncio.create_task(complete(client, rt.url, prompt=[i] * 20)) for i in range(2)]
+    await until(lambda: all(r.in_flight == 1 for r in rt.fleet.replicas))  # type: ignore[union-attr]
+    rt.fleet.eject(rt.fleet.replicas[1], "its listing lacks live adapters")
+    assert (await call(client, "POST", rt.url + "/resume"))[0] == 200
+    statuses = [s for s, _ in await asyncio.wait_for(asyncio.gather(*held), 5.0)]
+    assert statuses == [200, 200] and not emus[1].state.paused
