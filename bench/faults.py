@@ -743,7 +743,12 @@ async def soft_fault(
     if phase == "unload":
         done: asyncio.Future[tuple[str, ControlCall]] = asyncio.get_running_loop().create_future()
         trainer.early_unload = done
-        run.unloaded, run.unload_call = await asyncio.wait_for(done, CONTROL_TIMEOUT_S)
+        try:
+            run.unloaded, run.unload_call = await asyncio.wait_for(done, CONTROL_TIMEOUT_S)
+        except TimeoutError:  # no sync came (the run stopped): reported as a missed phase
+            run.phase_met = False
+            run.ended = run.admitted = time.time()
+            return
         run.ended = run.admitted = run.unload_call.ended
         return
     switch, value = ("error_rate", 1.0) if phase == "5xx" else ("hide_adapters", 2)
@@ -1095,7 +1100,8 @@ def analyse_soft(
         }
     elif phase == "unload":
         call = run.unload_call
-        assert call is not None
+        if call is None:
+            return out | {"unloaded": "", "missed": "no sync came to carry the unload"}
         named = [a for a in attempts if a.model == run.unloaded]
         in_flight = [a for a in named if a.started < call.started < a.ended]
         out |= {
@@ -1254,13 +1260,14 @@ def targets(result: dict[str, Any]) -> dict[str, Any]:
             f"retries {result['router_retries']}",
         },
         "no_404_after_an_unload": {
-            "met": result["client_404s"] == 0 and bool(unloads),
+            "met": result["client_404s"] == 0 and any(e["unloaded"] for e in unloads),
             "figure": f"{result['client_404s']} rollout attempts answered 404; "
             + "; ".join(
                 f"{e['unloaded']} unloaded with {e['its_rollouts_in_flight_when_it_arrived']} of "
                 f"its rollouts in flight ({e['of_them_answered_200']} answered 200), in "
                 f"{e['unload_s']} s"
                 for e in unloads
+                if e["unloaded"]
             ),
         },
         "listing_flap_bounded": {
@@ -1449,7 +1456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--load-delay", type=float, default=0.3, help="each adapter load (s)")
     p.add_argument("--health-interval", type=float, default=0.5)
-    p.add_argument("--health-timeout", type=float, default=0.25)
+    p.add_argument("--health-timeout", type=float, default=1.0)
     p.add_argument("--health-failures", type=int, default=2)
     p.add_argument("--health-successes", type=int, default=2)
     p.add_argument("--retries", type=int, default=2, help="the router's --retries")
