@@ -1,40 +1,51 @@
-"""Fault tolerance under training load: a replica killed and restarted empty in the middle of a
-GRPO-shaped run through the router.
+"""Fault tolerance under training load: replicas killed and restarted empty, a replica answering
+500, an unload with its rollouts in flight and a replica whose listing hides its adapters, in
+the middle of a GRPO-shaped run through the router.
 
-    python bench/faults.py                      # four episodes, ~75 s in all
+    python bench/faults.py                      # five episodes, ~2 min in all
     python bench/faults.py --episodes rollout   # one kill, mid-rollout
     python bench/faults.py --keep-logs /tmp/f   # also keep the router's and replicas' logs
 
 Set-up. Three emulated vLLM replicas, each its own process (so a kill is a real process death:
-SIGKILL, every socket reset by the kernel), with a modest timing model: 8 sequences at once,
-4 ms per generated token (~24 tokens a completion), 20 us per uncached prompt token, and a
-0.3 s adapter load (`--load-delay`; loads of different names run concurrently). Each replica
-is the emulator's own code started through this file (`faults.py replica ...`, which takes
-every `lora-router-emulator` flag) with one addition: an access log, one line per answered
-request (arrival, end, method, path, status, model or adapter name), written with one
-unbuffered `write` so a SIGKILL loses nothing already answered. The emulator exposes no count
-of its 404s; this log is where "a request for an adapter reached a replica that did not hold
-it" shows. The router is the real command, `python -m lora_router.cli --replicas ...
---no-token --port P --health-interval 0.5 --health-timeout 0.25 --health-failures 2
---health-successes 2 --retries 2 --load-retry-interval 0.1 --load-deadline 20
---fence-timeout 30 --log-level info` (the thresholds are the router's defaults; the interval
-is short enough for a run of seconds). A fourth, spare replica (never in the fleet) is used at
-the end to time one replay by hand. Nothing is pinned to a core.
+SIGKILL, every socket reset by the kernel), with a modest timing model: 8 sequences at once, 4
+ms per generated token (~24 tokens a completion), 20 us per uncached prompt token, and a 0.3 s
+adapter load (`--load-delay`; loads of different names run concurrently). Each replica is the
+emulator's own code started through this file (`faults.py replica ...`, which takes every
+`lora-router-emulator` flag) with one addition: an access log, one line per answered request
+(arrival, end, method, path, status, model or adapter name), written with one unbuffered `write`
+so a SIGKILL loses nothing already answered. The emulator exposes no count of its 404s; this log
+is where "a request for an adapter reached a replica that did not hold it" shows. The router is
+the real command, `python -m lora_router.cli --replicas ... --no-token --port P
+--health-interval 0.5 --health-timeout 1 --health-failures 2 --health-successes 2 --retries 2
+--max-upstream-connections 8 --load-retry-interval 0.1 --load-deadline 20 --fence-timeout 30
+--log-level info` (the thresholds are the router's defaults; the interval is short enough for a
+run of seconds; 8 upstream connections per replica, as many as it runs sequences, so the rest
+queue in the router between the fence and the replica: the window of the unload race).
+`--port-base P` puts every process on P, P+1... A fourth, spare replica (never in the fleet) is
+used at the end to time one replay by hand. Nothing is pinned to a core.
 
 Workload, driven like TRL's AsyncGRPOTrainer (bench/grpo_trace.py prompts: a 23-token template,
 problems of 40-400 token ids): each step N, `POST /pause?mode=keep` -> write trl-policy-vN
-(atomic rename) -> `POST /v1/load_lora_adapter` -> `POST /resume` -> unload v(N-3) once the
-rollouts naming it are done (three or four versions live); then S = 16 prompts x G = 8
-separate `/v1/completions` requests naming vN (token-id prompts, 48 max tokens, a seed,
-logprobs; every fourth group streamed). As in an asynchronous trainer, step N+1's sync starts
-once half of step N's groups are done. A rollout attempt that fails (non-2xx, a connection
-error, a body cut short) is retried by the client as TRL's client does, after 1, 2, 4 s, at
-most 3 times; a failed load ends the run (TRL would die of it) and is reported.
+(atomic rename) -> `POST /v1/load_lora_adapter` -> `POST /resume` -> unload v(N-3) without
+waiting for its rollouts -> rollouts name vN, as TRL does (three or four versions live); then
+S = 16 prompts x G = 8 separate `/v1/completions` requests, each with its own seed and naming the
+version current when it is sent, as TRL's rollout worker reads it (token-id prompts, 48 max
+tokens, logprobs; every fourth group streamed). As in an asynchronous trainer, step N+1's sync
+starts once half of step N's groups are done. A rollout attempt that fails (non-2xx, a
+connection error, a body cut short) is retried by the client as TRL's client does, after 1, 2,
+4 s, at most 3 times; a failed load ends the run (TRL would die of it) and is reported.
 
-Faults. Each episode (default: `rollout`, `load`, `rollout`, `load`, at 10, 26, 42 and 58 s,
-on replicas 1, 2, 1, 2) SIGKILLs one replica — `rollout`: while rollouts are in flight and no
-sync is under way; `load`: 0.1 s into an adapter load broadcast, so the victim dies in the
-middle of a load — waits `--down` s, and starts it again, empty, on the same port.
+Faults. Episodes start at 10, 26, 42 ... s, on replicas 1, 2, 1 ... (default: `rollout`,
+`load`, `5xx`, `unload`, `listing`). A kill SIGKILLs one replica — `rollout`: while rollouts
+are in flight and no sync is under way; `load`: 0.1 s into an adapter load broadcast, so the
+victim dies in the middle of a load — waits `--down` s, and starts it again, empty, on the same
+port. `5xx`: the replica answers 500 to every completion for `--down` s while its /health
+stays 200 (`POST /emulator/faults {"error_rate": 1}`). `unload`: the next sync, just before it
+names vN, sends a last burst of 48 rollouts naming v(N-1) (the worker names the current
+version until the trainer moves on), names vN, and 50 ms later unloads v(N-1) while its
+rollouts are in flight and queued in the router. `listing`: for 10 s every other /v1/models
+answer of the replica lists no adapter and it accepts loads of names it holds (a load balancer
+over two vLLM servers: `{"hide_adapters": 2}`); the episode lasts until it serves again.
 `/router/replicas` is polled every 10 ms around each fault (50 ms otherwise); the router's log
 is read at the end.
 
@@ -61,13 +72,22 @@ retry; how many had no SSE data frame yet is counted), *transport* (no answer fr
 at all) — client retries, rollouts lost after all retries, trainer calls not answered 200,
 404s and 5xx answered by the replicas, and ejections of replicas that were not killed.
 
-Targets (issue 6): no failed rollout that a retry to another replica could have saved (no
-*status* or *transport* failure while another replica was live, no failed trainer call);
-ejection within 2 health intervals; re-admission within one replay of the live adapters, read
-as: listening -> admitted within the wait the health flags impose on a replica that comes back
-(`--health-successes` intervals) plus one replay by hand. The literal reading (listening ->
-admitted within one replay, health checks included) cannot be met by an interval-based check
-and is reported alongside.
+Soft episodes report: attempts and client-visible 5xx during the `5xx` window against the
+replica's own 500s; the unloaded version's rollouts in flight when the unload was sent and how
+each was answered, and the unload's duration; the listing victim's ejections during the
+episode against the bound an exponential back-off allows (2 + log2(10 s / interval)), the
+flaps the router counted, the fewest replicas serving and the time back in service.
+
+Targets (issue 14): client-visible 5xx: 0 (every rollout attempt over the run); no 404 after an
+unload (no attempt answered 404, and every rollout of the unloaded version in flight when its
+unload was sent answered 200); the listing flap bounded (ejections within the bound, never an
+empty fleet, back in service once the fault is lifted). Targets (issue 6): no failed rollout
+that a retry to another replica could have saved (no *status* or *transport* failure while
+another replica was live, no failed trainer call); ejection within 2 health intervals;
+re-admission within one replay of the live adapters, read as: listening -> admitted within the
+wait the health flags impose on a replica that comes back (`--health-successes` intervals) plus
+one replay by hand. The literal reading (listening -> admitted within one replay, health checks
+included) cannot be met by an interval-based check and is reported alongside.
 
 Writes bench/results/faults.json and faults.md (with the command and date); exits 1 when a
 target is missed.
@@ -121,6 +141,7 @@ KEEP_VERSIONS = 3  # trl-policy-v(N-2) .. vN live: max_staleness 2
 # the replica (the window of the unload race).
 UPSTREAM_CONNECTIONS = 8
 LISTING_S = 10.0  # `listing` episodes: how long the victim's listing hides adapters
+EARLY_BURST = 48  # `unload` episodes: rollouts naming v(N-1) sent just before vN is named
 EARLY_UNLOAD_DELAY_S = 0.05  # `unload` episodes: v(N-1) is unloaded this long after vN is named
 LOAD_KILL_OFFSET_S = 0.1  # `load` episodes: the kill lands this long into the broadcast
 PHASE_WAIT_S = 10.0  # longest an episode waits for its phase past its set time
@@ -485,6 +506,7 @@ class Trainer:
         # while that version's rollouts are still in flight; the sync reports it here.
         self.early_unload: asyncio.Future[tuple[str, ControlCall]] | None = None
         self.unloaded: set[int] = set()
+        self.extra: list[asyncio.Task[None]] = []  # rollouts outside the steps (`unload`)
         spec = bench_trace.TraceSpec(
             steps=10_000,  # generated lazily, one step at a time
             prompts_per_step=settings.prompts,
@@ -514,11 +536,11 @@ class Trainer:
                     break
                 halves[n] = asyncio.Event()
                 tasks[n] = asyncio.create_task(self.step_rollouts(n, halves[n]))
-            await asyncio.gather(*tasks.values())
+            await asyncio.gather(*tasks.values(), *self.extra)
         finally:
-            for task in tasks.values():
+            for task in (*tasks.values(), *self.extra):
                 task.cancel()
-            await asyncio.gather(*tasks.values(), return_exceptions=True)
+            await asyncio.gather(*tasks.values(), *self.extra, return_exceptions=True)
 
     async def sync(self, n: int, tasks: dict[int, asyncio.Task[None]]) -> None:
         """pause(keep) -> write vN -> load vN -> resume -> unload v(N-3) -> rollouts name vN,
@@ -547,8 +569,16 @@ class Trainer:
             if old >= 1 and old not in self.unloaded:
                 self.unloaded.add(old)
                 await self.control("/v1/unload_lora_adapter", {"lora_name": f"trl-policy-v{old}"})
-            self.version = n
             early = self.early_unload
+            if early is not None and not early.done() and n >= 2:
+                # The worker goes on naming v(N-1) until the trainer moves on: a last burst of
+                # its rollouts, which queue in the router behind the others.
+                prompt = next(self._trace).tokens
+                for _ in range(EARLY_BURST):
+                    seed = self.rng.randrange(2**31)
+                    self.extra.append(asyncio.create_task(self.rollout(n - 1, prompt, seed, False)))
+                await asyncio.sleep(0)  # each has read v(N-1) and is on its way
+            self.version = n
             if early is not None and not early.done() and n >= 2:
                 self.unloaded.add(n - 1)
                 # Requests read the version as they are sent: give the ones already reading
@@ -1110,6 +1140,7 @@ def analyse_soft(
             "unload_s": round(call.ended - call.started, 4),
             "its_rollouts_in_flight_when_it_arrived": len(in_flight),
             "of_them_answered_200": sum(a.status == 200 for a in in_flight),
+            "the_others_answered": dict(Counter(a.status for a in in_flight if a.status != 200)),
             "404s_naming_it": sum(a.status == 404 for a in named),
         }
     else:
@@ -1260,7 +1291,13 @@ def targets(result: dict[str, Any]) -> dict[str, Any]:
             f"retries {result['router_retries']}",
         },
         "no_404_after_an_unload": {
-            "met": result["client_404s"] == 0 and any(e["unloaded"] for e in unloads),
+            "met": result["client_404s"] == 0
+            and any(e["unloaded"] for e in unloads)
+            and all(
+                e["of_them_answered_200"] == e["its_rollouts_in_flight_when_it_arrived"]
+                for e in unloads
+                if e["unloaded"]
+            ),
             "figure": f"{result['client_404s']} rollout attempts answered 404; "
             + "; ".join(
                 f"{e['unloaded']} unloaded with {e['its_rollouts_in_flight_when_it_arrived']} of "

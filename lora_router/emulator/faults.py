@@ -30,7 +30,8 @@ class Faults:
     stall: bool = False  # completions wait until stall is set False again
     crash_after_frames: int | None = None  # cut the connection after N SSE frames (0: at once)
     # Listing: every Nth `/v1/models` answer lists no adapter (1: none ever does; 2: every other
-    # one, as a load balancer over two servers of which only one took the loads)
+    # one, as a load balancer over two servers of which only one took the loads), and a load of
+    # a name it holds is accepted again (it reached the other server)
     hide_adapters: int = 0
     # Engine
     dead: bool = False  # /health and /ping answer 503, completions 500
