@@ -16,16 +16,16 @@ replica, like a single vLLM server would answer it.
 
 Retries (the data plane's whole rule; http/upstream.py adds only the re-send of a request that
 met a pooled connection the replica had closed). A routed request is tried on the next replica
-the policy picks, at most `config.retries` times and only while the retry budget allows
-for 5xx retries, when nothing of its answer has reached the client and one of these happened:
+the policy picks, at most `config.retries` times, when nothing of its answer has reached the
+client and one of these happened:
 - the exchange failed before a single response byte arrived (connection refused or reset,
   replica gone; not a timeout: the replica may still be working on it);
 - the replica's head says 5xx (but 503 while the fleet is paused: vLLM refusing work on
-  purpose), and the retry budget allows it (retry_budget.py: retries in flight below
-  `--retry-budget` of the routed requests in flight, so a sick fleet is not hammered; the other
-  two cases cost the replicas nothing and are not budgeted). The head and its body are held
-  back (`_RetrySink`) only when a retry will be made; otherwise they reach the client as the
-  replica sent them;
+  purpose), and the retry budget allows it (retry_budget.py: 5xx retries of the last 10 s below
+  `--retry-budget` of the routed requests of those 10 s, so a sick fleet is not hammered; the
+  other two cases cost the replicas nothing and are not budgeted). The head and its body are
+  held back (`_RetrySink`) only when a retry will be made; otherwise they reach the client as
+  the replica sent them;
 - the replica answered 404 for an adapter the fence says is live (it lost it: a restart);
   when no retry is left the router answers itself (`_lost_adapter_error`).
 Once a head has been passed on, nothing is retried: a stream that vLLM begins with a 200 and
@@ -107,7 +107,6 @@ class _RetrySink:
     __slots__ = (
         "_app",
         "_conn",
-        "_holding",
         "_model",
         "_tried",
         "adapter",
@@ -124,14 +123,12 @@ class _RetrySink:
         model: str | None,
         adapter: bool,
         tried: list[Replica],
-        holding: bool,
         held: str | None,
     ) -> None:
         self._app = app
         self._conn = conn
         self._model = model
         self._tried = tried
-        self._holding = holding
         self.adapter = adapter
         self.held = held  # the adapter it is counted under until its head passes (fence)
         self.diverted = 0
@@ -144,7 +141,7 @@ class _RetrySink:
 
     def head(self, status: int, data: bytes, body: memoryview | None = None) -> None:
         if (status >= 500 or (status == 404 and self.adapter)) and self._app.diverts(
-            status, self._model, self.adapter, self._tried, self._holding
+            status, self._model, self.adapter, self._tried
         ):
             self.diverted = status
             self.write = _drop
@@ -273,9 +270,7 @@ class RouterApp:
         keyed = not uses_keys  # a key-blind policy gets None
         if not uses_keys:
             fields.token_ids()  # still parsed once per distinct body: ids must fit 32 bits
-        budget = self.budget
-        budget.active += 1
-        holding = False  # whether this request holds one of the budget's retry slots
+        self.budget.request(self._loop.time())
         tried: list[Replica] = []
         sink: _RetrySink | None = None
         held = model if adapter else None
@@ -302,12 +297,11 @@ class RouterApp:
                     )
                 replica.breaker.begin()
                 tried.append(replica)
-                sink = _RetrySink(self, conn, model, adapter, tried, holding, held)
+                sink = _RetrySink(self, conn, model, adapter, tried, held)
                 try:
                     await self._forward(request, conn, replica, sink)
                 except UpstreamError as exc:
                     self.health.report_failure(replica)
-                    holding = holding or sink.diverted >= 500  # held back, then cut: granted
                     if not (exc.retryable and self._may_retry(tried, "transport")):
                         raise _upstream_http_error(replica, exc) from None
                     continue
@@ -316,22 +310,16 @@ class RouterApp:
                     return
                 if sink.diverted != 404:  # a 5xx held back: the rule granted the retry
                     self.health.report_status(replica, sink.diverted)
-                    holding = True
                     continue
                 assert model is not None
                 self.health.report_missing_adapter(replica, model)
                 if not self._may_retry(tried, "missing_adapter"):
                     raise _lost_adapter_error(model, tried, self.fence.state(model))
         finally:
-            budget.active -= 1
-            if holding:
-                budget.release()
             if held is not None and (sink is None or sink.held is not None):
                 self.fence.release(held)
 
-    def diverts(
-        self, status: int, model: str | None, adapter: bool, tried: list[Replica], holding: bool
-    ) -> bool:
+    def diverts(self, status: int, model: str | None, adapter: bool, tried: list[Replica]) -> bool:
         """The retry rule for a replica's 404 or 5xx head (module docstring): hold it back and
         try another replica? Called before any byte of the answer reached the client."""
         if status == 404:
@@ -343,7 +331,7 @@ class RouterApp:
         return (
             len(tried) <= self.config.retries
             and bool(self.fleet.routable(model, tried))
-            and self.budget.allow(holding)
+            and self.budget.allow(self._loop.time())
         )
 
     def _may_retry(self, tried: list[Replica], reason: str) -> bool:

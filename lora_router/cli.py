@@ -210,8 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=d.retry_budget,
         metavar="SHARE",
-        help="retries of a 5xx in flight allowed while below this share of the routed "
-        "requests in flight (3 always are), so a sick fleet is not hammered",
+        help="retries of a 5xx allowed while below this share of the routed requests of the "
+        "last 10 s (10 per 10 s always are), so a sick fleet is not hammered",
     )
 
     g = p.add_argument_group("adapter broadcasts")

@@ -133,10 +133,9 @@ class Config:
     max_prompt_tokens: int = 1_000_000
     max_upstream_connections: int = 1024  # per replica
     retries: int = 2  # other replicas tried when nothing was received yet
-    # Retries of a 5xx in flight allowed while below this share of the routed requests in flight
-    # (3 are always allowed): see retry_budget.py. Not Envoy's 20 %: fleets here are small, and
-    # one failing replica of N makes 1/N of the requests retries; a half is one of two.
-    retry_budget: float = 0.5
+    # Retries of a 5xx allowed while below this share of the routed requests of the last 10 s
+    # (10 per 10 s always are): see retry_budget.py.
+    retry_budget: float = 0.2
 
     # Adapter broadcasts
     load_retry_interval: float = 0.5

@@ -1,50 +1,66 @@
 """The retry budget: a cap on the share of routed requests that are retries of a 5xx, so a sick
-fleet is not hammered by the router's own retries. Envoy's retry budgets are the model: a retry
-may start while the retries in flight are fewer than `ratio` times the routed requests in
-flight, or fewer than `MIN_RETRIES`, so a lone request (or a trainer's few) can always be
-retried.
+fleet is not hammered by the router's own retries (Envoy's retry budgets are the model).
 
-A request that is being retried holds one retry slot from its first retry until it ends (its
-retries are sequential); `allow` is asked before each retry of a 5xx. Retries after failures
-that cost the replica nothing (no connection, a lost adapter) are not budgeted, only counted:
-`retries` has every retry by reason, `denied` the refusals, for `/router/status` and
-`/metrics`.
+A retry of a 5xx is allowed while the retries of the last `WINDOW_S` seconds are fewer than
+`ratio` times the routed requests of that window, or fewer than `MIN_RETRIES`, so a lone
+request (or a trainer's few) can still be retried on an idle router. A window rather than the
+requests in flight: a replica that starts failing fails the requests queued for it all at once,
+and a burst like that is what a retry is for; a fleet that keeps failing is what the budget
+stops. The window slides by `BUCKETS` steps. Retries after failures that cost the replica
+nothing (no connection, a lost adapter) are not budgeted, only counted: `retries` has every
+retry by reason, `denied` the refusals, for `/router/status` and `/metrics`.
 
-Pure bookkeeping, no I/O and no clock; the routed path (app.py) keeps `active` exact with a
-try/finally around every routed request.
+Pure bookkeeping: the caller passes the clock; it must never do I/O or read the clock itself.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
-MIN_RETRIES = 3  # retries in flight always allowed, whatever the traffic (Envoy's default)
+WINDOW_S = 10.0
+BUCKETS = 10
+MIN_RETRIES = 10  # per window, whatever the traffic
 
 
 class RetryBudget:
-    """Routed requests and retry slots in flight; `allow` grants a slot if there is room."""
+    """Routed requests and 5xx retries over a sliding window; `allow` spends one retry."""
 
-    __slots__ = ("active", "denied", "ratio", "retries", "retrying")
+    __slots__ = ("_end", "_requests", "_retries", "_step", "denied", "ratio", "retries")
 
     def __init__(self, ratio: float) -> None:
         self.ratio = ratio
-        self.active = 0  # routed requests in flight
-        self.retrying = 0  # of them, those holding a retry slot
+        self._step = WINDOW_S / BUCKETS
+        self._end = 0.0  # when the current (last) bucket ends
+        self._requests = [0] * BUCKETS  # oldest first; the last is the current bucket
+        self._retries = [0] * BUCKETS
         self.retries: Counter[str] = Counter()  # retries made, by reason
         self.denied = 0  # retries the budget refused
 
-    def allow(self, holding: bool) -> bool:
-        """Whether a request may retry a 5xx now; `holding`: it already holds a slot (kept).
-        A request granted one holds it until `release`."""
-        others = self.retrying - holding
-        if others >= MIN_RETRIES and others >= self.ratio * self.active:
+    def request(self, now: float) -> None:
+        """A routed request arrived (its retries are not requests)."""
+        if now >= self._end:
+            self._slide(now)
+        self._requests[-1] += 1
+
+    def allow(self, now: float) -> bool:
+        """Whether a 5xx may be retried now; if so the retry is counted against the budget."""
+        if now >= self._end:
+            self._slide(now)
+        spent = sum(self._retries)
+        if spent >= MIN_RETRIES and spent >= self.ratio * sum(self._requests):
             self.denied += 1
             return False
-        if not holding:
-            self.retrying += 1
+        self._retries[-1] += 1
         self.retries["5xx"] += 1
         return True
 
-    def release(self) -> None:
-        """A request holding a slot ended."""
-        self.retrying -= 1
+    def _slide(self, now: float) -> None:
+        if self._end == 0.0 or now >= self._end + WINDOW_S:  # first use, or idle for a window
+            self._requests = [0] * BUCKETS
+            self._retries = [0] * BUCKETS
+            self._end = now + self._step
+            return
+        while self._end <= now:  # at most BUCKETS steps (see above)
+            self._requests = [*self._requests[1:], 0]
+            self._retries = [*self._retries[1:], 0]
+            self._end += self._step
