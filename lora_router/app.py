@@ -339,7 +339,7 @@ class RouterApp:
         (not budgeted, see the module docstring)."""
         if len(tried) > self.config.retries:
             return False
-        self.budget.retries[reason] += 1
+        self.budget.unbudgeted(reason)
         return True
 
     def _key(self, fields: Completion, model: str | None) -> PromptKey | None:

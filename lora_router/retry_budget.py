@@ -54,6 +54,10 @@ class RetryBudget:
         self.retries["5xx"] += 1
         return True
 
+    def unbudgeted(self, reason: str) -> None:
+        """A retry the budget does not gate (it cost the replica nothing), counted."""
+        self.retries[reason] += 1
+
     def _slide(self, now: float) -> None:
         if self._end == 0.0 or now >= self._end + WINDOW_S:  # first use, or idle for a window
             self._requests = [0] * BUCKETS

@@ -113,3 +113,18 @@ def test_the_budget_window_slides() -> None:
     assert not budget.allow(WINDOW_S / 2)  # still in the window
     assert budget.allow(WINDOW_S + 0.01)  # the first bucket has left it
     assert budget.allow(10 * WINDOW_S)  # idle for long: a fresh window
+
+
+async def test_a_503_while_the_fleet_is_paused_is_not_retried_nor_counted(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(2)
+    for emu in emus:
+        emu.faults.error_rate, emu.faults.error_status = 1.0, 503
+    rt = await router(emus, policy="round-robin", breaker_failures=1)
+    assert rt.fleet is not None
+    assert (await call(client, "POST", rt.url + "/pause?mode=keep"))[0] == 200
+    status, _ = await complete(client, rt.url)
+    assert status == 503  # vLLM refusing work on purpose: every replica would say the same
+    assert completions(emus[0]) + completions(emus[1]) == 1
+    assert all(r.breaker.state == "closed" for r in rt.fleet.replicas)
