@@ -1,40 +1,51 @@
-"""Fault tolerance under training load: a replica killed and restarted empty in the middle of a
-GRPO-shaped run through the router.
+"""Fault tolerance under training load: replicas killed and restarted empty, a replica answering
+500, an unload with its rollouts in flight and a replica whose listing hides its adapters, in
+the middle of a GRPO-shaped run through the router.
 
-    python bench/faults.py                      # four episodes, ~75 s in all
+    python bench/faults.py                      # five episodes, ~2 min in all
     python bench/faults.py --episodes rollout   # one kill, mid-rollout
     python bench/faults.py --keep-logs /tmp/f   # also keep the router's and replicas' logs
 
 Set-up. Three emulated vLLM replicas, each its own process (so a kill is a real process death:
-SIGKILL, every socket reset by the kernel), with a modest timing model: 8 sequences at once,
-4 ms per generated token (~24 tokens a completion), 20 us per uncached prompt token, and a
-0.3 s adapter load (`--load-delay`; loads of different names run concurrently). Each replica
-is the emulator's own code started through this file (`faults.py replica ...`, which takes
-every `lora-router-emulator` flag) with one addition: an access log, one line per answered
-request (arrival, end, method, path, status, model or adapter name), written with one
-unbuffered `write` so a SIGKILL loses nothing already answered. The emulator exposes no count
-of its 404s; this log is where "a request for an adapter reached a replica that did not hold
-it" shows. The router is the real command, `python -m lora_router.cli --replicas ...
---no-token --port P --health-interval 0.5 --health-timeout 0.25 --health-failures 2
---health-successes 2 --retries 2 --load-retry-interval 0.1 --load-deadline 20
---fence-timeout 30 --log-level info` (the thresholds are the router's defaults; the interval
-is short enough for a run of seconds). A fourth, spare replica (never in the fleet) is used at
-the end to time one replay by hand. Nothing is pinned to a core.
+SIGKILL, every socket reset by the kernel), with a modest timing model: 8 sequences at once, 4
+ms per generated token (~24 tokens a completion), 20 us per uncached prompt token, and a 0.3 s
+adapter load (`--load-delay`; loads of different names run concurrently). Each replica is the
+emulator's own code started through this file (`faults.py replica ...`, which takes every
+`lora-router-emulator` flag) with one addition: an access log, one line per answered request
+(arrival, end, method, path, status, model or adapter name), written with one unbuffered `write`
+so a SIGKILL loses nothing already answered. The emulator exposes no count of its 404s; this log
+is where "a request for an adapter reached a replica that did not hold it" shows. The router is
+the real command, `python -m lora_router.cli --replicas ... --no-token --port P
+--health-interval 0.5 --health-timeout 1 --health-failures 2 --health-successes 2 --retries 2
+--max-upstream-connections 8 --load-retry-interval 0.1 --load-deadline 20 --fence-timeout 30
+--log-level info` (the thresholds are the router's defaults; the interval is short enough for a
+run of seconds; 8 upstream connections per replica, as many as it runs sequences, so the rest
+queue in the router between the fence and the replica: the window of the unload race).
+`--port-base P` puts every process on P, P+1... A fourth, spare replica (never in the fleet) is
+used at the end to time one replay by hand. Nothing is pinned to a core.
 
 Workload, driven like TRL's AsyncGRPOTrainer (bench/grpo_trace.py prompts: a 23-token template,
 problems of 40-400 token ids): each step N, `POST /pause?mode=keep` -> write trl-policy-vN
-(atomic rename) -> `POST /v1/load_lora_adapter` -> `POST /resume` -> unload v(N-3) once the
-rollouts naming it are done (three or four versions live); then S = 16 prompts x G = 8
-separate `/v1/completions` requests naming vN (token-id prompts, 48 max tokens, a seed,
-logprobs; every fourth group streamed). As in an asynchronous trainer, step N+1's sync starts
-once half of step N's groups are done. A rollout attempt that fails (non-2xx, a connection
-error, a body cut short) is retried by the client as TRL's client does, after 1, 2, 4 s, at
-most 3 times; a failed load ends the run (TRL would die of it) and is reported.
+(atomic rename) -> `POST /v1/load_lora_adapter` -> `POST /resume` -> unload v(N-3) without
+waiting for its rollouts -> rollouts name vN, as TRL does (three or four versions live); then
+S = 16 prompts x G = 8 separate `/v1/completions` requests, each with its own seed and naming the
+version current when it is sent, as TRL's rollout worker reads it (token-id prompts, 48 max
+tokens, logprobs; every fourth group streamed). As in an asynchronous trainer, step N+1's sync
+starts once half of step N's groups are done. A rollout attempt that fails (non-2xx, a
+connection error, a body cut short) is retried by the client as TRL's client does, after 1, 2,
+4 s, at most 3 times; a failed load ends the run (TRL would die of it) and is reported.
 
-Faults. Each episode (default: `rollout`, `load`, `rollout`, `load`, at 10, 26, 42 and 58 s,
-on replicas 1, 2, 1, 2) SIGKILLs one replica — `rollout`: while rollouts are in flight and no
-sync is under way; `load`: 0.1 s into an adapter load broadcast, so the victim dies in the
-middle of a load — waits `--down` s, and starts it again, empty, on the same port.
+Faults. Episodes start at 10, 26, 42 ... s, on replicas 1, 2, 1 ... (default: `rollout`,
+`load`, `5xx`, `unload`, `listing`). A kill SIGKILLs one replica — `rollout`: while rollouts
+are in flight and no sync is under way; `load`: 0.1 s into an adapter load broadcast, so the
+victim dies in the middle of a load — waits `--down` s, and starts it again, empty, on the same
+port. `5xx`: the replica answers 500 to every completion for `--down` s while its /health
+stays 200 (`POST /emulator/faults {"error_rate": 1}`). `unload`: the next sync, just before it
+names vN, sends a last burst of 48 rollouts naming v(N-1) (the worker names the current
+version until the trainer moves on), names vN, and 50 ms later unloads v(N-1) while its
+rollouts are in flight and queued in the router. `listing`: for 10 s every other /v1/models
+answer of the replica lists no adapter and it accepts loads of names it holds (a load balancer
+over two vLLM servers: `{"hide_adapters": 2}`); the episode lasts until it serves again.
 `/router/replicas` is polled every 10 ms around each fault (50 ms otherwise); the router's log
 is read at the end.
 
@@ -61,13 +72,22 @@ retry; how many had no SSE data frame yet is counted), *transport* (no answer fr
 at all) — client retries, rollouts lost after all retries, trainer calls not answered 200,
 404s and 5xx answered by the replicas, and ejections of replicas that were not killed.
 
-Targets (issue 6): no failed rollout that a retry to another replica could have saved (no
-*status* or *transport* failure while another replica was live, no failed trainer call);
-ejection within 2 health intervals; re-admission within one replay of the live adapters, read
-as: listening -> admitted within the wait the health flags impose on a replica that comes back
-(`--health-successes` intervals) plus one replay by hand. The literal reading (listening ->
-admitted within one replay, health checks included) cannot be met by an interval-based check
-and is reported alongside.
+Soft episodes report: attempts and client-visible 5xx during the `5xx` window against the
+replica's own 500s; the unloaded version's rollouts in flight when the unload was sent and how
+each was answered, and the unload's duration; the listing victim's ejections during the
+episode against the bound an exponential back-off allows (2 + log2(10 s / interval)), the
+flaps the router counted, the fewest replicas serving and the time back in service.
+
+Targets (issue 14): client-visible 5xx: 0 (every rollout attempt over the run); no 404 after an
+unload (no attempt answered 404, and every rollout of the unloaded version in flight when its
+unload was sent answered 200); the listing flap bounded (ejections within the bound, never an
+empty fleet, back in service once the fault is lifted). Targets (issue 6): no failed rollout
+that a retry to another replica could have saved (no *status* or *transport* failure while
+another replica was live, no failed trainer call); ejection within 2 health intervals;
+re-admission within one replay of the live adapters, read as: listening -> admitted within the
+wait the health flags impose on a replica that comes back (`--health-successes` intervals) plus
+one replay by hand. The literal reading (listening -> admitted within one replay, health checks
+included) cannot be met by an interval-based check and is reported alongside.
 
 Writes bench/results/faults.json and faults.md (with the command and date); exits 1 when a
 target is missed.
@@ -79,6 +99,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import re
@@ -116,6 +137,12 @@ ATTEMPT_TIMEOUT_S = 30.0
 CONTROL_TIMEOUT_S = 60.0
 START_TIMEOUT_S = 30.0
 KEEP_VERSIONS = 3  # trl-policy-v(N-2) .. vN live: max_staleness 2
+# Per replica, as many as it runs sequences: the rest queue in the router, between the fence and
+# the replica (the window of the unload race).
+UPSTREAM_CONNECTIONS = 8
+LISTING_S = 10.0  # `listing` episodes: how long the victim's listing hides adapters
+EARLY_BURST = 48  # `unload` episodes: rollouts naming v(N-1) sent just before vN is named
+EARLY_UNLOAD_DELAY_S = 0.05  # `unload` episodes: v(N-1) is unloaded this long after vN is named
 LOAD_KILL_OFFSET_S = 0.1  # `load` episodes: the kill lands this long into the broadcast
 PHASE_WAIT_S = 10.0  # longest an episode waits for its phase past its set time
 FAST_POLL_S = 0.01
@@ -226,6 +253,7 @@ class Settings:
     retries: int
     load_delay: float
     seed: int
+    port_base: int = 0  # 0: free ports
 
     def replica_flags(self, index: int) -> list[str]:
         return [
@@ -241,6 +269,7 @@ class Settings:
             "--health-failures", str(self.health_failures),
             "--health-successes", str(self.health_successes),
             "--retries", str(self.retries),
+            "--max-upstream-connections", str(UPSTREAM_CONNECTIONS),
             "--load-retry-interval", "0.1", "--load-deadline", "20", "--fence-timeout", "30",
             "--log-level", "info", "--status-interval", "0",
         ]  # fmt: skip
@@ -255,9 +284,10 @@ class Cluster:
     def __init__(self, settings: Settings, procs: Procs) -> None:
         self.settings = settings
         self.procs = procs
-        self.ports = [free_port() for _ in range(settings.replicas)]
-        self.spare_port = free_port()
-        self.router_port = free_port()
+        base, n = settings.port_base, settings.replicas
+        ports = list(range(base, base + n + 2)) if base else [free_port() for _ in range(n + 2)]
+        self.ports = ports[:n]
+        self.spare_port, self.router_port = ports[n], ports[n + 1]
         self.replica_procs: list[subprocess.Popen[bytes]] = []
         self.incarnations = [0] * settings.replicas
         self.router: subprocess.Popen[bytes] | None = None
@@ -428,6 +458,7 @@ class Attempt:
     kind: str  # ok | status | cut | transport
     detail: str = ""
     frames: int = 0  # SSE data frames received (streams)
+    model: str = ""  # the adapter the attempt named (the version read when it was sent)
 
 
 @dataclass(slots=True)
@@ -470,6 +501,12 @@ class Trainer:
         self.load_started = 0.0
         self.syncing = False
         self.step = 0
+        self.version = 0  # the version rollouts name, read at each request (TRL's worker)
+        # An `unload` episode asks the next sync to also unload the version it supersedes,
+        # while that version's rollouts are still in flight; the sync reports it here.
+        self.early_unload: asyncio.Future[tuple[str, ControlCall]] | None = None
+        self.unloaded: set[int] = set()
+        self.extra: list[asyncio.Task[None]] = []  # rollouts outside the steps (`unload`)
         spec = bench_trace.TraceSpec(
             steps=10_000,  # generated lazily, one step at a time
             prompts_per_step=settings.prompts,
@@ -499,14 +536,15 @@ class Trainer:
                     break
                 halves[n] = asyncio.Event()
                 tasks[n] = asyncio.create_task(self.step_rollouts(n, halves[n]))
-            await asyncio.gather(*tasks.values())
+            await asyncio.gather(*tasks.values(), *self.extra)
         finally:
-            for task in tasks.values():
+            for task in (*tasks.values(), *self.extra):
                 task.cancel()
-            await asyncio.gather(*tasks.values(), return_exceptions=True)
+            await asyncio.gather(*tasks.values(), *self.extra, return_exceptions=True)
 
     async def sync(self, n: int, tasks: dict[int, asyncio.Task[None]]) -> None:
-        """pause(keep) -> write vN -> load vN -> resume -> unload v(N-3)."""
+        """pause(keep) -> write vN -> load vN -> resume -> unload v(N-3) -> rollouts name vN,
+        as TRL's trainer does (it does not wait for the old version's rollouts)."""
         self.syncing = True
         try:
             await self.control("/pause?mode=keep")
@@ -527,14 +565,29 @@ class Trainer:
                 raise TrainingStopped(f"loading {name} failed: {self.controls[-1].detail}")
             await self.control("/resume")
             self.step = n
+            old = n - KEEP_VERSIONS
+            if old >= 1 and old not in self.unloaded:
+                self.unloaded.add(old)
+                await self.control("/v1/unload_lora_adapter", {"lora_name": f"trl-policy-v{old}"})
+            early = self.early_unload
+            if early is not None and not early.done() and n >= 2:
+                # The worker goes on naming v(N-1) until the trainer moves on: a last burst of
+                # its rollouts, which queue in the router behind the others.
+                prompt = next(self._trace).tokens
+                for _ in range(EARLY_BURST):
+                    seed = self.rng.randrange(2**31)
+                    self.extra.append(asyncio.create_task(self.rollout(n - 1, prompt, seed, False)))
+                await asyncio.sleep(0)  # each has read v(N-1) and is on its way
+            self.version = n
+            if early is not None and not early.done() and n >= 2:
+                self.unloaded.add(n - 1)
+                # Requests read the version as they are sent: give the ones already reading
+                # v(N-1) a moment to reach the router, so every later one names vN.
+                await asyncio.sleep(EARLY_UNLOAD_DELAY_S)
+                await self.control("/v1/unload_lora_adapter", {"lora_name": f"trl-policy-v{n - 1}"})
+                early.set_result((f"trl-policy-v{n - 1}", self.controls[-1]))
         finally:
             self.syncing = False
-        old = n - KEEP_VERSIONS
-        if old >= 1:
-            # Its rollouts (retries included) are done first, so none meets an unloaded name.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(tasks[old]), CONTROL_TIMEOUT_S)
-            await self.control("/v1/unload_lora_adapter", {"lora_name": f"trl-policy-v{old}"})
 
     async def control(self, path: str, body: object = None) -> bool:
         assert self._http is not None
@@ -579,8 +632,20 @@ class Trainer:
         half.set()
 
     async def rollout(self, n: int, prompt: list[int], seed: int, stream: bool) -> None:
+        record = Rollout(n, stream)
+        self.rollouts.append(record)
+        for attempt in range(len(BACKOFF_S) + 1):
+            # The version is read at each request, as TRL's rollout worker does.
+            result = await self.attempt(self.body(prompt, seed, stream), stream)
+            record.attempts.append(result)
+            if result.kind == "ok" or attempt == len(BACKOFF_S):
+                return
+            self.client_retries += 1
+            await asyncio.sleep(BACKOFF_S[attempt])
+
+    def body(self, prompt: list[int], seed: int, stream: bool) -> bytes:
         body: dict[str, Any] = {
-            "model": f"trl-policy-v{n}",
+            "model": f"trl-policy-v{self.version}",
             "prompt": prompt,
             "max_tokens": self.settings.max_tokens,
             "temperature": 1.0,
@@ -592,19 +657,11 @@ class Trainer:
         }
         if stream:
             body["stream"] = True
-        data = orjson.dumps(body)
-        record = Rollout(n, stream)
-        self.rollouts.append(record)
-        for attempt in range(len(BACKOFF_S) + 1):
-            result = await self.attempt(data, stream)
-            record.attempts.append(result)
-            if result.kind == "ok" or attempt == len(BACKOFF_S):
-                return
-            self.client_retries += 1
-            await asyncio.sleep(BACKOFF_S[attempt])
+        return orjson.dumps(body)
 
     async def attempt(self, data: bytes, stream: bool) -> Attempt:
         assert self._http is not None
+        model = f"trl-policy-v{self.version}"
         started = time.time()
         status, replica = 0, ""
         chunks: list[bytes] = []
@@ -622,14 +679,16 @@ class Trainer:
         except (aiohttp.ClientError, TimeoutError) as exc:
             kind = "cut" if status else "transport"
             frames = b"".join(chunks).count(b"data: ")
-            return Attempt(started, time.time(), status, replica, kind, type(exc).__name__, frames)
+            return Attempt(
+                started, time.time(), status, replica, kind, type(exc).__name__, frames, model
+            )
         ended = time.time()
         raw = b"".join(chunks)
         if status != 200:
-            return Attempt(started, ended, status, replica, "status", _error_message(raw))
+            return Attempt(started, ended, status, replica, "status", _error_message(raw), 0, model)
         problem = check_answer(status, raw, stream)
         kind = "ok" if problem is None else "cut"
-        return Attempt(started, ended, status, replica, kind, problem or "")
+        return Attempt(started, ended, status, replica, kind, problem or "", 0, model)
 
 
 def _error_message(raw: bytes) -> str:
@@ -651,6 +710,15 @@ class EpisodeRun:
     listening: float = 0.0
     admitted: float = 0.0  # first poll showing it admitted again (0: never)
     incarnation: int = 0  # which access log the restarted process writes
+    # Soft faults (5xx, unload, listing): `killed` is when the fault began, `ended` when it
+    # was lifted, `admitted` when the episode was over.
+    ended: float = 0.0
+    unloaded: str = ""  # `unload`: the version unloaded early
+    unload_call: ControlCall | None = None
+
+
+KILLS = ("rollout", "load")
+SOFT = ("5xx", "unload", "listing")
 
 
 async def inject(
@@ -670,6 +738,10 @@ async def inject(
         await _sleep_until(t0 + episode.at - 0.3)
         prober.interval = FAST_POLL_S
         await _sleep_until(t0 + episode.at)
+        if episode.phase in SOFT:
+            await soft_fault(run, cluster, trainer, prober, down)
+            prober.interval = SLOW_POLL_S
+            continue
         run.phase_met = await _wait_phase(episode.phase, trainer)
         run.killed = cluster.kill(episode.victim)
         await _sleep_until(run.killed + down)
@@ -686,6 +758,50 @@ async def inject(
         await asyncio.sleep(0.5)
         prober.interval = SLOW_POLL_S
     return runs
+
+
+async def soft_fault(
+    run: EpisodeRun, cluster: Cluster, trainer: Trainer, prober: Prober, down: float
+) -> None:
+    """`5xx`: the victim answers 500 to every completion (its /health stays 200) for `down` s.
+    `unload`: the next sync also unloads the version it supersedes, with its rollouts in
+    flight. `listing`: every other /v1/models answer of the victim lists no adapter (a load
+    balancer over two servers) for LISTING_S, then the episode lasts until it serves again."""
+    phase, url = run.episode.phase, cluster.url(run.rid)
+    run.phase_met = True
+    run.killed = time.time()
+    if phase == "unload":
+        done: asyncio.Future[tuple[str, ControlCall]] = asyncio.get_running_loop().create_future()
+        trainer.early_unload = done
+        try:
+            run.unloaded, run.unload_call = await asyncio.wait_for(done, CONTROL_TIMEOUT_S)
+        except TimeoutError:  # no sync came (the run stopped): reported as a missed phase
+            run.phase_met = False
+            run.ended = run.admitted = time.time()
+            return
+        run.ended = run.admitted = run.unload_call.ended
+        return
+    switch, value = ("error_rate", 1.0) if phase == "5xx" else ("hide_adapters", 2)
+    await set_fault(prober.http, url, {switch: value})
+    await asyncio.sleep(down if phase == "5xx" else LISTING_S)
+    await set_fault(prober.http, url, {switch: 0 if phase == "listing" else 0.0})
+    run.ended = time.time()
+    if phase == "5xx":
+        run.admitted = run.ended
+        return
+    deadline = run.ended + 60.0
+    while time.time() < deadline:
+        found = prober.first(run.rid, True, run.ended)
+        if found is not None:
+            run.admitted = found[1]
+            return
+        await asyncio.sleep(FAST_POLL_S)
+
+
+async def set_fault(http: aiohttp.ClientSession, url: str, changes: dict[str, Any]) -> None:
+    async with http.post(url + "/emulator/faults", json=changes) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: /emulator/faults answered {resp.status}")
 
 
 async def _sleep_until(t: float) -> None:
@@ -978,6 +1094,85 @@ def analyse_replicas(cluster: Cluster) -> dict[str, Any]:
 # --- the run --------------------------------------------------------------------------------
 
 
+def analyse_soft(
+    run: EpisodeRun,
+    settings: Settings,
+    cluster: Cluster,
+    trainer: Trainer,
+    prober: Prober,
+    events: Sequence[LogEvent],
+    status: dict[str, Any],
+    t0: float,
+) -> dict[str, Any]:
+    """A 5xx, unload or listing episode, from the trainer's attempts, the router's log and
+    status, and the victim's access log."""
+    rid, phase = run.rid, run.episode.phase
+    attempts = [a for r in trainer.rollouts for a in r.attempts]
+    out: dict[str, Any] = {
+        "phase": phase,
+        "victim": rid,
+        "started_at_s": round(run.killed - t0, 3),
+        "lasted_s": round(run.ended - run.killed, 3),
+    }
+    if phase == "5xx":
+        window = [a for a in attempts if run.killed <= a.started <= run.ended]
+        answered = [
+            a
+            for inc in range(cluster.incarnations[rid] + 1)
+            for a in read_access_log(cluster.access_log(rid, inc))
+            if a.path in GENERATION_PATHS and run.killed <= a.arrived <= run.ended
+        ]
+        out |= {
+            "attempts_during": len(window),
+            "victim_answered_5xx": sum(a.status >= 500 for a in answered),
+            "client_visible_5xx_during": sum(a.status >= 500 for a in window),
+            "failed_attempts_during": sum(a.kind != "ok" for a in window),
+        }
+    elif phase == "unload":
+        call = run.unload_call
+        if call is None:
+            return out | {"unloaded": "", "missed": "no sync came to carry the unload"}
+        named = [a for a in attempts if a.model == run.unloaded]
+        in_flight = [a for a in named if a.started < call.started < a.ended]
+        out |= {
+            "unloaded": run.unloaded,
+            "unload_status": call.status,
+            "unload_s": round(call.ended - call.started, 4),
+            "its_rollouts_in_flight_when_it_arrived": len(in_flight),
+            "of_them_answered_200": sum(a.status == 200 for a in in_flight),
+            "the_others_answered": dict(Counter(a.status for a in in_flight if a.status != 200)),
+            "404s_naming_it": sum(a.status == 404 for a in named),
+        }
+    else:
+        end = run.admitted or run.ended
+        ejections = [
+            e for e in events if e.rid == rid and e.kind == "eject" and run.killed <= e.at <= end
+        ]
+        # Without a back-off: one ejection every few health checks for the whole episode.
+        # With it: the waits double, so at most log2(episode / interval) + 2.
+        bound = 2 + math.ceil(math.log2(max(1.0, LISTING_S / settings.health_interval)))
+        live = [
+            sum(prober.live_at(r, t) for r in range(settings.replicas))
+            for t in _poll_times(prober, run.killed, end)
+        ]
+        flaps = status.get("health", {}).get("listing_flaps", {})
+        out |= {
+            "ejections": len(ejections),
+            "ejection_bound": bound,
+            "listing_flaps_counted": flaps.get(str(rid), 0),
+            "fewest_replicas_serving": min(live, default=settings.replicas),
+            "back_in_service_after_fault_s": (
+                round(run.admitted - run.ended, 3) if run.admitted else None
+            ),
+            "bounded": len(ejections) <= bound and bool(run.admitted) and min(live, default=1) > 0,
+        }
+    return out
+
+
+def _poll_times(prober: Prober, start: float, end: float) -> list[float]:
+    return [v.seen for v in prober.changes if start <= v.seen <= end] + [start, end]
+
+
 async def measure(settings: Settings, cluster: Cluster, adapters: Path) -> dict[str, Any]:
     timeout = aiohttp.ClientTimeout(total=None)
     connector = aiohttp.TCPConnector(limit=0)
@@ -1016,6 +1211,8 @@ async def measure(settings: Settings, cluster: Cluster, adapters: Path) -> dict[
             prober.stop()
             await asyncio.gather(fault_task, probe_task, return_exceptions=True)
         wall = time.time() - t0
+        async with http.get(cluster.router_url + "/router/status") as resp:
+            router_status = await resp.json()
     router_log = cluster.router_log()
     events = parse_router_log(router_log)
     replayed = max((e.adapters for e in events if e.kind == "back"), default=KEEP_VERSIONS)
@@ -1023,19 +1220,30 @@ async def measure(settings: Settings, cluster: Cluster, adapters: Path) -> dict[
         f"http://127.0.0.1:{cluster.spare_port}", adapters, max(1, replayed)
     )
     replay_ref = statistics.median(ref)
+    kills = [r for r in runs if r.episode.phase in KILLS]
     episodes = [
-        analyse_episode(r, settings, cluster, trainer, prober, events, replay_ref, t0) for r in runs
+        analyse_episode(r, settings, cluster, trainer, prober, events, replay_ref, t0)
+        for r in kills
     ]
-    # An ejection is expected only of an episode's victim, shortly after its kill.
+    soft = [
+        analyse_soft(r, settings, cluster, trainer, prober, events, router_status, t0)
+        for r in runs
+        if r.episode.phase in SOFT
+    ]
+    # An ejection is expected only of a kill's victim shortly after the kill, or of a listing
+    # episode's victim while it lasts.
+    listing = [r for r in runs if r.episode.phase == "listing"]
     unexpected = [
         asdict(e)
         for e in events
         if e.kind == "eject"
         and not any(
             r.rid == e.rid and -0.01 <= e.at - r.killed <= 2 * settings.health_interval + 1
-            for r in runs
+            for r in kills
         )
+        and not any(r.rid == e.rid and r.killed <= e.at <= (r.admitted or r.ended) for r in listing)
     ]
+    attempts = [a for r in trainer.rollouts for a in r.attempts]
     failures = analyse_failures(trainer, prober, settings.replicas)
     replicas = analyse_replicas(cluster)
     controls = [asdict(c) for c in trainer.controls if c.status != 200]
@@ -1044,6 +1252,10 @@ async def measure(settings: Settings, cluster: Cluster, adapters: Path) -> dict[
         "steps": trainer.step,
         "replay_reference_s": [round(t, 4) for t in ref],
         "episodes": episodes,
+        "soft_episodes": soft,
+        "client_visible_5xx": sum(a.status >= 500 for a in attempts),
+        "client_404s": sum(a.status == 404 for a in attempts),
+        "router_retries": router_status.get("retries", {}),
         "failures": failures,
         "replicas": replicas,
         "control_failures": controls,
@@ -1068,7 +1280,43 @@ async def _wait_router(http: aiohttp.ClientSession, url: str) -> None:
 def targets(result: dict[str, Any]) -> dict[str, Any]:
     episodes = result["episodes"]
     failures = result["failures"]
+    soft = result["soft_episodes"]
+    listing = [e for e in soft if e["phase"] == "listing"]
+    unloads = [e for e in soft if e["phase"] == "unload"]
     return {
+        "client_visible_5xx": {
+            "met": result["client_visible_5xx"] == 0,
+            "figure": f"{result['client_visible_5xx']} rollout attempts answered 5xx; the "
+            f"replicas answered {result['replicas']['completion_5xx']} completions 5xx; router "
+            f"retries {result['router_retries']}",
+        },
+        "no_404_after_an_unload": {
+            "met": result["client_404s"] == 0
+            and any(e["unloaded"] for e in unloads)
+            and all(
+                e["of_them_answered_200"] == e["its_rollouts_in_flight_when_it_arrived"]
+                for e in unloads
+                if e["unloaded"]
+            ),
+            "figure": f"{result['client_404s']} rollout attempts answered 404; "
+            + "; ".join(
+                f"{e['unloaded']} unloaded with {e['its_rollouts_in_flight_when_it_arrived']} of "
+                f"its rollouts in flight ({e['of_them_answered_200']} answered 200), in "
+                f"{e['unload_s']} s"
+                for e in unloads
+                if e["unloaded"]
+            ),
+        },
+        "listing_flap_bounded": {
+            "met": bool(listing) and all(e["bounded"] for e in listing),
+            "figure": "; ".join(
+                f"replica {e['victim']}: {e['ejections']} ejections in {e['lasted_s']} s "
+                f"(bound {e['ejection_bound']}), {e['listing_flaps_counted']} flaps counted, "
+                f"never fewer than {e['fewest_replicas_serving']} replicas serving, back "
+                f"{e['back_in_service_after_fault_s']} s after the fault was lifted"
+                for e in listing
+            ),
+        },
         "no_saveable_failures": {
             "met": failures["saveable_by_another_replica"] == 0
             and not result["control_failures"]
@@ -1114,10 +1362,15 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"3 emulated replicas, each a process (8 seqs, 4 ms/token, {s['load_delay']} s per "
         f"adapter load); router `{' '.join(report['router_flags'])}`; S={s['prompts']} x "
-        f"G={s['group']} rollouts per step, pause(keep) -> load vN -> resume -> unload "
-        f"v(N-3); the client retries a failed rollout after 1, 2, 4 s. Each episode SIGKILLs "
-        f"one replica and restarts it empty {s['down']} s later on the same port. Method: "
-        "the module docstring.",
+        f"G={s['group']} rollouts per step (each request with its own seed, naming the version "
+        "current when it is sent), pause(keep) -> load vN -> resume -> unload v(N-3) without "
+        "waiting for its rollouts, as TRL; the client retries a failed rollout after 1, 2, "
+        f"4 s. Kill episodes SIGKILL one replica and restart it empty {s['down']} s later on "
+        f"the same port; `5xx`: a replica answers 500 to every completion for {s['down']} s, "
+        "its /health 200; `unload`: a sync also unloads the version it supersedes while that "
+        f"version's rollouts are in flight; `listing`: for {LISTING_S:g} s every other "
+        "/v1/models answer of a replica lists no adapter (a balancer over two servers). "
+        "Method: the module docstring.",
         "",
         "## Targets",
         "",
@@ -1183,6 +1436,15 @@ def markdown(report: dict[str, Any]) -> str:
         "",
     ]
     doubled = [e for e in report["episodes"] if (e["replica_side"]["replay_load_rounds"] or 0) > 1]
+    soft = report["soft_episodes"]
+    if soft:
+        lines += ["## Soft faults", ""]
+    for e in soft:
+        shown = {k: v for k, v in e.items() if k not in ("phase", "victim")}
+        fields_text = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in shown.items())
+        lines.append(f"- `{e['phase']}` on replica {e['victim']}: {fields_text}")
+    if soft:
+        lines.append("")
     if doubled:
         lines += [
             "## Note",
@@ -1201,8 +1463,9 @@ def parse_episodes(text: str, replicas: int) -> list[Episode]:
     """`rollout,load` -> kills at 10 s and 26 s, on replicas 1 and 2 (then 1 again ...)."""
     out = []
     for i, phase in enumerate(p.strip() for p in text.split(",") if p.strip()):
-        if phase not in ("rollout", "load"):
-            raise argparse.ArgumentTypeError(f"unknown episode {phase!r} (rollout, load)")
+        if phase not in (*KILLS, *SOFT):
+            known = ", ".join((*KILLS, *SOFT))
+            raise argparse.ArgumentTypeError(f"unknown episode {phase!r} ({known})")
         out.append(Episode(phase, 1 + i % max(1, replicas - 1), 10.0 + 16.0 * i))
     return out
 
@@ -1215,17 +1478,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
-        "--episodes", default="rollout,load,rollout,load", help="kills, in order: rollout, load"
+        "--episodes",
+        default="rollout,load,5xx,unload,listing",
+        help="in order: rollout, load (kills), 5xx, unload, listing",
     )
     p.add_argument("--down", type=float, default=4.0, help="seconds a killed replica stays down")
     p.add_argument("--window", type=float, default=6.0, help="throughput window before/after")
-    p.add_argument("--max-run", type=float, default=90.0, help="hard cap on the run (s)")
+    p.add_argument("--max-run", type=float, default=130.0, help="hard cap on the run (s)")
+    p.add_argument(
+        "--port-base", type=int, default=0, help="ports from here (replicas, spare, router)"
+    )
     p.add_argument("--prompts", type=int, default=16, help="S: prompts per step")
     p.add_argument("--group", type=int, default=8, help="G: samples per prompt")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--load-delay", type=float, default=0.3, help="each adapter load (s)")
     p.add_argument("--health-interval", type=float, default=0.5)
-    p.add_argument("--health-timeout", type=float, default=0.25)
+    p.add_argument("--health-timeout", type=float, default=1.0)
     p.add_argument("--health-failures", type=int, default=2)
     p.add_argument("--health-successes", type=int, default=2)
     p.add_argument("--retries", type=int, default=2, help="the router's --retries")
@@ -1250,6 +1518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         retries=args.retries,
         load_delay=args.load_delay,
         seed=args.seed,
+        port_base=args.port_base,
     )
     procs = Procs()
     adapters = Path(tempfile.mkdtemp(prefix="faults-bench-", dir=procs.tmp))

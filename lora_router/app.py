@@ -18,11 +18,24 @@
 Anything else (`/server_info`, `/tokenize`, `/version`, ...) is forwarded to one healthy
 replica, like a single vLLM server would answer it.
 
-Retries: a routed request that failed without receiving a single response byte (connection
-refused or reset, replica gone) is tried on the next replica the policy picks, at most
-`config.retries` times. Once a byte has arrived nothing is retried (see http/upstream.py).
-Every routed outcome is reported to the health monitor (fleet/health.py): failures and 5xx
-count against the replica's circuit breaker and wake its health check.
+Retries (the data plane's whole rule; http/upstream.py adds only the re-send of a request that
+met a pooled connection the replica had closed). A routed request is tried on the next replica
+the policy picks, at most `config.retries` times, when nothing of its answer has reached the
+client and one of these happened:
+- the exchange failed before a single response byte arrived (connection refused or reset,
+  replica gone; not a timeout: the replica may still be working on it);
+- the replica's head says 5xx (but 503 while the fleet is paused: vLLM refusing work on
+  purpose), and the retry budget allows it (retry_budget.py: 5xx retries of the last 10 s below
+  `--retry-budget` of the routed requests of those 10 s, so a sick fleet is not hammered; the
+  other two cases cost the replicas nothing and are not budgeted). The head and its body are
+  held back (`_RetrySink`) only when a retry will be made; otherwise they reach the client as
+  the replica sent them;
+- the replica answered 404 for an adapter the fence says is live (it lost it: a restart);
+  when no retry is left the router answers itself (`_lost_adapter_error`).
+Once a head has been passed on, nothing is retried: a stream that vLLM begins with a 200 and
+then fails in error frames is the client's to retry. Every routed outcome is reported to the
+health monitor (fleet/health.py): failures and 5xx count against the replica's circuit breaker
+and wake its health check; a 4xx never counts against a replica.
 """
 
 from __future__ import annotations
@@ -36,7 +49,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from lora_router.body import Completion, read_completion
+from lora_router.body import Completion, CompletionReader
 from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.control import ControlPlane, Reply
 from lora_router.fleet.fence import AdapterFence, AdapterState
@@ -49,6 +62,7 @@ from lora_router.http.headers import upstream_request_head
 from lora_router.http.server import ClientConnection, Request
 from lora_router.http.upstream import UpstreamError
 from lora_router.metrics import RequestStats
+from lora_router.retry_budget import RetryBudget
 from lora_router.routing.keys import PromptKey, prompt_key, text_key, wire_key
 from lora_router.routing.policy import Policy
 from lora_router.status import RouterState, replica_json, status
@@ -96,20 +110,44 @@ _LOOPBACK = (b"127.", b"::1", b"::ffff:127.")
 Route = Callable[[Request, ClientConnection], Awaitable[None]]
 
 
-class _StatusSink:
-    """The client connection, as the upstream side writes into it for an adapter's request.
+class _RetrySink:
+    """The client connection, as the upstream side writes into it for a routed request.
 
-    A 404 head and its body are swallowed instead (`diverted`): a replica that answers 404 for
-    an adapter the fence says is live has lost it (it restarted between two health checks), and
-    vLLM checks the model before any byte of a stream, so nothing has reached the client and
-    the request can go to another replica.
+    A head the retry rule (module docstring) sends elsewhere is swallowed with its body
+    (`diverted` holds its status): nothing has reached the client, so the request can go to
+    another replica. Any other head, and everything after it, goes straight to the client. The
+    rule is asked only for a 404 or a 5xx head, so an answer that is passed on costs one
+    comparison.
     """
 
-    __slots__ = ("_conn", "diverted", "on_upstream", "write")
+    __slots__ = (
+        "_app",
+        "_conn",
+        "_model",
+        "_tried",
+        "adapter",
+        "diverted",
+        "held",
+        "on_upstream",
+        "write",
+    )
 
-    def __init__(self, conn: ClientConnection) -> None:
+    def __init__(
+        self,
+        app: RouterApp,
+        conn: ClientConnection,
+        model: str | None,
+        adapter: bool,
+        tried: list[Replica],
+        held: str | None,
+    ) -> None:
+        self._app = app
         self._conn = conn
-        self.diverted = False
+        self._model = model
+        self._tried = tried
+        self.adapter = adapter
+        self.held = held  # the adapter it is counted under until its head passes (fence)
+        self.diverted = 0
         self.on_upstream = conn.on_upstream
         self.write: Callable[[bytes | memoryview], None] = conn.write
 
@@ -118,10 +156,15 @@ class _StatusSink:
         return self._conn.keep_alive
 
     def head(self, status: int, data: bytes, body: memoryview | None = None) -> None:
-        if status == 404:
-            self.diverted = True
+        if (status >= 500 or (status == 404 and self.adapter)) and self._app.diverts(
+            status, self._model, self.adapter, self._tried
+        ):
+            self.diverted = status
             self.write = _drop
             return
+        if self.held is not None:
+            self._app.fence.release(self.held)
+            self.held = None
         self._conn.head(status, data, body)
 
 
@@ -151,7 +194,9 @@ class RouterApp:
         self.control = control
         self.health = health
         self.stats = stats
-        self.state = RouterState(fleet, fence, control, health, policy, stats)
+        self.reader = CompletionReader(config.max_prompt_tokens)
+        self.budget = RetryBudget(config.retry_budget)
+        self.state = RouterState(fleet, fence, control, health, policy, stats, self.budget)
         self._registry = registry
         self._loop = asyncio.get_running_loop()
         self._debug = log.isEnabledFor(logging.DEBUG)
@@ -224,9 +269,7 @@ class RouterApp:
     # -- routed -----------------------------------------------------------------------------
 
     async def completion(self, request: Request, conn: ClientConnection, chat: bool) -> None:
-        fields = read_completion(
-            request.body, chat=chat, max_prompt_tokens=self.config.max_prompt_tokens
-        )
+        fields = self.reader.read(request.body, chat=chat)  # validated whole, or a 400
         model = fields.model
         # The fence: passes at once for the base model and live adapters; waits while the
         # adapter's load is being broadcast; raises vLLM's 404 for unknown names.
@@ -241,43 +284,77 @@ class RouterApp:
         wire = wire_key(model, raw) if raw is not None and uses_keys else None
         key: PromptKey | None = None
         keyed = not uses_keys  # a key-blind policy gets None
-        if not uses_keys:
-            fields.token_ids()  # still parsed: ids must fit 32 bits
+        self.budget.request(self._loop.time())
         tried: list[Replica] = []
-        while True:
-            routable = self.fleet.routable(model, tried)
-            if not routable:
-                raise HTTPError(503, _no_replica(model, tried))
-            decision = None
-            if wire is not None and not tried:
-                decision = self.policy.choose_known(wire, routable)
-            if decision is None:
-                if not keyed:
-                    key, keyed = self._key(fields, model), True
-                decision = self.policy.choose(key, routable, wire)
-            replica = decision.replica
-            if self._debug:  # one line per decision, only when asked for (--log-level debug)
-                log.debug(
-                    "%s -> replica %d (%s)", model or "base model", replica.rid, decision.kind
-                )
-            replica.breaker.begin()
-            sink = _StatusSink(conn) if adapter else conn
-            try:
-                await self._forward(request, conn, replica, sink)
-            except UpstreamError as exc:
-                self.health.report_failure(replica)
+        sink: _RetrySink | None = None
+        held = model if adapter else None
+        if held is not None:
+            # Counted as admitted under its name until answered, in the same step as the fence
+            # let it through: an unload waits for it before it is broadcast (fleet/fence.py).
+            self.fence.hold(held)
+        try:
+            while True:
+                routable = self.fleet.routable(model, tried)
+                if not routable:
+                    raise HTTPError(503, _no_replica(model, tried))
+                decision = None
+                if wire is not None and not tried:
+                    decision = self.policy.choose_known(wire, routable)
+                if decision is None:
+                    if not keyed:
+                        key, keyed = self._key(fields, model), True
+                    decision = self.policy.choose(key, routable, wire)
+                replica = decision.replica
+                if self._debug:  # one line per decision, only when asked (--log-level debug)
+                    log.debug(
+                        "%s -> replica %d (%s)", model or "base model", replica.rid, decision.kind
+                    )
+                replica.breaker.begin()
                 tried.append(replica)
-                if not exc.retryable or len(tried) > self.config.retries:
-                    raise _upstream_http_error(replica, exc) from None
-                continue
-            if not (isinstance(sink, _StatusSink) and sink.diverted):
-                self.health.report_status(replica, conn.status)
-                return
-            assert model is not None
-            self.health.report_missing_adapter(replica, model)
-            tried.append(replica)
-            if len(tried) > self.config.retries:
-                raise _lost_adapter_error(model, tried, self.fence.state(model))
+                sink = _RetrySink(self, conn, model, adapter, tried, held)
+                try:
+                    await self._forward(request, conn, replica, sink)
+                except UpstreamError as exc:
+                    self.health.report_failure(replica)
+                    if not (exc.retryable and self._may_retry(tried, "transport")):
+                        raise _upstream_http_error(replica, exc) from None
+                    continue
+                if not sink.diverted:
+                    self.health.report_status(replica, conn.status)
+                    return
+                if sink.diverted != 404:  # a 5xx held back: the rule granted the retry
+                    self.health.report_status(replica, sink.diverted)
+                    continue
+                assert model is not None
+                self.health.report_missing_adapter(replica, model)
+                if not self._may_retry(tried, "missing_adapter"):
+                    raise _lost_adapter_error(model, tried, self.fence.state(model))
+        finally:
+            if held is not None and (sink is None or sink.held is not None):
+                self.fence.release(held)
+
+    def diverts(self, status: int, model: str | None, adapter: bool, tried: list[Replica]) -> bool:
+        """The retry rule for a replica's 404 or 5xx head (module docstring): hold it back and
+        try another replica? Called before any byte of the answer reached the client."""
+        if status == 404:
+            return adapter  # the router answers a lost adapter itself, retried or not
+        if status == 503 and self.control.paused is not None:
+            return False  # paused on purpose: every replica would say the same
+        # Held back only if it will be retried: a replica to try (else the client gets this
+        # answer rather than the router's 503), an attempt and budget left.
+        return (
+            len(tried) <= self.config.retries
+            and bool(self.fleet.routable(model, tried))
+            and self.budget.allow(self._loop.time())
+        )
+
+    def _may_retry(self, tried: list[Replica], reason: str) -> bool:
+        """Whether one more attempt may be made after a failure that cost the replica nothing
+        (not budgeted, see the module docstring)."""
+        if len(tried) > self.config.retries:
+            return False
+        self.budget.unbudgeted(reason)
+        return True
 
     def _key(self, fields: Completion, model: str | None) -> PromptKey | None:
         """The prompt's block-chain key (token ids, else text or chat), or None."""
@@ -304,7 +381,7 @@ class RouterApp:
         request: Request,
         conn: ClientConnection,
         replica: Replica,
-        sink: ClientConnection | _StatusSink,
+        sink: ClientConnection | _RetrySink,
     ) -> None:
         head = upstream_request_head(
             request.method,

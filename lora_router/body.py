@@ -3,16 +3,22 @@
 The body is decoded once with msgspec and forwarded byte for byte; nothing here re-encodes it.
 Validation covers only what the router itself relies on, and answers like vLLM would (400,
 `type: "Bad Request"`): a body that is not a JSON object, a `model` that is not a string, a
-prompt of the wrong shape, token ids that are not non-negative 32-bit integers, or more tokens
-than `max_prompt_tokens`. Everything else is the replica's to judge.
+prompt of the wrong shape, token ids that are not non-negative 32-bit integers, more tokens
+than `max_prompt_tokens`, or JSON nested deeper than the decoders go. Everything else is the
+replica's to judge. All of it is judged here, in `read_completion`, before the request is
+routed: nothing the router does with a `Completion` afterwards can fail on its content, so no
+body can earn the router's own 500.
 
 Why msgspec and a raw prompt: turning a 512-token prompt into Python ints costs more than all
 the rest of a request's routing. msgspec checks the whole body's JSON but hands the prompt over
 as its raw text. A flat list of token ids is validated on that text in C (only digits, commas
-and spaces between one pair of brackets: non-negative integers) and counted by its commas; it
-is turned into an `array('I')` only when the router needs its blocks (`Completion.token_ids`),
-which the G - 1 siblings of a GRPO prompt never do (they are routed by a hash of the raw text,
-see app.py). Everything else (batches, text, chat) is decoded whole.
+and spaces between one pair of brackets: non-negative integers) and counted by its commas. Its
+range (every id below 2**32) can only be checked by parsing it, which is also what keying it
+needs; so the first body carrying a given prompt text parses it into an `array('I')` at once,
+and `CompletionReader` remembers the last few prompt texts it parsed, exactly, so the G - 1
+siblings of a GRPO prompt (same prompt, their own seeds) skip the parse: they are routed by a
+hash of the raw text (see app.py) and never need their ids. Everything else (batches, text,
+chat) is decoded whole.
 
 No memory of whole bodies: TRL 1.16 gives each of the G samples its own `seed`, so no two
 bodies are identical, and a cache of recent bodies never hit while costing every request a
@@ -21,12 +27,15 @@ hash of its body (bench/results/body_reuse.md).
 
 from __future__ import annotations
 
+import os
 import re
 from array import array
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import msgspec
 import orjson
+from xxhash import xxh3_64_intdigest
 
 from lora_router.http.errors import bad_request
 
@@ -59,20 +68,76 @@ class Completion:
     stream: bool
 
     def token_ids(self) -> array[int] | None:
-        """The (first) token-id prompt as packed ids; parsed on first use."""
+        """The (first) token-id prompt as packed ids; a raw prompt is parsed on first use (its
+        text was validated by `read_completion`, so this cannot fail)."""
         if self.tokens is None and self.raw_tokens is not None:
-            try:
-                self.tokens = array("I", orjson.loads(self.raw_tokens))
-            except OverflowError:  # validated as digits, but beyond 32 bits
-                raise _bad_token_ids() from None
+            self.tokens = array("I", orjson.loads(self.raw_tokens))
         return self.tokens
 
 
-def read_completion(body: bytes, *, chat: bool, max_prompt_tokens: int) -> Completion:
+class _RecentPrompts:
+    """The last few token-id prompt texts whose ids were range-checked, found by a seeded hash
+    and compared exactly (a collision costs a parse, never a wrong answer), bounded by count
+    and by bytes."""
+
+    __slots__ = ("_bytes", "_items", "_seed", "entries", "max_bytes")
+
+    def __init__(self, entries: int, max_bytes: int) -> None:
+        self.entries = entries
+        self.max_bytes = max_bytes
+        self._seed = int.from_bytes(os.urandom(8), "little")  # unpredictable buckets
+        self._items: OrderedDict[int, bytes] = OrderedDict()
+        self._bytes = 0
+
+    def seen(self, raw: bytes) -> int | None:
+        """None if `raw` was checked recently, else its key for `add`."""
+        key = xxh3_64_intdigest(raw, self._seed)
+        if self._items.get(key) == raw:
+            self._items.move_to_end(key)
+            return None
+        return key
+
+    def add(self, key: int, raw: bytes) -> None:
+        if len(raw) > self.max_bytes // 4:
+            return
+        items = self._items
+        old = items.get(key)
+        if old is not None:
+            self._bytes -= len(old)
+        items[key] = raw
+        items.move_to_end(key)
+        self._bytes += len(raw)
+        while len(items) > self.entries or self._bytes > self.max_bytes:
+            _, gone = items.popitem(last=False)
+            self._bytes -= len(gone)
+
+
+class CompletionReader:
+    """`read_completion` with a memory of the token-id prompts it range-checked last (see the
+    module docstring). Only prompts read without error are kept, so a bad one is judged afresh
+    every time."""
+
+    def __init__(self, max_prompt_tokens: int, entries: int = 256, max_bytes: int = 16 << 20):
+        self.max_prompt_tokens = max_prompt_tokens
+        self._prompts = _RecentPrompts(entries, max_bytes)
+
+    def read(self, body: bytes, *, chat: bool) -> Completion:
+        return read_completion(
+            body, chat=chat, max_prompt_tokens=self.max_prompt_tokens, checked=self._prompts
+        )
+
+
+def read_completion(
+    body: bytes, *, chat: bool, max_prompt_tokens: int, checked: _RecentPrompts | None = None
+) -> Completion:
+    """Read and validate a completion body (raises vLLM's 400). `checked`: token-id prompt
+    texts already range-checked, whose ids need no second look."""
     if not body:
         raise bad_request("The request body is empty; expected a JSON object.")
     try:
         data = _decode(body)
+    except RecursionError:
+        raise _too_deep() from None
     except msgspec.ValidationError as exc:  # a subclass of DecodeError: first
         where = _WHERE.search(str(exc))
         if where is None:
@@ -97,7 +162,13 @@ def read_completion(body: bytes, *, chat: bool, max_prompt_tokens: int) -> Compl
             raise bad_request(
                 f"The prompt has {count} tokens; the limit is {max_prompt_tokens}.", "prompt"
             )
-        return Completion(model, raw, None, None, stream)
+        key = checked.seen(raw) if checked is not None else 0
+        if key is None:
+            return Completion(model, raw, None, None, stream)
+        tokens = _range_checked(raw)
+        if checked is not None:
+            checked.add(key, raw)
+        return Completion(model, raw, tokens, None, stream)
     batch_tokens, text = _prompt(_loads(raw) if raw else None, max_prompt_tokens)
     return Completion(model, None, batch_tokens, text, stream)
 
@@ -107,6 +178,8 @@ def _loads(raw: bytes | msgspec.Raw) -> object:
     try:
         return orjson.loads(bytes(raw))
     except orjson.JSONDecodeError as exc:
+        if exc.msg.startswith("depth limit"):
+            raise _too_deep() from None
         raise bad_request(f"The request body is not valid JSON: {exc.msg}.") from None
 
 
@@ -145,6 +218,20 @@ def _tokens(ids: object, max_tokens: int) -> array[int]:
         raise _bad_token_ids() from None
 
 
+def _range_checked(raw: bytes) -> array[int]:
+    """A flat list of non-negative integers (checked on its text) as 32-bit ids."""
+    try:
+        return array("I", orjson.loads(raw))
+    # Beyond 64 bits orjson reads a float (TypeError here), beyond a double's range it gives
+    # up ("number is infinity"); between 32 and 64 bits the array overflows.
+    except (orjson.JSONDecodeError, TypeError, OverflowError):
+        raise _bad_token_ids() from None
+
+
+def _too_deep() -> Exception:
+    return bad_request("The request body is nested too deeply to be read.")
+
+
 def _bad_token_ids() -> Exception:
     return bad_request("Token ids must be integers between 0 and 4294967295.", param="prompt")
 
@@ -156,4 +243,7 @@ def _messages_text(messages: object) -> bytes:
         raise bad_request("`messages` must be a non-empty list of objects.", param="messages")
     if not all(isinstance(m, dict) for m in messages):
         raise bad_request("Every message must be a JSON object.", param="messages")
-    return b"".join(orjson.dumps(m, option=orjson.OPT_SORT_KEYS) for m in messages)
+    try:
+        return b"".join(orjson.dumps(m, option=orjson.OPT_SORT_KEYS) for m in messages)
+    except orjson.JSONEncodeError:  # nested deeper than the encoder goes (255 levels)
+        raise _too_deep() from None

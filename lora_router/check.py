@@ -10,6 +10,7 @@ ready. What is probed (and why TRL 1.16 needs it: docs/trl-guide.md, steps 2 and
 | reachable, engine alive | `GET /health` | no connection; 503 (engine dead) |
 | token accepted | `GET /v1/models` (vLLM's `--api-key` guards `/v1/*` only) | 401 / 403 |
 | base model, leftover adapters | `GET /v1/models` | entries after the base card |
+| one server behind the URL | `GET /v1/models` again | the two listings disagree |
 | LoRA, rank, slots, block, DP | `GET /server_info?config_format=json` | no `lora_config`; DP > 1 |
 | dev mode | `GET /is_paused` (read-only; `/pause` itself would pause) | 404 |
 | runtime loading | `POST /v1/load_lora_adapter` with `{}` | 404 `{"detail":"Not Found"}` |
@@ -18,6 +19,11 @@ The load probe never loads anything: `lora_name` and `lora_path` are required fi
 server that has the route answers the empty body with its 400 validation error, and a server
 started without `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` has no such route and answers FastAPI's
 404 — the very 404 TRL would misread at its first sync.
+
+Two listings that disagree mean the URL is not one vLLM server (typically a load balancer over
+several): a load reaches one of them and the listing comes from any, so the router would take
+the replica for one that keeps restarting. (A fleet with no adapter loaded lists the same
+base model everywhere, so this shows only once something is loaded; --check loads nothing.)
 
 Then the fleet as a whole: replicas must agree on base model, `max_lora_rank`, `max_loras` and
 block size; `max_loras` must be at least `--max-staleness + 2` (TRL raises otherwise);
@@ -72,6 +78,7 @@ class ReplicaFacts:
     runtime_loading: bool | None = None
     paused: bool | None = None
     adapters: list[str] = field(default_factory=list)
+    relisted: list[str] | None = None  # the adapters of a second listing, when it differed
     oddities: list[str] = field(default_factory=list)  # answers the contract does not predict
 
 
@@ -113,6 +120,10 @@ async def probe_replica(session: aiohttp.ClientSession, address: ReplicaAddress)
         status, body = await _get(session, base + "/v1/models")
         if status == 200:
             _read_models(facts, body)
+            status, body = await _get(session, base + "/v1/models")
+            again = _adapter_ids(body) if status == 200 else None
+            if again is not None and sorted(again) != sorted(facts.adapters):
+                facts.relisted = again
         else:
             facts.oddities.append(f"/v1/models answered {status}")
         status, body = await _get(session, base + "/server_info?config_format=json")
@@ -198,7 +209,15 @@ def _read_models(facts: ReplicaFacts, body: Any) -> None:
     facts.model = str(base.get("id"))
     limit = base.get("max_model_len")
     facts.max_model_len = limit if isinstance(limit, int) else None
-    facts.adapters = [str(card.get("id")) for card in data[1:] if isinstance(card, dict)]
+    facts.adapters = _adapter_ids(body) or []
+
+
+def _adapter_ids(body: Any) -> list[str] | None:
+    """The names after the base card of a `/v1/models` answer, or None for another answer."""
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list) or not data:
+        return None
+    return [str(card.get("id")) for card in data[1:] if isinstance(card, dict)]
 
 
 def _read_server_info(facts: ReplicaFacts, body: Any) -> None:
@@ -346,6 +365,17 @@ def _judge_replica(f: ReplicaFacts, *, max_staleness: int, stale: str | None) ->
                     "or restart the replica",
                 )
             )
+    if f.relisted is not None:
+        first = ", ".join(f.adapters) or "no adapter"
+        second = ", ".join(f.relisted) or "no adapter"
+        out.append(
+            Problem(
+                name,
+                f"two reads of /v1/models disagree ({first}; then {second}): the URL is not one "
+                "vLLM server (a load balancer?), so adapter loads would not show in its listing",
+                "give each vLLM server its own --replicas URL",
+            )
+        )
     if f.paused:
         out.append(
             Problem(

@@ -250,7 +250,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--retries",
         type=int,
         default=d.retries,
-        help="other replicas tried when one fails before answering anything",
+        help="other replicas tried when one fails, or answers 5xx, before a byte reached the "
+        "client",
+    )
+    g.add_argument(
+        "--retry-budget",
+        type=float,
+        default=d.retry_budget,
+        metavar="SHARE",
+        help="retries of a 5xx allowed while below this share of the routed requests of the "
+        "last 10 s (10 per 10 s always are), so a sick fleet is not hammered",
     )
 
     g = p.add_argument_group("adapter broadcasts")
@@ -271,6 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATTERN",
         help="at start, unload adapters matching this glob (e.g. 'trl-policy-*') "
         "left on reused replicas (default: unload nothing)",
+    )
+    g.add_argument(
+        "--unload-wait",
+        type=float,
+        default=d.unload_wait,
+        help="longest an unload waits for the requests admitted under the name to be answered "
+        "before it is broadcast",
     )
     g.add_argument(
         "--down-replica-policy",
@@ -394,7 +410,7 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config
         value = getattr(args, name)
         if not (math.isfinite(value) and value > 0):
             raise UsageError(f"--{name.replace('_', '-')} must be a positive number of seconds")
-    for name in ("shutdown_grace", "status_interval"):
+    for name in ("shutdown_grace", "status_interval", "unload_wait"):
         value = getattr(args, name)
         if not (math.isfinite(value) and value >= 0):
             raise UsageError(f"--{name.replace('_', '-')} must be 0 or more seconds")
@@ -424,6 +440,8 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config
         raise UsageError("--max-staleness must be 0 or more")
     if args.retries < 0:
         raise UsageError("--retries must be 0 or more")
+    if not (math.isfinite(args.retry_budget) and args.retry_budget >= 0):
+        raise UsageError("--retry-budget must be a share of 0 or more (0.2: 20%)")
     # Every other Config field is a flag of the same name.
     given = vars(args)
     flags = {f.name: given[f.name] for f in fields(Config) if f.name not in _DERIVED}

@@ -133,11 +133,15 @@ class Config:
     max_prompt_tokens: int = 1_000_000
     max_upstream_connections: int = 1024  # per replica
     retries: int = 2  # other replicas tried when nothing was received yet
+    # Retries of a 5xx allowed while below this share of the routed requests of the last 10 s
+    # (10 per 10 s always are): see retry_budget.py.
+    retry_budget: float = 0.2
 
     # Adapter broadcasts
     load_retry_interval: float = 0.5
     load_deadline: float = 300.0
     unload_stale: str | None = None
+    unload_wait: float = 10.0  # an unload waits this long for requests admitted under the name
     down_replica_policy: str = "replay"  # replay | fail
     max_staleness: int = 4  # the trainer's max_staleness; --check wants max_loras >= it + 2
 

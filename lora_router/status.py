@@ -22,6 +22,7 @@ from lora_router.fleet.health import HealthMonitor
 from lora_router.fleet.replica import Replica
 from lora_router.fleet.telemetry import WINDOW_S, Report, Telemetry, fleet_figures
 from lora_router.metrics import RequestStats, Rows, counter, gauge
+from lora_router.retry_budget import RetryBudget
 from lora_router.routing.policy import Policy
 
 
@@ -35,6 +36,7 @@ class RouterState:
     health: HealthMonitor
     policy: Policy
     stats: RequestStats
+    budget: RetryBudget
     telemetry: Telemetry | None = None  # set by the runtime once its loop runs
 
 
@@ -129,12 +131,16 @@ def status(state: RouterState) -> dict[str, object]:
         },
         "routing": state.policy.counts.as_dict(),
         "requests": requests,
+        "retries": {**state.budget.retries, "refused_by_budget": state.budget.denied},
         "health": {
             "checks": state.health.checks,
             "check_failures": state.health.check_failures,
             "readmissions": state.health.readmissions,
             "readmission_failures": state.health.readmission_failures,
             "restarts_detected": state.health.restarts_detected,
+            # Replays that did not stick (the listing lacks what was loaded), by replica id.
+            "listing_flaps": {str(rid): n for rid, n in sorted(state.health.listing_flaps.items())},
+            "last_replica_kept_despite_listing": state.health.listing_kept,
         },
     }
 
@@ -237,6 +243,30 @@ def metric_families(state: RouterState) -> Iterator[Metric]:
         "Times each replica's circuit breaker opened.",
         replica,
         per_replica(lambda r: r.breaker.opens),
+    )
+    flaps = state.health.listing_flaps
+    yield counter(
+        "lora_router_replica_listing_flaps",
+        "Re-admissions of each replica that did not stick: it lacked a replayed adapter again "
+        "soon after (a URL that is a load balancer over several vLLM servers?); each one "
+        "doubles the wait before the next re-admission.",
+        replica,
+        per_replica(lambda r: flaps.get(r.rid, 0)),
+    )
+    budget = state.budget
+    yield counter(
+        "lora_router_retries",
+        "Routed requests tried again on another replica, by reason (transport: failed before "
+        "any response byte; 5xx: answered 5xx; missing_adapter: answered 404 for a live "
+        "adapter).",
+        ["reason"],
+        [([reason], n) for reason, n in sorted(budget.retries.items())],
+    )
+    yield counter(
+        "lora_router_retries_refused",
+        "Retries the retry budget (--retry-budget) refused.",
+        [],
+        [([], budget.denied)],
     )
     yield counter(
         "lora_router_routing_decisions",

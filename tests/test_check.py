@@ -200,3 +200,22 @@ async def test_a_fleet_without_lora_is_told_that_trl_falls_back_to_merged_weight
         status, text = await run_check(fleet_config(emus))
     assert status == 1
     assert "merged-weight sync" in text and "lora-router refuses it" in text
+
+
+async def test_a_replica_whose_two_listings_disagree_is_flagged(tmp_path: Path) -> None:
+    # Every other /v1/models answer lists no adapter: a balancer over two servers, one of
+    # which took the load.
+    async with replicas(EmulatorConfig(faults=Faults(hide_adapters=2))) as emus:
+        path = write_adapter(tmp_path / "trl-policy-v1", rank=1)
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(
+                emus[0].url + "/v1/load_lora_adapter",
+                json={"lora_name": "trl-policy-v1", "lora_path": str(path)},
+            ) as resp,
+        ):
+            assert resp.status == 200
+        status, text = await run_check(fleet_config(emus, unload_stale="trl-policy-*"))
+    assert status == 1, text
+    assert "two reads of /v1/models disagree (trl-policy-v1; then no adapter)" in text
+    assert "its own --replicas URL" in text

@@ -132,7 +132,8 @@ async def models(replica: Replica, req: PlainRequest) -> Reply:
     config = replica.config
     now = int(time.time())
     cards = [_model_card(config.model, config.model, None, config.max_model_len, now)]
-    for adapter in replica.state.registry.all():
+    adapters = () if replica.faults.listing_hides_adapters() else replica.state.registry.all()
+    for adapter in adapters:
         cards.append(_model_card(adapter.name, adapter.path, config.model, None, now))
     return json_reply({"object": "list", "data": cards})
 
@@ -300,6 +301,9 @@ async def load_lora_adapter(replica: Replica, req: PlainRequest) -> Reply:
     # Loads of different names run concurrently; one name is loaded once at a time.
     async with lock:
         if name in engine.registry and not inplace:
+            if replica.faults.hide_adapters:
+                # Behind a balancer a load can reach a server that lacks the name: accepted.
+                return untyped_text(f"Success: LoRA adapter '{name}' added successfully.")
             return error_reply(
                 f"The lora adapter '{name}' has already been loaded. If you want to load the "
                 "adapter in place, set 'load_inplace' to True.",

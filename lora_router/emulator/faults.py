@@ -2,7 +2,8 @@
 
 Each switch reproduces a failure the router meets in production (see the contract, §2):
 mount lag on a network bucket, failed or slow adapter loads, 5xx answers, a request that never
-answers, a connection cut mid-stream, a dead engine. `Faults` only holds the switches and makes
+answers, a connection cut mid-stream, a dead engine, a listing that does not show the loads (a
+load balancer over several servers). `Faults` only holds the switches and makes
 the random draws; the server decides where each one bites. It must never do I/O itself.
 """
 
@@ -28,10 +29,15 @@ class Faults:
     error_seed: int | None = None  # a seed makes the sequence of failing requests reproducible
     stall: bool = False  # completions wait until stall is set False again
     crash_after_frames: int | None = None  # cut the connection after N SSE frames (0: at once)
+    # Listing: every Nth `/v1/models` answer lists no adapter (1: none ever does; 2: every other
+    # one, as a load balancer over two servers of which only one took the loads), and a load of
+    # a name it holds is accepted again (it reached the other server)
+    hide_adapters: int = 0
     # Engine
     dead: bool = False  # /health and /ping answer 503, completions 500
 
     _load_attempts: dict[str, int] = field(default_factory=dict, repr=False)
+    _listings: int = field(default=0, repr=False)
     _rng: random.Random = field(default_factory=random.Random, repr=False)
     _rng_seed: int | None = field(default=None, repr=False)
     _stall_released: asyncio.Event | None = field(default=None, repr=False)
@@ -60,6 +66,15 @@ class Faults:
         if self.load_failures > 0:
             self.load_failures -= 1
         return True
+
+    # --- listing ---------------------------------------------------------------------------
+
+    def listing_hides_adapters(self) -> bool:
+        """Count a `/v1/models` answer; True when this one is to list no adapter."""
+        if self.hide_adapters <= 0:
+            return False
+        self._listings += 1
+        return self._listings % self.hide_adapters == 0
 
     # --- completions -----------------------------------------------------------------------
 

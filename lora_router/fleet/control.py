@@ -22,17 +22,19 @@ with an adapter the other half lacks.
   `/router/status` and the metrics (`mount_waits`), and abandoned as soon as the client that
   asked disconnects: operations queued behind it (a `/resume`) wait for it, at most until
   the deadline or that disconnect.
-- **Unload**: the fence stops routing the name when the request arrives; the broadcast then
-  drops it everywhere; 404 "cannot be found" counts as done. Requests already forwarded under
-  the name finish on their replicas (vLLM keeps serving a request whose adapter it
-  unregistered); one that passed the fence an instant before the unload arrived can still meet
-  a replica that dropped the name, and gets vLLM's 404 (the routed path retries it elsewhere,
-  then answers 404 itself). Unloading frees the name, not the memory: vLLM keeps the weights
+- **Unload**: the fence stops routing the name when the request arrives; in its turn, the
+  broadcast waits until every request admitted under the name has been answered (its response
+  head arrived: vLLM keeps serving a request whose adapter it unregistered) or ended, at most
+  `--unload-wait`, then drops it everywhere; 404 "cannot be found" counts as done. So a request
+  that passed the fence an instant before the unload arrived never meets a replica that
+  dropped the name. Unloading frees the name, not the memory: vLLM keeps the weights
   until its LRU evicts them, so `--max-loras` must cover every version in use
   (`max_staleness + 2` for TRL, which loads the new version before unloading the old).
 - **Pause / resume / reset_prefix_cache** go out with the query string intact; 200 only when
-  every replica answered 200. The pause state last asked for is remembered and replayed onto
-  replicas that come back; `syncs` times each pause → resume (a weight sync).
+  every replica answered 200. A resume also reaches, best effort, replicas out of service that
+  still run routed requests (ejected while paused), so those requests do not wait for a
+  replay. The pause state last asked for is remembered and replayed onto replicas that come
+  back; `syncs` times each pause → resume (a weight sync).
 - A replica that cannot be reached during a broadcast is ejected (health.py re-admits it with a
   replay). For loads, `--down-replica-policy` decides the rest: `replay` (default) proceeds
   with the live replicas, so training goes on and the returning replica gets the adapter before
@@ -539,6 +541,17 @@ class ControlPlane:
         outcome, detail = "failed", ""
         try:
             async with self.lock:
+                # In the lock: broadcasts stay in arrival order (a later load of the name must
+                # not go out before this unload).
+                left = await self.fence.drain(name, self.config.unload_wait)
+                if left:
+                    log.warning(
+                        "unload %r: %d request(s) admitted under it still unanswered after %g s "
+                        "(--unload-wait); unloading anyway",
+                        name,
+                        left,
+                        self.config.unload_wait,
+                    )
                 targets = self.fleet.live()
                 if not targets:
                     raise HTTPError(503, f"Cannot unload adapter '{name}': no replica in service.")
@@ -600,8 +613,18 @@ class ControlPlane:
                 targets = self.fleet.live()
                 if not targets:
                     raise HTTPError(503, f"Cannot {op}: no replica is in service.")
-                answers = await asyncio.gather(
-                    *(self.call(r, "POST", path, query=query, body=body or None) for r in targets)
+                # A replica taken out of service while paused, with requests still running on
+                # it (ejected for its listing, say), is resumed too, best effort: else they
+                # would wait, paused, for its replay.
+                stranded = [] if op != "resume" else self._stranded()
+                answers, _ = await asyncio.gather(
+                    asyncio.gather(
+                        *(
+                            self.call(r, "POST", path, query=query, body=body or None)
+                            for r in targets
+                        )
+                    ),
+                    asyncio.gather(*(self.call(r, "POST", path, query=query) for r in stranded)),
                 )
                 for a in answers:
                     if a.status == 0:
@@ -628,6 +651,10 @@ class ControlPlane:
             if op == "resume":  # the sync ends when the fleet was told to go on, whatever came
                 self.syncs.resume(time.monotonic())
             self._record(op, outcome, started, detail=detail)
+
+    def _stranded(self) -> list[Replica]:
+        """Replicas out of service (not removed) that still have routed requests running."""
+        return [r for r in self.fleet.replicas if not r.live and not r.draining and r.in_flight]
 
     # -- read-only --------------------------------------------------------------------------
 

@@ -20,6 +20,12 @@ Each name the router knows is in one state:
 - **unloading**: set when the unload request arrives: the name stops being routable at once
   (new completions get vLLM's 404) while in-flight ones finish on their replicas.
 
+Requests admitted under a name are counted until they are answered (`hold` as they pass,
+`release` when the replica's response head arrives or the request ends). An unload is broadcast
+only once the count of its name is zero (`drain`, bounded by `--unload-wait`), so a request that
+passed the fence an instant before the unload arrived never meets a replica that already dropped
+the name: no client gets a 404 for a name that was live when its request arrived.
+
 A name in none of these states is unknown: vLLM's own 404 `model_not_found`, answered by the
 router rather than by a random replica. The base model (and `model` absent) always passes.
 
@@ -74,7 +80,13 @@ class AdapterFence:
         self.base_models: set[str] = set()
         # Bumped whenever the set of live names changes; readers (status, replay) compare it.
         self.version = 0
+        # Requests admitted under each adapter name and not answered yet (hold / release), and
+        # the unloads waiting for a name's count to reach zero.
+        self._held: dict[str, int] = {}
+        self._drained: dict[str, asyncio.Event] = {}
         # Plain counters for metrics and the status page.
+        self.unload_waits = 0  # unloads that had to wait for admitted requests
+        self.unload_wait_timeouts = 0
         self.waiting = 0
         self.waits = 0
         self.wait_seconds = 0.0
@@ -128,6 +140,41 @@ class AdapterFence:
                 self.wait_seconds += waited
                 if outcome == "timeout":
                     self.wait_timeouts += 1
+
+    def hold(self, model: str) -> None:
+        """A request for adapter `model` was admitted (in the same step as `admits`/`wait`);
+        counted until `release`."""
+        held = self._held
+        held[model] = held.get(model, 0) + 1
+
+    def release(self, model: str) -> None:
+        """The request held under `model` was answered (its head arrived) or ended."""
+        left = self._held[model] - 1
+        if left:
+            self._held[model] = left
+            return
+        del self._held[model]
+        drained = self._drained.pop(model, None)
+        if drained is not None:
+            drained.set()
+
+    def held(self, model: str) -> int:
+        return self._held.get(model, 0)
+
+    async def drain(self, name: str, timeout: float) -> int:
+        """Wait until no request admitted under `name` is unanswered, at most `timeout` s;
+        returns how many still are."""
+        if not self._held.get(name):
+            return 0
+        self.unload_waits += 1
+        drained = self._drained.get(name)
+        if drained is None:
+            drained = self._drained[name] = asyncio.Event()
+        try:
+            await asyncio.wait_for(drained.wait(), timeout)
+        except TimeoutError:
+            self.unload_wait_timeouts += 1
+        return self._held.get(name, 0)
 
     def _still_loading(self, model: str) -> HTTPError:
         return HTTPError(

@@ -21,6 +21,18 @@ replica restarted between two checks: it is ejected at once and replayed (the ro
 already sent that request elsewhere). 503 answers while the fleet is paused are
 vLLM 0.33 refusing work by request, not failures, and are not counted.
 
+A replay that did not stick is a replica that lacks a live adapter again (in its listing or
+answering 404) soon after it was re-admitted, or whose replay failed because it answers that an
+adapter is already loaded while its listing does not show it: its loads were accepted but do
+not show, as when the replica URL is a load balancer over several vLLM servers. Re-admitting
+it at once would make it flap for ever (eject, replay, re-admit, eject); instead each such
+replay doubles the wait before the next re-admission (from one `health_interval` up to
+`_MAX_BACKOFF_S`), one warning names the replica and what it lacks, and `listing_flaps` counts
+it for the metrics. A replica that stays in service for a while starts afresh. And a listing
+alone never ejects the last serving replica: with no other one to take its traffic, the router
+keeps it serving (a real restart still shows, as a 404 on its first request for a lost
+adapter).
+
 Operators add and remove replicas at run time (`add`, `remove`): an added replica is replayed
 before it serves; a removed one stops taking requests at once and leaves the fleet when its
 in-flight requests are done (or after `shutdown_grace`).
@@ -34,21 +46,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 
 from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.control import ControlPlane
 from lora_router.fleet.fence import AdapterState
 from lora_router.fleet.fleet import Fleet
-from lora_router.fleet.replay import ReplayError, readmit
+from lora_router.fleet.replay import ReplayError, UnlistedError, readmit
 from lora_router.fleet.replica import Replica
 
 log = logging.getLogger(__name__)
 
 
+_MAX_BACKOFF_S = 300.0  # the longest wait before re-admitting a replica whose replays do not stick
+
+
 class _Watch:
     """The watcher state of one replica."""
 
-    __slots__ = ("failures", "lock", "successes", "suspect", "task", "wake")
+    __slots__ = (
+        "admitted_at",
+        "failures",
+        "lock",
+        "readmit_at",
+        "slips",
+        "successes",
+        "suspect",
+        "task",
+        "wake",
+    )
 
     def __init__(self) -> None:
         self.wake = asyncio.Event()
@@ -57,6 +83,9 @@ class _Watch:
         self.successes = 0
         self.suspect = False
         self.task: asyncio.Task[None] | None = None
+        self.admitted_at = 0.0  # when its last replay ended in admission
+        self.slips = 0  # replays in a row that did not stick
+        self.readmit_at = 0.0  # not re-admitted before this (back-off)
 
 
 class HealthMonitor:
@@ -73,6 +102,8 @@ class HealthMonitor:
         self.readmissions = 0
         self.readmission_failures = 0
         self.restarts_detected = 0
+        self.listing_flaps: Counter[int] = Counter()  # replica id -> replays that did not stick
+        self.listing_kept = 0  # times a listing alone would have ejected the last serving one
 
     # -- life cycle -------------------------------------------------------------------------
 
@@ -110,7 +141,7 @@ class HealthMonitor:
         lost it (a restart between two checks): out of service until replayed."""
         if self.control.fence.state(model) is not AdapterState.LIVE or not replica.admitted:
             return  # the name was being unloaded: the replica is right
-        self._restarted(replica, f"answered 404 for live adapter {model!r} (restarted?)")
+        self._restarted(replica, f"answered 404 for live adapter {model!r} (restarted?)", [model])
 
     def report_failure(self, replica: Replica) -> None:
         """A routed request failed on this replica (refused, reset, timeout, 5xx)."""
@@ -120,16 +151,43 @@ class HealthMonitor:
             watch.suspect = True
             watch.wake.set()
 
-    def _restarted(self, replica: Replica, reason: str) -> None:
+    def _restarted(self, replica: Replica, reason: str, lost: list[str]) -> None:
         """A serving replica lost live adapters: it restarted. Out of service, and since it
         answers, it is back already: replayed at the next check, not after the success
-        threshold."""
+        threshold — unless its last replay did not stick (module docstring): then later."""
         self.restarts_detected += 1
         self.fleet.eject(replica, reason)
         watch = self._watches.get(replica)
-        if watch is not None:
-            watch.successes = self.config.health_successes
-            watch.wake.set()
+        if watch is None:
+            return
+        watch.successes = self.config.health_successes
+        now = asyncio.get_running_loop().time()
+        interval = self.config.health_interval
+        backoff = min(interval * 2**watch.slips, _MAX_BACKOFF_S)
+        if watch.admitted_at and now - watch.admitted_at < max(8 * interval, backoff):
+            self._slipped(replica, watch, lost)
+            return
+        watch.slips = 0
+        watch.readmit_at = 0.0
+        watch.wake.set()
+
+    def _slipped(self, replica: Replica, watch: _Watch, lost: list[str]) -> None:
+        """Its replay did not stick: the next re-admission waits twice as long as the last."""
+        watch.slips += 1
+        self.listing_flaps[replica.rid] += 1
+        wait = min(self.config.health_interval * 2**watch.slips, _MAX_BACKOFF_S)
+        watch.readmit_at = asyncio.get_running_loop().time() + wait
+        if watch.slips == 1:
+            shown = ", ".join(lost[:3]) + (" ..." if len(lost) > 3 else "")
+            log.warning(
+                "%s accepted the replay of %s but does not show it (its /v1/models or its "
+                "answers lack it): is its URL a load balancer over several vLLM servers? Give "
+                "each server its own --replicas URL. Re-admitting it with a back-off (%g s, "
+                "doubling)",
+                replica.describe(),
+                shown,
+                wait,
+            )
 
     # -- the watcher ------------------------------------------------------------------------
 
@@ -179,6 +237,9 @@ class HealthMonitor:
             return
         watch.successes += 1
         if watch.successes >= config.health_successes:
+            backing_off = asyncio.get_running_loop().time() < watch.readmit_at
+            if backing_off and any(r.live for r in self.fleet.replicas):
+                return  # its last replay did not stick; others serve meanwhile
             await self.admit(replica)
 
     async def _lost_adapters(self, replica: Replica) -> None:
@@ -195,9 +256,21 @@ class HealthMonitor:
             for n, path in before.items()
             if held.adapters.get(n) != path and fence.state(n) is AdapterState.LIVE
         ]
-        if lost:
-            shown = ", ".join(lost[:3]) + (" ..." if len(lost) > 3 else "")
-            self._restarted(replica, f"restarted: it no longer holds {shown}")
+        if not lost:
+            return
+        if not any(r.live for r in self.fleet.replicas if r is not replica):
+            # The last serving replica: its listing alone never takes the fleet out of service.
+            self.listing_kept += 1
+            if self.listing_kept == 1:
+                log.warning(
+                    "%s does not list live adapter(s) %s; it is the last replica in service, "
+                    "so it keeps serving (a restart would show as a 404 on its next request)",
+                    replica.describe(),
+                    ", ".join(lost[:3]),
+                )
+            return
+        shown = ", ".join(lost[:3]) + (" ..." if len(lost) > 3 else "")
+        self._restarted(replica, f"restarted: it no longer holds {shown}", lost)
 
     # -- admission --------------------------------------------------------------------------
 
@@ -213,6 +286,8 @@ class HealthMonitor:
             try:
                 await readmit(self.control, replica)
             except ReplayError as exc:
+                if isinstance(exc, UnlistedError):
+                    self._slipped(replica, watch, [exc.name])
                 self.readmission_failures += 1
                 watch.successes = 0
                 replica.healthy = False
@@ -220,7 +295,8 @@ class HealthMonitor:
                 log.warning("%s stays out of service: replay failed: %s", replica.describe(), exc)
                 return False
             self.readmissions += 1
-            seconds = loop.time() - started
+            watch.admitted_at = loop.time()
+            seconds = watch.admitted_at - started
             watch.successes = 0
             watch.failures = 0
             watch.suspect = False

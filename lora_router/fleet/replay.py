@@ -38,6 +38,18 @@ class ReplayError(Exception):
     """A replica could not be brought to the fleet's state; it stays out of service."""
 
 
+class UnlistedError(ReplayError):
+    """The replica answers that an adapter is already loaded, yet its `/v1/models` does not list
+    it: its listing contradicts its loads (a load balancer over several servers?)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            f"it answers that adapter '{name}' is already loaded, but its /v1/models does not "
+            "list it"
+        )
+        self.name = name
+
+
 # -- start ----------------------------------------------------------------------------------
 
 
@@ -189,6 +201,8 @@ async def _converge(control: ControlPlane, replica: Replica, *, final: bool) -> 
     for (name, entry), o in zip(missing, outcomes, strict=True):
         if o.kind in ("loaded", "present"):
             replica.adapters[name] = entry.path
+        elif o.kind == "conflict" and not o.detail:
+            raise UnlistedError(name)
         else:
             raise ReplayError(f"replaying adapter '{name}' failed ({o.kind}): {o.detail}")
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from xxhash import xxh3_64_intdigest
 
-from lora_router.body import read_completion
+from lora_router.body import CompletionReader, read_completion
 from lora_router.http.errors import HTTPError
 
 
@@ -18,10 +19,13 @@ def test_token_prompt() -> None:
     assert c.stream and c.text is None
 
 
-def test_a_token_prompt_is_kept_as_its_wire_text_until_its_ids_are_needed() -> None:
-    c = read(b'{"prompt": [7, 8,  9]}')
-    assert c.raw_tokens == b"[7, 8,  9]" and c.tokens is None  # nothing parsed yet
-    assert list(c.token_ids() or []) == [7, 8, 9]
+def test_a_sibling_prompt_is_kept_as_its_wire_text_and_not_parsed_again() -> None:
+    reader = CompletionReader(100)
+    first = reader.read(b'{"prompt": [7, 8,  9], "seed": 1}', chat=False)
+    assert first.raw_tokens == b"[7, 8,  9]" and list(first.tokens or []) == [7, 8, 9]
+    sibling = reader.read(b'{"prompt": [7, 8,  9], "seed": 2}', chat=False)
+    assert sibling.raw_tokens == b"[7, 8,  9]" and sibling.tokens is None  # not parsed
+    assert list(sibling.token_ids() or []) == [7, 8, 9]
 
 
 @pytest.mark.parametrize(
@@ -34,11 +38,29 @@ def test_token_ids_are_non_negative_integers_checked_on_the_raw_text(prompt: byt
     assert info.value.status == 400 and info.value.param == "prompt"
 
 
-def test_ids_beyond_32_bits_are_refused_when_parsed() -> None:
-    c = read(b'{"prompt": [4294967296]}')
+@pytest.mark.parametrize(
+    "number", [b"4294967296", b"18446744073709551616", b"9" * 400, b"1" + b"0" * 100_000]
+)
+def test_ids_beyond_32_bits_are_refused_before_routing(number: bytes) -> None:
     with pytest.raises(HTTPError) as info:
-        c.token_ids()
+        read(b'{"prompt": [1, %s]}' % number)
     assert info.value.status == 400 and info.value.param == "prompt"
+
+
+@pytest.mark.parametrize("field", [b"prompt", b"messages", b"x", b"model"])
+@pytest.mark.parametrize("depth", [300, 1100, 200_000])
+def test_deep_nesting_anywhere_is_a_400(field: bytes, depth: int) -> None:
+    nested = b"[" * depth + b"]" * depth
+    with pytest.raises(HTTPError) as info:
+        read(b'{"%s": %s}' % (field, nested), chat=field == b"messages")
+    assert info.value.status == 400
+
+
+def test_a_message_nested_past_the_encoders_depth_is_a_400() -> None:
+    inner = b'{"a":' * 300 + b"1" + b"}" * 300
+    with pytest.raises(HTTPError) as info:
+        read(b'{"messages": [{"role": "user", "content": %s}]}' % inner, chat=True)
+    assert info.value.status == 400 and "nested" in info.value.message
 
 
 def test_batch_is_keyed_by_its_first_prompt_and_validated_whole() -> None:
@@ -67,3 +89,30 @@ def test_errors_are_vllm_400_naming_the_field() -> None:
     with pytest.raises(HTTPError) as info:
         read(b'{"prompt": [%s]}' % b",".join(b"1" for _ in range(101)))
     assert info.value.param == "prompt" and "101" in info.value.message
+
+
+def test_the_reader_compares_prompt_bytes_not_only_hashes() -> None:
+    reader = CompletionReader(100)
+    reader.read(b'{"prompt": [1]}', chat=False)
+    # Make [2]'s slot hold [1]'s text, as a hash collision would: [2] is still checked.
+    prompts = reader._prompts
+    (text,) = prompts._items.values()
+    prompts._items.clear()
+    prompts._items[xxh3_64_intdigest(b"[2]", prompts._seed)] = text
+    got = reader.read(b'{"prompt": [2]}', chat=False)
+    assert got.tokens is not None and list(got.tokens) == [2]
+
+
+def test_the_reader_never_remembers_a_bad_prompt_and_stays_bounded() -> None:
+    reader = CompletionReader(100, entries=4, max_bytes=64)
+    for _ in range(2):
+        with pytest.raises(HTTPError):
+            reader.read(b'{"prompt": [4294967296]}', chat=False)  # 2**32: out of range
+    prompts = reader._prompts
+    assert not prompts._items
+    for i in range(10):
+        reader.read(b'{"prompt": [%d]}' % i, chat=False)
+    assert len(prompts._items) == 4
+    for i in range(8):
+        reader.read(b'{"prompt": [%d, 1, 2, 3]}' % (1000 + i), chat=False)
+    assert prompts._bytes <= 64 and prompts._bytes == sum(map(len, prompts._items.values()))
