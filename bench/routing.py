@@ -7,22 +7,29 @@ in front of N emulated vLLM replicas, on GRPO-shaped traces, against an oracle.
     python bench/routing.py --traces multi-turn --replicas 8 --routers lr-prefix \\
         --load-factor 0.5 --out /tmp/routing  # an investigation run, results elsewhere
 
-Workload. `bench/grpo_trace.py` generates what a TRL GRPO trainer sends: S problems per step, each
-sent G = 8 times (siblings), token-id prompts that start with a shared template, a new adapter
-version `trl-policy-vN` every step. Four traces, each with 2, 3 and 8 replicas: `single-turn`
+Workload. `bench/grpo_trace.py` generates what TRL 1.16's async GRPO rollout worker sends: S
+problems per step, each sent G = 8 times (siblings), token-id prompts that start with a shared
+template, a random 63-bit `seed` per request (TRL's `random.getrandbits(63)`), a new adapter
+version `trl-policy-vN` every step. Seven traces, each with 2, 3 and 8 replicas: `single-turn`
 (a 23-token chat template), `system-300` and `system-1000` (a shared system prompt of 300 /
 1,000 tokens), `multi-turn` (3 turns: a sample's next prompt is its previous prompt + its
-completion + a user message, sent only once the previous turn has answered). A trace grows
-with the fleet (S = 8 N problems per step single-turn, 4 N multi-turn; 3 steps), so every
-replica count gets the same work and the same number of families (24, multi-turn 12) per
-replica. Requests go out in trace order with at most 64 N in flight (one step's worth): a
-later turn becomes eligible when its parent has answered, and the lowest-indexed eligible
-request goes first. Each request carries a unique `seed` (its trace index), `max_tokens` = the
-trace's completion length (32-128 tokens) and `ignore_eos`, so every replica generates the
-same completion for it; a later turn's prompt carries that very completion (predicted with the
-emulator's own deterministic generator, checked against the answer's `token_ids`, which only
-multi-turn requests ask for), so its KV is what the next turn reuses, as on vLLM. Every router
-in a naming mode receives byte-identical requests.
+completion + a tool message, sent only once the previous turn has answered, every turn of a
+rollout under one version), and three *pipelined* 3-turn traces, where new rollouts start while
+older ones are in later turns and every request names the version current when it is sent (a
+new version every round, so each rollout spans three versions and the syncs land during
+rollouts, as TRL's `_request_model` does): `multi-turn-sync` (turns appended), `chat-rerender`
+(every turn re-rendered through a Qwen3-shaped chat template, as `_generate_one` and the OpenEnv
+harness's `_sample_turn` do: the previous prompt's generation-prompt stub is dropped and the
+completion re-tokenized) and `long-tail` (re-rendered, completions log-normal up to 3,000
+tokens). A trace grows with the fleet (S = 8 N problems per step single-turn, 4 N multi-turn,
+2 N pipelined; 3 steps), so every replica count gets the same work and the same number of
+families per replica. Requests go out in trace order with at most 64 N in flight: a later turn
+becomes eligible when its parent has answered, and the lowest-indexed eligible request goes
+first. Each request carries `max_tokens` = the trace's completion length and `ignore_eos`, so
+every replica generates the same completion for it; a later turn's prompt carries that very
+completion (predicted with the emulator's own deterministic generator, checked against the
+answer's `token_ids`, which only multi-turn requests ask for), so its KV is what the next turn
+reuses, as on vLLM. Every router in a naming mode receives byte-identical requests.
 
 Two naming modes. *LoRA* (as TRL): requests name `trl-policy-vN`; before the first request of
 version N the bench syncs through the router exactly as TRL does: `POST /pause?mode=keep`,
@@ -59,14 +66,16 @@ version: no router does better without loading some replica with more families t
 a template on fewer replicas.) Figures are ratios to the oracle of the same trace, replica
 count and mode (its median over repeats).
 
-Measured per run (trace, replicas, router):
+Measured per run (trace, replicas, router; the oracle's figures are reported beside each):
 - hit rate: prefix-cache hits / queries in tokens, summed over the replicas' `/metrics`
   (`vllm:prefix_cache_hits` / `vllm:prefix_cache_queries`), and its fraction of the oracle's;
 - siblings on majority: the share of first-turn samples that ran on their group's most used
-  replica; turns on parent: the share of later turns that ran where their previous turn ran;
-- max/mean requests per replica; max/mean busy time and makespan (busy time: the replica's
-  modeled service time, uncached prompt tokens x prefill cost + generated tokens x decode
-  cost, from each answer's `usage`);
+  replica; turns on parent: the share of later turns that ran where their previous turn ran
+  (the targets except one later turn per spill lora-router counted in its /metrics);
+- max/mean requests per replica; time-weighted in-flight max/mean (∫ max over replicas of the
+  requests in flight / ∫ their mean, from each request's send and answer times here); max/mean
+  busy time and makespan (busy time: the replica's modeled service time, uncached prompt
+  tokens x prefill cost + generated tokens x decode cost, from each answer's `usage`);
 - wall time from the first request to the last answer (LoRA syncs included), failed requests,
   CPU seconds of the router, the replicas and the load generator.
 Which replica served a request is read on the replicas: the replica host keeps the `seed` of
@@ -74,7 +83,8 @@ every completion each emulator receives (it replaces the emulator's request log,
 `Emulator.requests`), so routers that add no header are measured like the others; lora-router's
 `x-lora-router-replica` header is checked against it (`header_mismatches`).
 
-Investigation aids: `--load-factor` and `--load-slack` are passed to lora-router;
+Investigation aids: `--load-factor` and `--load-slack` are passed to lora-router; `--lr-source`
+runs lora-router from another source tree (the base commit's, to show a trace can fail);
 `--prefill-us`, `--decode-us`, `--max-num-seqs`, `--cache-blocks` change the timing model.
 
 Outputs: bench/results/routing.json (every run and the summaries), routing.md (tables, the
