@@ -191,8 +191,7 @@ def test_a_fresh_prompt_goes_to_the_least_loaded_ties_in_ring_order(prompt, load
     assert policy.choose(key, reps)[:2] == (by_name[expected], "fresh")
 
 
-@settings(max_examples=40)
-@settings(deadline=None)  # the machine is shared: timing is not what this checks
+@settings(max_examples=40, deadline=None)  # a shared machine: timing is not what this checks
 @given(
     st.integers(0, 300),
     st.integers(1, 4),
