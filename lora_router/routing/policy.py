@@ -17,14 +17,18 @@ its conversation sent under `-v7`:
    a prompt that has one (the first placement sticks, unless its replica left the ring); a new
    prompt is remembered where it went, because its KV now grows there.
 3. *Fresh prompt* (a new family: nothing known shares its stem). Among the routable replicas
-   with room, the one holding the least work *now*: fewest requests in flight, then fewest
-   prompt tokens in flight (`in_flight_tokens`, which the caller maintains next to
-   `in_flight`), ties to the first in ring order from the prompt's key. A later turn is never a
-   fresh prompt, so only new families are placed by load; they then stay (1 and 2). Counting
-   families dealt instead (what the oracle of bench/routing.py does) mistakes work that ended
-   for work held: with long-tailed completions or turns that straddle a weight sync, a
-   replica's count says nothing of what it is running. On an idle fleet every replica ties and
-   placement is plain consistent hashing, so two routers that saw the same requests agree.
+   with room, the one that was dealt the fewest families so far, then the one holding the
+   least work now (fewest requests in flight, then fewest prompt tokens in flight,
+   `in_flight_tokens`, which the caller maintains next to `in_flight`), ties to the first in
+   ring order from the prompt's key. Only new families count: a later turn, under whatever
+   version of its lineage, is a continuation (1), so the count is the number of conversations
+   a replica holds, which is what the oracle of bench/routing.py deals evenly. Placing new
+   families by the work held alone was measured too: it let request totals drift to
+   1.08-1.10 max/mean on multi-turn, re-rendered and long-tailed traces, where dealing by
+   count kept 1.00-1.01 with in-flight balance as close to the oracle's
+   (bench/results/routing.md). A replica that joins starts at the fewest count. On an idle
+   fleet every replica ties and placement is plain consistent hashing, so two routers that
+   saw the same requests agree.
 4. *No key.* Least in flight, round robin among ties.
 
 A replica has room while its in-flight count is below the load cap
@@ -195,9 +199,12 @@ class PrefixAffinity:
         # wire_key -> (the home of that exact prompt, its tokens), for siblings routed without
         # a PromptKey; as bounded as the table.
         self._wire: OrderedDict[int, tuple[str, int]] = OrderedDict()
+        self._dealt: dict[str, int] = {}
 
     def set_members(self, names: Sequence[str]) -> None:
         self.ring = HashRing(names, self.ring.vnodes)
+        floor = min(self._dealt.values(), default=0)
+        self._dealt = {name: self._dealt.get(name, floor) for name in names}
 
     def cap(self, routable: Sequence[Replica]) -> int:
         """The in-flight count a replica may reach by taking the next request."""
@@ -288,20 +295,21 @@ class PrefixAffinity:
         return self._unknown_to_the_ring(routable)
 
     def _deal(self, position: int, by_name: dict[str, R], routable: Sequence[R], cap: int) -> R:
-        """A fresh prompt's replica: the least work held now, fewest in flight then fewest
+        """A fresh prompt's replica: fewest families dealt, then fewest in flight, then fewest
         prompt tokens in flight, among those with room; ties to the first in ring order from
         `position`."""
         best: R | None = None
-        best_rank = (0, 0)
+        best_rank = (0, 0, 0)
         for name in self.ring.walk(position):
             replica = by_name.get(name)
             if replica is None or replica.in_flight >= cap:
                 continue
-            rank = (replica.in_flight, replica.in_flight_tokens)
+            rank = (self._dealt.get(name, 0), replica.in_flight, replica.in_flight_tokens)
             if best is None or rank < best_rank:
                 best, best_rank = replica, rank
         if best is None:
             best = self._unknown_to_the_ring(routable)
+        self._dealt[best.name] = self._dealt.get(best.name, 0) + 1
         return best
 
     def _unknown_to_the_ring(self, routable: Sequence[R]) -> R:

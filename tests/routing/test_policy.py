@@ -345,13 +345,10 @@ def test_adding_a_replica_never_moves_a_known_prompt(n):
     for key in KEYS[:200]:
         decision = policy.choose(key, reps)
         assert decision.kind == "sibling" and decision.replica is homes[key.full]
-    # New prompts go by the work held now: the newcomer (nothing in flight) takes new families
-    # until it holds as much as the others, and no more.
-    for rep in reps[:n]:
-        rep.in_flight = 5
-    fresh = [send(policy, key, reps).replica for key in KEYS[200:260]]
-    assert sum(r is reps[n] for r in fresh) >= 5
-    assert max(r.in_flight for r in reps) - min(r.in_flight for r in reps) <= 1
+    # New families reach the newcomer (it starts at the fewest families dealt), but it does
+    # not take all of them to catch up.
+    fresh = [policy.choose(key, reps).replica for key in KEYS[200:260]]
+    assert 0 < sum(r is reps[n] for r in fresh) <= 60 // (n + 1) + 1
 
 
 @given(tokens, st.lists(st.integers(0, 40), min_size=8, max_size=8), fleet_sizes, st.randoms())
