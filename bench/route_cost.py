@@ -8,11 +8,18 @@ in flight. The prompt comes as the HTTP layer hands it over: an `array('I')` (va
 the ids; that pass is the HTTP layer's and is timed separately as "pack"). Each figure is the
 median over 7 rounds of the per-call time.
 
-The three routing cases: a *fresh* prompt (unknown: its chain is computed and scanned), a
-*sibling* (this exact prompt was routed before, as the G samples of a GRPO prompt are), and a
-*next turn* (the known prompt plus 300 new tokens: a continuation, each call a different one,
-so that it is not a sibling of the previous call's). "key" builds the key as the HTTP layer
-does; "key + chain" also forces the per-block chain, which only a scan of the table needs.
+The routing cases: a *fresh* prompt (unknown: its chain is computed and scanned), a *sibling*
+(this exact prompt was routed before, as the G samples of a GRPO prompt are), a *next turn*
+(the known prompt plus 300 new tokens: a continuation, each call a different one, so that it is
+not a sibling of the previous call's; the prompts name the next adapter version, as a turn after
+a weight sync does), and the *sibling fast path* as app.py runs it: the model's placement seed,
+one hash of the prompt's raw JSON text (`wire_key`), `choose_known`. "key" builds the key as the
+HTTP layer does; "key + chain" also forces the per-block chain, which only a scan of the table
+needs.
+
+The script runs against the lora_router of the tree it sits in; copied into another revision's
+bench/ it measures that one (before/after figures). Revisions without `keys.Lineages` seed
+keys by the full model name, which is what app.py did there.
 """
 
 from __future__ import annotations
@@ -29,16 +36,34 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lora_router.routing.keys import prompt_key
+from lora_router.routing import keys
+from lora_router.routing.keys import prompt_key, wire_key
 from lora_router.routing.policy import PrefixAffinity
 
 MODEL = "trl-policy-v2"
+NEXT = "trl-policy-v3"  # the version after a weight sync
 
 
 @dataclass
 class Replica:
     name: str
     in_flight: int = 0
+    in_flight_tokens: int = 0
+
+
+def keyer(model: str) -> tuple[Callable[[array[int]], keys.PromptKey], Callable[[bytes], int]]:
+    """(prompt key, wire key) of a request naming the adapter `model`, as app.py builds them."""
+    if not hasattr(keys, "Lineages"):  # before lineages: keyed by the full name
+        return (lambda ids: prompt_key(model, ids)), (lambda raw: wire_key(model, raw))
+    lineages = keys.Lineages()
+
+    def key(ids: array[int]) -> keys.PromptKey:
+        return prompt_key(None, ids, seed=lineages.seeds(model, True).token)
+
+    def wire(raw: bytes) -> int:
+        return wire_key(None, raw, seed=lineages.seeds(model, True).wire)
+
+    return key, wire
 
 
 def per_call_us(fn: Callable[[], object], number: int, rounds: int) -> float:
@@ -60,9 +85,12 @@ def main() -> None:
     policy = PrefixAffinity(table_size=args.table)
     policy.set_members([r.name for r in reps])
     template = [rng.randrange(150_000) for _ in range(args.template)]
+    filler_key = keyer("trl-policy-v1")[0]
     for _ in range(args.table):
         filler = template + [rng.randrange(150_000) for _ in range(rng.randrange(20, 200))]
-        policy.choose(prompt_key("trl-policy-v1", filler), reps)
+        policy.choose(filler_key(array("I", filler)), reps)
+    key, wire = keyer(MODEL)
+    next_key = keyer(NEXT)[0]
 
     def new_prompt(length: int) -> array[int]:
         tail = [rng.randrange(150_000) for _ in range(length - len(template))]
@@ -78,35 +106,42 @@ def main() -> None:
             for _ in range(number * rounds)
         ]
     )
-    policy.choose(prompt_key(MODEL, prompt), reps)  # make it known: its siblings follow
+    raw = ("[" + ",".join(map(str, ids)) + "]").encode()
+    policy.choose(key(prompt), reps, wire(raw))  # make it known: its siblings follow
     decisions = policy.counts.as_dict()
 
     figures = {
         "pack (HTTP layer's validation)": per_call_us(lambda: array("I", ids), number, rounds),
-        "key": per_call_us(lambda: prompt_key(MODEL, prompt), number, rounds),
-        "key + chain": per_call_us(lambda: prompt_key(MODEL, prompt).chain, number, rounds),
+        "key": per_call_us(lambda: key(prompt), number, rounds),
+        "key + chain": per_call_us(lambda: key(prompt).chain, number, rounds),
         "key + choose, fresh prompt": per_call_us(
-            lambda: policy.choose(prompt_key(MODEL, next(fresh)), reps), number, rounds
+            lambda: policy.choose(key(next(fresh)), reps), number, rounds
         ),
         "key + choose, sibling": per_call_us(
-            lambda: policy.choose(prompt_key(MODEL, prompt), reps), number, rounds
+            lambda: policy.choose(key(prompt), reps), number, rounds
         ),
-        "key + choose, next turn (+300 tokens)": per_call_us(
-            lambda: policy.choose(prompt_key(MODEL, next(turns)), reps), number, rounds
+        "wire key + choose_known, sibling fast path": per_call_us(
+            lambda: policy.choose_known(wire(raw), reps), number, rounds
+        ),
+        "key + choose, next turn (+300 tokens, next version)": per_call_us(
+            lambda: policy.choose(next_key(next(turns)), reps), number, rounds
         ),
     }
     # Each case must have been routed as named, or its figure measures something else.
     after = policy.counts.as_dict()
     made = {kind: after[kind] - decisions[kind] for kind in after if after[kind] != decisions[kind]}
     calls = number * rounds
-    if made != {"fresh": calls, "sibling": calls, "continuation": calls}:
+    expected = {"fresh": calls, "sibling": 2 * calls, "continuation": calls}
+    if not hasattr(keys, "Lineages"):  # the next version's turn is a fresh prompt there
+        expected = {"fresh": 2 * calls, "sibling": 2 * calls}
+    if made != expected:
         raise SystemExit(f"the cases were not routed as named: {made}")
     print(
         f"python {sys.version.split()[0]}, {args.tokens}-token prompt, {args.replicas} replicas, "
         f"affinity table {len(policy.table)} anchors"
     )
     for name, us in figures.items():
-        print(f"  {name:40s} {us:7.1f} us")
+        print(f"  {name:52s} {us:7.1f} us")
 
 
 if __name__ == "__main__":

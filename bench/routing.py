@@ -7,22 +7,29 @@ in front of N emulated vLLM replicas, on GRPO-shaped traces, against an oracle.
     python bench/routing.py --traces multi-turn --replicas 8 --routers lr-prefix \\
         --load-factor 0.5 --out /tmp/routing  # an investigation run, results elsewhere
 
-Workload. `bench/grpo_trace.py` generates what a TRL GRPO trainer sends: S problems per step, each
-sent G = 8 times (siblings), token-id prompts that start with a shared template, a new adapter
-version `trl-policy-vN` every step. Four traces, each with 2, 3 and 8 replicas: `single-turn`
+Workload. `bench/grpo_trace.py` generates what TRL 1.16's async GRPO rollout worker sends: S
+problems per step, each sent G = 8 times (siblings), token-id prompts that start with a shared
+template, a random 63-bit `seed` per request (TRL's `random.getrandbits(63)`), a new adapter
+version `trl-policy-vN` every step. Seven traces, each with 2, 3 and 8 replicas: `single-turn`
 (a 23-token chat template), `system-300` and `system-1000` (a shared system prompt of 300 /
 1,000 tokens), `multi-turn` (3 turns: a sample's next prompt is its previous prompt + its
-completion + a user message, sent only once the previous turn has answered). A trace grows
-with the fleet (S = 8 N problems per step single-turn, 4 N multi-turn; 3 steps), so every
-replica count gets the same work and the same number of families (24, multi-turn 12) per
-replica. Requests go out in trace order with at most 64 N in flight (one step's worth): a
-later turn becomes eligible when its parent has answered, and the lowest-indexed eligible
-request goes first. Each request carries a unique `seed` (its trace index), `max_tokens` = the
-trace's completion length (32-128 tokens) and `ignore_eos`, so every replica generates the
-same completion for it; a later turn's prompt carries that very completion (predicted with the
-emulator's own deterministic generator, checked against the answer's `token_ids`, which only
-multi-turn requests ask for), so its KV is what the next turn reuses, as on vLLM. Every router
-in a naming mode receives byte-identical requests.
+completion + a tool message, sent only once the previous turn has answered, every turn of a
+rollout under one version), and three *pipelined* 3-turn traces, where new rollouts start while
+older ones are in later turns and every request names the version current when it is sent (a
+new version every round, so each rollout spans three versions and the syncs land during
+rollouts, as TRL's `_request_model` does): `multi-turn-sync` (turns appended), `chat-rerender`
+(every turn re-rendered through a Qwen3-shaped chat template, as `_generate_one` and the OpenEnv
+harness's `_sample_turn` do: the previous prompt's generation-prompt stub is dropped and the
+completion re-tokenized) and `long-tail` (re-rendered, completions log-normal up to 3,000
+tokens). A trace grows with the fleet (S = 8 N problems per step single-turn, 4 N multi-turn,
+2 N pipelined; 3 steps), so every replica count gets the same work and the same number of
+families per replica. Requests go out in trace order with at most 64 N in flight: a later turn
+becomes eligible when its parent has answered, and the lowest-indexed eligible request goes
+first. Each request carries `max_tokens` = the trace's completion length and `ignore_eos`, so
+every replica generates the same completion for it; a later turn's prompt carries that very
+completion (predicted with the emulator's own deterministic generator, checked against the
+answer's `token_ids`, which only multi-turn requests ask for), so its KV is what the next turn
+reuses, as on vLLM. Every router in a naming mode receives byte-identical requests.
 
 Two naming modes. *LoRA* (as TRL): requests name `trl-policy-vN`; before the first request of
 version N the bench syncs through the router exactly as TRL does: `POST /pause?mode=keep`,
@@ -59,14 +66,16 @@ version: no router does better without loading some replica with more families t
 a template on fewer replicas.) Figures are ratios to the oracle of the same trace, replica
 count and mode (its median over repeats).
 
-Measured per run (trace, replicas, router):
+Measured per run (trace, replicas, router; the oracle's figures are reported beside each):
 - hit rate: prefix-cache hits / queries in tokens, summed over the replicas' `/metrics`
   (`vllm:prefix_cache_hits` / `vllm:prefix_cache_queries`), and its fraction of the oracle's;
 - siblings on majority: the share of first-turn samples that ran on their group's most used
-  replica; turns on parent: the share of later turns that ran where their previous turn ran;
-- max/mean requests per replica; max/mean busy time and makespan (busy time: the replica's
-  modeled service time, uncached prompt tokens x prefill cost + generated tokens x decode
-  cost, from each answer's `usage`);
+  replica; turns on parent: the share of later turns that ran where their previous turn ran
+  (the targets except one later turn per spill lora-router counted in its /metrics);
+- max/mean requests per replica; time-weighted in-flight max/mean (∫ max over replicas of the
+  requests in flight / ∫ their mean, from each request's send and answer times here); max/mean
+  busy time and makespan (busy time: the replica's modeled service time, uncached prompt
+  tokens x prefill cost + generated tokens x decode cost, from each answer's `usage`);
 - wall time from the first request to the last answer (LoRA syncs included), failed requests,
   CPU seconds of the router, the replicas and the load generator.
 Which replica served a request is read on the replicas: the replica host keeps the `seed` of
@@ -74,7 +83,8 @@ every completion each emulator receives (it replaces the emulator's request log,
 `Emulator.requests`), so routers that add no header are measured like the others; lora-router's
 `x-lora-router-replica` header is checked against it (`header_mismatches`).
 
-Investigation aids: `--load-factor` and `--load-slack` are passed to lora-router;
+Investigation aids: `--load-factor` and `--load-slack` are passed to lora-router; `--lr-source`
+runs lora-router from another source tree (the base commit's, to show a trace can fail);
 `--prefill-us`, `--decode-us`, `--max-num-seqs`, `--cache-blocks` change the timing model.
 
 Outputs: bench/results/routing.json (every run and the summaries), routing.md (tables, the
@@ -127,7 +137,11 @@ MAX_STALENESS = 4  # TRL's default: unload v(N-5) after loading vN
 REQUEST_TIMEOUT_S = 120.0
 START_TIMEOUT_S = 30.0
 TARGET_FRACTION = 0.995
-TARGET_BALANCE = 1.10
+TARGET_BALANCE = 1.05  # max/mean requests per replica
+TARGET_FOLLOW = 0.99  # later turns on their previous turn's replica (spills excepted)
+TARGET_IN_FLIGHT = 1.10  # time-weighted in-flight max/mean, relative to the oracle's
+MAX_MODEL_LEN = 16384  # three turns of up to 3,000-token completions fit
+_DECISION = re.compile(r'^lora_router_routing_decisions(?:_total)?\{kind="(\w+)"\}\s+(\S+)', re.M)
 _SEED = re.compile(rb'"seed"\s*:\s*(\d+)')
 _METRIC = re.compile(r"^(vllm:prefix_cache_(?:queries|hits))(?:_total)?\{[^}]*\}\s+(\S+)", re.M)
 
@@ -160,6 +174,7 @@ class Timing:
             decode_s_per_token=self.decode_s_per_token,
             max_lora_rank=1,
             max_loras=MAX_STALENESS + 2,
+            max_model_len=MAX_MODEL_LEN,
         )
 
     def service_s(self, uncached: int, generated: int) -> float:
@@ -173,33 +188,66 @@ class Scale:
     steps: int = 3
     prompts_per_replica: int = 8  # S = this x N, single-turn traces
     multi_prompts_per_replica: int = 4  # S = this x N, multi-turn
+    pipelined_prompts_per_replica: int = 2  # S = this x N, the pipelined multi-turn traces
+    long_tail_median: int = 100  # completion tokens, long-tail trace (log-normal, sigma 1)
     group_size: int = 8  # G
     in_flight_per_replica: int = 64  # the trainer's cap on requests in flight, x N
     completion_tokens: tuple[int, int] = (32, 128)
     seed: int = 0
 
 
-# name: (template tokens, turns)
-TRACES: dict[str, tuple[int, int]] = {
-    "single-turn": (23, 1),
-    "system-300": (300, 1),
-    "system-1000": (1000, 1),
-    "multi-turn": (23, 3),
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """A trace's shape (bench/grpo_trace.py's TraceSpec fields that differ between traces)."""
+
+    template: int  # shared template / system prompt tokens
+    turns: int
+    pipelined: bool = False  # TRL's async worker: turns name the version current when sent
+    render: str = "append"  # append | chat (re-rendered through the chat template)
+    long_tail: bool = False  # log-normal completion lengths up to LONG_TAIL_MAX
+
+    def describe(self) -> str:
+        parts = [
+            f"{self.template}-token shared prefix",
+            f"{self.turns} turn" + "s" * (self.turns > 1),
+        ]
+        if self.pipelined:
+            parts.append("a weight sync every round, during rollouts")
+        if self.render == "chat":
+            parts.append("turns re-rendered through a chat template")
+        if self.long_tail:
+            parts.append(f"long-tailed completions up to {LONG_TAIL_MAX} tokens")
+        return ", ".join(parts)
+
+
+LONG_TAIL_MAX = 3000  # the recipe's max_completion_length
+TRACES: dict[str, Shape] = {
+    "single-turn": Shape(23, 1),
+    "system-300": Shape(300, 1),
+    "system-1000": Shape(1000, 1),
+    "multi-turn": Shape(23, 3),
+    "multi-turn-sync": Shape(23, 3, pipelined=True),
+    "chat-rerender": Shape(23, 3, pipelined=True, render="chat"),
+    "long-tail": Shape(23, 3, pipelined=True, render="chat", long_tail=True),
 }
 
 
 def trace_spec(name: str, replicas: int, scale: Scale) -> Any:
-    template, turns = TRACES[name]
-    per_replica = scale.multi_prompts_per_replica if turns > 1 else scale.prompts_per_replica
+    shape = TRACES[name]
+    per_replica = scale.multi_prompts_per_replica if shape.turns > 1 else scale.prompts_per_replica
     return bench_trace.TraceSpec(
         steps=scale.steps,
         prompts_per_step=per_replica * replicas,
         group_size=scale.group_size,
-        template_tokens=template,
-        turns=turns,
-        completion_tokens=scale.completion_tokens,
+        template_tokens=shape.template,
+        turns=shape.turns,
+        completion_tokens=(16, LONG_TAIL_MAX) if shape.long_tail else scale.completion_tokens,
         version_every=1,
         seed=scale.seed,
+        pipelined=shape.pipelined,
+        render=shape.render,
+        long_tail=shape.long_tail,
+        long_tail_median=scale.long_tail_median,
     )
 
 
@@ -232,6 +280,7 @@ class RouterOptions:
 
     load_factor: float | None = None
     load_slack: int | None = None
+    source: Path | None = None  # run lora-router from this source tree (another revision)
 
 
 # --- workload ------------------------------------------------------------------------------
@@ -242,6 +291,7 @@ class Item:
     """One request of a run, its body rendered once."""
 
     index: int
+    seed: int  # the request's `seed` (TRL's random.getrandbits(63)): how replicas name it
     family: int
     turn: int
     parent: int | None
@@ -253,55 +303,51 @@ class Item:
 
 def build_workload(spec: Any, base: bool) -> list[Item]:
     """The trace's requests as sent: later turns carry the completion the replicas generate."""
-    requests = list(bench_trace.generate(spec))
-    prompts: dict[int, list[int]] = {}
-    outputs: dict[int, list[int]] = {}
+
+    def complete(model: str, prompt: list[int], seed: int, max_tokens: int) -> list[int]:
+        if spec.turns == 1:
+            return []  # no later turn reads it
+        # The emulator's generator: a pure function of (model, prompt, seed, index).
+        sample = emulator_generate(
+            MODEL if base else model,
+            prompt,
+            seed=seed,
+            index=0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+        )
+        return sample.token_ids
+
     items: list[Item] = []
-    for r in requests:
-        model = MODEL if base else r.model
-        if r.parent is None:
-            prompt = r.tokens
-        else:
-            parent = requests[r.parent]
-            user = r.tokens[len(parent.tokens) + parent.completion_tokens :]
-            prompt = prompts[r.parent] + outputs[r.parent] + user
-        prompts[r.index] = prompt
-        expected = None
-        if spec.turns > 1:
-            # The emulator's generator: a pure function of (model, prompt, seed, index).
-            sample = emulator_generate(
-                model,
-                prompt,
-                seed=r.index,
-                index=0,
-                max_tokens=r.completion_tokens,
-                ignore_eos=True,
-            )
-            expected = outputs[r.index] = sample.token_ids
+    for r in bench_trace.generate(spec, complete):
         body = {
-            "model": model,
-            "prompt": prompt,
+            "model": MODEL if base else r.model,
+            "prompt": r.tokens,
             "max_tokens": r.completion_tokens,
             "temperature": 1.0,
             "top_p": 1.0,
             "n": 1,
-            "seed": r.index,
+            "seed": r.seed,
             "ignore_eos": True,
         }
+        expected = r.completion if spec.turns > 1 else None
         if expected is not None:
             body["return_token_ids"] = True  # to check that the next turn carries this output
         items.append(
             Item(
                 index=r.index,
+                seed=r.seed,
                 family=r.family,
                 turn=r.turn,
                 parent=r.parent,
                 version=int(r.model.removeprefix(spec.model_prefix)),
-                prompt_len=len(prompt),
+                prompt_len=len(r.tokens),
                 body=orjson.dumps(body),
                 expected=expected,
             )
         )
+    if len({item.seed for item in items}) != len(items):
+        raise RuntimeError("two requests drew one seed; the replicas could not tell them apart")
     return items
 
 
@@ -543,11 +589,17 @@ def available(c: Contender) -> bool:
 class RouterProcess:
     """One router subprocess, pinned to the router core, its output in a log file."""
 
-    def __init__(self, argv: list[str], log_path: Path) -> None:
+    def __init__(self, argv: list[str], log_path: Path, source: Path | None = None) -> None:
         self.log_path = log_path
+        # `python -m` looks in its working directory first: a source tree runs from its root.
+        env = None if source is None else {**os.environ, "PYTHONPATH": str(source)}
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                pinned(argv, ROUTER_CPUS), stdout=log, stderr=subprocess.STDOUT
+                pinned(argv, ROUTER_CPUS),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=source,
+                env=env,
             )
 
     def cpu_seconds(self) -> float:
@@ -590,6 +642,8 @@ class Outcome:
     uncached: int = 0
     generated: int = 0
     output_ok: bool | None = None
+    sent_at: float = 0.0  # perf_counter, this load generator's clock
+    done_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -609,8 +663,14 @@ class RunResult:
     of_oracle: float | None = None
     siblings_on_majority: float = 0.0
     continuations_on_parent: float | None = None
+    later_turns: int = 0
+    later_elsewhere: int = 0  # later turns not where their previous turn ran
+    spills: int | None = None  # lora-router's spill decisions (the load cap), from /metrics
     per_replica_requests: list[int] = field(default_factory=list)
     max_mean_requests: float = 0.0
+    # Time-weighted max/mean requests in flight per replica: the integral over the run of the
+    # busiest replica's in-flight count over that of the mean count (client-side intervals).
+    in_flight_balance: float = 0.0
     per_replica_busy_s: list[float] = field(default_factory=list)
     max_mean_busy: float = 0.0
     wall_s: float = 0.0
@@ -627,6 +687,8 @@ class RunResult:
     wall_range_s: list[float] = field(default_factory=list)
     worst_of_oracle: float | None = None
     worst_max_mean_requests: float = 0.0
+    worst_in_flight_balance: float = 0.0
+    worst_follow: float | None = None  # of later turns, spills excepted
 
     @property
     def makespan_s(self) -> float:
@@ -683,7 +745,7 @@ class Run:
         self.loaded = version
 
     async def send(self, item: Item) -> Outcome:
-        out = Outcome()
+        out = Outcome(sent_at=time.perf_counter())
         headers = {"content-type": "application/json", FAMILY_HEADER: str(item.family)}
         try:
             async with self.session.post(
@@ -693,6 +755,7 @@ class Run:
                 timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S),
             ) as resp:
                 raw = await resp.read()
+                out.done_at = time.perf_counter()
                 out.status = resp.status
                 out.header = resp.headers.get(REPLICA_HEADER)
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -779,6 +842,35 @@ def max_mean(values: Sequence[float]) -> float:
     return max(values) / mean if mean > 0 else float("nan")
 
 
+def in_flight_balance(intervals: list[tuple[float, float, int]], n: int) -> float:
+    """Time-weighted max/mean in flight: ∫ max_i f_i(t) dt / ∫ mean_i f_i(t) dt, f_i(t) the
+    requests replica i holds at t, from (sent, answered, replica) intervals."""
+    events = sorted(
+        [(t0, 1, r) for t0, _, r in intervals] + [(t1, -1, r) for _, t1, r in intervals]
+    )
+    counts = [0] * n
+    total = 0
+    peak_area = mean_area = 0.0
+    last = events[0][0] if events else 0.0
+    for at, step, replica in events:
+        if total:
+            peak_area += (at - last) * max(counts)
+            mean_area += (at - last) * total / n
+        counts[replica] += step
+        total += step
+        last = at
+    return peak_area / mean_area if mean_area > 0 else float("nan")
+
+
+def follow_rate(r: RunResult) -> float | None:
+    """Later turns where their previous turn ran, the load cap's spills excepted (each spill
+    excuses one later turn placed elsewhere, at most)."""
+    if not r.later_turns:
+        return None
+    excused = min(r.spills or 0, r.later_elsewhere)
+    return (r.later_turns - r.later_elsewhere + excused) / r.later_turns
+
+
 def summarize(
     result: RunResult,
     items: list[Item],
@@ -787,20 +879,25 @@ def summarize(
     timing: Timing,
 ) -> None:
     """Fill the placement-derived figures of `result` from the replicas' seed logs."""
+    index_of = {item.seed: item.index for item in items}
     replica_of: dict[int, int] = {}
     for replica, received in enumerate(seeds):
         for seed in received:
-            replica_of[seed] = replica  # a retried request counts where it last went
+            if seed in index_of:
+                replica_of[index_of[seed]] = replica  # a retry counts where it last went
     n = len(seeds)
     result.per_replica_requests = [len(received) for received in seeds]
     result.max_mean_requests = max_mean(result.per_replica_requests)
     busy = [0.0] * n
+    intervals = []
     for item in items:
         out = outcomes[item.index]
         if out.status == 200 and item.index in replica_of:
             busy[replica_of[item.index]] += timing.service_s(out.uncached, out.generated)
+            intervals.append((out.sent_at, out.done_at, replica_of[item.index]))
     result.per_replica_busy_s = [round(b, 4) for b in busy]
     result.max_mean_busy = max_mean(busy)
+    result.in_flight_balance = in_flight_balance(intervals, n)
 
     groups: dict[int, list[int]] = {}
     follow = total_later = 0
@@ -815,11 +912,23 @@ def summarize(
     majority = sum(Counter(g).most_common(1)[0][1] for g in groups.values())
     result.siblings_on_majority = majority / max(1, sum(len(g) for g in groups.values()))
     result.continuations_on_parent = follow / total_later if total_later else None
+    result.later_turns, result.later_elsewhere = total_later, total_later - follow
 
     headers = [(o.header, replica_of.get(i)) for i, o in outcomes.items() if o.header is not None]
     if headers:
         result.header_mismatches = sum(h != str(r) for h, r in headers)
     result.unexpected_outputs = sum(o.output_ok is False for o in outcomes.values())
+
+
+async def router_spills(session: aiohttp.ClientSession, url: str) -> int | None:
+    """lora-router's spill decisions so far, from its /metrics (None for other routers)."""
+    try:
+        async with session.get(url + "/metrics") as resp:
+            text = await resp.text() if resp.status == 200 else ""
+    except aiohttp.ClientError:
+        return None
+    counts = {kind: float(value) for kind, value in _DECISION.findall(text)}
+    return int(counts["spill"]) if "spill" in counts else None
 
 
 class Bench:
@@ -829,7 +938,7 @@ class Bench:
         self.args = args
         self.timing: Timing = args.timing
         self.scale: Scale = args.scale
-        self.options = RouterOptions(args.load_factor, args.load_slack)
+        self.options = RouterOptions(args.load_factor, args.load_slack, args.lr_source)
         self.workdir = workdir
         self.adapters = workdir / "adapters"
 
@@ -848,7 +957,8 @@ class Bench:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         log = self.workdir / f"{c.key}-{trace}-{n}.log"
-        router = RouterProcess(router_argv(c, port, host.urls, self.options), log)
+        source = self.options.source if c.kind == "lora-router" else None
+        router = RouterProcess(router_argv(c, port, host.urls, self.options), log, source)
         connector = aiohttp.TCPConnector(limit=self.scale.in_flight_per_replica * n + 16)
         try:
             async with aiohttp.ClientSession(connector=connector) as session:
@@ -879,6 +989,8 @@ class Bench:
                 result.replica_cpu_s = round(cpu_seconds(host.proc.pid) - host_cpu, 3)
                 result.client_cpu_s = round(time.process_time() - own_cpu, 3)
                 result.queries, result.hits = await replica_metrics(session, host.urls)
+                if c.kind == "lora-router":
+                    result.spills = await router_spills(session, url)
                 seeds = (await host.command("dump"))["seeds"]
         except Exception as exc:
             result.status = f"error: {type(exc).__name__}: {exc}"[:300]
@@ -936,9 +1048,15 @@ def aggregate(results: list[RunResult]) -> list[RunResult]:
                 wall_range_s=[min(r.wall_s for r in ok), max(r.wall_s for r in ok)],
                 worst_of_oracle=min(fractions) if fractions else None,
                 worst_max_mean_requests=max(r.max_mean_requests for r in ok),
+                worst_in_flight_balance=max(r.in_flight_balance for r in ok),
+                worst_follow=min(follows) if (follows := _follows(ok)) else None,
             )
         )
     return summaries
+
+
+def _follows(runs: list[RunResult]) -> list[float]:
+    return [f for r in runs if (f := follow_rate(r)) is not None]
 
 
 def _f(value: float | None, digits: int = 3) -> str:
@@ -956,7 +1074,9 @@ TARGET_HEADER = [
     "N",
     "of oracle, LoRA",
     "of oracle, base",
+    "turns followed (spills)",
     "max/mean req",
+    "in flight: ours / oracle's",
     "wall s, base",
     "best peer wall s",
     "makespan s: ours / peer's",
@@ -970,26 +1090,47 @@ def _wall(r: RunResult) -> str:
     return f"{r.wall_s:.2f}"
 
 
+def _ok(r: RunResult | None) -> RunResult | None:
+    return r if r is not None and r.status == "ok" else None
+
+
 def targets(summaries: list[RunResult], traces: list[str], counts: list[int]) -> list[list[str]]:
-    """One row per (trace, replicas): lora-router prefix against the issue's targets. Hit
-    fractions and balance are the worst over repeats, wall times medians [range]; a wall time
-    above the best peer's median but inside its range is a tie within the noise (≈)."""
+    """One row per (trace, replicas): lora-router prefix against the issue's targets, both
+    naming modes. Hit fractions, follow rates and balance are the worst over repeats, wall times
+    medians [range]; a wall time above the best peer's median but inside its range is a tie
+    within the noise (≈). In-flight balance is compared with the oracle's of the same mode."""
     by = _by(summaries)
     rows = []
     for trace in traces:
         for n in counts:
-            lora, base = by.get((trace, n, "lr-prefix")), by.get((trace, n, "lr-prefix-base"))
-            ours = [r for r in (lora, base) if r is not None and r.status == "ok"]
+            lora, base = (
+                _ok(by.get((trace, n, "lr-prefix"))),
+                _ok(by.get((trace, n, "lr-prefix-base"))),
+            )
+            oracles = {
+                "lr-prefix": _ok(by.get((trace, n, "oracle"))),
+                "lr-prefix-base": _ok(by.get((trace, n, "oracle-base"))),
+            }
+            ours = [r for r in (lora, base) if r is not None]
             peers = [
                 r
                 for key in ("vllm-ch", "vllm-ca", "sglang-ca")
-                if (r := by.get((trace, n, key))) is not None and r.status == "ok" and not r.failed
+                if (r := _ok(by.get((trace, n, key)))) is not None and not r.failed
             ]
             best = min(peers, key=lambda r: r.wall_s) if peers else None
             fracs = [r.worst_of_oracle for r in ours if r.worst_of_oracle is not None]
             balance = [r.worst_max_mean_requests for r in ours]
+            follows = [r.worst_follow for r in ours if r.worst_follow is not None]
+            spills = sum(r.spills or 0 for r in ours)
+            flights = []
+            for r in ours:
+                oracle = oracles[r.contender]
+                if oracle is not None:
+                    flights.append((r.worst_in_flight_balance, oracle.in_flight_balance))
             hit = "✓" if fracs and min(fracs) >= TARGET_FRACTION else "✗"
             bal = "✓" if balance and max(balance) <= TARGET_BALANCE else "✗"
+            fol = "✓" if not follows or min(follows) >= TARGET_FOLLOW else "✗"
+            fly = "✓" if flights and all(o <= TARGET_IN_FLIGHT * b for o, b in flights) else "✗"
             if best is None or base is None:
                 wall = "✓" if best is None else "✗"
             elif base.wall_s <= best.wall_s:
@@ -1005,11 +1146,13 @@ def targets(summaries: list[RunResult], traces: list[str], counts: list[int]) ->
                     str(n),
                     _f(lora.worst_of_oracle if lora else None),
                     _f(base.worst_of_oracle if base else None),
+                    f"{_f(min(follows) if follows else None)} ({spills})",
                     _f(max(balance) if balance else None, 2),
+                    " · ".join(f"{o:.2f} / {b:.2f}" for o, b in flights) or "—",
                     _wall(base) if base else "—",
                     f"{_wall(best)} ({best.label})" if best else "—",
                     makespan,
-                    f"{hit}hits {bal}balance {wall}wall",
+                    f"{hit}hits {fol}turns {bal}balance {fly}in-flight {wall}wall",
                 ]
             )
     return rows
@@ -1056,7 +1199,9 @@ DETAIL_HEADER = [
     "of oracle",
     "siblings on majority",
     "turns on parent",
+    "spills",
     "max/mean req",
+    "in flight max/mean",
     "max/mean busy",
     "makespan s",
     "wall s",
@@ -1083,7 +1228,9 @@ def detail_rows(summaries: list[RunResult], trace: str) -> list[list[str]]:
                 _f(r.of_oracle),
                 _f(r.siblings_on_majority),
                 _f(r.continuations_on_parent),
+                "—" if r.spills is None else str(r.spills),
                 _f(r.worst_max_mean_requests, 2),
+                _f(r.worst_in_flight_balance, 2),
                 _f(r.max_mean_busy, 2),
                 _f(r.makespan_s, 2),
                 _wall(r),
@@ -1112,10 +1259,14 @@ def write_markdown(
         "Method (details in the docstring of bench/routing.py): GRPO-shaped traces from "
         f"bench/grpo_trace.py (G = {s['group_size']}, S = {s['prompts_per_replica']} N problems "
         "per "
-        f"step single-turn, {s['multi_prompts_per_replica']} N multi-turn, {s['steps']} steps, "
-        f"a new adapter version every step, at most {s['in_flight_per_replica']} N requests in "
-        f"flight, completions of {s['completion_tokens'][0]}-{s['completion_tokens'][1]} "
-        "tokens) replayed through each router to N emulated replicas (max_num_seqs "
+        f"step single-turn, {s['multi_prompts_per_replica']} N multi-turn, "
+        f"{s['pipelined_prompts_per_replica']} N on the pipelined traces, {s['steps']} steps, "
+        "a new adapter version every step (every round of turns on the pipelined traces, whose "
+        "rollouts span versions), a random 63-bit seed per request as TRL draws it, at most "
+        f"{s['in_flight_per_replica']} N requests in flight, completions of "
+        f"{s['completion_tokens'][0]}-{s['completion_tokens'][1]} tokens, long-tail: "
+        f"log-normal, median {s['long_tail_median']}, up to {LONG_TAIL_MAX}) replayed through "
+        "each router to N emulated replicas (max_num_seqs "
         f"{t['max_num_seqs']}, {t['prefill_s_per_token'] * 1e6:.0f} µs per uncached prompt "
         f"token, {t['decode_s_per_token'] * 1e6:.0f} µs per generated token, a "
         f"{t['cache_blocks']}-block LRU prefix cache of {t['block_size']}-token blocks). The "
@@ -1133,11 +1284,14 @@ def write_markdown(
         "## lora-router (prefix) against the targets",
         "",
         f"Targets: ≥ {TARGET_FRACTION:.1%} of the oracle's hit rate (worst over repeats, both "
-        f"modes), max/mean requests per replica ≤ {TARGET_BALANCE:.2f} (worst), wall time ≤ "
-        "the best peer's (base-model runs, like for like; median [min-max] over repeats, ≈: "
-        "above the peer's median but inside its range). *Makespan* is the busiest replica's "
-        "modeled service time, the part of the wall time that routing decides, free of the "
-        "machine's noise.",
+        f"modes); ≥ {TARGET_FOLLOW:.0%} of later turns on their previous turn's replica, spills "
+        "under the load cap excepted (worst, both modes; in brackets the spills of both modes); "
+        f"max/mean requests per replica ≤ {TARGET_BALANCE:.2f} (worst); time-weighted in-flight "
+        f"max/mean ≤ {TARGET_IN_FLIGHT:.2f} times the oracle's of the same mode (LoRA · base); "
+        "wall time ≤ the best peer's (base-model runs, like for like; median [min-max] over "
+        "repeats, ≈: above the peer's median but inside its range). *Makespan* is the busiest "
+        "replica's modeled service time, the part of the wall time that routing decides, free "
+        "of the machine's noise.",
         "",
         md_table(TARGET_HEADER, targets(summaries, traces, counts)),
         "",
@@ -1149,9 +1303,8 @@ def write_markdown(
         "",
     ]
     for trace in traces:
-        template, turns = TRACES[trace]
         parts += [
-            f"## {trace} ({template}-token shared prefix, {turns} turn{'s' if turns > 1 else ''})",
+            f"## {trace} ({TRACES[trace].describe()})",
             "",
             md_table(DETAIL_HEADER, detail_rows(summaries, trace)),
             "",
@@ -1159,7 +1312,11 @@ def write_markdown(
     parts += [
         "Columns: *siblings on majority* — share of first-turn samples on their group's most "
         "used replica; *turns on parent* — share of later turns sent where their previous turn "
-        "ran; *max/mean req* — worst over repeats; *busy* — a replica's modeled service time "
+        "ran (all of them; spills not excepted); *spills* — lora-router's spill decisions (a "
+        "home over the load cap), from its /metrics; *max/mean req* — worst over repeats; "
+        "*in flight max/mean* — ∫ max over replicas of requests in flight dt / ∫ their mean dt "
+        "over the run, from each request's send and answer times here, worst over repeats; "
+        "*busy* — a replica's modeled service time "
         "(uncached prompt tokens x prefill cost + generated tokens x decode cost, from each "
         "answer's usage); *makespan* — the largest busy time; *wall s* — first request to last "
         "answer, median [min-max] when repeated; *router CPU s* — user + system CPU of the "
@@ -1286,6 +1443,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--keep-logs", action="store_true", help="keep router and replica logs")
     p.add_argument(
+        "--lr-source",
+        type=Path,
+        default=None,
+        help="run lora-router from this source tree (e.g. `git archive` of another revision), "
+        "to show how that revision does on these traces",
+    )
+    p.add_argument(
         "--from-json",
         type=Path,
         default=None,
@@ -1298,7 +1462,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         )
     scale = Scale()
     if args.quick:
-        scale = Scale(steps=2, prompts_per_replica=4, multi_prompts_per_replica=2)
+        scale = Scale(
+            steps=2,
+            prompts_per_replica=4,
+            multi_prompts_per_replica=2,
+            pipelined_prompts_per_replica=1,
+        )
     if args.steps is not None:
         scale = Scale(**{**asdict(scale), "steps": args.steps})
     args.scale = scale
@@ -1350,7 +1519,13 @@ async def bench_main(args: argparse.Namespace) -> int:
         print(f"not installed, skipped: {', '.join(skipped)}")
     workdir = Path(tempfile.mkdtemp(prefix="lora-router-routing-"))
     bench = Bench(args, workdir)
-    bench.write_adapters(args.scale.steps)
+    bench.write_adapters(
+        max(
+            trace_spec(t, n, args.scale).versions
+            for t in args.trace_list
+            for n in args.replica_list
+        )
+    )
     results: list[RunResult] = []
     repeated = [c.key for c in contenders if c.key in args.repeat_list and args.repeat > 1]
     per_block = len(contenders) + (args.repeat - 1) * len(repeated)
@@ -1397,8 +1572,16 @@ async def bench_main(args: argparse.Namespace) -> int:
         "git": git_revision(),
         "timing": asdict(args.timing),
         "scale": asdict(args.scale),
-        "router_options": asdict(RouterOptions(args.load_factor, args.load_slack)),
-        "targets": {"of_oracle": TARGET_FRACTION, "max_mean_requests": TARGET_BALANCE},
+        "router_options": {
+            **asdict(RouterOptions(args.load_factor, args.load_slack)),
+            "source": str(args.lr_source) if args.lr_source else None,
+        },
+        "targets": {
+            "of_oracle": TARGET_FRACTION,
+            "follow": TARGET_FOLLOW,
+            "max_mean_requests": TARGET_BALANCE,
+            "in_flight_vs_oracle": TARGET_IN_FLIGHT,
+        },
         "repeat": args.repeat,
         "repeated": repeated,
     }

@@ -63,7 +63,7 @@ from lora_router.http.server import ClientConnection, Request
 from lora_router.http.upstream import UpstreamError
 from lora_router.metrics import RequestStats
 from lora_router.retry_budget import RetryBudget
-from lora_router.routing.keys import PromptKey, prompt_key, text_key, wire_key
+from lora_router.routing.keys import Lineages, PromptKey, Seeds, prompt_key, text_key, wire_key
 from lora_router.routing.policy import Policy
 from lora_router.status import RouterState, replica_json, status
 
@@ -201,6 +201,7 @@ class RouterApp:
         self._loop = asyncio.get_running_loop()
         self._debug = log.isEnabledFor(logging.DEBUG)
         self.block_size = block_size  # of the replicas' KV cache: prompt keys use it
+        self.lineages = Lineages(config.lineage_pattern)  # placement keys (routing/keys.py)
         token = config.token.reveal()
         self._authorization = f"Bearer {token}".encode() if token else None
         # Request ids for requests that come without one: unique per process and cheap (a
@@ -281,7 +282,10 @@ class RouterApp:
         # only a prompt the policy does not know yet is parsed into ids and keyed by blocks.
         raw = fields.raw_tokens
         uses_keys = self.policy.uses_keys
-        wire = wire_key(model, raw) if raw is not None and uses_keys else None
+        # Placed by the adapter's lineage, not its version: a later turn under vN+1 follows
+        # its conversation (routing/keys.py).
+        seeds = self.lineages.seeds(model, adapter)
+        wire = wire_key(model, raw, seed=seeds.wire) if raw is not None and uses_keys else None
         key: PromptKey | None = None
         keyed = not uses_keys  # a key-blind policy gets None
         self.budget.request(self._loop.time())
@@ -302,7 +306,7 @@ class RouterApp:
                     decision = self.policy.choose_known(wire, routable)
                 if decision is None:
                     if not keyed:
-                        key, keyed = self._key(fields, model), True
+                        key, keyed = self._key(fields, seeds), True
                     decision = self.policy.choose(key, routable, wire)
                 replica = decision.replica
                 if self._debug:  # one line per decision, only when asked (--log-level debug)
@@ -313,7 +317,7 @@ class RouterApp:
                 tried.append(replica)
                 sink = _RetrySink(self, conn, model, adapter, tried, held)
                 try:
-                    await self._forward(request, conn, replica, sink)
+                    await self._forward(request, conn, replica, sink, decision.tokens)
                 except UpstreamError as exc:
                     self.health.report_failure(replica)
                     if not (exc.retryable and self._may_retry(tried, "transport")):
@@ -356,13 +360,13 @@ class RouterApp:
         self.budget.unbudgeted(reason)
         return True
 
-    def _key(self, fields: Completion, model: str | None) -> PromptKey | None:
-        """The prompt's block-chain key (token ids, else text or chat), or None."""
+    def _key(self, fields: Completion, seeds: Seeds) -> PromptKey | None:
+        """The prompt's placement key (token ids, else text or chat), or None."""
         tokens = fields.token_ids()
         if tokens is not None:
-            return prompt_key(model, tokens, self.block_size)
+            return prompt_key(None, tokens, self.block_size, seed=seeds.token)
         if fields.text is not None:
-            return text_key(model, fields.text)
+            return text_key(None, fields.text, seed=seeds.text)
         return None
 
     async def forward_any(self, request: Request, conn: ClientConnection) -> None:
@@ -382,6 +386,7 @@ class RouterApp:
         conn: ClientConnection,
         replica: Replica,
         sink: ClientConnection | _RetrySink,
+        tokens: int = 0,
     ) -> None:
         head = upstream_request_head(
             request.method,
@@ -394,6 +399,7 @@ class RouterApp:
             body_length=len(request.body),
         )
         replica.in_flight += 1
+        replica.in_flight_tokens += tokens
         conn.replica = replica.label
         try:
             keep_alive = await replica.pool.forward(
@@ -404,6 +410,7 @@ class RouterApp:
             )
         finally:
             replica.in_flight -= 1
+            replica.in_flight_tokens -= tokens
         conn.keep_alive = conn.keep_alive and keep_alive
 
     # -- broadcasts and read-only routes ----------------------------------------------------

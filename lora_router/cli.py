@@ -21,6 +21,7 @@ from typing import NoReturn
 
 from lora_router import __version__
 from lora_router.config import Config, ReplicaAddress, Secret
+from lora_router.routing.keys import Lineages
 from lora_router.routing.policy import POLICIES
 
 log = logging.getLogger("lora_router")
@@ -154,6 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=d.affinity_table_size,
         help="prompts remembered for affinity (LRU)",
+    )
+    g.add_argument(
+        "--lineage-pattern",
+        default=d.lineage_pattern,
+        metavar="REGEX",
+        help="matches a whole adapter name; its (?P<lineage>...) group names the family that "
+        "placement follows across versions (default: TRL's {lora_name}-v{N}, so trl-policy-v7 "
+        "is placed as trl-policy); names it does not match are their own lineage",
     )
 
     g = p.add_argument_group("timeouts (seconds)")
@@ -434,6 +443,10 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config
         raise UsageError("--block-size must be positive")
     if args.load_slack < 0:
         raise UsageError("--load-slack must be 0 or more")
+    try:
+        Lineages(args.lineage_pattern)
+    except ValueError as exc:
+        raise UsageError(f"--lineage-pattern: {exc}") from None
     if not (math.isfinite(args.load_factor) and args.load_factor > 0):
         raise UsageError("--load-factor must be positive")
     if args.max_staleness < 0:

@@ -14,6 +14,7 @@ import ssl
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from lora_router.routing.keys import DEFAULT_LINEAGE_PATTERN
 from lora_router.routing.policy import (
     DEFAULT_LOAD_FACTOR,
     DEFAULT_LOAD_SLACK,
@@ -113,6 +114,8 @@ class Config:
     load_slack: int = DEFAULT_LOAD_SLACK  # requests in flight a replica may take over the mean
     vnodes: int = DEFAULT_VNODES
     affinity_table_size: int = DEFAULT_TABLE_SIZE
+    # Adapter name -> lineage, the placement key's name (routing/keys.py): TRL's `{name}-v{N}`.
+    lineage_pattern: str = DEFAULT_LINEAGE_PATTERN
 
     # Timeouts (seconds)
     connect_timeout: float = 10.0

@@ -1,11 +1,11 @@
 """One replica as the router sees it: where it is, how busy, whether it may serve, what it holds.
 
 State here is written by the fleet (health, admission, adapters) and by the request path
-(`in_flight`, incremented around every forwarded request in a try/finally so the count is exact
-on every path: success, error, client disconnect, cancellation) and by the telemetry loop
-(`report`: what the replica's own `/metrics` said at the last scrape, its queue included, or
-None when unknown; fleet/telemetry.py). It is read by the routing policy, which must never
-write it.
+(`in_flight` and `in_flight_tokens`, the requests and their prompt tokens, added around every
+forwarded request in a try/finally so the counts are exact on every path: success, error,
+client disconnect, cancellation) and by the telemetry loop (`report`: what the replica's own
+`/metrics` said at the last scrape, its queue included, or None when unknown;
+fleet/telemetry.py). It is read by the routing policy, which must never write it.
 
 Life cycle: a replica is *healthy* when its last health judgement passed, and *admitted* when,
 on top of that, every live adapter and the fleet's pause state were replayed onto it. Only
@@ -38,6 +38,7 @@ class Replica:
         "healthy",
         "host_header",
         "in_flight",
+        "in_flight_tokens",
         "label",
         "last_error",
         "load_seconds",
@@ -62,6 +63,7 @@ class Replica:
         self.pool = pool
         self.breaker = breaker
         self.in_flight = 0
+        self.in_flight_tokens = 0  # prompt tokens of the requests in flight (fresh placement)
         self.healthy = True
         # Admitted: the live adapters and the pause state were replayed onto it; until then it
         # serves no request at all.

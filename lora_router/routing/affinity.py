@@ -1,32 +1,37 @@
-"""The affinity table: which replica each recent prompt was sent to, and exact-prefix lookup.
+"""The affinity table: which replica each recent prompt was sent to, and prefix lookup by stems.
 
 An *anchor* says "this exact prompt went to replica R". It holds the prompt's `full` hash (the
-whole prompt under its model's seed, see `keys`) and the length of its tail past its last full
-block, and it is filed twice:
+whole prompt under its lineage's seed, see `keys`) and its *stem* (the prompt without its last
+`keys.RERENDER_BYTES`: what a re-rendered next turn still starts with), and it is filed twice:
 
 - under its `full`, in the exact index (`full -> head`): the commonest lookup, a *sibling* (the
   G samples of a GRPO prompt are G identical requests), is one dict lookup on a hash the key
   computed when it was built, and never needs the key's chain;
-- under its *head*, the chain value of its last full block (the model seed when it has none).
-  A later prompt Q starts with an earlier prompt P exactly when Q's first `b + tail` bytes hash
-  to P's `full`, `b` being P's full blocks in bytes; at that length Q's chain has P's head. So
+- under its *head*, the chain value of the stem's last full block (the lineage seed when it has
+  none). A later prompt Q starts with an earlier prompt P's stem exactly when Q's first
+  `level * block + tail` bytes hash to P's stem hash; at that length Q's chain has P's head. So
   `find` intersects Q's chain with the heads that hold anchors, and hashes one prefix of Q per
-  anchor there (`PromptKey.prefix_hash`). That finds earlier prompts at any length, not only at
-  block boundaries, and only *whole* earlier prompts: two prompts that merely share a chat
-  template or a system prompt never match each other, however long the template, because
-  neither is a prefix of the other.
+  anchor there (`PromptKey.prefix_hash`), deepest level first: of the earlier prompts whose
+  stems Q starts with, the one sharing the longest block prefix with Q comes first. That follows
+  a conversation whether its turns were appended or re-rendered through a chat template, and
+  never matches prompts that merely share a chat template or a system prompt (neither starts
+  with the other's stem, see `keys`).
 
-A 64-bit `full` names an exact prompt under one model; two different prompts colliding would
+Bounded cost: the chain is O(blocks) xxh3 calls (`keys`); the intersection is one set operation
+in C; then at most `PER_HEAD` stems per matching level and `MAX_STEM_CHECKS` in all are hashed,
+whatever the table holds.
+
+A 64-bit `full` names an exact prompt under one lineage; two different prompts colliding would
 only make one be routed as the other's sibling (about one lookup in 2**64 / capacity).
 
 Memory is bounded: at most `capacity` anchors, least recently used head evicted first with all
 its anchors (a lookup that matches refreshes its head), and at most `PER_HEAD` anchors under one
-head (only prompts that differ within their last partial block share a head). The exact index
-holds one entry per anchor, and every eviction removes from both. Nothing here knows about load
-or health.
+head (only prompts that differ within their last block and a half share a head). The exact
+index holds one entry per anchor, and every eviction removes from both. Nothing here knows about
+load or health.
 
 Must never: do I/O, log, hold more than `capacity` anchors, hash anything itself (all hashing is
-defined in `keys`: `PromptKey.full`, `.chain` and `.prefix_hash`).
+defined in `keys`: `PromptKey.full`, `.chain`, `.prefix_hash` and `.stem`).
 """
 
 from __future__ import annotations
@@ -38,11 +43,15 @@ from operator import itemgetter
 from .keys import PromptKey
 
 PER_HEAD = 32
+# Stems hashed by one `find`, at most: a prompt matching more anchors than this is routed by the
+# longest ones, which come first.
+MAX_STEM_CHECKS = 64
 
-# (replica, tail bytes, full). One anchor under a head is stored bare, several as a list
-# (least recently used first): most heads have one, and a bare tuple is the smaller record.
-Anchor = tuple[str, int, int]
-_by_tail = itemgetter(1)
+# (replica, stem tail bytes, stem hash, full, prompt bytes). One anchor under a head is stored
+# bare, several as a list (least recently used first): most heads have one, and a bare tuple is
+# the smaller record. Prompts with one stem are tried longest first.
+Anchor = tuple[str, int, int, int, int]
+_by_length = itemgetter(1, 4)
 
 
 class AffinityTable:
@@ -71,14 +80,15 @@ class AffinityTable:
         head = self._exact.get(full)
         if head is None:
             return None
-        for replica, _, anchored in _anchors(self._heads.get(head)):
+        for replica, _, _, anchored, _ in _anchors(self._heads.get(head)):
             if anchored == full:
                 return replica
         return None
 
     def find(self, key: PromptKey) -> Iterator[tuple[str, bool]]:
-        """Replicas of earlier prompts that `key` starts with, longest prompt first, as
-        (replica, exact) pairs; `exact` means the earlier prompt is this very prompt.
+        """Replicas of earlier prompts whose stems `key` starts with, longest shared block
+        prefix first, as (replica, exact) pairs; `exact` means the earlier prompt is this very
+        prompt.
 
         The exact match comes first and costs no chain: a caller that stops there (a sibling
         placed on its home) never computes it."""
@@ -96,12 +106,20 @@ class AffinityTable:
         if key.seed in heads:
             levels.append(0)
         size = len(key.data)
+        checks = MAX_STEM_CHECKS
         for level in levels:
             head = key.head(level)
             room = size - level * key.block_bytes
-            # Longest tail first; the tail that fills `room` is this prompt, looked up above.
-            for _, tail, anchored in sorted(_anchors(heads.get(head)), key=_by_tail, reverse=True):
-                if tail < room and key.prefix_hash(level, tail) == anchored:
+            # Longest stem first; this very prompt was looked up above.
+            for _, tail, stem, anchored, _ in sorted(
+                _anchors(heads.get(head)), key=_by_length, reverse=True
+            ):
+                if tail > room or anchored == full:
+                    continue
+                if not checks:
+                    return
+                checks -= 1
+                if key.prefix_hash(level, tail) == stem:
                     replica = self._touch(head, anchored)
                     if replica is not None:
                         yield replica, False
@@ -117,15 +135,16 @@ class AffinityTable:
         if head is not None:
             heads.move_to_end(head)
             if replace:
-                anchor = (replica, key.tail_bytes, full)
                 known = heads[head]
                 if isinstance(known, tuple):
-                    heads[head] = anchor
+                    heads[head] = (replica, *known[1:])
                 else:
-                    known[[a[2] for a in known].index(full)] = anchor
+                    i = [a[3] for a in known].index(full)
+                    known[i] = (replica, *known[i][1:])
             return
-        head = key.head(key.blocks)
-        anchor = (replica, key.tail_bytes, full)
+        level, tail, stem = key.stem()
+        head = key.head(level)
+        anchor = (replica, tail, stem, full, len(key.data))
         entry = heads.get(head)
         if entry is None:
             heads[head] = anchor
@@ -134,13 +153,13 @@ class AffinityTable:
             group = [entry] if isinstance(entry, tuple) else entry
             group.append(anchor)
             if len(group) > self._per_head:
-                del exact[group.pop(0)[2]]
+                del exact[group.pop(0)[3]]
             heads[head] = group if len(group) > 1 else anchor
         exact[full] = head
         while len(exact) > self.capacity:
             _, old = heads.popitem(last=False)
-            for _, _, evicted in _anchors(old):
-                del exact[evicted]
+            for evicted in _anchors(old):
+                del exact[evicted[3]]
 
     def _touch(self, head: int, full: int) -> str | None:
         """The replica of the anchor (head, full), marked as just used; None if absent."""
@@ -148,12 +167,12 @@ class AffinityTable:
         if entry is None:
             return None
         if isinstance(entry, tuple):
-            if entry[2] != full:
+            if entry[3] != full:
                 return None
             self._heads.move_to_end(head)
             return entry[0]
         for i, anchor in enumerate(entry):
-            if anchor[2] == full:
+            if anchor[3] == full:
                 entry.append(entry.pop(i))
                 self._heads.move_to_end(head)
                 return anchor[0]

@@ -1,28 +1,34 @@
 """Routing policies: given a prompt's key and the replicas that may take it, pick one.
 
 `PrefixAffinity` (`--policy prefix`, the default) is consistent hashing with bounded loads
-plus an exact-prefix affinity table:
+plus an affinity table of earlier prompts (`affinity`). Keys are placement keys (`keys`: seeded
+by the adapter's lineage, not its version), so a turn sent under `trl-policy-v8` finds the turns
+its conversation sent under `-v7`:
 
-1. *Known prompt.* The table finds the earlier prompts this one starts with, longest first
-   (itself, if it was seen: a *sibling*; a shorter one: a *continuation*, e.g. the previous turn
-   of a conversation). The first of their replicas that is routable and has room takes it: the
-   longest prefix's replica if it can, else the next longest (its KV is still there, which
-   beats any other replica). A new prompt is then remembered on that replica.
+1. *Known prompt.* The table finds the earlier prompts whose stems this one starts with, longest
+   shared block prefix first (itself, if it was seen: a *sibling*; a shorter one: a
+   *continuation*, e.g. the previous turn of a conversation, appended to or re-rendered). The
+   first of their replicas that is routable and has room takes it: the longest prefix's replica
+   if it can, else the next longest (its KV is still there, which beats any other replica). A
+   new prompt is then remembered on that replica.
 2. *Spill.* If prefixes were known but none of their replicas can take it, walk the ring from
    the prompt's key to the first routable replica with room. Siblings walk the same path, so
    they keep meeting on one replica while their home is full. A spill never moves the home of
    a prompt that has one (the first placement sticks, unless its replica left the ring); a new
    prompt is remembered where it went, because its KV now grows there.
-3. *Fresh prompt.* Among the routable replicas with room, the one that was dealt the fewest
-   fresh prompts so far, then the one with the fewest requests in flight, ties to the first in
-   ring order from the prompt's key. Dealing families out evenly is what the oracle of
-   bench/routing.py does: in-flight counts alone measure a replica's backlog, not how many
-   families it holds, and left one replica with 13 families where the mean was 12 (1.08-1.11
-   max/mean requests per replica on multi-turn traces at 8 replicas; dealt by count: 1.00).
-   Two routers that saw the same requests agree, and on a fresh fleet placement is plain
-   consistent hashing. A replica that joins starts at the fewest count, so it does not take
-   every new prompt until it catches up. (Choosing the less loaded of the first two on the
-   ring, the textbook "two choices", measured worse still: 1.15 max/mean at 8 replicas.)
+3. *Fresh prompt* (a new family: nothing known shares its stem). Among the routable replicas
+   with room, the one that was dealt the fewest families so far, then the one holding the
+   least work now (fewest requests in flight, then fewest prompt tokens in flight,
+   `in_flight_tokens`, which the caller maintains next to `in_flight`), ties to the first in
+   ring order from the prompt's key. Only new families count: a later turn, under whatever
+   version of its lineage, is a continuation (1), so the count is the number of conversations
+   a replica holds, which is what the oracle of bench/routing.py deals evenly. Placing new
+   families by the work held alone was measured too: it let request totals drift to
+   1.08-1.10 max/mean on multi-turn, re-rendered and long-tailed traces, where dealing by
+   count kept 1.00-1.01 with in-flight balance as close to the oracle's
+   (bench/results/routing.md). A replica that joins starts at the fewest count. On an idle
+   fleet every replica ties and placement is plain consistent hashing, so two routers that
+   saw the same requests agree.
 4. *No key.* Least in flight, round robin among ties.
 
 A replica has room while its in-flight count is below the load cap
@@ -38,7 +44,8 @@ over replicas that each recompute its prompt. An allowance of `load_slack` reque
 mean lets a group meet on its home; once the mean exceeds `load_slack / load_factor` (64 by
 default) the multiplicative bound is the larger and applies unchanged.
 
-Prompts that share only a template never match each other in the table (see `affinity`), so
+Prompts that share only a template never match each other in the table (neither starts with
+the other's stem, see `keys`), so
 they are placed by their own keys and spread like unrelated prompts. The reference proxy's rule
 ("a block with two or more successors is common") is deliberately not used: the samples of a
 multi-turn rollout branch after every turn, and that rule then takes their own conversation
@@ -48,9 +55,10 @@ for a shared template.
 
 Contract with the caller (the HTTP layer): `routable` is already filtered (healthy, adapter
 loaded, breaker closed, not excluded by a retry) and never empty; `choose` reads `in_flight`
-but never changes it — the caller increments it for the request it sends and decrements it on
-every exit path. `set_members` gets the full membership (the ring), at start and on every add
-or remove. Policies are not thread-safe; the router calls them from its event loop.
+and `in_flight_tokens` but never changes them — the caller adds 1 and `Decision.tokens` for the
+request it sends and takes them off on every exit path. `set_members` gets the full membership
+(the ring), at start and on every add or remove. Policies are not thread-safe; the router calls
+them from its event loop.
 
 Never: I/O, clocks, randomness, logging (the caller logs decisions at debug level), mutating
 replicas.
@@ -86,6 +94,11 @@ class Replica(Protocol):
     @property
     def in_flight(self) -> int: ...
 
+    @property
+    def in_flight_tokens(self) -> int:
+        """Prompt tokens of the requests in flight (`Decision.tokens` of each)."""
+        ...
+
 
 R = TypeVar("R", bound=Replica)
 
@@ -93,6 +106,7 @@ R = TypeVar("R", bound=Replica)
 class Decision(NamedTuple, Generic[R]):
     replica: R
     kind: str  # one of the fields of DecisionCounts
+    tokens: int = 0  # the prompt's tokens, which the caller counts in `in_flight_tokens`
 
 
 @dataclass(slots=True)
@@ -126,7 +140,8 @@ class Policy(Protocol):
 
     def choose_known(self, wire: int, routable: Sequence[R]) -> Decision[R] | None:
         """A sibling's replica from its `wire_key` alone, if it is known and has room;
-        None means: build the `PromptKey` and call `choose`."""
+        None means: build the `PromptKey` and call `choose`. Both must be given placement
+        keys (`keys.Lineages.seeds`)."""
         ...
 
 
@@ -181,10 +196,10 @@ class PrefixAffinity:
         self.table = AffinityTable(table_size)
         self.counts = DecisionCounts()
         self._turn = 0
-        self._dealt: dict[str, int] = {}  # fresh prompts placed on each member
-        # wire_key -> the home of that exact prompt, for siblings routed without a PromptKey;
-        # as bounded as the table.
-        self._wire: OrderedDict[int, str] = OrderedDict()
+        # wire_key -> (the home of that exact prompt, its tokens), for siblings routed without
+        # a PromptKey; as bounded as the table.
+        self._wire: OrderedDict[int, tuple[str, int]] = OrderedDict()
+        self._dealt: dict[str, int] = {}
 
     def set_members(self, names: Sequence[str]) -> None:
         self.ring = HashRing(names, self.ring.vnodes)
@@ -199,29 +214,32 @@ class PrefixAffinity:
         return _cap(total, len(routable), self._grow, self._den, self.load_slack)
 
     def choose_known(self, wire: int, routable: Sequence[R]) -> Decision[R] | None:
-        name = self._wire.get(wire)
-        if name is None:
+        known = self._wire.get(wire)
+        if known is None:
             return None
+        name = known[0]
         for replica in routable:
             if replica.name == name:
                 if replica.in_flight >= self.cap(routable):
                     return None  # full: the whole policy decides where it spills
                 self._wire.move_to_end(wire)
                 self.counts.sibling += 1
-                return Decision(replica, "sibling")
+                return Decision(replica, "sibling", known[1])
         return None
 
     def choose(
         self, key: PromptKey | None, routable: Sequence[R], wire: int | None = None
     ) -> Decision[R]:
         decision = self._choose(key, routable)
-        if wire is not None and key is not None:
+        if key is None:
+            return decision
+        if wire is not None:
             # The prompt's home is its first placement (a spill does not move it).
-            self._wire[wire] = self.table.home(key) or decision.replica.name
+            self._wire[wire] = (self.table.home(key) or decision.replica.name, key.tokens)
             self._wire.move_to_end(wire)
             if len(self._wire) > self.table.capacity:
                 self._wire.popitem(last=False)
-        return decision
+        return decision._replace(tokens=key.tokens)
 
     def _choose(self, key: PromptKey | None, routable: Sequence[R]) -> Decision[R]:
         if key is None:
@@ -277,21 +295,21 @@ class PrefixAffinity:
         return self._unknown_to_the_ring(routable)
 
     def _deal(self, position: int, by_name: dict[str, R], routable: Sequence[R], cap: int) -> R:
-        """A fresh prompt's replica: fewest fresh prompts dealt, then fewest in flight, among
-        those with room; ties to the first in ring order from `position`."""
-        dealt = self._dealt
+        """A fresh prompt's replica: fewest families dealt, then fewest in flight, then fewest
+        prompt tokens in flight, among those with room; ties to the first in ring order from
+        `position`."""
         best: R | None = None
-        best_rank = (0, 0)
+        best_rank = (0, 0, 0)
         for name in self.ring.walk(position):
             replica = by_name.get(name)
             if replica is None or replica.in_flight >= cap:
                 continue
-            rank = (dealt.get(name, 0), replica.in_flight)
+            rank = (self._dealt.get(name, 0), replica.in_flight, replica.in_flight_tokens)
             if best is None or rank < best_rank:
                 best, best_rank = replica, rank
         if best is None:
             best = self._unknown_to_the_ring(routable)
-        dealt[best.name] = dealt.get(best.name, 0) + 1
+        self._dealt[best.name] = self._dealt.get(best.name, 0) + 1
         return best
 
     def _unknown_to_the_ring(self, routable: Sequence[R]) -> R:

@@ -1,5 +1,5 @@
-"""The affinity table finds whole earlier prompts, at any length, the exact one without the
-prompt's chain, and stays bounded."""
+"""The affinity table finds earlier prompts by their stems (all but their last 8 tokens, never
+less than a block), at any length, the exact one without the prompt's chain, and stays bounded."""
 
 from __future__ import annotations
 
@@ -22,6 +22,14 @@ class ChainlessKey(PromptKey):
         raise AssertionError("the chain was computed")
 
 
+RERENDER_TOKENS = 8  # keys.RERENDER_BYTES of token ids
+
+
+def stem_tokens(prompt: list[int], block: int) -> int:
+    """A prompt's stem length, computed apart from keys.py."""
+    return max(len(prompt) - RERENDER_TOKENS, min(len(prompt), block))
+
+
 def chainless(key: PromptKey) -> ChainlessKey:
     return ChainlessKey(key.data, key.seed, key.block_bytes, key.length)
 
@@ -29,7 +37,7 @@ def chainless(key: PromptKey) -> ChainlessKey:
 def assert_consistent(table: AffinityTable) -> None:
     """The exact index holds one entry per anchor, naming the head it is filed under, and
     the table's length counts them."""
-    filed = {a[2]: head for head, entry in table._heads.items() for a in _anchors(entry)}
+    filed = {a[3]: head for head, entry in table._heads.items() for a in _anchors(entry)}
     assert filed == table._exact
     held = [1 if isinstance(e, tuple) else len(e) for e in table._heads.values()]
     assert sum(held) == len(table) <= table.capacity
@@ -43,14 +51,32 @@ def test_an_earlier_prompt_is_found_when_it_is_an_exact_prefix(earlier, extensio
     assert found == [("A", not extension)]
 
 
-@given(tokens, nonempty, tokens, block_sizes)
-def test_a_prompt_is_not_found_by_prompts_it_does_not_start(common, a, b, block):
-    # Sharing only `common` (a template), or being a prefix of the earlier prompt, is no match.
-    if b[: len(a)] == a:
+@given(tokens, tokens, st.lists(st.integers(0, 1000), max_size=8), tokens, block_sizes)
+def test_a_re_rendered_turn_is_found_by_the_prompt_it_starts_all_but_8_tokens_of(
+    history, continued, rendered, turn, block
+):
+    # The previous prompt ends in a generation prompt (up to 8 tokens) that the next turn's
+    # re-rendering replaces; everything before it is kept.
+    earlier = history + continued + rendered
+    if len(history + continued) < stem_tokens(earlier, block):
         return
     table = AffinityTable(100)
-    table.record(prompt_key("m", common + a, block), "A")
-    assert list(table.find(prompt_key("m", common + b, block))) == []
+    table.record(prompt_key("m", earlier, block), "A")
+    later = history + continued + turn
+    assert ("A", later == earlier) in list(table.find(prompt_key("m", later, block)))
+
+
+@given(tokens, nonempty, tokens, block_sizes)
+def test_a_prompt_is_not_found_by_prompts_whose_stem_it_does_not_start_with(common, a, b, block):
+    # Sharing only `common` (a template) is no match, nor is being shorter than the stem.
+    earlier = common + a
+    stem = stem_tokens(earlier, block)
+    later = common + b
+    if len(later) >= stem and later[:stem] == earlier[:stem]:
+        return
+    table = AffinityTable(100)
+    table.record(prompt_key("m", earlier, block), "A")
+    assert list(table.find(prompt_key("m", later, block))) == []
 
 
 @given(nonempty, nonempty, tokens, block_sizes)

@@ -29,6 +29,7 @@ from lora_router.routing.policy import (
 class Rep:
     name: str
     in_flight: int = 0
+    in_flight_tokens: int = 0
 
 
 def fleet(n: int) -> list[Rep]:
@@ -51,6 +52,7 @@ def send(policy, key: PromptKey | None, reps: Sequence[Rep]):
     """Route like the HTTP layer: choose, then count the request in flight."""
     decision = policy.choose(key, reps)
     decision.replica.in_flight += 1
+    decision.replica.in_flight_tokens += decision.tokens
     return decision
 
 
@@ -114,7 +116,7 @@ def test_a_spill_does_not_move_the_home(prompt, n):
     home.in_flight = 1000
     assert send(policy, key, reps).replica is not home
     home.in_flight = 0
-    assert policy.choose(key, reps) == (home, "sibling")
+    assert policy.choose(key, reps)[:2] == (home, "sibling")
 
 
 class ChainlessKey(PromptKey):
@@ -133,7 +135,7 @@ def test_a_sibling_placed_on_its_home_costs_no_chain(prompt, n):
     home = send(policy, prompt_key("m", prompt), reps).replica
     key = prompt_key("m", prompt)
     sibling = ChainlessKey(key.data, key.seed, key.block_bytes, key.length)
-    assert send(policy, sibling, reps) == (home, "sibling")
+    assert send(policy, sibling, reps)[:2] == (home, "sibling")
 
 
 @given(tokens, nonempty, fleet_sizes, loads)
@@ -161,7 +163,7 @@ def test_a_conversation_that_spilled_goes_on_where_it_spilled(prompt, turn2, tur
     assert spilled.kind == "spill"
     home.in_flight = 0
     later = policy.choose(prompt_key("m", prompt + turn2 + turn3), reps)
-    assert later == (spilled.replica, "continuation")
+    assert later[:2] == (spilled.replica, "continuation")
 
 
 @given(tokens, nonempty, nonempty, st.integers(3, 8))
@@ -173,7 +175,7 @@ def test_a_full_home_falls_back_to_the_home_of_a_shorter_prefix(prompt, turn2, t
     second = send(policy, prompt_key("m", prompt + turn2), reps).replica
     first.in_flight, second.in_flight = 0, 1000
     later = policy.choose(prompt_key("m", prompt + turn2 + turn3), reps)
-    assert later == (first, "continuation")
+    assert later[:2] == (first, "continuation")
 
 
 @given(tokens, st.lists(st.integers(0, 5), min_size=8, max_size=8), fleet_sizes)
@@ -186,10 +188,10 @@ def test_a_fresh_prompt_goes_to_the_least_loaded_ties_in_ring_order(prompt, load
     by_name = {r.name: r for r in reps}
     low = min(r.in_flight for r in reps)
     expected = next(n for n in policy.ring.walk(key.full) if by_name[n].in_flight == low)
-    assert policy.choose(key, reps) == (by_name[expected], "fresh")
+    assert policy.choose(key, reps)[:2] == (by_name[expected], "fresh")
 
 
-@settings(max_examples=40)
+@settings(max_examples=40, deadline=None)  # a shared machine: timing is not what this checks
 @given(
     st.integers(0, 300),
     st.integers(1, 4),
@@ -237,12 +239,12 @@ def test_prompts_sharing_only_a_template_spread_like_distinct_prompts(length, n,
     placed: Counter[str] = Counter()
     for i, suffix in enumerate(distinct_suffixes(30)):
         key = prompt_key("m", template + suffix)
-        decision = policy.choose(key, reps)  # idle fleet: nothing in flight
+        decision = send(policy, key, reps)  # a trainer's burst: every one still in flight
         assert decision.kind == "fresh"  # never taken for another prompt's continuation
         if i == 0:
             assert decision.replica.name == policy.ring.owner(key.full)  # its own key decides
         placed[decision.replica.name] += 1
-    # Dealt out evenly, however long the shared template.
+    # Spread evenly by the work held, however long the shared template.
     assert max(placed.values()) - min(placed.get(r.name, 0) for r in reps) <= 1
 
 
@@ -309,7 +311,10 @@ def test_removing_a_replica_moves_only_its_prompts_spread_over_the_survivors(n, 
         if homes[key.full] == gone:
             moved[decision.replica.name] += 1
         else:
-            assert decision == (next(r for r in survivors if r.name == homes[key.full]), "sibling")
+            assert decision[:2] == (
+                next(r for r in survivors if r.name == homes[key.full]),
+                "sibling",
+            )
     assert len(moved) > 1  # not all onto one neighbour
     # A moved prompt has a new home: the next sibling goes straight there.
     assert all(policy.choose(key, survivors).kind == "sibling" for key in KEYS)
@@ -340,7 +345,8 @@ def test_adding_a_replica_never_moves_a_known_prompt(n):
     for key in KEYS[:200]:
         decision = policy.choose(key, reps)
         assert decision.kind == "sibling" and decision.replica is homes[key.full]
-    # New prompts reach the newcomer, but it does not take all of them to catch up.
+    # New families reach the newcomer (it starts at the fewest families dealt), but it does
+    # not take all of them to catch up.
     fresh = [policy.choose(key, reps).replica for key in KEYS[200:260]]
     assert 0 < sum(r is reps[n] for r in fresh) <= 60 // (n + 1) + 1
 
@@ -437,7 +443,7 @@ def test_an_excluded_home_spills_and_keeps_its_anchor(prompt, n):
     others = [r for r in reps if r is not home]
     decision = policy.choose(key, others)
     assert decision.kind == "spill"
-    assert policy.choose(key, reps) == (home, "sibling")
+    assert policy.choose(key, reps)[:2] == (home, "sibling")
 
 
 def test_replicas_outside_the_ring_are_still_routed_by_load():
@@ -504,6 +510,7 @@ def test_make_policy_knows_three_policies():
 # -- siblings by their wire text --------------------------------------------------------------
 
 
+@settings(deadline=None)  # the machine is shared: timing is not what this checks
 @given(nonempty, fleet_sizes, st.integers(1, 12))
 def test_a_sibling_is_routed_by_the_hash_of_its_wire_text_alone(prompt, n, siblings):
     reps = fleet(n)
