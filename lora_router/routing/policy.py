@@ -25,10 +25,10 @@ its conversation sent under `-v7`:
    a replica holds, which is what the oracle of bench/routing.py deals evenly. Placing new
    families by the work held alone was measured too: it let request totals drift to
    1.08-1.10 max/mean on multi-turn, re-rendered and long-tailed traces, where dealing by
-   count kept 1.00-1.01 with in-flight balance as close to the oracle's
-   (bench/results/routing.md). A replica that joins starts at the fewest count. On an idle
-   fleet every replica ties and placement is plain consistent hashing, so two routers that
-   saw the same requests agree.
+   count keeps 1.00-1.01 with in-flight balance as close to the oracle's
+   (bench/results/routing-work-held/ against bench/results/routing.md). A replica that joins
+   starts at the fewest count. On an idle fleet every replica ties and placement is plain
+   consistent hashing, so two routers that saw the same requests agree.
 4. *No key.* Least in flight, round robin among ties.
 
 A replica has room while its in-flight count is below the load cap
