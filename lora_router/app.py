@@ -6,8 +6,8 @@
   and only to a replica that holds it); the routing policy picks a replica among those allowed
   to serve the model; the body goes out byte for byte and the answer streams back untouched.
 - **Broadcast**: `POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`, `/pause`, `/resume`,
-  `/reset_prefix_cache` — to every live replica, serialized, through the control plane
-  (fleet/control.py).
+  `/reset_prefix_cache` — to every serving replica, serialized, through the broadcaster
+  (fleet/broadcast.py).
 - **Read-only and local**: `/health` and `/ping` (every live replica must be healthy),
   `/v1/models` (one replica's list, filtered by the fence), and the operators' membership
   routes under `/router/replicas`.
@@ -51,7 +51,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from lora_router.body import Completion, CompletionReader
 from lora_router.config import Config, ReplicaAddress
-from lora_router.fleet.control import ControlPlane, Reply
+from lora_router.fleet.broadcast import Broadcaster, Reply
 from lora_router.fleet.fence import AdapterFence, AdapterState
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
@@ -181,7 +181,7 @@ class RouterApp:
         fleet: Fleet,
         policy: Policy,
         fence: AdapterFence,
-        control: ControlPlane,
+        broadcaster: Broadcaster,
         health: HealthMonitor,
         stats: RequestStats,
         registry: CollectorRegistry,
@@ -191,12 +191,12 @@ class RouterApp:
         self.fleet = fleet
         self.policy = policy
         self.fence = fence
-        self.control = control
+        self.broadcaster = broadcaster
         self.health = health
         self.stats = stats
         self.reader = CompletionReader(config.max_prompt_tokens)
         self.budget = RetryBudget(config.retry_budget)
-        self.state = RouterState(fleet, fence, control, health, policy, stats, self.budget)
+        self.state = RouterState(fleet, fence, broadcaster, health, policy, stats, self.budget)
         self._registry = registry
         self._loop = asyncio.get_running_loop()
         self._debug = log.isEnabledFor(logging.DEBUG)
@@ -338,7 +338,7 @@ class RouterApp:
         try another replica? Called before any byte of the answer reached the client."""
         if status == 404:
             return adapter  # the router answers a lost adapter itself, retried or not
-        if status == 503 and self.control.paused is not None:
+        if status == 503 and self.fleet.pause.paused:
             return False  # paused on purpose: every replica would say the same
         # Held back only if it will be retried: a replica to try (else the client gets this
         # answer rather than the router's 503), an attempt and budget left.
@@ -409,21 +409,21 @@ class RouterApp:
     # -- broadcasts and read-only routes ----------------------------------------------------
 
     async def load_adapter(self, request: Request, conn: ClientConnection) -> None:
-        _send(conn, await self.control.load(request.body))
+        _send(conn, await self.broadcaster.load(request.body))
 
     async def unload_adapter(self, request: Request, conn: ClientConnection) -> None:
-        _send(conn, await self.control.unload(request.body))
+        _send(conn, await self.broadcaster.unload(request.body))
 
     async def dev_broadcast(self, request: Request, conn: ClientConnection) -> None:
         path = request.path.decode("latin-1")
         query = request.query.decode("latin-1")
-        _send(conn, await self.control.dev_broadcast(path[1:], path, query, request.body))
+        _send(conn, await self.broadcaster.dev_broadcast(path[1:], path, query, request.body))
 
     async def health_check(self, request: Request, conn: ClientConnection) -> None:
-        _send(conn, await self.control.health(request.path.decode("latin-1")))
+        _send(conn, await self.broadcaster.health(request.path.decode("latin-1")))
 
     async def models(self, request: Request, conn: ClientConnection) -> None:
-        _send(conn, await self.control.models())
+        _send(conn, await self.broadcaster.models())
 
     async def metrics(self, request: Request, conn: ClientConnection) -> None:
         """Prometheus exposition of the request counters and the live fleet state."""
@@ -471,7 +471,7 @@ class RouterApp:
         if existing is not None:
             raise HTTPError(409, f"{existing.describe()} is already in the fleet.")
         replica = await self.health.add(address)
-        status = 200 if replica.admitted else 202
+        status = 200 if replica.live else 202
         conn.send(status, orjson.dumps(replica_json(replica)), _JSON)
 
     async def remove_replica(self, request: Request, conn: ClientConnection) -> None:

@@ -247,11 +247,11 @@ async def test_pause_and_resume_reach_every_replica_with_their_query(
     assert all(
         r.path == "/pause?mode=keep&clear_cache=false" for e in emus for r in e.requests[-1:]
     )
-    assert rt.control is not None and rt.control.paused == "mode=keep&clear_cache=false"
+    assert rt.fleet is not None and rt.fleet.pause.query == "mode=keep&clear_cache=false"
     status, data, _ = await call(client, "POST", rt.url + "/resume")
     assert (status, orjson.loads(data)) == (200, {"status": "resumed"})
     assert not any(e.state.paused for e in emus)
-    assert rt.control.paused is None
+    assert rt.fleet.pause.query is None
 
 
 async def test_a_failed_pause_names_the_replica(
@@ -329,7 +329,7 @@ async def test_disagreeing_replicas_are_reported_at_start(
         rt = await router(emus)
     text = caplog.text
     assert "disagree on max_loras (replica 0: 6, replica 1: 4, replica 2: 6)" in text
-    assert "disagree on block_size" in text
+    assert "disagree on block size" in text
     assert rt.app is not None and rt.app.block_size == 16  # no agreement: vLLM's default
 
 
