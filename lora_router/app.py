@@ -36,6 +36,16 @@ Once a head has been passed on, nothing is retried: a stream that vLLM begins wi
 then fails in error frames is the client's to retry. Every routed outcome is reported to the
 health monitor (fleet/health.py): failures and 5xx count against the replica's circuit breaker
 and wake its health check; a 4xx never counts against a replica.
+
+Retries on the control plane (the whole rule; fleet/client.py and fleet/broadcast.py hold it):
+- `ReplicaClient.call` resends a request once, only when it met a pooled connection the replica
+  had closed while idle (every control request is safe to send twice); any other transport
+  failure comes back as an answer with status 0, never retried by the client;
+- a load a replica answers 404 "No adapter found" (its mount has not caught up) is resent every
+  `--load-retry-interval` until `--load-deadline`, or until the client that asked disconnects;
+- nothing else is retried in place: a replica unreachable during a broadcast is ejected and
+  gets the fleet's state by a replay on its return, and health checks count failures against
+  their thresholds (`--health-failures`, `--health-successes`) instead of retrying.
 """
 
 from __future__ import annotations
@@ -52,7 +62,14 @@ from prometheus_client.registry import CollectorRegistry
 from lora_router.body import Completion, CompletionReader
 from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.broadcast import Broadcaster, Reply
-from lora_router.fleet.fence import AdapterFence, AdapterState
+from lora_router.fleet.fence import (
+    AdapterFence,
+    AdapterState,
+    FenceRefusal,
+    LoadRefused,
+    StillLoading,
+    UnknownAdapter,
+)
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
 from lora_router.fleet.replica import Replica
@@ -231,12 +248,15 @@ class RouterApp:
         started = self._loop.time()
         conn.replica = b"-"
         try:
-            authenticate(request, self.config)
-            chat = _ROUTED.get(request.path)
-            if chat is not None and request.method == b"POST":
-                await self.completion(request, conn, chat)
-            else:
-                await self._dispatch(request, conn)
+            try:
+                authenticate(request, self.config)
+                chat = _ROUTED.get(request.path)
+                if chat is not None and request.method == b"POST":
+                    await self.completion(request, conn, chat)
+                else:
+                    await self._dispatch(request, conn)
+            except FenceRefusal as refusal:
+                raise fence_error(refusal) from None
         except HTTPError as exc:
             # Answered by the router itself after this returns (unless a stream had begun).
             self._observe(request, conn, started, conn.status or exc.status)
@@ -498,6 +518,17 @@ def merged_weight_sync_refused(path: bytes) -> HTTPError:
         "replica with --enable-lora --max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, "
         "and pass a peft LoraConfig as peft_config (lora-router --check shows what is off).",
     )
+
+
+def fence_error(refusal: FenceRefusal) -> HTTPError:
+    """The fence's refusal as vLLM would answer it (fleet/fence.py keeps no HTTP)."""
+    if isinstance(refusal, UnknownAdapter):
+        return HTTPError(404, refusal.message, param="model")
+    if isinstance(refusal, StillLoading):
+        return HTTPError(503, refusal.message)
+    if isinstance(refusal, LoadRefused) and refusal.in_place:
+        return bad_request(refusal.message, param="load_inplace")
+    return HTTPError(400, refusal.message, type="InvalidUserInput")
 
 
 def _send(conn: ClientConnection, reply: Reply) -> None:
