@@ -163,12 +163,20 @@ def test_only_a_replica_in_service_counts_an_ejection() -> None:
     assert ejected.last_error == "still gone"
 
 
-def test_a_replay_that_succeeds_clears_the_last_error_and_stamps_the_admission() -> None:
+def _replayed() -> Lifecycle:
     life = in_state(E)
     life.eject("down")
     life.replay_begins(NOW, others_serving=True)
     life.replay_succeeded(NOW + 1)
-    assert life.last_error == "" and life.admitted_at == NOW + 1
+    return life
+
+
+def test_a_successful_replay_clears_the_last_error() -> None:
+    assert _replayed().last_error == ""
+
+
+def test_a_successful_replay_stamps_the_admission_time() -> None:
+    assert _replayed().admitted_at == NOW + 1
 
 
 def test_a_restart_soon_after_admission_backs_off_for_double_the_wait_each_time() -> None:
