@@ -6,10 +6,10 @@ THE INVARIANT this package exists for:
     after every live replica has acknowledged loading A.
 
 The fence holds the first half of it ("only after every live replica acknowledged"): a name is
-*live* here only once its load broadcast succeeded on every live replica (control.py). The
+*live* here only once its load broadcast succeeded on every live replica (broadcast.py). The
 second half ("only to a replica that has A loaded") is `Fleet.routable`, which lists only
-replicas whose acknowledged adapters include A; a replica coming back is admitted only after
-every live adapter was replayed onto it (health.py, replay.py).
+replicas whose acknowledged adapters include A; a replica coming back serves only after every
+live adapter was replayed onto it (replay.py; its lifecycle, lifecycle.py, admits it).
 
 Each name the router knows is in one state:
 
