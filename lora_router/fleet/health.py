@@ -152,19 +152,28 @@ class HealthMonitor:
         """Times a listing alone would have ejected the last serving replica (refused)."""
         return sum(r.life.listing_kept for r in self.fleet.replicas)
 
-    def _restarted(self, replica: Replica, reason: str, lost: list[str]) -> None:
-        """A serving replica lost live adapters: it restarted. Since it answers, it is back
-        already: replayed at the next check, not after the success threshold — unless its last
-        replay did not stick (its lifecycle backs off)."""
-        slips = replica.life.slips
-        if not replica.life.restarted(asyncio.get_running_loop().time(), reason):
-            return
+    def _restarted(
+        self, replica: Replica, reason: str, lost: list[str], *, listing: bool = False
+    ) -> bool:
+        """A serving replica lost live adapters (`listing`: only its `/v1/models` says so): it
+        restarted. Since it answers, it is back already: replayed at the next check, not after
+        the success threshold — unless its last replay did not stick (its lifecycle backs
+        off). Returns False when its lifecycle refused the event."""
+        life, slips = replica.life, replica.life.slips
+        now = asyncio.get_running_loop().time()
+        if listing:
+            left = life.listing_lacks(now, reason, self.fleet.others_serving(replica))
+        else:
+            left = life.restarted(now, reason)
+        if not left:
+            return False
         self.restarts_detected += 1
         self._note_slip(replica, slips, lost)
         watch = self._watches.get(replica)
         if watch is not None:
             watch.successes = self.config.health_successes
             watch.wake.set()
+        return True
 
     def _note_slip(self, replica: Replica, slips_before: int, lost: list[str]) -> None:
         """Count and (the first time) explain a replay that did not stick."""
@@ -252,17 +261,10 @@ class HealthMonitor:
         if not lost:
             return
         shown = ", ".join(lost[:3]) + (" ..." if len(lost) > 3 else "")
-        life, slips = replica.life, replica.life.slips
-        now = asyncio.get_running_loop().time()
         reason = f"restarted: it no longer holds {shown}"
-        if life.listing_lacks(now, reason, self.fleet.others_serving(replica)):
-            self.restarts_detected += 1
-            self._note_slip(replica, slips, lost)
-            watch = self._watches.get(replica)
-            if watch is not None:
-                watch.successes = self.config.health_successes
-                watch.wake.set()
-        elif life.listing_kept == 1:
+        kept = replica.life.listing_kept
+        left = self._restarted(replica, reason, lost, listing=True)
+        if not left and kept == 0 and replica.life.listing_kept == 1:
             # The last serving replica: its listing alone never takes the fleet out of service.
             log.warning(
                 "%s does not list live adapter(s) %s; it is the last replica in service, "
