@@ -6,8 +6,8 @@
   and only to a replica that holds it); the routing policy picks a replica among those allowed
   to serve the model; the body goes out byte for byte and the answer streams back untouched.
 - **Broadcast**: `POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`, `/pause`, `/resume`,
-  `/reset_prefix_cache` — to every live replica, serialized, through the control plane
-  (fleet/control.py).
+  `/reset_prefix_cache` — to every serving replica, serialized, through the broadcaster
+  (fleet/broadcast.py).
 - **Read-only and local**: `/health` and `/ping` (every live replica must be healthy),
   `/v1/models` (one replica's list, filtered by the fence), and the operators' membership
   routes under `/router/replicas`.
@@ -36,6 +36,16 @@ Once a head has been passed on, nothing is retried: a stream that vLLM begins wi
 then fails in error frames is the client's to retry. Every routed outcome is reported to the
 health monitor (fleet/health.py): failures and 5xx count against the replica's circuit breaker
 and wake its health check; a 4xx never counts against a replica.
+
+Retries on the control plane (the whole rule; fleet/client.py and fleet/broadcast.py hold it):
+- `ReplicaClient.call` resends a request once, only when it met a pooled connection the replica
+  had closed while idle (every control request is safe to send twice); any other transport
+  failure comes back as an answer with status 0, never retried by the client;
+- a load a replica answers 404 "No adapter found" (its mount has not caught up) is resent every
+  `--load-retry-interval` until `--load-deadline`, or until the client that asked disconnects;
+- nothing else is retried in place: a replica unreachable during a broadcast is ejected and
+  gets the fleet's state by a replay on its return, and health checks count failures against
+  their thresholds (`--health-failures`, `--health-successes`) instead of retrying.
 """
 
 from __future__ import annotations
@@ -51,8 +61,15 @@ from prometheus_client.registry import CollectorRegistry
 
 from lora_router.body import Completion, CompletionReader
 from lora_router.config import Config, ReplicaAddress
-from lora_router.fleet.control import ControlPlane, Reply
-from lora_router.fleet.fence import AdapterFence, AdapterState
+from lora_router.fleet.broadcast import Broadcaster, Reply
+from lora_router.fleet.fence import (
+    AdapterFence,
+    AdapterState,
+    FenceRefusal,
+    LoadRefused,
+    StillLoading,
+    UnknownAdapter,
+)
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
 from lora_router.fleet.replica import Replica
@@ -181,7 +198,7 @@ class RouterApp:
         fleet: Fleet,
         policy: Policy,
         fence: AdapterFence,
-        control: ControlPlane,
+        broadcaster: Broadcaster,
         health: HealthMonitor,
         stats: RequestStats,
         registry: CollectorRegistry,
@@ -191,12 +208,12 @@ class RouterApp:
         self.fleet = fleet
         self.policy = policy
         self.fence = fence
-        self.control = control
+        self.broadcaster = broadcaster
         self.health = health
         self.stats = stats
         self.reader = CompletionReader(config.max_prompt_tokens)
         self.budget = RetryBudget(config.retry_budget)
-        self.state = RouterState(fleet, fence, control, health, policy, stats, self.budget)
+        self.state = RouterState(fleet, fence, broadcaster, health, policy, stats, self.budget)
         self._registry = registry
         self._loop = asyncio.get_running_loop()
         self._debug = log.isEnabledFor(logging.DEBUG)
@@ -232,12 +249,15 @@ class RouterApp:
         started = self._loop.time()
         conn.replica = b"-"
         try:
-            authenticate(request, self.config)
-            chat = _ROUTED.get(request.path)
-            if chat is not None and request.method == b"POST":
-                await self.completion(request, conn, chat)
-            else:
-                await self._dispatch(request, conn)
+            try:
+                authenticate(request, self.config)
+                chat = _ROUTED.get(request.path)
+                if chat is not None and request.method == b"POST":
+                    await self.completion(request, conn, chat)
+                else:
+                    await self._dispatch(request, conn)
+            except FenceRefusal as refusal:
+                raise fence_error(refusal) from None
         except HTTPError as exc:
             # Answered by the router itself after this returns (unless a stream had begun).
             self._observe(request, conn, started, conn.status or exc.status)
@@ -342,7 +362,7 @@ class RouterApp:
         try another replica? Called before any byte of the answer reached the client."""
         if status == 404:
             return adapter  # the router answers a lost adapter itself, retried or not
-        if status == 503 and self.control.paused is not None:
+        if status == 503 and self.fleet.pause.paused:
             return False  # paused on purpose: every replica would say the same
         # Held back only if it will be retried: a replica to try (else the client gets this
         # answer rather than the router's 503), an attempt and budget left.
@@ -416,21 +436,21 @@ class RouterApp:
     # -- broadcasts and read-only routes ----------------------------------------------------
 
     async def load_adapter(self, request: Request, conn: ClientConnection) -> None:
-        _send(conn, await self.control.load(request.body))
+        _send(conn, await self.broadcaster.load(request.body))
 
     async def unload_adapter(self, request: Request, conn: ClientConnection) -> None:
-        _send(conn, await self.control.unload(request.body))
+        _send(conn, await self.broadcaster.unload(request.body))
 
     async def dev_broadcast(self, request: Request, conn: ClientConnection) -> None:
         path = request.path.decode("latin-1")
         query = request.query.decode("latin-1")
-        _send(conn, await self.control.dev_broadcast(path[1:], path, query, request.body))
+        _send(conn, await self.broadcaster.dev_broadcast(path[1:], path, query, request.body))
 
     async def health_check(self, request: Request, conn: ClientConnection) -> None:
-        _send(conn, await self.control.health(request.path.decode("latin-1")))
+        _send(conn, await self.broadcaster.health(request.path.decode("latin-1")))
 
     async def models(self, request: Request, conn: ClientConnection) -> None:
-        _send(conn, await self.control.models())
+        _send(conn, await self.broadcaster.models())
 
     async def metrics(self, request: Request, conn: ClientConnection) -> None:
         """Prometheus exposition of the request counters and the live fleet state."""
@@ -478,7 +498,7 @@ class RouterApp:
         if existing is not None:
             raise HTTPError(409, f"{existing.describe()} is already in the fleet.")
         replica = await self.health.add(address)
-        status = 200 if replica.admitted else 202
+        status = 200 if replica.live else 202
         conn.send(status, orjson.dumps(replica_json(replica)), _JSON)
 
     async def remove_replica(self, request: Request, conn: ClientConnection) -> None:
@@ -505,6 +525,17 @@ def merged_weight_sync_refused(path: bytes) -> HTTPError:
         "replica with --enable-lora --max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, "
         "and pass a peft LoraConfig as peft_config (lora-router --check shows what is off).",
     )
+
+
+def fence_error(refusal: FenceRefusal) -> HTTPError:
+    """The fence's refusal as vLLM would answer it (fleet/fence.py keeps no HTTP)."""
+    if isinstance(refusal, UnknownAdapter):
+        return HTTPError(404, refusal.message, param="model")
+    if isinstance(refusal, StillLoading):
+        return HTTPError(503, refusal.message)
+    if isinstance(refusal, LoadRefused) and refusal.in_place:
+        return bad_request(refusal.message, param="load_inplace")
+    return HTTPError(400, refusal.message, type="InvalidUserInput")
 
 
 def _send(conn: ClientConnection, reply: Reply) -> None:

@@ -30,26 +30,31 @@ block size; `max_loras` must be at least `--max-staleness + 2` (TRL raises other
 `data_parallel_size` must be 1. Leftover adapters are a problem unless `--unload-stale` matches
 every one of them (the router clears those at start).
 
-Probing is I/O (`probe_replica`); judging is a pure function of what was seen (`judge`), so
-each rule is testable without sockets. This module must never change a replica's state: no
-load, no unload, no pause.
+Probing is I/O (`probe_replica`), over the router's own replica client and its parser of
+`/v1/models` and `/server_info` (fleet/client.py), so `--check` reads a replica exactly as the
+router will; the facts every replica must agree on are the client's `AGREEMENT`. Judging is a
+pure function of what was seen (`judge`), so each rule is testable without sockets. This
+module must never change a replica's state: no load, no unload, no pause.
 """
 
 from __future__ import annotations
 
 import asyncio
 import fnmatch
-import json
-import os
-import ssl
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-import aiohttp
-
 from lora_router.config import Config, ReplicaAddress
+from lora_router.fleet.client import (
+    AGREEMENT,
+    Answer,
+    Facts,
+    ReplicaClient,
+    parse_models,
+    parse_server_info,
+)
 from lora_router.table import render_table
 
 PROBE_TIMEOUT = 10.0  # seconds for one probe's whole answer
@@ -57,6 +62,10 @@ PROBE_TIMEOUT = 10.0  # seconds for one probe's whole answer
 
 class Unauthorized(Exception):
     """The replica rejected the token."""
+
+
+class Unreachable(Exception):
+    """No HTTP answer (the replica client's reason)."""
 
 
 @dataclass(slots=True)
@@ -67,7 +76,7 @@ class ReplicaFacts:
     answer: str = "ok"  # ok | unreachable | unauthorized | dead
     detail: str = ""  # why, when `answer` is not ok
     version: str | None = None
-    model: str | None = None
+    base_model: str | None = None
     max_model_len: int | None = None
     lora: bool | None = None  # lora_config present
     max_lora_rank: int | None = None
@@ -97,102 +106,82 @@ class Problem:
 
 async def probe_fleet(config: Config) -> list[ReplicaFacts]:
     """Probe every replica at once, with the router's token and TLS context."""
-    token = config.token.reveal()
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    context: ssl.SSLContext | None = config.ssl_context()
-    connector = aiohttp.TCPConnector(ssl=context if context is not None else True)
-    timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT, sock_connect=config.connect_timeout)
-    async with aiohttp.ClientSession(
-        connector=connector, timeout=timeout, headers=headers
-    ) as session:
-        return list(await asyncio.gather(*(probe_replica(session, r) for r in config.replicas)))
+    async with ReplicaClient(config) as client:
+        return list(await asyncio.gather(*(probe_replica(client, r) for r in config.replicas)))
 
 
-async def probe_replica(session: aiohttp.ClientSession, address: ReplicaAddress) -> ReplicaFacts:
+async def probe_replica(client: ReplicaClient, address: ReplicaAddress) -> ReplicaFacts:
     facts = ReplicaFacts(name=address.name)
-    base = address.name
     try:
-        status, _ = await _get(session, base + "/health")
-        if status == 503:
+        answer = await _ask(client, address, "GET", "/health")
+        if answer.status == 503:
             facts.answer, facts.detail = "dead", "/health answers 503: the engine is dead"
-        elif status != 200:
-            facts.oddities.append(f"/health answered {status}")
-        status, body = await _get(session, base + "/v1/models")
-        if status == 200:
-            _read_models(facts, body)
-            status, body = await _get(session, base + "/v1/models")
-            again = _adapter_ids(body) if status == 200 else None
-            if again is not None and sorted(again) != sorted(facts.adapters):
-                facts.relisted = again
+        elif answer.status != 200:
+            facts.oddities.append(f"/health answered {answer.status}")
+        answer = await _ask(client, address, "GET", "/v1/models")
+        listed = parse_models(answer.parsed()) if answer.status == 200 else None
+        if answer.status != 200:
+            facts.oddities.append(f"/v1/models answered {answer.status}")
+        elif listed is None or not listed.bases:
+            facts.oddities.append("/v1/models has no model list")
         else:
-            facts.oddities.append(f"/v1/models answered {status}")
-        status, body = await _get(session, base + "/server_info?config_format=json")
-        if status == 200:
-            _read_server_info(facts, body)
-        elif status == 404:
+            _read_models(facts, listed)
+            answer = await _ask(client, address, "GET", "/v1/models")
+            again = parse_models(answer.parsed()) if answer.status == 200 else None
+            if again is not None and sorted(again.adapters) != sorted(facts.adapters):
+                facts.relisted = list(again.adapters)
+        answer = await _ask(client, address, "GET", "/server_info", query="config_format=json")
+        if answer.status == 200:
+            info = parse_server_info(answer.parsed())
+            if info is None:
+                facts.oddities.append("/server_info has no vllm_config (not the JSON form?)")
+            else:
+                _read_server_info(facts, info)
+        elif answer.status == 404:
             facts.dev_mode = False
         else:
-            facts.oddities.append(f"/server_info answered {status}")
-        status, body = await _get(session, base + "/is_paused")
-        if status == 200:
+            facts.oddities.append(f"/server_info answered {answer.status}")
+        answer = await _ask(client, address, "GET", "/is_paused")
+        if answer.status == 200:
             facts.dev_mode = True
+            body = answer.parsed()
             paused = body.get("is_paused") if isinstance(body, dict) else None
             facts.paused = paused if isinstance(paused, bool) else None
-        elif status == 404:
+        elif answer.status == 404:
             facts.dev_mode = False
-        status, body = await _post_json(session, base + "/v1/load_lora_adapter", {})
-        if status == 404 and _is_missing_route(body):
+        answer = await _ask(client, address, "POST", "/v1/load_lora_adapter", body=b"{}")
+        if answer.status == 404 and _is_missing_route(answer.parsed()):
             facts.runtime_loading = False
-        elif status in (400, 422):
+        elif answer.status in (400, 422):
             facts.runtime_loading = True
         else:
-            facts.oddities.append(f"an empty load request answered {status}, not 400")
-        status, body = await _get(session, base + "/version")
-        if status == 200 and isinstance(body, dict) and isinstance(body.get("version"), str):
+            facts.oddities.append(f"an empty load request answered {answer.status}, not 400")
+        answer = await _ask(client, address, "GET", "/version")
+        body = answer.parsed() if answer.status == 200 else None
+        if isinstance(body, dict) and isinstance(body.get("version"), str):
             facts.version = body["version"]
     except Unauthorized as exc:
         facts.answer, facts.detail = "unauthorized", str(exc)
-    except aiohttp.ClientConnectorCertificateError as exc:
-        facts.answer = "unreachable"
-        facts.detail = f"TLS certificate not trusted ({exc.certificate_error})"
-    except aiohttp.ClientConnectorSSLError as exc:
-        # Its errno is OpenSSL's, not the OS's: strerror would say "Operation not permitted".
-        ssl_error = exc.os_error
-        reason = getattr(ssl_error, "reason", None) or str(ssl_error)
-        facts.answer = "unreachable"
-        facts.detail = (
-            f"TLS handshake failed ({reason}); if the replica serves plain HTTP, "
-            "give its URL as http://"
-        )
-    except aiohttp.ClientConnectorError as exc:
-        reason = os.strerror(exc.os_error.errno) if exc.os_error.errno else str(exc)
-        facts.answer, facts.detail = "unreachable", f"cannot connect ({reason})"
-    except TimeoutError:
-        facts.answer, facts.detail = "unreachable", f"no answer within {PROBE_TIMEOUT:g}s"
-    except aiohttp.ClientError as exc:
-        facts.answer, facts.detail = "unreachable", f"{type(exc).__name__}: {exc}"
+    except Unreachable as exc:
+        facts.answer, facts.detail = "unreachable", str(exc)
     return facts
 
 
-async def _get(session: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
-    async with session.get(url) as resp:
-        return resp.status, await _answer(url, resp)
-
-
-async def _post_json(session: aiohttp.ClientSession, url: str, body: object) -> tuple[int, Any]:
-    async with session.post(url, json=body) as resp:
-        return resp.status, await _answer(url, resp)
-
-
-async def _answer(url: str, resp: aiohttp.ClientResponse) -> Any:
-    if resp.status in (401, 403):
-        path = url.split("://", 1)[-1].partition("/")[2].partition("?")[0]
-        raise Unauthorized(f"HTTP {resp.status} on /{path}: the token was rejected")
-    raw = await resp.read()
-    try:
-        return json.loads(raw) if raw else None
-    except ValueError:
-        return raw.decode("utf-8", "replace")
+async def _ask(
+    client: ReplicaClient,
+    address: ReplicaAddress,
+    method: str,
+    path: str,
+    *,
+    query: str = "",
+    body: bytes | None = None,
+) -> Answer[ReplicaAddress]:
+    answer = await client.call(address, method, path, query=query, body=body, timeout=PROBE_TIMEOUT)
+    if answer.status == 0:
+        raise Unreachable(answer.error)
+    if answer.status in (401, 403):
+        raise Unauthorized(f"HTTP {answer.status} on {path}: the token was rejected")
+    return answer
 
 
 def _is_missing_route(body: Any) -> bool:
@@ -200,61 +189,24 @@ def _is_missing_route(body: Any) -> bool:
     return isinstance(body, dict) and body.get("detail") == "Not Found"
 
 
-def _read_models(facts: ReplicaFacts, body: Any) -> None:
-    data = body.get("data") if isinstance(body, dict) else None
-    if not isinstance(data, list) or not data or not isinstance(data[0], dict):
-        facts.oddities.append("/v1/models has no model list")
-        return
-    base = data[0]
-    facts.model = str(base.get("id"))
-    limit = base.get("max_model_len")
-    facts.max_model_len = limit if isinstance(limit, int) else None
-    facts.adapters = _adapter_ids(body) or []
+def _read_models(facts: ReplicaFacts, listed: Facts) -> None:
+    facts.base_model = listed.base_model
+    facts.max_model_len = listed.max_model_len
+    facts.adapters = list(listed.adapters)
 
 
-def _adapter_ids(body: Any) -> list[str] | None:
-    """The names after the base card of a `/v1/models` answer, or None for another answer."""
-    data = body.get("data") if isinstance(body, dict) else None
-    if not isinstance(data, list) or not data:
-        return None
-    return [str(card.get("id")) for card in data[1:] if isinstance(card, dict)]
-
-
-def _read_server_info(facts: ReplicaFacts, body: Any) -> None:
-    vllm = body.get("vllm_config") if isinstance(body, dict) else None
-    if not isinstance(vllm, dict):
-        facts.oddities.append("/server_info has no vllm_config (not the JSON form?)")
-        return
+def _read_server_info(facts: ReplicaFacts, info: Facts) -> None:
     facts.dev_mode = True
-    lora = vllm.get("lora_config")
-    facts.lora = isinstance(lora, dict)
-    if isinstance(lora, dict):
-        facts.max_lora_rank = _int(lora.get("max_lora_rank"))
-        facts.max_loras = _int(lora.get("max_loras"))
-    cache = vllm.get("cache_config")
-    if isinstance(cache, dict):
-        facts.block_size = _int(cache.get("block_size"))
-    parallel = vllm.get("parallel_config")
-    if isinstance(parallel, dict):
-        facts.data_parallel_size = _int(parallel.get("data_parallel_size"))
-    model = vllm.get("model_config")
-    if facts.model is None and isinstance(model, dict) and model.get("model"):
-        facts.model = str(model["model"])
-
-
-def _int(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    facts.lora = info.lora
+    facts.max_lora_rank = info.max_lora_rank
+    facts.max_loras = info.max_loras
+    facts.block_size = info.block_size
+    facts.data_parallel_size = info.data_parallel_size
+    if facts.base_model is None:
+        facts.base_model = info.config_model
 
 
 # --- judging --------------------------------------------------------------------------------
-
-# Fields every replica must agree on, as (attribute, how a person calls it).
-_AGREEMENT = (
-    ("model", "base model"),
-    ("max_lora_rank", "max_lora_rank"),
-    ("max_loras", "max_loras"),
-    ("block_size", "block size"),
-)
 
 
 def judge(
@@ -265,7 +217,7 @@ def judge(
     for f in fleet:
         problems += _judge_replica(f, max_staleness=max_staleness, stale=unload_stale)
     live = [f for f in fleet if f.answer in ("ok", "dead")]
-    for attr, label in _AGREEMENT:
+    for attr, label in AGREEMENT:
         problems += _disagreement(live, attr, label)
     problems += _disagreement(live, "max_model_len", "max_model_len", note=True)
     problems += _disagreement(live, "version", "vLLM version", note=True)
@@ -446,7 +398,7 @@ def report(fleet: Sequence[ReplicaFacts], problems: Sequence[Problem], max_stale
         (
             f.name,
             "up" if f.answer == "ok" else f.answer.upper(),
-            f.model,
+            f.base_model,
             f.version,
             "off" if f.lora is False else f.max_lora_rank,
             _flag(f.max_loras, f.max_loras is not None and f.max_loras < need),
@@ -482,7 +434,7 @@ def report(fleet: Sequence[ReplicaFacts], problems: Sequence[Problem], max_stale
     else:
         f0 = fleet[0] if fleet else None
         summary = (
-            f" ({f0.model}, max_lora_rank {f0.max_lora_rank}, max_loras {f0.max_loras}, "
+            f" ({f0.base_model}, max_lora_rank {f0.max_lora_rank}, max_loras {f0.max_loras}, "
             f"block size {f0.block_size})"
             if f0 is not None
             else ""

@@ -4,22 +4,29 @@
 Nothing else in the package reads `os.environ` or argv: a module that needs a setting takes it
 from here (or from its constructor), so every behaviour can be set up in a test without globals.
 
+A `Config` validates itself when it is built (`__post_init__`), so one built in code (tests,
+the demo) is held to the same rules as one built from flags; each error is a ValueError whose
+message names the flag, which `cli.py` turns into its one-line usage message.
+
 The replica token is held as a `Secret`, whose `repr` never shows the value, so a `Config`
 can be logged or printed in a traceback without leaking it.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import ssl
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from lora_router.routing.keys import DEFAULT_LINEAGE_PATTERN
+from lora_router.routing.keys import DEFAULT_LINEAGE_PATTERN, Lineages
 from lora_router.routing.policy import (
     DEFAULT_LOAD_FACTOR,
     DEFAULT_LOAD_SLACK,
     DEFAULT_TABLE_SIZE,
     DEFAULT_VNODES,
+    POLICIES,
 )
 
 
@@ -160,6 +167,54 @@ class Config:
     log_level: str = "info"
     status_interval: float = 60.0
 
+    def __post_init__(self) -> None:
+        """Refuse a setting the router cannot run with (ValueError naming the flag)."""
+        if len({r.name for r in self.replicas}) != len(self.replicas):
+            raise ValueError("--replicas lists the same replica twice")
+        if not _is_loopback(self.host) and not self.api_key and not self.insecure_listen:
+            raise ValueError(
+                f"--host {self.host} is reachable beyond this machine: give --api-key-env NAME "
+                "so clients must authenticate, or --insecure-listen"
+            )
+        if self.ca_file:
+            if not os.path.isfile(self.ca_file):
+                raise ValueError(f"--ca-file {self.ca_file}: no such file")
+            try:
+                ssl.create_default_context(cafile=self.ca_file)
+            except (ssl.SSLError, ValueError, OSError):
+                raise ValueError(
+                    f"--ca-file {self.ca_file}: not a PEM bundle of CA certificates"
+                ) from None
+        if not 0 <= self.port <= 65535:
+            raise ValueError("--port must be between 0 and 65535 (0: any free port)")
+        for name in _SECONDS:
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{_flag(name)} must be a positive number of seconds")
+        for name in _SECONDS_OR_ZERO:
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{_flag(name)} must be 0 or more seconds")
+        for name in _POSITIVE:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{_flag(name)} must be positive")
+        if self.block_size is not None and self.block_size <= 0:
+            raise ValueError("--block-size must be positive")
+        for name in ("load_slack", "max_staleness", "retries"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{_flag(name)} must be 0 or more")
+        if not (math.isfinite(self.load_factor) and self.load_factor > 0):
+            raise ValueError("--load-factor must be positive")
+        if not (math.isfinite(self.retry_budget) and self.retry_budget >= 0):
+            raise ValueError("--retry-budget must be a share of 0 or more (0.2: 20%)")
+        try:
+            Lineages(self.lineage_pattern)
+        except ValueError as exc:
+            raise ValueError(f"--lineage-pattern: {exc}") from None
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}")
+
     def ssl_context(self) -> ssl.SSLContext | None:
         """The client TLS context for https replicas (system store, plus --ca-file)."""
         if not any(r.tls for r in self.replicas):
@@ -173,3 +228,47 @@ class Config:
             ctx.load_verify_locations(cafile=self.ca_file)
         ctx.set_alpn_protocols(["http/1.1"])
         return ctx
+
+
+_SECONDS = (
+    "connect_timeout",
+    "first_byte_timeout",
+    "idle_timeout",
+    "fence_timeout",
+    "header_timeout",
+    "body_timeout",
+    "keepalive_timeout",
+    "upstream_idle_timeout",
+    "load_retry_interval",
+    "load_deadline",
+    "health_interval",
+    "health_timeout",
+    "breaker_cooldown",
+)
+_SECONDS_OR_ZERO = ("shutdown_grace", "status_interval", "unload_wait")
+_POSITIVE = (
+    "vnodes",
+    "affinity_table_size",
+    "max_body_bytes",
+    "max_header_bytes",
+    "max_headers",
+    "max_connections",
+    "max_prompt_tokens",
+    "max_upstream_connections",
+    "health_failures",
+    "health_successes",
+    "breaker_failures",
+)
+_CHOICES = {
+    "policy": POLICIES,
+    "down_replica_policy": ("replay", "fail"),
+    "log_level": ("debug", "info", "warning", "error"),
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")

@@ -1,6 +1,6 @@
-"""A running router: the listening socket, the fleet, its fence, control plane, health checks
-and replica telemetry, the policy and the app, started and stopped together. Tests and the demo
-start routers in-process through this class.
+"""A running router: the listening socket, the fleet, its fence, the replica client, the
+broadcaster, replays, health checks and replica telemetry, the policy and the app, started and
+stopped together. Tests and the demo start routers in-process through this class.
 
 Start order matters: the listening socket is bound first, before any replica is contacted, so
 a port in use fails at once with nothing to clean up; the replicas are read next (adapters
@@ -16,11 +16,12 @@ import logging
 
 from lora_router.app import RouterApp
 from lora_router.config import Config
-from lora_router.fleet.control import ControlPlane
+from lora_router.fleet.broadcast import Broadcaster
+from lora_router.fleet.client import ReplicaClient
 from lora_router.fleet.fence import AdapterFence
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
-from lora_router.fleet.replay import discover
+from lora_router.fleet.replay import Replay
 from lora_router.fleet.telemetry import Telemetry
 from lora_router.http.server import ConnectionCount, serve
 from lora_router.metrics import MetricsCollector, RequestStats, make_registry
@@ -42,7 +43,8 @@ class RouterRuntime:
         self.connections: ConnectionCount | None = None
         self.fleet: Fleet | None = None
         self.fence: AdapterFence | None = None
-        self.control: ControlPlane | None = None
+        self.client: ReplicaClient | None = None
+        self.broadcaster: Broadcaster | None = None
         self.health: HealthMonitor | None = None
         self.telemetry: Telemetry | None = None
         self.app: RouterApp | None = None
@@ -71,15 +73,17 @@ class RouterRuntime:
         fleet.on_members = policy.set_members
         self.fence = fence = AdapterFence(config.fence_timeout)
         fence.base_models = fleet.base_models  # one set, filled by discovery and replays
-        self.control = control = ControlPlane(config, fleet, fence)
-        self.health = health = HealthMonitor(config, fleet, control)
+        self.client = client = ReplicaClient(config)
+        self.broadcaster = broadcaster = Broadcaster(config, client, fleet, fence)
+        replay = Replay(config, client, fleet, fence, broadcaster)
+        self.health = health = HealthMonitor(config, client, fleet, fence, replay)
         stats = RequestStats()
         collector = MetricsCollector(stats)
         registry = make_registry(collector)
         self.app = app = RouterApp(
-            config, fleet, policy, fence, control, health, stats, registry, DEFAULT_BLOCK_SIZE
+            config, fleet, policy, fence, broadcaster, health, stats, registry, DEFAULT_BLOCK_SIZE
         )
-        self.telemetry = telemetry = Telemetry(config, fleet, control)
+        self.telemetry = telemetry = Telemetry(config, client, fleet)
         app.state.telemetry = telemetry
         collector.add_source(lambda: metric_families(app.state))
         try:
@@ -97,8 +101,8 @@ class RouterRuntime:
                 f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}"
             ) from None
         try:
-            await control.open()
-            block_size = await discover(control)
+            await client.open()
+            block_size = await replay.discover()
         except BaseException:
             await self.stop()
             raise
@@ -137,7 +141,9 @@ class RouterRuntime:
             await self.telemetry.stop()
         if self.connections is not None:
             await self.connections.drain(grace)
-        if self.control is not None:
-            await self.control.close()
+        if self.broadcaster is not None:
+            await self.broadcaster.close()
+        if self.client is not None:
+            await self.client.close()
         if self.fleet is not None:
             self.fleet.close()

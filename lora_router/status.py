@@ -1,5 +1,5 @@
 """What an operator reads first: `/router/status`, the periodic log line, and the live gauges of
-`/metrics` — read-only views over the fleet, the fence, the control plane, the health monitor,
+`/metrics` — read-only views over the fleet, the fence, the broadcaster, the health monitor,
 the routing policy, the request counters and what the replicas report (fleet/telemetry.py).
 
 Nothing here changes state or sits on the request path: every view is built when it is asked
@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from prometheus_client.core import HistogramMetricFamily, Metric
 
 from lora_router.fleet.breaker import CLOSED
-from lora_router.fleet.control import ControlPlane
+from lora_router.fleet.broadcast import Broadcaster
 from lora_router.fleet.fence import AdapterFence
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
+from lora_router.fleet.lifecycle import State
 from lora_router.fleet.replica import Replica
 from lora_router.fleet.telemetry import WINDOW_S, Report, Telemetry, fleet_figures
 from lora_router.metrics import RequestStats, Rows, counter, gauge
@@ -32,7 +33,7 @@ class RouterState:
 
     fleet: Fleet
     fence: AdapterFence
-    control: ControlPlane
+    broadcaster: Broadcaster
     health: HealthMonitor
     policy: Policy
     stats: RequestStats
@@ -72,22 +73,24 @@ def replica_json(r: Replica, busy_share: float | None = None) -> dict[str, objec
     return {
         "id": r.rid,
         "url": r.name,
-        "healthy": r.healthy,
-        "admitted": r.admitted,
-        "draining": r.draining,
+        "state": r.state.value,
+        # The three flags of earlier releases, read off the state, for clients that read them.
+        "healthy": r.state in (State.SERVING, State.REPLAYING),
+        "admitted": r.live,
+        "draining": r.state is State.DRAINING,
         "in_flight": r.in_flight,
         "breaker": r.breaker.state,
         "breaker_opens": r.breaker.opens,
-        "ejections": r.ejections,
+        "ejections": r.life.ejections,
         "adapters": sorted(r.adapters),
-        "last_error": r.last_error,
+        "last_error": r.life.last_error,
         "reported": report_json(r, busy_share),
     }
 
 
 def status(state: RouterState) -> dict[str, object]:
     """The JSON of `GET /router/status`."""
-    fence, control = state.fence, state.control
+    fence, control = state.fence, state.broadcaster
     adapters = {
         entry.name: {"state": entry.state.value, "path": entry.path}
         for entry in sorted(fence.entries(), key=lambda e: e.name)
@@ -112,7 +115,7 @@ def status(state: RouterState) -> dict[str, object]:
             "wait_seconds": round(fence.wait_seconds, 6),
             "wait_timeouts": fence.wait_timeouts,
         },
-        "paused": control.paused,
+        "paused": state.fleet.pause.query,
         "broadcasts": {
             "received": control.received,
             "pending": control.pending,
@@ -164,7 +167,7 @@ def fleet_json(state: RouterState) -> dict[str, object]:
     }
 
 
-def syncs_json(control: ControlPlane) -> dict[str, object]:
+def syncs_json(control: Broadcaster) -> dict[str, object]:
     """The fleet's pause -> resume intervals (the trainer's weight syncs)."""
     clock, now = control.syncs, time.monotonic()
     return {
@@ -188,18 +191,18 @@ def _rounded(value: float | None, digits: int = 4) -> float | None:
 def summary_line(state: RouterState) -> str:
     """The periodic one-line summary in the log."""
     replicas = state.fleet.replicas
-    serving = sum(1 for r in replicas if r.healthy and r.admitted)
+    serving = sum(1 for r in replicas if r.live)
     live = sorted(state.fence.live())
     counts = state.policy.counts.as_dict()
     decisions = " ".join(f"{k}={v}" for k, v in counts.items() if v)
     total = sum(state.stats.requests.values())
     in_flight = ",".join(str(r.in_flight) for r in replicas)
     waiting = ",".join(str(r.report.waiting) if r.report else "?" for r in replicas)
-    syncs = state.control.syncs
+    syncs = state.broadcaster.syncs
     return (
         f"status: {serving}/{len(replicas)} replicas serving, in flight [{in_flight}], "
         f"waiting in replicas [{waiting}], "
-        f"{total} requests, adapters live {live or '-'}, paused={state.control.paused or 'no'}, "
+        f"{total} requests, adapters live {live or '-'}, paused={state.fleet.pause.query or 'no'}, "
         f"{syncs.count} syncs (paused {syncs.share(time.monotonic()):.0%} of the last "
         f"{WINDOW_S:g} s), fence waits {state.fence.waits} ({state.fence.waiting} waiting), "
         f"routing {decisions or '-'}"
@@ -222,9 +225,9 @@ def metric_families(state: RouterState) -> Iterator[Metric]:
     )
     yield gauge(
         "lora_router_replica_up",
-        "1 when the replica is healthy and admitted (its adapters replayed), else 0.",
+        "1 when the replica is serving (its adapters replayed), else 0.",
         replica,
-        per_replica(lambda r: float(r.healthy and r.admitted)),
+        per_replica(lambda r: float(r.live)),
     )
     yield gauge(
         "lora_router_breaker_open",
@@ -236,7 +239,7 @@ def metric_families(state: RouterState) -> Iterator[Metric]:
         "lora_router_ejections",
         "Times each replica was taken out of service.",
         replica,
-        per_replica(lambda r: r.ejections),
+        per_replica(lambda r: r.life.ejections),
     )
     yield counter(
         "lora_router_breaker_opens",
@@ -293,7 +296,7 @@ def metric_families(state: RouterState) -> Iterator[Metric]:
     yield gauge(
         "lora_router_fence_waiting", "Requests waiting at the fence now.", [], [([], fence.waiting)]
     )
-    control = state.control
+    control = state.broadcaster
     yield counter(
         "lora_router_broadcasts",
         "Control operations broadcast to the fleet, by operation and outcome.",
@@ -322,7 +325,7 @@ def metric_families(state: RouterState) -> Iterator[Metric]:
         "lora_router_paused",
         "1 when the fleet was last paused, 0 when resumed.",
         [],
-        [([], float(control.paused is not None))],
+        [([], float(state.fleet.pause.paused))],
     )
 
     yield from telemetry_families(state)
@@ -431,7 +434,7 @@ def telemetry_families(state: RouterState) -> Iterator[Metric]:
             [],
             [([], totals.tokens_per_s)] if totals.tokens_per_s is not None else [],
         )
-    clock, now = state.control.syncs, time.monotonic()
+    clock, now = state.broadcaster.syncs, time.monotonic()
     yield counter(
         "lora_router_syncs",
         "Weight syncs: a /pause followed by a /resume.",

@@ -198,12 +198,16 @@ def compact(names: Sequence[str]) -> str:
 
 
 def _state(r: dict[str, Any]) -> str:
-    if r.get("draining"):
-        return "draining"
-    if not r.get("healthy"):
-        return "ejected"
-    if not r.get("admitted"):
-        return "joining"
+    state = r.get("state")
+    if isinstance(state, str) and state != "serving":
+        return state  # its lifecycle state (fleet/lifecycle.py)
+    if state is None:  # a router from before the lifecycle: its three flags
+        if r.get("draining"):
+            return "draining"
+        if not r.get("healthy"):
+            return "ejected"
+        if not r.get("admitted"):
+            return "joining"
     if r.get("breaker") not in (None, "closed"):
         return f"breaker {r.get('breaker')}"
     return "serving"

@@ -14,6 +14,7 @@ import pytest
 import uvloop
 
 from lora_router.cli import UsageError, build_config, build_parser, main
+from lora_router.config import Config, ReplicaAddress
 from lora_router.emulator import EmulatorConfig, start_emulator
 
 TOKEN = "hf_cli-tok3n-NEVER-LEAK"
@@ -308,3 +309,20 @@ def test_demo_passes_the_routing_flags_to_its_router(monkeypatch) -> None:
     monkeypatch.setattr(lora_router.demo, "run_demo", lambda router: seen.append(router) or 0)
     assert main(["--demo", "--policy", "round-robin", "--vnodes", "7"]) == 0
     assert seen == [{"policy": "round-robin", "vnodes": 7}]
+
+
+def test_a_config_built_in_code_is_validated_too() -> None:
+    address = ReplicaAddress.parse("http://127.0.0.1:9000")
+    with pytest.raises(ValueError, match="--health-interval must be a positive number"):
+        Config(replicas=(address,), health_interval=0.0)
+
+
+def test_a_config_listing_a_replica_twice_is_refused() -> None:
+    address = ReplicaAddress.parse("http://127.0.0.1:9000")
+    with pytest.raises(ValueError, match="the same replica twice"):
+        Config(replicas=(address, address))
+
+
+def test_a_config_listening_beyond_loopback_without_an_api_key_is_refused() -> None:
+    with pytest.raises(ValueError, match="reachable beyond this machine"):
+        Config(replicas=(), host="0.0.0.0")

@@ -1,0 +1,24 @@
+"""The fleet: the replicas behind the router, their service state, and the control plane.
+
+Two questions, one file each:
+
+- *Which code may change a replica's state?* `lifecycle.py`. Each replica has one `Lifecycle`
+  (joining → replaying → serving ⇄ ejected / backing-off, draining → gone) whose methods are
+  the only transitions; everything else reports events to it.
+- *Which code talks HTTP to a replica?* `client.py` for every control request (health checks,
+  discovery, replays, broadcasts, `/metrics` scrapes, `--check`); the routed path's bytes go
+  through `lora_router/http/upstream.py`, the data plane's own pools.
+
+The rest, by what each part knows:
+
+- `fleet.py`: membership, the pause intent (`Fleet.pause`), and `routable`, the data plane's
+  one question; reads lifecycle states, does no I/O;
+- `replica.py`: one replica as the router sees it (its lifecycle, breaker, adapters, load);
+- `breaker.py`: the per-replica circuit breaker of the routed path (traffic only, never state);
+- `fence.py`: the version fence (which adapter names are live), pure, with its own refusals;
+- `broadcast.py`: the broadcaster (one operation at a time: all-or-nothing loads, unloads,
+  pause/resume/reset) and the `/health` and `/v1/models` fan-ins;
+- `replay.py`: discovery at start and the replay that brings a replica to the fleet's state;
+- `health.py`: active checks and passive reports, which decide when to report an event;
+- `telemetry.py`: the replicas' own `/metrics`, read-only.
+"""

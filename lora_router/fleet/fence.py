@@ -6,10 +6,10 @@ THE INVARIANT this package exists for:
     after every live replica has acknowledged loading A.
 
 The fence holds the first half of it ("only after every live replica acknowledged"): a name is
-*live* here only once its load broadcast succeeded on every live replica (control.py). The
+*live* here only once its load broadcast succeeded on every live replica (broadcast.py). The
 second half ("only to a replica that has A loaded") is `Fleet.routable`, which lists only
-replicas whose acknowledged adapters include A; a replica coming back is admitted only after
-every live adapter was replayed onto it (health.py, replay.py).
+replicas whose acknowledged adapters include A; a replica coming back serves only after every
+live adapter was replayed onto it (replay.py; its lifecycle, lifecycle.py, admits it).
 
 Each name the router knows is in one state:
 
@@ -37,8 +37,10 @@ re-pointing a live name at new weights (`load_inplace`), is refused here: vLLM k
 blocks by name, so a re-pointed name would serve stale KV, and replicas would disagree on its
 weights while the broadcast runs.
 
-Pure state and waiting: no I/O. It must never let a completion through for a name that is not
-live, and never answer 404 for a name that is still loading.
+Pure state and waiting: no I/O, and no HTTP. A refusal is one of the fence's own outcome types
+(`UnknownAdapter`, `StillLoading`, `LoadRefused`, all `FenceRefusal`s), which the HTTP layer
+renders as vLLM's answers (app.py, `fence_error`). It must never let a completion through for
+a name that is not live, and never refuse as unknown a name that is still loading.
 """
 
 from __future__ import annotations
@@ -47,7 +49,47 @@ import asyncio
 import enum
 from collections.abc import Iterable
 
-from lora_router.http.errors import HTTPError, bad_request, model_not_found
+
+class FenceRefusal(Exception):
+    """Why the fence refuses a request (rendered by the HTTP layer); `message` is what the
+    client reads."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+        self.message = message
+
+
+class UnknownAdapter(FenceRefusal):
+    """No such name (never loaded, unloaded, or its load failed: `failure` says why)."""
+
+    def __init__(self, name: str, failure: str | None = None) -> None:
+        # vLLM's own words; vLLM 0.33 appends the reason to this message too, so clients
+        # match on its start.
+        message = f"The model `{name}` does not exist."
+        if failure is not None:
+            message += f" Its load failed: {failure}"
+        super().__init__(name, message)
+        self.failure = failure
+
+
+class StillLoading(FenceRefusal):
+    """The name's load was still being broadcast when the fence's wait ran out."""
+
+    def __init__(self, name: str, timeout: float) -> None:
+        super().__init__(
+            name,
+            f"The adapter `{name}` is still being loaded on the replicas after {timeout:g} s "
+            "(--fence-timeout); retry once its load has answered.",
+        )
+
+
+class LoadRefused(FenceRefusal):
+    """A load the fence will not take: `in_place` (re-pointing a live name) or another path."""
+
+    def __init__(self, name: str, message: str, *, in_place: bool) -> None:
+        super().__init__(name, message)
+        self.in_place = in_place
 
 
 class AdapterState(enum.Enum):
@@ -103,8 +145,8 @@ class AdapterFence:
         return entry is not None and entry.state is AdapterState.LIVE
 
     async def wait(self, model: str) -> None:
-        """Return once a completion for `model` may be routed; raise HTTPError (404, or 504
-        after `timeout`) when it never may."""
+        """Return once a completion for `model` may be routed; raise UnknownAdapter, or
+        StillLoading after `timeout`, when it never may."""
         loop = asyncio.get_running_loop()
         start = loop.time()
         deadline = start + self.timeout
@@ -116,22 +158,22 @@ class AdapterFence:
             while True:
                 entry = self._entries.get(model)
                 if entry is None or entry.state is AdapterState.UNLOADING:
-                    raise model_not_found(model)
+                    raise UnknownAdapter(model)
                 if entry.state is AdapterState.LIVE:
                     outcome = "live"
                     return
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     outcome = "timeout"
-                    raise self._still_loading(model)
+                    raise StillLoading(model, self.timeout)
                 try:
                     await asyncio.wait_for(entry.settled.wait(), remaining)
                 except TimeoutError:
                     outcome = "timeout"
-                    raise self._still_loading(model) from None
+                    raise StillLoading(model, self.timeout) from None
                 if entry.failure is not None and self._entries.get(model) is None:
                     outcome = "failed"
-                    raise model_not_found_after(model, entry.failure)
+                    raise UnknownAdapter(model, entry.failure)
         finally:
             self.waiting -= 1
             waited = loop.time() - start
@@ -176,13 +218,6 @@ class AdapterFence:
             self.unload_wait_timeouts += 1
         return self._held.get(name, 0)
 
-    def _still_loading(self, model: str) -> HTTPError:
-        return HTTPError(
-            503,
-            f"The adapter `{model}` is still being loaded on the replicas after "
-            f"{self.timeout:g} s (--fence-timeout); retry once its load has answered.",
-        )
-
     # -- what the control plane reports -----------------------------------------------------
 
     def begin_load(self, name: str, path: str, body: bytes, inplace: bool) -> AdapterEntry:
@@ -190,20 +225,21 @@ class AdapterFence:
         current = self._entries.get(name)
         if current is not None and current.state is not AdapterState.UNLOADING:
             if inplace:
-                raise bad_request(
+                raise LoadRefused(
+                    name,
                     f"The lora adapter '{name}' is already loaded; lora-router does not load "
                     "adapters in place: replicas would serve a mix of old and new weights "
                     "under one name while the reload is broadcast, and vLLM keys cached KV "
                     "blocks by name. Load the new weights under a new name.",
-                    param="load_inplace",
+                    in_place=True,
                 )
             if current.path != path:
-                raise HTTPError(
-                    400,
+                raise LoadRefused(
+                    name,
                     f"The lora adapter '{name}' has already been loaded from "
                     f"'{current.path}', not '{path}'. Unload it first, or load the new "
                     "weights under a new name.",
-                    type="InvalidUserInput",
+                    in_place=False,
                 )
             # The same load again: it joins the entry and, in its turn, finds it live
             # (answered as vLLM's success) or, if the first attempt failed, tries itself.
@@ -273,10 +309,3 @@ class AdapterFence:
 
     def entries(self) -> Iterable[AdapterEntry]:
         return list(self._entries.values())
-
-
-def model_not_found_after(model: str, failure: str) -> HTTPError:
-    """vLLM's 404 for a name whose load the waiter saw fail, with the reason appended (vLLM
-    0.33 appends to this message too, so clients match on its start)."""
-    message = f"{model_not_found(model).message} Its load failed: {failure}"
-    return HTTPError(404, message, param="model")

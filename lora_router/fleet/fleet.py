@@ -1,28 +1,44 @@
 """The set of replicas behind the router, and which of them may serve a given model.
 
 This is the data plane's view of the fleet: membership (add, remove, with ids never reused),
-and `routable`, the one function the routed path asks "who may take a request for this model
-now?". Adapter broadcasts and the version fence (control.py, fence.py) and health checks
-(health.py) write the replica state that `routable` reads; this module does no I/O.
+the pause the fleet is under (`pause`, a `PauseIntent`), and `routable`, the one function the
+routed path asks "who may take a request for this model now?". A replica's service state is
+its `Lifecycle` (lifecycle.py), changed only by that object's methods; this module reads it
+and does no I/O.
 
 `routable` is the second half of the fence's invariant: a replica is a candidate for adapter A
-only when it is live (healthy, admitted after its replay, not draining), its circuit breaker
-lets traffic through, and its acknowledged adapters include A.
+only when its state is *serving* (which it reaches only through a completed replay), its
+circuit breaker lets traffic through, and its acknowledged adapters include A.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import ssl
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 
 from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.breaker import CLOSED, CircuitBreaker
+from lora_router.fleet.lifecycle import Lifecycle, State
 from lora_router.fleet.replica import Replica
 from lora_router.http.upstream import UpstreamPool
 
-log = logging.getLogger(__name__)
+
+@dataclass(frozen=True, slots=True)
+class PauseIntent:
+    """The pause the trainer last asked the fleet for, replayed onto replicas that come back.
+
+    `known` stays False until the router has broadcast a /pause or a /resume, so a replica
+    coming back is not resumed on a guess; `query` is the last /pause's query string (its
+    mode), None after a /resume."""
+
+    known: bool = False
+    query: str | None = None
+
+    @property
+    def paused(self) -> bool:
+        return self.query is not None
 
 
 class Fleet:
@@ -34,12 +50,16 @@ class Fleet:
         self._next_rid = 0
         self.replicas: list[Replica] = []
         self.base_models: set[str] = set()  # names that are the base model, not an adapter
+        # Set by the broadcaster when a /pause or /resume is asked (before its outcome).
+        self.pause = PauseIntent()
         # Called with every member's name after each add or remove (the policy's ring).
         self.on_members: Callable[[Sequence[str]], None] | None = None
         for address in config.replicas:
             self.add(address)
 
-    def add(self, address: ReplicaAddress, *, admitted: bool = True) -> Replica:
+    def add(self, address: ReplicaAddress, *, joining: bool = False) -> Replica:
+        """A replica in the fleet: serving (the configured ones, read by discovery before the
+        router accepts a request) or, `joining`, out of service until its replay."""
         config = self._config
         if address.tls and self._ssl is None:
             self._ssl = config.tls_context()  # a first https replica added at run time
@@ -55,10 +75,13 @@ class Fleet:
             idle_timeout=config.upstream_idle_timeout,
             max_connections=config.max_upstream_connections,
         )
-        replica = Replica(
-            rid, address, pool, CircuitBreaker(config.breaker_failures, config.breaker_cooldown)
+        life = Lifecycle(
+            f"Replica {rid} ({address.name})",
+            config.health_interval,
+            State.JOINING if joining else State.SERVING,
         )
-        replica.admitted = admitted
+        breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown)
+        replica = Replica(rid, address, pool, breaker, life)
         self.replicas.append(replica)
         self._members_changed()
         return replica
@@ -67,18 +90,9 @@ class Fleet:
         """Take a replica out of the fleet for good (its requests have drained)."""
         if replica in self.replicas:
             self.replicas.remove(replica)
-            replica.admitted = False
+            replica.life.remove()
             replica.pool.close()
             self._members_changed()
-
-    def eject(self, replica: Replica, reason: str) -> None:
-        """Take a replica out of service until health.py re-admits it with a replay."""
-        if replica.healthy or replica.admitted:
-            replica.ejections += 1
-            log.warning("ejecting %s: %s", replica.describe(), reason)
-        replica.healthy = False
-        replica.admitted = False
-        replica.last_error = reason
 
     def find(self, rid: int) -> Replica | None:
         return next((r for r in self.replicas if r.rid == rid), None)
@@ -90,6 +104,10 @@ class Fleet:
         """Replicas that take traffic and broadcasts (see `Replica.live`)."""
         return [r for r in self.replicas if r.live]
 
+    def others_serving(self, replica: Replica) -> bool:
+        """Whether a replica other than `replica` serves (the lifecycle's last-replica rules)."""
+        return any(r.live for r in self.replicas if r is not replica)
+
     def routable(self, model: str | None, exclude: Collection[Replica] = ()) -> list[Replica]:
         """Replicas that may receive a request for `model` now.
 
@@ -100,7 +118,7 @@ class Fleet:
         now = 0.0  # read only when a breaker is not closed (rare)
         out = []
         for r in self.replicas:
-            if not r.healthy or not r.admitted or r.draining or r in exclude:
+            if r.life.state is not State.SERVING or r in exclude:
                 continue
             if adapter and model not in r.adapters:
                 continue

@@ -1,10 +1,14 @@
-"""Fleet health: active checks, passive reports, ejection, and re-admission with a replay.
+"""Fleet health: active checks, passive reports, and the replays that bring replicas back.
+
+This module decides *when* a replica's state should change and reports that as an event to the
+replica's lifecycle (lifecycle.py), which alone changes it. It is given the replica client, the
+fleet, the fence and the replay (replay.py) explicitly.
 
 Each replica has a watcher task that, every `health_interval`, asks its `/health` (bounded by
 `health_timeout`):
 
-- a serving replica that fails `health_failures` checks in a row is **ejected** (neither
-  healthy nor admitted: no traffic, no broadcasts). A serving replica that passes is also asked
+- a serving replica that fails `health_failures` checks in a row is **ejected** (no traffic,
+  no broadcasts). A serving replica that passes is also asked
   for its `/v1/models`: if it lacks an adapter that was live before the question, it restarted
   (vLLM keeps adapters in process memory) and is ejected at once, then replayed;
 - an ejected replica that passes `health_successes` checks in a row is **re-admitted**: every
@@ -25,20 +29,19 @@ A replay that did not stick is a replica that lacks a live adapter again (in its
 answering 404) soon after it was re-admitted, or whose replay failed because it answers that an
 adapter is already loaded while its listing does not show it: its loads were accepted but do
 not show, as when the replica URL is a load balancer over several vLLM servers. Re-admitting
-it at once would make it flap for ever (eject, replay, re-admit, eject); instead each such
-replay doubles the wait before the next re-admission (from one `health_interval` up to
-`_MAX_BACKOFF_S`), one warning names the replica and what it lacks, and `listing_flaps` counts
-it for the metrics. A replica that stays in service for a while starts afresh. And a listing
-alone never ejects the last serving replica: with no other one to take its traffic, the router
-keeps it serving (a real restart still shows, as a 404 on its first request for a lost
-adapter).
+it at once would make it flap for ever (eject, replay, re-admit, eject); instead its lifecycle
+*backs off* (each such replay doubles the wait before the next one, lifecycle.py), one warning
+names the replica and what it lacks, and `listing_flaps` counts it for the metrics. And a
+listing alone never ejects the last serving replica: with no other one to take its traffic, the
+lifecycle refuses that event and the router keeps it serving (a real restart still shows, as a
+404 on its first request for a lost adapter).
 
 Operators add and remove replicas at run time (`add`, `remove`): an added replica is replayed
 before it serves; a removed one stops taking requests at once and leaves the fleet when its
 in-flight requests are done (or after `shutdown_grace`).
 
-This module must never make a replica routable without a completed replay, nor run two
-re-admissions of one replica at once.
+This module must never change a replica's state but through its lifecycle's events, nor run
+two re-admissions of one replica at once.
 """
 
 from __future__ import annotations
@@ -49,32 +52,20 @@ import logging
 from collections import Counter
 
 from lora_router.config import Config, ReplicaAddress
-from lora_router.fleet.control import ControlPlane
-from lora_router.fleet.fence import AdapterState
+from lora_router.fleet.client import ReplicaClient
+from lora_router.fleet.fence import AdapterFence, AdapterState
 from lora_router.fleet.fleet import Fleet
-from lora_router.fleet.replay import ReplayError, UnlistedError, readmit
+from lora_router.fleet.lifecycle import State
+from lora_router.fleet.replay import Replay, ReplayError, UnlistedError
 from lora_router.fleet.replica import Replica
 
 log = logging.getLogger(__name__)
 
 
-_MAX_BACKOFF_S = 300.0  # the longest wait before re-admitting a replica whose replays do not stick
-
-
 class _Watch:
     """The watcher state of one replica."""
 
-    __slots__ = (
-        "admitted_at",
-        "failures",
-        "lock",
-        "readmit_at",
-        "slips",
-        "successes",
-        "suspect",
-        "task",
-        "wake",
-    )
+    __slots__ = ("failures", "lock", "successes", "suspect", "task", "wake")
 
     def __init__(self) -> None:
         self.wake = asyncio.Event()
@@ -83,18 +74,24 @@ class _Watch:
         self.successes = 0
         self.suspect = False
         self.task: asyncio.Task[None] | None = None
-        self.admitted_at = 0.0  # when its last replay ended in admission
-        self.slips = 0  # replays in a row that did not stick
-        self.readmit_at = 0.0  # not re-admitted before this (back-off)
 
 
 class HealthMonitor:
     """Watchers for every replica, passive reports, membership changes."""
 
-    def __init__(self, config: Config, fleet: Fleet, control: ControlPlane) -> None:
+    def __init__(
+        self,
+        config: Config,
+        client: ReplicaClient,
+        fleet: Fleet,
+        fence: AdapterFence,
+        replay: Replay,
+    ) -> None:
         self.config = config
+        self.client = client
         self.fleet = fleet
-        self.control = control
+        self.fence = fence
+        self.replay = replay
         self._watches: dict[Replica, _Watch] = {}
         # Plain counters for metrics.
         self.checks = 0
@@ -103,7 +100,6 @@ class HealthMonitor:
         self.readmission_failures = 0
         self.restarts_detected = 0
         self.listing_flaps: Counter[int] = Counter()  # replica id -> replays that did not stick
-        self.listing_kept = 0  # times a listing alone would have ejected the last serving one
 
     # -- life cycle -------------------------------------------------------------------------
 
@@ -130,7 +126,7 @@ class HealthMonitor:
     def report_status(self, replica: Replica, status: int) -> None:
         """The status line a replica answered a routed request with."""
         if status >= 500:
-            if status == 503 and self.control.paused is not None:
+            if status == 503 and self.fleet.pause.paused:
                 return  # paused on purpose (vLLM 0.33 abort/wait modes refuse new work)
             self.report_failure(replica)
             return
@@ -139,7 +135,7 @@ class HealthMonitor:
     def report_missing_adapter(self, replica: Replica, model: str) -> None:
         """A replica answered 404 for `model`. If the fence still says it is live, the replica
         lost it (a restart between two checks): out of service until replayed."""
-        if self.control.fence.state(model) is not AdapterState.LIVE or not replica.admitted:
+        if self.fence.state(model) is not AdapterState.LIVE or not replica.live:
             return  # the name was being unloaded: the replica is right
         self._restarted(replica, f"answered 404 for live adapter {model!r} (restarted?)", [model])
 
@@ -151,33 +147,41 @@ class HealthMonitor:
             watch.suspect = True
             watch.wake.set()
 
-    def _restarted(self, replica: Replica, reason: str, lost: list[str]) -> None:
-        """A serving replica lost live adapters: it restarted. Out of service, and since it
-        answers, it is back already: replayed at the next check, not after the success
-        threshold — unless its last replay did not stick (module docstring): then later."""
-        self.restarts_detected += 1
-        self.fleet.eject(replica, reason)
-        watch = self._watches.get(replica)
-        if watch is None:
-            return
-        watch.successes = self.config.health_successes
-        now = asyncio.get_running_loop().time()
-        interval = self.config.health_interval
-        backoff = min(interval * 2**watch.slips, _MAX_BACKOFF_S)
-        if watch.admitted_at and now - watch.admitted_at < max(8 * interval, backoff):
-            self._slipped(replica, watch, lost)
-            return
-        watch.slips = 0
-        watch.readmit_at = 0.0
-        watch.wake.set()
+    @property
+    def listing_kept(self) -> int:
+        """Times a listing alone would have ejected the last serving replica (refused)."""
+        return sum(r.life.listing_kept for r in self.fleet.replicas)
 
-    def _slipped(self, replica: Replica, watch: _Watch, lost: list[str]) -> None:
-        """Its replay did not stick: the next re-admission waits twice as long as the last."""
-        watch.slips += 1
+    def _restarted(
+        self, replica: Replica, reason: str, lost: list[str], *, listing: bool = False
+    ) -> bool:
+        """A serving replica lost live adapters (`listing`: only its `/v1/models` says so): it
+        restarted. Since it answers, it is back already: replayed at the next check, not after
+        the success threshold — unless its last replay did not stick (its lifecycle backs
+        off). Returns False when its lifecycle refused the event."""
+        life, slips = replica.life, replica.life.slips
+        now = asyncio.get_running_loop().time()
+        if listing:
+            left = life.listing_lacks(now, reason, self.fleet.others_serving(replica))
+        else:
+            left = life.restarted(now, reason)
+        if not left:
+            return False
+        self.restarts_detected += 1
+        self._note_slip(replica, slips, lost)
+        watch = self._watches.get(replica)
+        if watch is not None:
+            watch.successes = self.config.health_successes
+            watch.wake.set()
+        return True
+
+    def _note_slip(self, replica: Replica, slips_before: int, lost: list[str]) -> None:
+        """Count and (the first time) explain a replay that did not stick."""
+        life = replica.life
+        if life.slips <= slips_before:
+            return
         self.listing_flaps[replica.rid] += 1
-        wait = min(self.config.health_interval * 2**watch.slips, _MAX_BACKOFF_S)
-        watch.readmit_at = asyncio.get_running_loop().time() + wait
-        if watch.slips == 1:
+        if life.slips == 1:
             shown = ", ".join(lost[:3]) + (" ..." if len(lost) > 3 else "")
             log.warning(
                 "%s accepted the replay of %s but does not show it (its /v1/models or its "
@@ -186,7 +190,7 @@ class HealthMonitor:
                 "doubling)",
                 replica.describe(),
                 shown,
-                wait,
+                life.backoff(),
             )
 
     # -- the watcher ------------------------------------------------------------------------
@@ -198,7 +202,7 @@ class HealthMonitor:
         # failing requests costs a few probes a second, not one per request.
         min_gap = min(interval / 4, 0.1)
         last = loop.time()  # discovery (or the admin route) has just looked at it
-        while replica in self.fleet.replicas and not replica.draining:
+        while replica.life.member:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(watch.wake.wait(), max(0.0, last + interval - loop.time()))
             gap = last + min_gap - loop.time()
@@ -214,16 +218,16 @@ class HealthMonitor:
     async def _check(self, replica: Replica, watch: _Watch) -> None:
         config = self.config
         self.checks += 1
-        answer = await self.control.call(replica, "GET", "/health", timeout=config.health_timeout)
+        answer = await self.client.call(replica, "GET", "/health", timeout=config.health_timeout)
         ok = answer.status == 200
         if not ok:
             self.check_failures += 1
-        if replica.admitted and replica.healthy:
+        if replica.live:
             if not ok:
                 watch.successes = 0
                 watch.failures += 1
                 if watch.failures >= config.health_failures or watch.suspect:
-                    self.fleet.eject(replica, f"/health: {answer.summary()}")
+                    replica.life.eject(f"/health: {answer.summary()}")
                 watch.suspect = False
                 return
             watch.failures = 0
@@ -233,24 +237,22 @@ class HealthMonitor:
         watch.failures = 0
         if not ok:
             watch.successes = 0
-            replica.last_error = f"/health: {answer.summary()}"
+            if replica.state is not State.REPLAYING:  # out already: this records why
+                replica.life.eject(f"/health: {answer.summary()}")
             return
         watch.successes += 1
         if watch.successes >= config.health_successes:
-            backing_off = asyncio.get_running_loop().time() < watch.readmit_at
-            if backing_off and any(r.live for r in self.fleet.replicas):
-                return  # its last replay did not stick; others serve meanwhile
             await self.admit(replica)
 
     async def _lost_adapters(self, replica: Replica) -> None:
         """Take a serving replica that lacks an adapter live before we asked out of service."""
-        before = {n: e.path for n, e in self.control.fence.live().items()}
+        fence = self.fence
+        before = {n: e.path for n, e in fence.live().items()}
         if not before:
             return
-        held = await self.control.holdings(replica)
-        if held is None or not replica.admitted:
+        held = await self.client.listing(replica)
+        if held is None or not replica.live:
             return
-        fence = self.control.fence
         lost = [
             n
             for n, path in before.items()
@@ -258,19 +260,18 @@ class HealthMonitor:
         ]
         if not lost:
             return
-        if not any(r.live for r in self.fleet.replicas if r is not replica):
-            # The last serving replica: its listing alone never takes the fleet out of service.
-            self.listing_kept += 1
-            if self.listing_kept == 1:
-                log.warning(
-                    "%s does not list live adapter(s) %s; it is the last replica in service, "
-                    "so it keeps serving (a restart would show as a 404 on its next request)",
-                    replica.describe(),
-                    ", ".join(lost[:3]),
-                )
-            return
         shown = ", ".join(lost[:3]) + (" ..." if len(lost) > 3 else "")
-        self._restarted(replica, f"restarted: it no longer holds {shown}", lost)
+        reason = f"restarted: it no longer holds {shown}"
+        kept = replica.life.listing_kept
+        left = self._restarted(replica, reason, lost, listing=True)
+        if not left and kept == 0 and replica.life.listing_kept == 1:
+            # The last serving replica: its listing alone never takes the fleet out of service.
+            log.warning(
+                "%s does not list live adapter(s) %s; it is the last replica in service, "
+                "so it keeps serving (a restart would show as a 404 on its next request)",
+                replica.describe(),
+                ", ".join(lost[:3]),
+            )
 
     # -- admission --------------------------------------------------------------------------
 
@@ -278,34 +279,34 @@ class HealthMonitor:
         """Replay the fleet's state onto a replica that answers, then let it serve."""
         watch = self._watch(replica)
         async with watch.lock:
-            if replica.admitted and replica.healthy:
+            if replica.live:
                 return True
+            life = replica.life
             loop = asyncio.get_running_loop()
             started = loop.time()
-            replica.healthy = True
+            if not life.replay_begins(started, self.fleet.others_serving(replica)):
+                return False  # backing off while others serve, or no longer a member
             try:
-                await readmit(self.control, replica)
+                await self.replay.readmit(replica)
             except ReplayError as exc:
+                slips = life.slips
+                unlisted = isinstance(exc, UnlistedError)
+                life.replay_failed(loop.time(), f"replay failed: {exc}", unlisted=unlisted)
                 if isinstance(exc, UnlistedError):
-                    self._slipped(replica, watch, [exc.name])
+                    self._note_slip(replica, slips, [exc.name])
                 self.readmission_failures += 1
                 watch.successes = 0
-                replica.healthy = False
-                replica.last_error = f"replay failed: {exc}"
                 log.warning("%s stays out of service: replay failed: %s", replica.describe(), exc)
                 return False
             self.readmissions += 1
-            watch.admitted_at = loop.time()
-            seconds = watch.admitted_at - started
             watch.successes = 0
             watch.failures = 0
             watch.suspect = False
-            replica.last_error = ""
             log.info(
                 "%s is back in service (%d adapters replayed in %.2f s)",
                 replica.describe(),
                 len(replica.adapters),
-                seconds,
+                life.admitted_at - started,
             )
             return True
 
@@ -313,21 +314,20 @@ class HealthMonitor:
 
     async def add(self, address: ReplicaAddress) -> Replica:
         """A replica added at run time: watched at once, serving after its replay."""
-        replica = self.fleet.add(address, admitted=False)
-        replica.healthy = False
+        replica = self.fleet.add(address, joining=True)
         self._watch(replica)
-        answer = await self.control.call(
+        answer = await self.client.call(
             replica, "GET", "/health", timeout=self.config.health_timeout
         )
         if answer.status == 200:
             await self.admit(replica)
         else:
-            replica.last_error = f"/health: {answer.summary()}"
+            replica.life.eject(f"/health: {answer.summary()}")
         return replica
 
     async def remove(self, replica: Replica) -> bool:
         """Drain and remove a replica; returns whether its requests finished in time."""
-        replica.draining = True  # routable() and broadcasts skip it from now on
+        replica.life.drain()  # routable() and broadcasts skip it from now on
         watch = self._watches.pop(replica, None)
         if watch is not None and watch.task is not None:
             watch.task.cancel()

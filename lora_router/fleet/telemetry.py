@@ -2,7 +2,7 @@
 weight syncs as the router saw them.
 
 Every `health_interval` (the first time one interval after start) one task asks every
-replica's `/metrics` at once, through the control plane's session and call path (so with the
+replica's `/metrics` at once, through the replica client (client.py) (so with the
 replica's token), each call bounded by `health_timeout`, and keeps the answer as a frozen
 `Report` on `Replica.report`:
 
@@ -47,17 +47,14 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from lora_router.config import Config
+from lora_router.fleet.client import ReplicaClient
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.replica import Replica
 from lora_router.metrics import Histogram
-
-if TYPE_CHECKING:
-    from lora_router.fleet.control import ControlPlane
 
 log = logging.getLogger(__name__)
 
@@ -198,10 +195,10 @@ def parse_report(text: bytes, at: float) -> Report:
 class Telemetry:
     """The scrape loop and each replica's recent busy samples (module docstring)."""
 
-    def __init__(self, config: Config, fleet: Fleet, control: ControlPlane) -> None:
+    def __init__(self, config: Config, client: ReplicaClient, fleet: Fleet) -> None:
         self.config = config
+        self.client = client
         self.fleet = fleet
-        self.control = control
         self.scrapes = 0
         self.scrape_failures = 0
         self._busy: dict[int, deque[tuple[float, bool]]] = {}  # rid -> (time, busy)
@@ -232,7 +229,7 @@ class Telemetry:
 
     async def scrape_all(self) -> None:
         """Ask every member's `/metrics` at once; returns when all answered or timed out."""
-        replicas = [r for r in self.fleet.replicas if not r.draining]
+        replicas = [r for r in self.fleet.replicas if r.life.member]
         await asyncio.gather(*(self.scrape(r) for r in replicas))
         members = {r.rid for r in self.fleet.replicas}
         for rid in [rid for rid in self._busy if rid not in members]:
@@ -240,7 +237,7 @@ class Telemetry:
 
     async def scrape(self, replica: Replica) -> None:
         self.scrapes += 1
-        answer = await self.control.call(
+        answer = await self.client.call(
             replica, "GET", "/metrics", timeout=self.config.health_timeout, headers=_IDENTITY
         )
         now = time.monotonic()
@@ -258,7 +255,7 @@ class Telemetry:
             replica.report, replica.report_error = None, str(exc)
             return
         replica.report, replica.report_error = report, ""
-        if self.control.paused is None:
+        if not self.fleet.pause.paused:
             # Samples taken while the fleet is paused say nothing about generation.
             samples = self._busy.setdefault(replica.rid, deque())
             samples.append((now, report.running + report.waiting > 0))

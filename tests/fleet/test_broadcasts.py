@@ -19,6 +19,7 @@ from .conftest import (
     load,
     paths_of,
     unload,
+    until,
 )
 
 
@@ -181,10 +182,11 @@ async def test_eager_requests_wait_at_the_fence_until_every_replica_loaded(
     rt = await router(emus)
     assert rt.fence is not None
     loading = asyncio.create_task(load(client, rt.url, "v1", adapter("v1")))
-    await asyncio.sleep(0.05)  # the load has reached the replicas; replica 2 is still busy
+    # The load has reached the replicas: the fast two hold it, replica 2 is still busy.
+    await until(lambda: all("v1" in emu.state.adapters for emu in emus[:2]))
     eager = [asyncio.create_task(complete(client, rt.url, "v1")) for _ in range(6)]
-    await asyncio.sleep(0.05)
-    assert rt.fence.waiting == 6 and not any(t.done() for t in eager)
+    await until(lambda: rt.fence is not None and rt.fence.waiting == 6)
+    assert not any(t.done() for t in eager) and "v1" not in emus[2].state.adapters
     assert (await loading)[0] == 200
     assert [(await t)[0] for t in eager] == [200] * 6
     assert monitor.checked == 6 and monitor.violations == []
@@ -197,7 +199,7 @@ async def test_a_request_waiting_past_the_fence_timeout_gets_a_clear_503(
     emus[1].faults.load_delay_s = 0.5
     rt = await router(emus, fence_timeout=0.1)
     loading = asyncio.create_task(load(client, rt.url, "v1", adapter("v1")))
-    await asyncio.sleep(0.02)
+    await until(lambda: rt.fence is not None and rt.fence.state("v1") is not None)  # arrived
     status, body = await complete(client, rt.url, "v1")
     assert status == 503 and "still being loaded" in body["error"]["message"]
     assert (await loading)[0] == 200
@@ -213,7 +215,9 @@ async def test_unload_stops_routing_at_once_while_in_flight_requests_finish(
         asyncio.create_task(complete(client, rt.url, "v1", max_tokens=15, prompt=[i] * 40))
         for i in range(4)
     ]
-    await asyncio.sleep(0.1)
+    assert rt.fleet is not None
+    fleet = rt.fleet
+    await until(lambda: sum(r.in_flight for r in fleet.replicas) == 4)  # all four on the replicas
     status, _ = await unload(client, rt.url, "v1")
     assert status == 200
     assert all("v1" not in emu.state.adapters for emu in emus)
@@ -247,11 +251,11 @@ async def test_pause_and_resume_reach_every_replica_with_their_query(
     assert all(
         r.path == "/pause?mode=keep&clear_cache=false" for e in emus for r in e.requests[-1:]
     )
-    assert rt.control is not None and rt.control.paused == "mode=keep&clear_cache=false"
+    assert rt.fleet is not None and rt.fleet.pause.query == "mode=keep&clear_cache=false"
     status, data, _ = await call(client, "POST", rt.url + "/resume")
     assert (status, orjson.loads(data)) == (200, {"status": "resumed"})
     assert not any(e.state.paused for e in emus)
-    assert rt.control.paused is None
+    assert rt.fleet.pause.query is None
 
 
 async def test_a_failed_pause_names_the_replica(
@@ -296,8 +300,7 @@ async def test_models_lists_the_base_first_and_only_fenced_adapters(
     rt = await router(emus, policy="round-robin")
     await load(client, rt.url, "v1", adapter("v1"))
     loading = asyncio.create_task(load(client, rt.url, "v2", adapter("v2")))
-    await asyncio.sleep(0.1)
-    assert "v2" in emus[0].state.adapters  # replica 0 already has it, replica 1 not yet
+    await until(lambda: "v2" in emus[0].state.adapters)  # replica 1 does not have it yet
     for _ in range(2):  # whichever replica answers
         _, data, _ = await call(client, "GET", rt.url + "/v1/models")
         cards = orjson.loads(data)["data"]
@@ -329,7 +332,7 @@ async def test_disagreeing_replicas_are_reported_at_start(
         rt = await router(emus)
     text = caplog.text
     assert "disagree on max_loras (replica 0: 6, replica 1: 4, replica 2: 6)" in text
-    assert "disagree on block_size" in text
+    assert "disagree on block size" in text
     assert rt.app is not None and rt.app.block_size == 16  # no agreement: vLLM's default
 
 
@@ -355,9 +358,11 @@ async def test_broadcasts_run_one_at_a_time_in_arrival_order(
         ("POST", "/resume", None),
     ]
     tasks = []
-    for method, path, body in ops:
+    assert rt.broadcaster is not None
+    broadcaster = rt.broadcaster
+    for n, (method, path, body) in enumerate(ops, 1):
         tasks.append(asyncio.create_task(call(client, method, rt.url + path, body)))
-        await asyncio.sleep(0.01)  # fixes the arrival order
+        await until(lambda n=n: broadcaster.received == n)  # fixes the arrival order
     assert [(await t)[0] for t in tasks] == [200] * 5
     expected = ["/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/load_lora_adapter"]
     expected += ["/pause?mode=keep", "/resume"]
@@ -378,7 +383,9 @@ async def test_a_client_that_leaves_mid_load_does_not_split_the_fleet(
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(0.1):
             await call(client, "POST", rt.url + "/v1/load_lora_adapter", body)
-    await asyncio.sleep(0.4)
+    assert rt.broadcaster is not None
+    broadcaster = rt.broadcaster
+    await until(lambda: broadcaster.pending == 0)  # the load ran to its end without the client
     assert all("v1" in emu.state.adapters for emu in emus)
     assert (await complete(client, rt.url, "v1"))[0] == 200
 

@@ -85,8 +85,8 @@ class FleetMachine(RuleBasedStateMachine):
     def broadcast(self, path: str, body: Any = None) -> asyncio.Task[Any]:
         """Send a control request and return once the router has it (its place in the
         queue is then fixed), so later requests arrive after it, as a client's would."""
-        assert self.rt is not None and self.rt.control is not None
-        control = self.rt.control
+        assert self.rt is not None and self.rt.broadcaster is not None
+        control = self.rt.broadcaster
         seen = control.received
         task = self.spawn("POST", path, body)
         self.control.append(task)

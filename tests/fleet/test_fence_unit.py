@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
+from lora_router.app import fence_error
 from lora_router.fleet.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
-from lora_router.fleet.fence import AdapterFence, AdapterState
-from lora_router.http.errors import HTTPError
+from lora_router.fleet.fence import AdapterFence, AdapterState, FenceRefusal
 
 
 async def test_base_model_and_no_model_pass_at_once() -> None:
@@ -21,11 +21,11 @@ async def test_base_model_and_no_model_pass_at_once() -> None:
 
 async def test_unknown_name_is_vllms_404() -> None:
     fence = AdapterFence(1.0)
-    with pytest.raises(HTTPError) as err:
+    with pytest.raises(FenceRefusal) as err:
         await fence.wait("nope")
-    assert err.value.status == 404
+    assert fence_error(err.value).status == 404
     assert err.value.message == "The model `nope` does not exist."
-    assert err.value.param == "model"
+    assert fence_error(err.value).param == "model"
 
 
 async def test_a_loading_name_waits_then_passes_when_live() -> None:
@@ -46,9 +46,9 @@ async def test_a_failed_load_answers_its_waiters_404_with_the_reason() -> None:
     waiter = asyncio.create_task(fence.wait("v1"))
     await asyncio.sleep(0)
     fence.finish_load(entry, ok=False, failure="Replica 2 said no")
-    with pytest.raises(HTTPError) as err:
+    with pytest.raises(FenceRefusal) as err:
         await waiter
-    assert err.value.status == 404
+    assert fence_error(err.value).status == 404
     assert "Replica 2 said no" in err.value.message
     assert fence.state("v1") is None
 
@@ -56,23 +56,29 @@ async def test_a_failed_load_answers_its_waiters_404_with_the_reason() -> None:
 async def test_waiting_past_the_fence_timeout_is_a_clear_503() -> None:
     fence = AdapterFence(0.05)
     fence.begin_load("v1", "/a/v1", b"{}", inplace=False)
-    with pytest.raises(HTTPError) as err:
+    with pytest.raises(FenceRefusal) as err:
         await fence.wait("v1")
-    assert err.value.status == 503
+    assert fence_error(err.value).status == 503
     assert "still being loaded" in err.value.message
     assert fence.wait_timeouts == 1
 
 
-async def test_an_unload_stops_routing_at_once_and_wakes_waiters() -> None:
+async def test_an_unload_answers_the_requests_waiting_for_the_name_404() -> None:
     fence = AdapterFence(5.0)
-    entry = fence.begin_load("v1", "/a/v1", b"{}", inplace=False)
+    fence.begin_load("v1", "/a/v1", b"{}", inplace=False)
     waiter = asyncio.create_task(fence.wait("v1"))
     await asyncio.sleep(0)
-    unloading = fence.begin_unload("v1")
-    with pytest.raises(HTTPError) as err:
+    fence.begin_unload("v1")
+    with pytest.raises(FenceRefusal) as err:
         await asyncio.wait_for(waiter, 1.0)
-    assert err.value.status == 404
-    # The load finishing later must not bring the name back: the unload arrived after it.
+    assert fence_error(err.value).status == 404
+    assert not fence.admits("v1")
+
+
+async def test_a_load_finishing_after_an_unload_arrived_does_not_bring_the_name_back() -> None:
+    fence = AdapterFence(5.0)
+    entry = fence.begin_load("v1", "/a/v1", b"{}", inplace=False)
+    unloading = fence.begin_unload("v1")
     fence.finish_load(entry, ok=True)
     assert fence.state("v1") is AdapterState.UNLOADING
     fence.finish_unload(unloading)
@@ -104,12 +110,12 @@ async def test_the_same_load_twice_shares_one_entry_and_one_success_suffices() -
 async def test_a_live_name_cannot_be_repointed() -> None:
     fence = AdapterFence(5.0)
     fence.mark_live("v1", "/a/v1", b"{}")
-    with pytest.raises(HTTPError) as err:
+    with pytest.raises(FenceRefusal) as err:
         fence.begin_load("v1", "/b/v1", b"{}", inplace=False)
-    assert err.value.status == 400 and "/a/v1" in err.value.message
-    with pytest.raises(HTTPError) as err:
+    assert fence_error(err.value).status == 400 and "/a/v1" in err.value.message
+    with pytest.raises(FenceRefusal) as err:
         fence.begin_load("v1", "/a/v1", b"{}", inplace=True)
-    assert err.value.status == 400 and "in place" in err.value.message
+    assert fence_error(err.value).status == 400 and "in place" in err.value.message
     assert fence.state("v1") is AdapterState.LIVE
 
 

@@ -28,21 +28,22 @@ async def test_an_adapter_is_routable_only_to_replicas_that_acknowledged_it() ->
 async def test_only_live_replicas_with_a_closed_breaker_are_routable() -> None:
     fleet = fleet_of(4)
     a, b, c, d = fleet.replicas
-    fleet.eject(a, "test")
-    b.admitted = False  # healthy again, replay not finished
-    c.draining = True
+    a.life.eject("test")
+    b.life.eject("test")
+    b.life.replay_begins(0.0, others_serving=True)  # healthy again, replay not finished
+    c.life.drain()
     assert fleet.routable(None) == [d]
     d.breaker.failure(asyncio.get_running_loop().time())
     assert fleet.routable(None) == []
-    assert a.ejections == 1 and a.last_error == "test" and not a.healthy
+    assert a.life.ejections == 1 and a.life.last_error == "test" and not a.live
 
 
 async def test_membership_changes_are_announced_with_every_member() -> None:
     fleet = fleet_of(2)
     seen: list[list[str]] = []
     fleet.on_members = lambda names: seen.append(list(names))
-    added = fleet.add(ReplicaAddress.parse("http://127.0.0.1:9100"), admitted=False)
-    assert added.rid == 2 and not added.admitted
+    added = fleet.add(ReplicaAddress.parse("http://127.0.0.1:9100"), joining=True)
+    assert added.rid == 2 and not added.live
     fleet.remove(fleet.replicas[0])
     assert seen == [
         ["http://127.0.0.1:9000", "http://127.0.0.1:9001", "http://127.0.0.1:9100"],

@@ -89,7 +89,7 @@ async def test_a_stopped_replica_is_ejected_then_readmitted_with_every_adapter_f
     loop = asyncio.get_running_loop()
     crashed_at = loop.time()
     await emus[1].crash()
-    await until(lambda: not down.healthy, timeout=2.0)
+    await until(lambda: not down.live, timeout=2.0)
     assert loop.time() - crashed_at <= 2 * interval + 0.1  # ejected within two intervals
     # Its keys spread over the survivors, and the fleet keeps loading without it.
     before = [len(e.requests) for e in emus]
@@ -185,7 +185,7 @@ async def test_a_replica_answering_5xx_opens_its_breaker_and_its_keys_move_unsee
     assert statuses == [200] * 10
     assert completions_after(emus[home], mark) == 3
     assert rt.fleet.replicas[home].breaker.state == "open"
-    assert rt.fleet.replicas[home].healthy  # /health still passes: not ejected, just avoided
+    assert rt.fleet.replicas[home].live  # /health still passes: not ejected, just avoided
 
 
 async def test_a_refused_connection_is_retried_on_the_next_replica(
@@ -235,7 +235,7 @@ async def test_down_replica_policy_fail_refuses_loads_while_a_replica_is_out(
     rt = await router(emus, down_replica_policy="fail", health_interval=0.05)
     assert rt.fleet is not None
     await emus[1].crash()
-    await until(lambda: rt.fleet is not None and not rt.fleet.replicas[1].healthy)
+    await until(lambda: rt.fleet is not None and not rt.fleet.replicas[1].live)
     status, data = await load(client, rt.url, "v1", adapter("v1"))
     assert status == 503
     message = orjson.loads(data)["error"]["message"]
@@ -374,7 +374,7 @@ async def test_replayed_loads_use_the_trainers_own_request(
     assert rt.fleet is not None
     await load(client, rt.url, "v1", adapter("v1"))
     await emus[1].crash()
-    await until(lambda: rt.fleet is not None and not rt.fleet.replicas[1].healthy)
+    await until(lambda: rt.fleet is not None and not rt.fleet.replicas[1].live)
     await emus[1].restart()
     await until(lambda: rt.fleet is not None and rt.fleet.replicas[1].live, timeout=3.0)
     sent = [r.body for r in emus[1].requests if r.path == "/v1/load_lora_adapter"]

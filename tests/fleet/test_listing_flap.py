@@ -45,13 +45,13 @@ async def test_re_admissions_of_a_replica_whose_replays_do_not_stick_back_off(
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-    watch = health._watches[flappy]
+    life = flappy.life
     # Each replay that did not stick doubled the wait before the next re-admission.
-    assert watch.slips == health.listing_flaps[1] >= 4
-    assert watch.readmit_at - watch.admitted_at >= interval * 2**watch.slips
+    assert life.slips == health.listing_flaps[1] >= 4
+    assert life.readmit_at - life.admitted_at >= interval * 2**life.slips
     # The first ejection looked like a restart; every later one, and every replay refused
     # for the same reason, was a flap, and was counted.
-    assert flappy.ejections <= health.listing_flaps[1] + 1
+    assert flappy.life.ejections <= health.listing_flaps[1] + 1
     assert set(statuses) == {200} and min(live_counts) >= 1
     warnings = [r for r in caplog.records if "but does not show it" in r.getMessage()]
     assert len(warnings) == 1 and "Replica 1" in warnings[0].getMessage()
@@ -72,7 +72,7 @@ async def test_the_last_serving_replica_is_not_ejected_for_its_listing_alone(
     checks = health.checks
     await until(lambda: health.checks >= checks + 5 and health.listing_kept >= 3)
     (replica,) = rt.fleet.replicas
-    assert replica.live and replica.ejections == 0
+    assert replica.live and replica.life.ejections == 0
     assert (await complete(client, rt.url, "v1"))[0] == 200
 
 
@@ -86,7 +86,7 @@ async def test_a_replica_ejected_while_paused_is_resumed_for_the_requests_it_sti
     # Paused with "keep": vLLM holds new requests until resumed; one lands on each replica.
     held = [asyncio.create_task(complete(client, rt.url, prompt=[i] * 20)) for i in range(2)]
     await until(lambda: all(r.in_flight == 1 for r in rt.fleet.replicas))  # type: ignore[union-attr]
-    rt.fleet.eject(rt.fleet.replicas[1], "its listing lacks live adapters")
+    rt.fleet.replicas[1].life.eject("its listing lacks live adapters")
     assert (await call(client, "POST", rt.url + "/resume"))[0] == 200
     statuses = [s for s, _ in await asyncio.wait_for(asyncio.gather(*held), 5.0)]
     assert statuses == [200, 200] and not emus[1].state.paused

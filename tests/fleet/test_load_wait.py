@@ -40,13 +40,13 @@ async def test_a_replica_that_cannot_see_the_adapter_is_logged_and_shown_while_i
     emus = await emulators(3)
     emus[2].faults.mount_lag = 10_000  # replica 2 never sees the files
     rt = await router(emus, load_deadline=20.0)
-    assert rt.control is not None
-    rt.control.mount_wait_log_interval = 0.05  # 30 s in production
+    assert rt.broadcaster is not None
+    rt.broadcaster.mount_wait_log_interval = 0.05  # 30 s in production
     _, writer = await _send_load_and_hang_up_later(
         rt.url, "trl-policy-v1", adapter("trl-policy-v1")
     )
     async with asyncio.timeout(10):
-        await until(lambda: bool(rt.control and rt.control.mount_waits))
+        await until(lambda: bool(rt.broadcaster and rt.broadcaster.mount_waits))
         await until(lambda: "still answers 'No adapter found'" in caplog.text)
         _, data, _ = await call(client, "GET", rt.url + "/router/status")
         waits = orjson.loads(data)["broadcasts"]["mount_waits"]
@@ -83,20 +83,20 @@ async def test_the_wait_ends_when_the_client_disconnects_and_a_queued_resume_is_
     path = adapter("typo")
     _, writer = await _send_load_and_hang_up_later(rt.url, "trl-policy-v1", path)
     async with asyncio.timeout(10):
-        await until(lambda: bool(rt.control and rt.control.mount_waits))
+        await until(lambda: bool(rt.broadcaster and rt.broadcaster.mount_waits))
         resume = asyncio.create_task(call(client, "POST", rt.url + "/resume"))
         await until(lambda: "/resume waits for load 'trl-policy-v1'" in caplog.text)
         assert not resume.done()
         writer.close()  # the trainer gave up
         status, _, _ = await resume  # well before the 60 s deadline
     assert status == 200
-    assert rt.control is not None and not rt.control.mount_waits
+    assert rt.broadcaster is not None and not rt.broadcaster.mount_waits
     # No retry after the disconnect; the replica that took the adapter gave it back.
     attempts = len(paths_of(emus[1], "/v1/load_lora_adapter"))
     await call(client, "GET", rt.url + "/health")
     assert len(paths_of(emus[1], "/v1/load_lora_adapter")) == attempts
     assert "trl-policy-v1" not in emus[0].state.adapters
-    assert rt.control.counts["load", "failed"] == 1
+    assert rt.broadcaster.counts["load", "failed"] == 1
     assert f"disconnected while Replica 1 ({emus[1].url}) still answered" in caplog.text
     # The name is free: the corrected load then works.
     emus[1].faults.mount_lag = 0

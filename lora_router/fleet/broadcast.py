@@ -1,6 +1,7 @@
-"""The control plane: adapter broadcasts behind the fence, fleet-wide dev-mode calls, and the
-one aiohttp session every router-to-replica control request goes through (health checks,
-discovery, replays and `/metrics` scrapes included: see health.py, replay.py, telemetry.py).
+"""The broadcaster: adapter broadcasts behind the fence and the fleet-wide dev-mode calls, one at
+a time; plus the read-only fan-ins (`/health`, `/v1/models`). Every request to a replica goes
+through the replica client (client.py); every change of a replica's service state is an event
+reported to its lifecycle (lifecycle.py).
 
 Broadcasts (`load`, `unload`, `pause`, `resume`, `reset_prefix_cache`) are **serialized**: one
 at a time, in arrival order (an `asyncio.Lock`, which wakes its waiters first come first
@@ -33,8 +34,8 @@ with an adapter the other half lacks.
 - **Pause / resume / reset_prefix_cache** go out with the query string intact; 200 only when
   every replica answered 200. A resume also reaches, best effort, replicas out of service that
   still run routed requests (ejected while paused), so those requests do not wait for a
-  replay. The pause state last asked for is remembered and replayed onto replicas that come
-  back; `syncs` times each pause → resume (a weight sync).
+  replay. The pause state last asked for is remembered on the fleet (`Fleet.pause`) and
+  replayed onto replicas that come back; `syncs` times each pause → resume (a weight sync).
 - A replica that cannot be reached during a broadcast is ejected (health.py re-admits it with a
   replay). For loads, `--down-replica-policy` decides the rest: `replay` (default) proceeds
   with the live replicas, so training goes on and the returning replica gets the adapter before
@@ -58,17 +59,18 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import orjson
-from yarl import URL
 
 from lora_router.config import Config
+from lora_router.fleet.client import Answer as ReplicaAnswer
+from lora_router.fleet.client import ReplicaClient
 from lora_router.fleet.fence import AdapterEntry, AdapterFence, AdapterState
-from lora_router.fleet.fleet import Fleet
+from lora_router.fleet.fleet import Fleet, PauseIntent
+from lora_router.fleet.lifecycle import OUT, State
 from lora_router.fleet.replica import Replica
 from lora_router.fleet.telemetry import SyncClock
 from lora_router.http.errors import HTTPError, bad_request
@@ -77,7 +79,7 @@ from lora_router.http.headers import HOP_BY_HOP, REPLICA_HEADER
 log = logging.getLogger(__name__)
 
 _JSON = (b"content-type", b"application/json")
-_JSON_REQUEST = {"Content-Type": "application/json"}
+Answer = ReplicaAnswer[Replica]
 # Headers of a replica's answer that describe its connection or framing, not the message; the
 # router frames its own answer.
 _NOT_COPIED = HOP_BY_HOP | {b"content-length", REPLICA_HEADER}
@@ -92,62 +94,6 @@ class Reply:
     status: int
     body: bytes
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class Answer:
-    """One replica's answer to one control request; `status` 0 means no HTTP answer at all."""
-
-    replica: Replica
-    status: int
-    body: bytes = b""
-    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    error: str = ""  # the transport failure when status is 0
-
-    def summary(self) -> str:
-        """What went wrong in a few words: the transport failure, or the status."""
-        return self.error if self.status == 0 else f"HTTP {self.status}"
-
-    def parsed(self) -> Any:
-        try:
-            return orjson.loads(self.body)
-        except orjson.JSONDecodeError:
-            return None
-
-    def message(self) -> str:
-        """The error text, whichever of vLLM's shapes it came in."""
-        if self.status == 0:
-            return self.error
-        doc = self.parsed()
-        if isinstance(doc, dict):
-            err = doc.get("error")
-            if isinstance(err, dict) and isinstance(err.get("message"), str):
-                return str(err["message"])
-            if isinstance(err, str):
-                return err  # dev-mode routes answer {"error": "<string>"}
-            if isinstance(doc.get("detail"), str):
-                return str(doc["detail"])  # FastAPI's own 404/405
-        text = self.body.decode("utf-8", "replace").strip()
-        return text[:500] or f"HTTP {self.status}"
-
-    def error_type(self) -> str | None:
-        doc = self.parsed()
-        if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
-            kind = doc["error"].get("type")
-            return kind if isinstance(kind, str) else None
-        return None
-
-
-@dataclass(slots=True)
-class Holdings:
-    """A replica's `/v1/models`: base model names (first is entry 0) and adapter roots."""
-
-    bases: list[str] = field(default_factory=list)
-    adapters: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def base(self) -> str | None:
-        return self.bases[0] if self.bases else None
 
 
 @dataclass(slots=True)
@@ -171,27 +117,24 @@ class MountWait:
     logged: float  # loop time of the last line logged about it
 
 
-class ControlPlane:
-    """Broadcasts and read-only fleet calls over one aiohttp session (module docstring)."""
+class Broadcaster:
+    """Broadcasts, one at a time, and the read-only fan-ins (module docstring)."""
 
     # Seconds between two log lines about a replica that still cannot see an adapter.
     mount_wait_log_interval = 30.0
 
-    def __init__(self, config: Config, fleet: Fleet, fence: AdapterFence) -> None:
+    def __init__(
+        self, config: Config, client: ReplicaClient, fleet: Fleet, fence: AdapterFence
+    ) -> None:
         self.config = config
+        self.client = client
+        self.call = client.call
         self.fleet = fleet
         self.fence = fence
-        self.session: aiohttp.ClientSession | None = None
         # The broadcast lock: held by every broadcast, and by the last step of a replay, so a
         # replica is admitted between two broadcasts, never during one.
         self.lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
-        # The pause the fleet is under: the query string of the last /pause, or None after a
-        # /resume. `pause_known` stays False until the router has broadcast either, so a
-        # replica coming back is not resumed on a guess.
-        self.paused: str | None = None
-        self.pause_known = False
-        self.replica_info: dict[int, dict[str, Any]] = {}  # rid -> what discovery read
         # Loads being retried because a replica does not see the files yet: (rid, name) -> wait.
         self.mount_waits: dict[tuple[int, str], MountWait] = {}
         self.received = 0  # broadcasts received since start
@@ -201,65 +144,12 @@ class ControlPlane:
         self.seconds: dict[tuple[str, str], float] = {}
         self.syncs = SyncClock()  # pause -> resume intervals, for status and metrics
 
-    # -- session ----------------------------------------------------------------------------
-
-    async def open(self) -> None:
-        config = self.config
-        token = config.token.reveal()
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ssl=config.tls_context()),
-            headers=headers,
-            # Bodies are passed on as the replica sent them, never re-encoded.
-            auto_decompress=False,
-            cookie_jar=aiohttp.DummyCookieJar(),  # replicas set none; skip the per-request work
-            timeout=aiohttp.ClientTimeout(
-                total=None, connect=config.connect_timeout, sock_read=config.first_byte_timeout
-            ),
-        )
-
     async def close(self) -> None:
+        """Cancel the broadcasts still running (the router is stopping)."""
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.session is not None:
-            await self.session.close()
-
-    async def call(
-        self,
-        replica: Replica,
-        method: str,
-        path: str,
-        *,
-        body: bytes | None = None,
-        query: str = "",
-        timeout: float | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> Answer:
-        """One request to one replica; transport failures come back as `status` 0."""
-        assert self.session is not None, "ControlPlane.open() was not called"
-        url = URL(replica.name + path + (f"?{query}" if query else ""), encoded=True)
-        if body is not None:
-            headers = {**_JSON_REQUEST, **(headers or {})}
-        client_timeout = aiohttp.ClientTimeout(total=timeout) if timeout is not None else None
-        # One retry, only when the request never got an answer on a pooled connection the
-        # replica had closed while idle. Every control request is safe to send twice: a load
-        # sent twice reads as "already loaded" with our root, an unload as 404, the rest are
-        # idempotent in vLLM.
-        for attempt in (0, 1):
-            try:
-                async with self.session.request(
-                    method, url, data=body, headers=headers, timeout=client_timeout
-                ) as resp:
-                    data = await resp.read()
-                    return Answer(replica, resp.status, data, list(resp.raw_headers))
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                if attempt or isinstance(exc, aiohttp.ClientConnectorError):
-                    return Answer(replica, 0, error=_transport_error(exc))
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                return Answer(replica, 0, error=_transport_error(exc, timeout))
-        raise AssertionError("unreachable")
 
     async def _queue(
         self, op: Coroutine[Any, Any, Reply], abandoned: asyncio.Event | None = None
@@ -339,7 +229,7 @@ class ControlPlane:
     ) -> Reply:
         fleet = self.fleet
         if self.config.down_replica_policy == "fail":
-            down = [r for r in fleet.replicas if not r.live and not r.draining]
+            down = [r for r in fleet.replicas if r.state in OUT or r.state is State.REPLAYING]
             if down:
                 raise HTTPError(
                     503,
@@ -357,7 +247,7 @@ class ControlPlane:
         # Replicas in the middle of a replay ride along, best effort: their answers never
         # decide the broadcast, but what they accept is theirs when their replay's final pass
         # runs (fleet/replay.py), so that pass does not load it again under the lock.
-        riders = [r for r in fleet.replicas if r.replaying and r.healthy and r not in targets]
+        riders = [r for r in fleet.replicas if r.state is State.REPLAYING]
         deadline = asyncio.get_running_loop().time() + self.config.load_deadline
         outcomes, rides = await asyncio.gather(
             asyncio.gather(
@@ -370,7 +260,7 @@ class ControlPlane:
         carried = [o.replica for o in rides if o.kind in ("loaded", "present")]
         for o in outcomes:
             if o.kind == "down":
-                fleet.eject(o.replica, f"unreachable during the load of '{name}': {o.detail}")
+                o.replica.life.eject(f"unreachable during the load of '{name}': {o.detail}")
         accepted = [o for o in outcomes if o.kind in ("loaded", "present")]
         failed = [o for o in outcomes if o.kind in ("conflict", "failed", "timeout", "abandoned")]
         if self.config.down_replica_policy == "fail":
@@ -502,7 +392,7 @@ class ControlPlane:
 
     async def _reconcile(self, replica: Replica, name: str, path: str, answer: Answer) -> Outcome:
         """ "Already loaded": present if the replica holds the name at the same path."""
-        held = await self.holdings(replica)
+        held = await self.client.listing(replica)
         if held is None:
             return Outcome(replica, "failed", answer, answer.message())
         root = held.adapters.get(name)
@@ -564,7 +454,7 @@ class ControlPlane:
                         a.replica.adapters.pop(name, None)
                     elif a.status == 0:
                         # Its replay on return drops the name (it mirrors the fleet).
-                        self.fleet.eject(a.replica, f"unreachable during an unload: {a.error}")
+                        a.replica.life.eject(f"unreachable during an unload: {a.error}")
                 failed = [a for a in answers if a.status not in (200, 404, 0)]
                 if failed:
                     raise _replica_failure(failed[0], f"Cannot unload adapter '{name}'")
@@ -606,10 +496,10 @@ class ControlPlane:
                 # Remembered as asked, before the outcome: replays converge on the trainer's
                 # latest wish, whichever replicas failed this time.
                 if op == "pause":
-                    self.paused, self.pause_known = query, True
+                    self.fleet.pause = PauseIntent(known=True, query=query)
                     self.syncs.pause(time.monotonic())
                 elif op == "resume":
-                    self.paused, self.pause_known = None, True
+                    self.fleet.pause = PauseIntent(known=True)
                 targets = self.fleet.live()
                 if not targets:
                     raise HTTPError(503, f"Cannot {op}: no replica is in service.")
@@ -628,7 +518,7 @@ class ControlPlane:
                 )
                 for a in answers:
                     if a.status == 0:
-                        self.fleet.eject(a.replica, f"unreachable during /{op}: {a.error}")
+                        a.replica.life.eject(f"unreachable during /{op}: {a.error}")
                 failed = [a for a in answers if a.status not in (200, 0)]
                 if failed:
                     raise _replica_failure(failed[0], f"/{op} failed")
@@ -654,7 +544,8 @@ class ControlPlane:
 
     def _stranded(self) -> list[Replica]:
         """Replicas out of service (not removed) that still have routed requests running."""
-        return [r for r in self.fleet.replicas if not r.live and not r.draining and r.in_flight]
+        out = (*OUT, State.REPLAYING)
+        return [r for r in self.fleet.replicas if r.in_flight and r.state in out]
 
     # -- read-only --------------------------------------------------------------------------
 
@@ -662,7 +553,7 @@ class ControlPlane:
         """`/health`, `/ping`: 200 only when every live replica answers 200."""
         targets = self.fleet.live()
         if not targets:
-            out = [r for r in self.fleet.replicas if not r.draining]
+            out = [r for r in self.fleet.replicas if r.life.member]
             why = f" ({_named(out)} out of service{_reason(out[0])})" if out else ""
             raise HTTPError(503, f"No replica is in service{why}.")
         answers = await asyncio.gather(
@@ -711,24 +602,6 @@ class ControlPlane:
                 }
             out.append(card)
         return out
-
-    async def holdings(self, replica: Replica) -> Holdings | None:
-        """What a replica's `/v1/models` says it serves, or None if it does not answer."""
-        answer = await self.call(
-            replica, "GET", "/v1/models", timeout=max(self.config.health_timeout, 1.0)
-        )
-        doc = answer.parsed() if answer.status == 200 else None
-        if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
-            return None
-        held = Holdings()
-        for card in doc["data"]:
-            if not isinstance(card, dict) or not isinstance(card.get("id"), str):
-                continue
-            if card.get("parent"):
-                held.adapters[card["id"]] = str(card.get("root") or "")
-            else:
-                held.bases.append(card["id"])  # the base model and its aliases
-        return held
 
 
 # -- request bodies ---------------------------------------------------------------------------
@@ -858,14 +731,4 @@ def _named(replicas: Sequence[Replica]) -> str:
 
 
 def _reason(replica: Replica) -> str:
-    return f": {replica.last_error}" if replica.last_error else ""
-
-
-def _transport_error(exc: BaseException, timeout: float | None = None) -> str:
-    if isinstance(exc, TimeoutError):
-        return f"no answer within {timeout:g} s" if timeout else "timed out"
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return f"cannot connect ({exc.os_error.__class__.__name__})"
-    if isinstance(exc, aiohttp.ServerDisconnectedError):
-        return "the replica closed the connection"
-    return exc.__class__.__name__
+    return f": {replica.life.last_error}" if replica.life.last_error else ""

@@ -1,0 +1,272 @@
+"""The replica client: every control request the router (or `--check`) sends a replica.
+
+One aiohttp session (the bearer token in its default headers, the router's TLS context),
+`call` (one request, transport failures as `status` 0 with a readable reason, never an
+exception), the answer type, and the one parser of what a replica says about itself:
+`/v1/models` and `/server_info?config_format=json` become a frozen `Facts`, read by discovery
+and replays (replay.py), the restart check (health.py), load reconciliation (broadcast.py) and
+`lora-router --check` (check.py) alike. `AGREEMENT` lists the facts every replica must share.
+
+Health checks, broadcasts, replays and the `/metrics` scrapes (telemetry.py) all go through
+`call`; the routed path does not (http/upstream.py, its own pools). The control plane's retry
+rule is stated beside the data plane's, in app.py's module docstring; `call`'s own part of it
+is the one resend of a request that met a pooled connection the replica had closed while idle.
+
+This module knows HTTP and nothing of the fleet's state: it must never change a replica's
+state, and the token must never appear in a message or a log line.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Generic, Protocol, TypeVar
+
+import aiohttp
+import orjson
+from yarl import URL
+
+from lora_router.config import Config
+
+_JSON_REQUEST = {"Content-Type": "application/json"}
+
+# The facts every replica of a fleet must agree on, as (attribute of `Facts`, how a person
+# calls it): discovery warns, `--check` fails.
+AGREEMENT = (
+    ("base_model", "base model"),
+    ("max_lora_rank", "max_lora_rank"),
+    ("max_loras", "max_loras"),
+    ("block_size", "block size"),
+)
+
+
+class Named(Protocol):
+    """Anything with a replica's base URL (a fleet `Replica`, a configured `ReplicaAddress`)."""
+
+    @property
+    def name(self) -> str: ...
+
+
+T = TypeVar("T", bound=Named)
+
+
+@dataclass(slots=True)
+class Answer(Generic[T]):
+    """One replica's answer to one control request; `status` 0 means no HTTP answer at all."""
+
+    replica: T
+    status: int
+    body: bytes = b""
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    error: str = ""  # the transport failure when status is 0
+
+    def summary(self) -> str:
+        """What went wrong in a few words: the transport failure, or the status."""
+        return self.error if self.status == 0 else f"HTTP {self.status}"
+
+    def parsed(self) -> Any:
+        try:
+            return orjson.loads(self.body)
+        except orjson.JSONDecodeError:
+            return None
+
+    def message(self) -> str:
+        """The error text, whichever of vLLM's shapes it came in."""
+        if self.status == 0:
+            return self.error
+        doc = self.parsed()
+        if isinstance(doc, dict):
+            err = doc.get("error")
+            if isinstance(err, dict) and isinstance(err.get("message"), str):
+                return str(err["message"])
+            if isinstance(err, str):
+                return err  # dev-mode routes answer {"error": "<string>"}
+            if isinstance(doc.get("detail"), str):
+                return str(doc["detail"])  # FastAPI's own 404/405
+        text = self.body.decode("utf-8", "replace").strip()
+        return text[:500] or f"HTTP {self.status}"
+
+    def error_type(self) -> str | None:
+        doc = self.parsed()
+        if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
+            kind = doc["error"].get("type")
+            return kind if isinstance(kind, str) else None
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Facts:
+    """What a replica says about itself. `None`: it did not say (or that probe was not made)."""
+
+    bases: tuple[str, ...] = ()  # /v1/models cards without a parent: the base model first
+    adapters: Mapping[str, str] = field(default_factory=dict)  # adapter name -> its root
+    max_model_len: int | None = None  # of the base card
+    lora: bool | None = None  # vllm_config.lora_config present
+    max_lora_rank: int | None = None
+    max_loras: int | None = None
+    block_size: int | None = None  # cache_config.block_size
+    data_parallel_size: int | None = None
+    config_model: str | None = None  # model_config.model, when no listing names it
+
+    @property
+    def base_model(self) -> str | None:
+        return self.bases[0] if self.bases else self.config_model
+
+
+def parse_models(doc: Any) -> Facts | None:
+    """A `/v1/models` answer as facts, or None when it is not a model list."""
+    data = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(data, list):
+        return None
+    bases: list[str] = []
+    adapters: dict[str, str] = {}
+    max_model_len = None
+    for card in data:
+        if not isinstance(card, dict) or not isinstance(card.get("id"), str):
+            continue
+        if card.get("parent"):
+            adapters[card["id"]] = str(card.get("root") or "")
+            continue
+        if not bases:
+            max_model_len = _int(card.get("max_model_len"))
+        bases.append(card["id"])  # the base model and its aliases
+    return Facts(tuple(bases), adapters, max_model_len)
+
+
+def parse_server_info(doc: Any, listed: Facts | None = None) -> Facts | None:
+    """A `/server_info?config_format=json` answer added to `listed`, or None when it carries
+    no `vllm_config` (not the JSON form, or not vLLM)."""
+    config = doc.get("vllm_config") if isinstance(doc, dict) else None
+    if not isinstance(config, dict):
+        return None
+    lora = config.get("lora_config")
+    cache = config.get("cache_config")
+    parallel = config.get("parallel_config")
+    model = config.get("model_config")
+    return replace(
+        listed or Facts(),
+        lora=isinstance(lora, dict),
+        max_lora_rank=_int(lora.get("max_lora_rank")) if isinstance(lora, dict) else None,
+        max_loras=_int(lora.get("max_loras")) if isinstance(lora, dict) else None,
+        block_size=_int(cache.get("block_size")) if isinstance(cache, dict) else None,
+        data_parallel_size=(
+            _int(parallel.get("data_parallel_size")) if isinstance(parallel, dict) else None
+        ),
+        config_model=(
+            str(model["model"]) if isinstance(model, dict) and model.get("model") else None
+        ),
+    )
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+class ReplicaClient:
+    """One session for every control request (module docstring)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.session: aiohttp.ClientSession | None = None
+
+    async def open(self) -> None:
+        config = self.config
+        token = config.token.reveal()
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ssl=config.tls_context()),
+            headers=headers,
+            # Bodies are passed on as the replica sent them, never re-encoded.
+            auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),  # replicas set none; skip the per-request work
+            timeout=aiohttp.ClientTimeout(
+                total=None, connect=config.connect_timeout, sock_read=config.first_byte_timeout
+            ),
+        )
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def __aenter__(self) -> ReplicaClient:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def call(
+        self,
+        replica: T,
+        method: str,
+        path: str,
+        *,
+        body: bytes | None = None,
+        query: str = "",
+        timeout: float | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Answer[T]:
+        """One request to one replica; transport failures come back as `status` 0."""
+        assert self.session is not None, "ReplicaClient.open() was not called"
+        url = URL(replica.name + path + (f"?{query}" if query else ""), encoded=True)
+        if body is not None:
+            headers = {**_JSON_REQUEST, **(headers or {})}
+        client_timeout = aiohttp.ClientTimeout(total=timeout) if timeout is not None else None
+        # One resend, only when the request never got an answer on a pooled connection the
+        # replica had closed while idle. Every control request is safe to send twice: a load
+        # sent twice reads as "already loaded" with our root, an unload as 404, the rest are
+        # idempotent in vLLM.
+        for attempt in (0, 1):
+            try:
+                async with self.session.request(
+                    method, url, data=body, headers=headers, timeout=client_timeout
+                ) as resp:
+                    data = await resp.read()
+                    return Answer(replica, resp.status, data, list(resp.raw_headers))
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                if attempt or isinstance(exc, aiohttp.ClientConnectorError):
+                    return Answer(replica, 0, error=transport_error(exc))
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                return Answer(replica, 0, error=transport_error(exc, timeout))
+        raise AssertionError("unreachable")
+
+    async def listing(self, replica: T) -> Facts | None:
+        """What a replica's `/v1/models` says it serves, or None if it does not answer."""
+        answer = await self.call(
+            replica, "GET", "/v1/models", timeout=max(self.config.health_timeout, 1.0)
+        )
+        return parse_models(answer.parsed()) if answer.status == 200 else None
+
+    async def server_info(self, replica: T, listed: Facts | None = None) -> Facts | None:
+        """`listed` completed with the replica's `/server_info`, or None without one."""
+        answer = await self.call(
+            replica,
+            "GET",
+            "/server_info",
+            query="config_format=json",
+            timeout=max(self.config.health_timeout, 1.0),
+        )
+        return parse_server_info(answer.parsed(), listed) if answer.status == 200 else None
+
+
+def transport_error(exc: BaseException, timeout: float | None = None) -> str:
+    """Why a request got no HTTP answer, in words an operator acts on."""
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {timeout:g} s" if timeout else "timed out"
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        return f"TLS certificate not trusted ({exc.certificate_error})"
+    if isinstance(exc, aiohttp.ClientConnectorSSLError):
+        # Its errno is OpenSSL's, not the OS's: strerror would say "Operation not permitted".
+        reason = getattr(exc.os_error, "reason", None) or str(exc.os_error)
+        return (
+            f"TLS handshake failed ({reason}); if the replica serves plain HTTP, give its URL "
+            "as http://"
+        )
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        errno = exc.os_error.errno
+        reason = os.strerror(errno) if errno else exc.os_error.__class__.__name__
+        return f"cannot connect ({reason})"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "the replica closed the connection"
+    return exc.__class__.__name__

@@ -1,0 +1,86 @@
+"""The package's layering, read from the source: which module may import which.
+
+- routing/ is pure: it imports neither http/ nor fleet/;
+- nothing imports cli (the command line is the outermost layer);
+- the router never imports the emulator: only demo.py (the emulator's client) and the
+  emulator itself do;
+- in the router, only fleet/client.py opens an aiohttp session (the control plane's requests
+  to replicas; the data plane has http/upstream.py); demo.py and top.py are clients of the
+  router, not part of it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "lora_router"
+
+
+def _modules() -> dict[str, ast.Module]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = ast.parse(path.read_text(), str(path))
+    return out
+
+
+MODULES = _modules()
+
+
+def imports(module: str) -> set[str]:
+    """Every module `module` imports (absolute names; relative imports resolved)."""
+    out = set()
+    for node in ast.walk(MODULES[module]):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = module.split(".")[: -node.level]
+                base = ".".join([*package, base] if base else package)
+            out.add(base)
+            out.update(f"{base}.{alias.name}" for alias in node.names)
+    return out
+
+
+def importers_of(prefix: str) -> set[str]:
+    return {
+        m
+        for m in MODULES
+        if any(i == prefix or i.startswith(prefix + ".") for i in imports(m))
+        and not (m == prefix or m.startswith(prefix + "."))
+    }
+
+
+def test_the_graph_was_read() -> None:
+    assert "lora_router.routing.policy" in MODULES and "lora_router.fleet.client" in MODULES
+    assert "lora_router.fleet.fleet" in imports("lora_router.fleet.health")
+
+
+def test_routing_imports_neither_http_nor_fleet() -> None:
+    for module in (m for m in MODULES if m.startswith("lora_router.routing")):
+        bad = {
+            i for i in imports(module) if i.startswith(("lora_router.http", "lora_router.fleet"))
+        }
+        assert not bad, f"{module} imports {bad}"
+
+
+def test_nothing_imports_cli() -> None:
+    assert importers_of("lora_router.cli") == {"lora_router.__main__"}
+
+
+def test_the_router_never_imports_the_emulator() -> None:
+    assert importers_of("lora_router.emulator") == {"lora_router.demo"}
+
+
+def test_the_fence_imports_no_http() -> None:
+    assert not {i for i in imports("lora_router.fleet.fence") if i.startswith("lora_router.http")}
+
+
+def test_only_the_replica_client_opens_an_aiohttp_session_in_the_router() -> None:
+    clients = ("lora_router.emulator", "lora_router.demo", "lora_router.top")
+    router = {m for m in MODULES if not m.startswith(clients)}
+    users = {m for m in router if "aiohttp" in imports(m)}
+    assert users == {"lora_router.fleet.client"}
