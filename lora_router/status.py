@@ -343,75 +343,9 @@ def telemetry_families(state: RouterState) -> Iterator[Metric]:
         [([str(r.rid)], float(rep is not None)) for r, rep in reports],
     )
 
-    def reported(value: Callable[[Report], float | None]) -> Rows:
-        return [([str(r.rid)], v) for r, rep in known if (v := value(rep)) is not None]
-
-    yield gauge(
-        "lora_router_replica_requests_running",
-        "vllm:num_requests_running as the replica last reported it.",
-        replica,
-        reported(lambda rep: rep.running),
-    )
-    yield gauge(
-        "lora_router_replica_requests_waiting",
-        "vllm:num_requests_waiting as the replica last reported it.",
-        replica,
-        reported(lambda rep: rep.waiting),
-    )
-    yield gauge(
-        "lora_router_replica_kv_cache_usage",
-        "vllm:kv_cache_usage_perc as the replica last reported it (1 means full).",
-        replica,
-        reported(lambda rep: rep.kv_cache_usage),
-    )
-    yield gauge(
-        "lora_router_replica_prefix_cache_hit_ratio",
-        "Prefix-cache hits / queries (tokens) between the replica's last two reports.",
-        replica,
-        reported(lambda rep: rep.hit_rate),
-    )
-    yield gauge(
-        "lora_router_replica_generation_tokens_per_second",
-        "Tokens generated per second between the replica's last two reports.",
-        replica,
-        reported(lambda rep: rep.tokens_per_s),
-    )
-    yield gauge(
-        "lora_router_replica_adapters_running",
-        "Adapters with requests running, from vllm:lora_requests_info.",
-        replica,
-        reported(lambda rep: None if rep.adapters_running is None else len(rep.adapters_running)),
-    )
-    yield gauge(
-        "lora_router_replica_adapters_waiting",
-        "Adapters with requests waiting, from vllm:lora_requests_info.",
-        replica,
-        reported(lambda rep: None if rep.adapters_waiting is None else len(rep.adapters_waiting)),
-    )
-    yield counter(
-        "lora_router_replica_prefix_cache_queries",
-        "vllm:prefix_cache_queries_total (tokens) as last reported; resets with the replica.",
-        replica,
-        reported(lambda rep: rep.prefix_queries),
-    )
-    yield counter(
-        "lora_router_replica_prefix_cache_hits",
-        "vllm:prefix_cache_hits_total (tokens) as last reported; resets with the replica.",
-        replica,
-        reported(lambda rep: rep.prefix_hits),
-    )
-    yield counter(
-        "lora_router_replica_generation_tokens",
-        "vllm:generation_tokens_total as last reported; resets with the replica.",
-        replica,
-        reported(lambda rep: rep.generation_tokens),
-    )
-    yield counter(
-        "lora_router_replica_prompt_tokens",
-        "vllm:prompt_tokens_total as last reported; resets with the replica.",
-        replica,
-        reported(lambda rep: rep.prompt_tokens),
-    )
+    for kind, name, doc, value in _REPORTED:
+        rows = [([str(r.rid)], v) for r, rep in known if (v := value(rep)) is not None]
+        yield kind(name, doc, replica, rows)
     telemetry = state.telemetry
     if telemetry is not None:
         yield gauge(
@@ -453,3 +387,78 @@ def telemetry_families(state: RouterState) -> Iterator[Metric]:
     )
     durations.add_metric([], clock.durations.cumulative(), sum_value=clock.durations.total)
     yield durations
+
+
+def _count(names: tuple[str, ...] | None) -> int | None:
+    return None if names is None else len(names)
+
+
+# What each replica reported, one family per figure: (kind, name, help, the figure or None).
+_REPORTED: tuple[tuple[Callable[..., Metric], str, str, Callable[[Report], float | None]], ...] = (
+    (
+        gauge,
+        "lora_router_replica_requests_running",
+        "vllm:num_requests_running as the replica last reported it.",
+        lambda rep: rep.running,
+    ),
+    (
+        gauge,
+        "lora_router_replica_requests_waiting",
+        "vllm:num_requests_waiting as the replica last reported it.",
+        lambda rep: rep.waiting,
+    ),
+    (
+        gauge,
+        "lora_router_replica_kv_cache_usage",
+        "vllm:kv_cache_usage_perc as the replica last reported it (1 means full).",
+        lambda rep: rep.kv_cache_usage,
+    ),
+    (
+        gauge,
+        "lora_router_replica_prefix_cache_hit_ratio",
+        "Prefix-cache hits / queries (tokens) between the replica's last two reports.",
+        lambda rep: rep.hit_rate,
+    ),
+    (
+        gauge,
+        "lora_router_replica_generation_tokens_per_second",
+        "Tokens generated per second between the replica's last two reports.",
+        lambda rep: rep.tokens_per_s,
+    ),
+    (
+        gauge,
+        "lora_router_replica_adapters_running",
+        "Adapters with requests running, from vllm:lora_requests_info.",
+        lambda rep: _count(rep.adapters_running),
+    ),
+    (
+        gauge,
+        "lora_router_replica_adapters_waiting",
+        "Adapters with requests waiting, from vllm:lora_requests_info.",
+        lambda rep: _count(rep.adapters_waiting),
+    ),
+    (
+        counter,
+        "lora_router_replica_prefix_cache_queries",
+        "vllm:prefix_cache_queries_total (tokens) as last reported; resets with the replica.",
+        lambda rep: rep.prefix_queries,
+    ),
+    (
+        counter,
+        "lora_router_replica_prefix_cache_hits",
+        "vllm:prefix_cache_hits_total (tokens) as last reported; resets with the replica.",
+        lambda rep: rep.prefix_hits,
+    ),
+    (
+        counter,
+        "lora_router_replica_generation_tokens",
+        "vllm:generation_tokens_total as last reported; resets with the replica.",
+        lambda rep: rep.generation_tokens,
+    ),
+    (
+        counter,
+        "lora_router_replica_prompt_tokens",
+        "vllm:prompt_tokens_total as last reported; resets with the replica.",
+        lambda rep: rep.prompt_tokens,
+    ),
+)

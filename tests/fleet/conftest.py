@@ -172,6 +172,20 @@ async def complete(
     return status, _json(data)
 
 
+async def synced_traffic(client: aiohttp.ClientSession, rt: Any, name: str, path: str) -> None:
+    """A weight sync of adapter `name` through router `rt`, four completions under it on two
+    prompts, and a telemetry scrape before and after: every reported figure then has a value."""
+    assert rt.telemetry is not None
+    assert (await call(client, "POST", rt.url + "/pause?mode=keep"))[0] == 200
+    assert (await load(client, rt.url, name, path))[0] == 200
+    assert (await call(client, "POST", rt.url + "/resume"))[0] == 200
+    await rt.telemetry.scrape_all()
+    for i in (1, 2, 1, 2):
+        prompt = [i * 100 + t for t in range(48)]
+        assert (await complete(client, rt.url, name, prompt=prompt))[0] == 200
+    await rt.telemetry.scrape_all()
+
+
 def _json(data: bytes) -> Any:
     import orjson
 

@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import Adapter, StartEmulators, StartRouter, call, complete, load
+from .conftest import Adapter, StartEmulators, StartRouter, call, synced_traffic
 
 DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana" / "lora-router.json"
 
@@ -69,15 +69,7 @@ async def test_every_metric_the_dashboard_queries_is_exported(
 ) -> None:
     emus = await emulators(2)
     rt = await router(emus)
-    assert rt.telemetry is not None
-    assert (await call(client, "POST", rt.url + "/pause?mode=keep"))[0] == 200
-    assert (await load(client, rt.url, "v1", adapter("v1")))[0] == 200
-    assert (await call(client, "POST", rt.url + "/resume"))[0] == 200
-    await rt.telemetry.scrape_all()
-    for i in (1, 2, 1, 2):
-        prompt = [i * 100 + t for t in range(48)]
-        assert (await complete(client, rt.url, "v1", prompt=prompt))[0] == 200
-    await rt.telemetry.scrape_all()
+    await synced_traffic(client, rt, "v1", adapter("v1"))
     code, body, _ = await call(client, "GET", rt.url + "/metrics")
     assert code == 200
     exported = {

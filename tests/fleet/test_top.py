@@ -14,7 +14,7 @@ import pytest
 from lora_router.config import Secret
 from lora_router.top import compact, verdict
 
-from .conftest import Adapter, StartEmulators, StartRouter, call, complete, load
+from .conftest import Adapter, StartEmulators, StartRouter, call, synced_traffic
 
 
 def status(busy: float | None, paused: float, reporting: int = 2) -> dict[str, Any]:
@@ -76,15 +76,7 @@ async def test_top_once_prints_each_replicas_reported_figures(
 ) -> None:
     emus = await emulators(2)
     rt = await router(emus)
-    assert rt.telemetry is not None
-    assert (await call(client, "POST", rt.url + "/pause?mode=keep"))[0] == 200
-    assert (await load(client, rt.url, "trl-policy-v1", adapter("trl-policy-v1")))[0] == 200
-    assert (await call(client, "POST", rt.url + "/resume"))[0] == 200
-    await rt.telemetry.scrape_all()
-    for i in (1, 2, 1, 2):
-        prompt = [i * 100 + t for t in range(48)]
-        assert (await complete(client, rt.url, "trl-policy-v1", prompt=prompt))[0] == 200
-    await rt.telemetry.scrape_all()
+    await synced_traffic(client, rt, "trl-policy-v1", adapter("trl-policy-v1"))
     code, body, _ = await call(client, "GET", rt.url + "/router/status")
     doc = orjson.loads(body)
 
