@@ -307,5 +307,9 @@ class AdapterFence:
         """Live names in load order (the order `/v1/models` lists them)."""
         return {n: e for n, e in self._entries.items() if e.state is AdapterState.LIVE}
 
+    def loading(self) -> list[AdapterEntry]:
+        """Names whose load has arrived and is not settled yet, in arrival order."""
+        return [e for e in self._entries.values() if e.state is AdapterState.LOADING]
+
     def entries(self) -> Iterable[AdapterEntry]:
         return list(self._entries.values())

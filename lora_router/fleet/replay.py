@@ -137,10 +137,11 @@ class Replay:
         """Bring a replica in state *replaying* to the fleet's state, then report its success
         to its lifecycle (which admits it); raises ReplayError.
 
-        While it replays, load broadcasts include it (best effort, see broadcast.py): a
-        version that goes live meanwhile is then already loaded when the final pass runs under
-        the broadcast lock, so that pass — and the trainer's next call queued behind it — does
-        not wait for a whole adapter load."""
+        Loads being broadcast meet it from both sides, best effort: a broadcast that starts
+        while it replays includes it (broadcast.py), and its first pass includes the loads
+        under way when it starts. A version that goes live meanwhile is then already loaded
+        when the final pass runs under the broadcast lock, so that pass — and the trainer's
+        next call queued behind it — does not wait for a whole adapter load."""
         await self._converge(replica, final=False)
         async with self.broadcaster.lock:
             await self._converge(replica, final=True)
@@ -178,15 +179,26 @@ class Replay:
             if answers[0].status not in (200, 404):
                 raise ReplayError(f"unloading a stale adapter failed: {answers[0].message()}")
         missing = [(n, e) for n, e in live.items() if replica.adapters.get(n) != e.path]
-        if not missing:
+        # Outside the lock, the loads a broadcast is carrying out (or has queued) join this
+        # pass too, best effort: a replica that came back while a version was being broadcast
+        # then holds it when the final pass runs, so its replay is one round of loads, not two.
+        # What does not go live is unloaded by the final pass, like any name the fleet does
+        # not serve.
+        ahead = (
+            [] if final else [(e.name, e) for e in fence.loading() if e.name not in held.adapters]
+        )
+        if not missing and not ahead:
             return
         deadline = asyncio.get_running_loop().time() + self.config.load_deadline
         outcomes = await asyncio.gather(
-            *(broadcaster.load_on(replica, n, e.path, e.body, deadline) for n, e in missing)
+            *(broadcaster.load_on(replica, n, e.path, e.body, deadline) for n, e in missing),
+            *(broadcaster.load_on(replica, n, e.path, e.body, deadline) for n, e in ahead),
         )
-        for (name, entry), o in zip(missing, outcomes, strict=True):
+        for i, ((name, entry), o) in enumerate(zip(missing + ahead, outcomes, strict=True)):
             if o.kind in ("loaded", "present"):
                 replica.adapters[name] = entry.path
+            elif i >= len(missing):
+                pass  # one a broadcast is carrying: the final pass settles it
             elif o.kind == "conflict" and not o.detail:
                 raise UnlistedError(name)
             else:

@@ -29,6 +29,12 @@ from .conftest import (
 )
 
 
+def loads_after(emu: Emulator, start: int) -> list[str]:
+    """The adapter names of the loads `emu` received from its request `start` on, sorted."""
+    bodies = [r.body for r in emu.requests[start:] if r.path == "/v1/load_lora_adapter"]
+    return sorted(orjson.loads(b)["lora_name"] for b in bodies)
+
+
 def completions_after(emu: Emulator, start: int) -> int:
     return sum(1 for r in emu.requests[start:] if r.path == "/v1/completions")
 
@@ -418,4 +424,66 @@ async def test_a_load_during_a_replay_reaches_the_replaying_replica_and_never_de
     loads = [r.body for r in emus[1].requests[mark:] if r.path == "/v1/load_lora_adapter"]
     assert len(loads) == 2  # v1 by the replay, v2 by the broadcast: each once
     assert emus[1].state.adapters == {"v1": adapter("v1"), "v2": adapter("v2")}
+    assert monitor.violations == []
+
+
+async def test_a_replica_back_during_a_broadcast_loads_that_version_in_its_first_replay_round(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    adapter: Adapter,
+    monitor: FenceMonitor,
+) -> None:
+    emus = await emulators(2)
+    rt = await router(emus, health_interval=0.05, health_successes=1)
+    assert rt.fleet is not None
+    back = rt.fleet.replicas[1]
+    assert (await load(client, rt.url, "v1", adapter("v1")))[0] == 200
+    await emus[1].crash()
+    await until(lambda: not back.live, timeout=2.0)
+    # Replica 0 does not see v2's files yet: the broadcast keeps resending it (mount lag)
+    # until replica 1 is back and replaying, which no fixed delay could promise.
+    emus[0].faults.mount_lag = 1_000_000
+    loading = asyncio.create_task(load(client, rt.url, "v2", adapter("v2")))
+    await until(lambda: "v2" in paths_of(emus[0], "/v1/load_lora_adapter"))
+    mark = len(emus[1].requests)
+    await emus[1].restart()  # not serving when the broadcast began: not one of its riders
+    await until(lambda: "v2" in loads_after(emus[1], mark))
+    emus[0].faults.mount_lag = 0
+    assert (await loading)[0] == 200
+    # Its replay's first round, outside the broadcast lock, took v2 along with v1 (before,
+    # the final pass loaded v2 only once the broadcast had released the lock), and the final
+    # pass had nothing left to load.
+    await until(lambda: back.live, timeout=3.0)
+    assert loads_after(emus[1], mark) == ["v1", "v2"]
+    assert emus[1].state.adapters == {"v1": adapter("v1"), "v2": adapter("v2")}
+    assert monitor.violations == []
+
+
+async def test_a_version_whose_broadcast_fails_is_unloaded_from_a_replica_that_took_it_early(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    adapter: Adapter,
+    monitor: FenceMonitor,
+) -> None:
+    emus = await emulators(2)
+    rt = await router(emus, health_interval=0.05, health_successes=1)
+    assert rt.fleet is not None
+    back = rt.fleet.replicas[1]
+    assert (await load(client, rt.url, "v1", adapter("v1")))[0] == 200
+    await emus[1].crash()
+    await until(lambda: not back.live, timeout=2.0)
+    emus[0].faults.mount_lag = 1_000_000  # as above: the broadcast waits for replica 1
+    loading = asyncio.create_task(load(client, rt.url, "v2", adapter("v2")))
+    await until(lambda: "v2" in paths_of(emus[0], "/v1/load_lora_adapter"))
+    mark = len(emus[1].requests)
+    await emus[1].restart()
+    await until(lambda: "v2" in loads_after(emus[1], mark))  # taken early, best effort
+    emus[0].faults.load_failures = 1  # then the serving replica refuses it: all or nothing
+    emus[0].faults.mount_lag = 0
+    assert (await loading)[0] != 200
+    await until(lambda: back.live, timeout=3.0)
+    assert emus[1].state.adapters == {"v1": adapter("v1")}  # and given back before serving
+    assert "v2" not in back.adapters
     assert monitor.violations == []
