@@ -338,6 +338,44 @@ async def test_metrics_report_running_waiting_and_lora_requests(
     await asyncio.gather(first, second)
 
 
+def kv_usage(metrics: bytes) -> float:
+    """The value of `vllm:kv_cache_usage_perc` in a `/metrics` answer."""
+    prefix = 'vllm:kv_cache_usage_perc{engine="0",model_name="Qwen/Qwen2.5-Math-1.5B"} '
+    (line,) = [line for line in metrics.decode().splitlines() if line.startswith(prefix)]
+    return float(line.removeprefix(prefix))
+
+
+async def test_kv_cache_usage_of_an_idle_replica_is_zero_however_full_its_prefix_cache(
+    emu: Emulator, client: aiohttp.ClientSession
+) -> None:
+    # A real vLLM 0.32 replica reports 0 when idle: cached blocks no request holds are free.
+    await complete(client, emu, prompt=list(range(40)))
+    await complete(client, emu, prompt=list(range(40, 80)))
+    assert len(emu.state.cache) >= 4
+    status, body = await call(client, "GET", emu.url + "/metrics")
+    assert status == 200
+    assert kv_usage(body) == 0.0
+
+
+async def test_kv_cache_usage_counts_the_blocks_running_samples_hold_shared_blocks_once(
+    start: StartEmulator, client: aiohttp.ClientSession
+) -> None:
+    # No sample emits a token while the test looks: each holds exactly its prompt's blocks.
+    emu = await start(cache_blocks=64, decode_s_per_token=60.0)
+    prompts = [list(range(40)), list(range(40)), list(range(100, 120))]
+    tasks = [asyncio.create_task(complete(client, emu, prompt=p, max_tokens=4)) for p in prompts]
+    try:
+        await eventually(lambda: emu.state.num_running == 3)
+        _, body = await call(client, "GET", emu.url + "/metrics")
+        # 40 tokens: 2 full blocks the two siblings share, and a partial block each;
+        # 20 tokens: 1 full block and a partial one.
+        assert kv_usage(body) == (2 + 1 + 1 + 2) / 64
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 @pytest.mark.parametrize(
     ("path", "body"),
     [
