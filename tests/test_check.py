@@ -97,7 +97,7 @@ def _main_capturing(argv: list[str], out: io.StringIO) -> int:
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
-async def test_each_failure_is_named_and_fails_the_check(
+async def test_each_failure_fails_the_check_by_name(
     name: str, configs: list[EmulatorConfig], expected: str
 ) -> None:
     async with replicas(*configs) as emus:
@@ -119,12 +119,20 @@ async def test_an_unreachable_replica_is_named() -> None:
     assert f"{dead.name}: unreachable: cannot connect" in text
 
 
-async def test_a_rejected_token_is_unauthorized_and_the_right_one_passes() -> None:
+async def check_with_token(token: str) -> tuple[int, str]:
+    """`--check` with `token` against a replica whose API key is "right"."""
     async with replicas(EmulatorConfig(api_key="right")) as emus:
-        wrong, wrong_text = await run_check(fleet_config(emus, token=Secret("wrong")))
-        right, right_text = await run_check(fleet_config(emus, token=Secret("right")))
+        return await run_check(fleet_config(emus, token=Secret(token)))
+
+
+async def test_a_rejected_token_is_unauthorized() -> None:
+    wrong, wrong_text = await check_with_token("wrong")
     assert wrong == 1 and "unauthorized: HTTP 401" in wrong_text
     assert "right" not in wrong_text and "wrong" not in wrong_text  # the token never shows
+
+
+async def test_the_right_token_passes() -> None:
+    right, right_text = await check_with_token("right")
     assert right == 0, right_text
 
 
@@ -171,19 +179,27 @@ async def test_tls_replicas_are_checked_with_the_ca_file(tmp_path: Path) -> None
     assert "--ca-file" in untrusted_text
 
 
-async def test_the_command_line_passes_the_token_and_max_staleness(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def check_from_the_command_line(
+    monkeypatch: pytest.MonkeyPatch, *flags: str
+) -> tuple[int, str]:
+    """`lora-router --check --token-env REPLICA_TOKEN *flags` against a replica with 6 LoRA
+    slots whose API key is the one in $REPLICA_TOKEN: the exit status and the output."""
     monkeypatch.setenv("REPLICA_TOKEN", "right")
     async with replicas(EmulatorConfig(api_key="right", max_loras=6)) as emus:
-        argv = ["--check", "--replicas", emus[0].url, "--token-env", "REPLICA_TOKEN"]
-        ready_out, strict_out = io.StringIO(), io.StringIO()
-        ready = await asyncio.to_thread(_main_capturing, argv, ready_out)
-        strict = await asyncio.to_thread(
-            _main_capturing, [*argv, "--max-staleness", "5"], strict_out
-        )
-    assert ready == 0, ready_out.getvalue()
-    assert strict == 1 and "below max_staleness + 2 = 7" in strict_out.getvalue()
+        argv = ["--check", "--replicas", emus[0].url, "--token-env", "REPLICA_TOKEN", *flags]
+        out = io.StringIO()
+        status = await asyncio.to_thread(_main_capturing, argv, out)
+    return status, out.getvalue()
+
+
+async def test_the_command_line_passes_the_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    ready, ready_out = await check_from_the_command_line(monkeypatch)
+    assert ready == 0, ready_out
+
+
+async def test_the_command_line_passes_max_staleness(monkeypatch: pytest.MonkeyPatch) -> None:
+    strict, strict_out = await check_from_the_command_line(monkeypatch, "--max-staleness", "5")
+    assert strict == 1 and "below max_staleness + 2 = 7" in strict_out
 
 
 async def test_an_https_url_on_a_plain_http_replica_reports_the_tls_error() -> None:

@@ -45,12 +45,12 @@ def test_max_loras_must_cover_max_staleness_plus_two() -> None:
     assert "below max_staleness + 2 = 7" in what
 
 
-def test_disagreement_names_the_field_and_the_replicas() -> None:
+def test_a_disagreement_names_the_field_with_the_odd_replicas_value() -> None:
     (what,) = errors([ready("http://a:1"), ready("http://b:1", block_size=32)])
     assert "block size" in what and "32 on http://b:1" in what
 
 
-def test_an_unreachable_replica_is_one_problem_and_takes_no_part_in_agreement() -> None:
+def test_an_unreachable_replica_is_its_only_problem() -> None:
     down = ReplicaFacts(name="http://b:1", answer="unreachable", detail="cannot connect")
     (what,) = errors([ready("http://a:1"), down])
     assert what.startswith("unreachable")

@@ -126,7 +126,7 @@ def test_public_listen_with_a_key_or_insecure_flag_is_allowed() -> None:
         ["--replicas", "http://a", "--no-token", "--policy", "random"],
     ],
 )
-def test_bad_flags_print_one_line_and_exit_2(argv: list[str]) -> None:
+def test_bad_flags_are_a_one_line_usage_error(argv: list[str]) -> None:
     result = run(*argv)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
@@ -219,7 +219,7 @@ def _help_entries(text: str) -> dict[str, str]:
     return entries
 
 
-def test_every_flag_in_help_shows_its_help_and_its_default_once() -> None:
+def test_every_flag_in_help_is_described_with_one_default() -> None:
     result = run("--help")
     assert result.returncode == 0
     entries = _help_entries(result.stdout)
@@ -246,7 +246,7 @@ def test_block_size_states_its_computed_default_once() -> None:
     assert text.count("default") == 1 and "cache_config.block_size, else 16" in text
 
 
-def test_no_token_and_token_env_together_is_a_usage_error() -> None:
+def test_no_token_with_token_env_is_a_usage_error() -> None:
     with pytest.raises(UsageError, match="--token-env and --no-token"):
         config("--replicas", "http://a", "--token-env", "HF_TOKEN", "--no-token")
 
@@ -261,7 +261,9 @@ def test_python_dash_m_lora_router_is_the_command() -> None:
     assert result.returncode == 0 and result.stdout.startswith("lora-router ")
 
 
-def test_a_port_in_use_is_one_line_exit_2_and_no_replica_is_contacted() -> None:
+def start_on_a_port_in_use() -> tuple[subprocess.CompletedProcess[str], list[bool]]:
+    """Run the router on a port something else listens on, with one replica that records
+    connections: the finished process and one entry per connection the replica saw."""
     contacted: list[bool] = []
 
     async def scenario() -> subprocess.CompletedProcess[str]:
@@ -280,12 +282,20 @@ def test_a_port_in_use_is_one_line_exit_2_and_no_replica_is_contacted() -> None:
             replica.close()
             busy.close()
 
-    result = uvloop.run(scenario())
+    return uvloop.run(scenario()), contacted
+
+
+def test_a_port_in_use_is_one_line_exit_2() -> None:
+    result, _ = start_on_a_port_in_use()
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("lora-router: error: cannot listen on 127.0.0.1:")
     assert "in use" in lines[0]
+
+
+def test_a_port_in_use_contacts_no_replica() -> None:
+    _, contacted = start_on_a_port_in_use()
     assert contacted == []
 
 

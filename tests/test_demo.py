@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(60)
 SMALL = DemoPlan(replicas=2, steps=6, prompts=4, group=8, max_tokens=8, mount_lag=1)
 
 
-async def test_a_small_run_completes_and_its_numbers_add_up() -> None:
+async def test_a_small_runs_numbers_add_up() -> None:
     result = await run(SMALL, progress=None)
     plan = SMALL
     total = plan.steps * plan.prompts * plan.group

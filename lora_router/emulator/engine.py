@@ -103,6 +103,7 @@ class Engine:
         self._pause = _PauseState()
         self._pause.resumed.set()
         self._frozen: set[Seq] = set()
+        self._holding: dict[Seq, SampleJob] = {}  # samples in the batch, holding KV blocks
         self._idle = asyncio.Event()
         self._idle.set()
         self._rng = random.Random(config.seed)
@@ -134,6 +135,27 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting) + self.queued_while_paused
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """The share of the KV block pool held by samples in the batch, as vLLM's block pool
+        reports it (`1 - free / total`).
+
+        A real server's free queue includes cached blocks no request holds (they are reused or
+        evicted on demand), so an idle replica reports 0 however full its prefix cache is. A
+        sample holds the blocks of its prompt and of what it generated so far, the partial last
+        block included; siblings share their prompt's full blocks, counted once.
+        """
+        if self.config.cache_blocks == 0:
+            return 0.0
+        shared: set[int] = set()
+        own = 0
+        block_size = self.config.block_size
+        for job in self._holding.values():
+            held = -(-(len(job.prompt) + job.emitted) // block_size)
+            shared.update(job.prompt_hashes)
+            own += held - len(job.prompt_hashes)
+        return min(1.0, (len(shared) + own) / self.config.cache_blocks)
 
     # --- adapters --------------------------------------------------------------------------
 
@@ -228,6 +250,7 @@ class Engine:
         self._idle.clear()
         try:
             await self.scheduler.admit(seq)
+            self._holding[seq] = job
             if seq.lora_id is not None:
                 await self._activate_adapter(seq)
             job.cached_tokens = self.cache.lookup(job.prompt_hashes, len(job.prompt))
@@ -259,6 +282,7 @@ class Engine:
             self.counters.aborted += 1
         finally:
             self.scheduler.release(seq)
+            self._holding.pop(seq, None)
             self._frozen.discard(seq)
             if not self.scheduler.in_flight():
                 self._idle.set()

@@ -2,8 +2,10 @@
 
 Routers and gateways read these to balance load and LoRA affinity: the prefix-cache counters
 (`vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total`, in tokens), the queue gauges
-(`vllm:num_requests_running`, `vllm:num_requests_waiting`) and `vllm:lora_requests_info`, whose
-labels list the adapters running and waiting and whose value is a timestamp, as vLLM sets it.
+(`vllm:num_requests_running`, `vllm:num_requests_waiting`), `vllm:kv_cache_usage_perc` (the
+blocks the batch holds, not the cached ones: 0 when idle, as a real server reports it) and
+`vllm:lora_requests_info`, whose labels list the adapters running and waiting and whose value
+is a timestamp, as vLLM sets it.
 Rendered from the engine's state at scrape time; never cached.
 """
 
@@ -50,11 +52,10 @@ class _EngineCollector(Collector):
             "Number of requests waiting to be processed.",
             engine.num_waiting,
         )
-        capacity = max(1, engine.cache.capacity)
         yield gauge(
             "vllm:kv_cache_usage_perc",
             "KV-cache usage. 1 means 100 percent usage.",
-            len(engine.cache) / capacity,
+            engine.kv_cache_usage,
         )
         yield counter(
             "vllm:prefix_cache_queries",

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import aiohttp
 import pytest
@@ -18,18 +19,27 @@ COMPLETIONS = "/v1/completions"
 SLOW = {"decode_s_per_token": 0.01}  # 100 tokens take a second: long enough to act mid-way
 
 
-async def test_pause_answers_paused_and_is_paused_says_so(
-    emu: Emulator, client: aiohttp.ClientSession
-) -> None:
+async def test_pause_answers_paused(emu: Emulator, client: aiohttp.ClientSession) -> None:
     assert await call(client, "POST", emu.url + "/pause?mode=keep") == (200, b'{"status":"paused"}')
-    assert await call(client, "GET", emu.url + "/is_paused") == (200, b'{"is_paused":true}')
     assert emu.state.paused
 
 
-async def test_resume_answers_resumed_and_is_idempotent(
+async def test_is_paused_says_so_after_a_pause(
+    emu: Emulator, client: aiohttp.ClientSession
+) -> None:
+    await call(client, "POST", emu.url + "/pause?mode=keep")
+    assert await call(client, "GET", emu.url + "/is_paused") == (200, b'{"is_paused":true}')
+
+
+async def test_resume_without_a_pause_answers_resumed(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
     assert await call(client, "POST", emu.url + "/resume") == (200, b'{"status":"resumed"}')
+
+
+async def test_resume_after_a_pause_answers_resumed_with_is_paused_false(
+    emu: Emulator, client: aiohttp.ClientSession
+) -> None:
     await call(client, "POST", emu.url + "/pause")
     assert await call(client, "POST", emu.url + "/resume") == (200, b'{"status":"resumed"}')
     assert await call(client, "GET", emu.url + "/is_paused") == (200, b'{"is_paused":false}')
@@ -216,7 +226,7 @@ async def test_reset_prefix_cache_fails_while_requests_run(
     await pending
 
 
-async def test_server_info_json_reports_lora_cache_and_parallel_config(
+async def test_server_info_json_reports_the_configured_engine_settings(
     start: StartEmulator, client: aiohttp.ClientSession
 ) -> None:
     emu = await start(max_lora_rank=1, max_loras=6, max_cpu_loras=8, block_size=32)
@@ -263,10 +273,13 @@ async def test_wrong_method_is_405(emu: Emulator, client: aiohttp.ClientSession)
     )
 
 
-async def test_health_and_ping_answer_200_empty(
+async def test_health_answers_200_empty(emu: Emulator, client: aiohttp.ClientSession) -> None:
+    assert await call(client, "GET", emu.url + "/health") == (200, b"")
+
+
+async def test_ping_answers_200_empty_to_either_method(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
-    assert await call(client, "GET", emu.url + "/health") == (200, b"")
     assert await call(client, "GET", emu.url + "/ping") == (200, b"")
     assert await call(client, "POST", emu.url + "/ping") == (200, b"")
 
@@ -284,21 +297,33 @@ async def test_version_reports_the_emulated_release(
     assert await call(client, "GET", new.url + "/version") == (200, b'{"version":"0.33.0"}')
 
 
-async def test_tokenize_and_detokenize_round_trip_text(
+async def tokenize_2_plus_2(emu: Emulator, client: aiohttp.ClientSession) -> dict[str, Any]:
+    """The emulator's `/tokenize` answer for the text "2+2"."""
+    _, body = await call(client, "POST", emu.url + "/tokenize", json={"prompt": "2+2"})
+    tokenized: dict[str, Any] = json.loads(body)
+    return tokenized
+
+
+async def test_tokenize_answers_the_tokens_their_count_the_max_model_len(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
-    _, body = await call(client, "POST", emu.url + "/tokenize", json={"prompt": "2+2"})
-    tokenized = json.loads(body)
+    tokenized = await tokenize_2_plus_2(emu, client)
     assert tokenized["tokens"] == [50, 43, 50]
     assert tokenized["count"] == 3
     assert tokenized["max_model_len"] == 4096
+
+
+async def test_detokenize_gives_back_the_text_tokenize_took(
+    emu: Emulator, client: aiohttp.ClientSession
+) -> None:
+    tokenized = await tokenize_2_plus_2(emu, client)
     _, body = await call(
         client, "POST", emu.url + "/detokenize", json={"tokens": tokenized["tokens"]}
     )
     assert json.loads(body) == {"prompt": "2+2"}
 
 
-async def test_metrics_count_prefix_cache_queries_and_hits_in_tokens(
+async def test_metrics_count_the_prefix_cache_in_tokens(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
     await complete(client, emu, prompt=list(range(40)))
@@ -315,9 +340,12 @@ async def test_metrics_count_prefix_cache_queries_and_hits_in_tokens(
     )
 
 
-async def test_metrics_report_running_waiting_and_lora_requests(
+@pytest.fixture
+async def metrics_with_v1_running_v2_waiting(
     start: StartEmulator, client: aiohttp.ClientSession, adapter: Callable[..., str]
-) -> None:
+) -> AsyncIterator[str]:
+    """`/metrics` of one sequence at a time while trl-policy-v1 runs and trl-policy-v2 waits;
+    both requests then finish."""
     emu = await start(max_num_seqs=1, **SLOW)
     await load(client, emu, "trl-policy-v1", adapter("v1"))
     await load(client, emu, "trl-policy-v2", adapter("v2"))
@@ -328,14 +356,61 @@ async def test_metrics_report_running_waiting_and_lora_requests(
     second = asyncio.create_task(complete(client, emu, model="trl-policy-v2", max_tokens=1))
     await eventually(lambda: emu.state.num_waiting == 1)
     _, body = await call(client, "GET", emu.url + "/metrics")
-    text = body.decode()
+    yield body.decode()
+    await asyncio.gather(first, second)
+
+
+async def test_metrics_report_the_queue(metrics_with_v1_running_v2_waiting: str) -> None:
+    text = metrics_with_v1_running_v2_waiting
     assert 'vllm:num_requests_running{engine="0",model_name="Qwen/Qwen2.5-Math-1.5B"} 1.0' in text
     assert 'vllm:num_requests_waiting{engine="0",model_name="Qwen/Qwen2.5-Math-1.5B"} 1.0' in text
+
+
+async def test_metrics_label_the_adapters_running_apart_from_those_waiting(
+    metrics_with_v1_running_v2_waiting: str,
+) -> None:
     assert (
         'vllm:lora_requests_info{max_lora="6",running_lora_adapters="trl-policy-v1",'
         'waiting_lora_adapters="trl-policy-v2"}'
-    ) in text
-    await asyncio.gather(first, second)
+    ) in metrics_with_v1_running_v2_waiting
+
+
+def kv_usage(metrics: bytes) -> float:
+    """The value of `vllm:kv_cache_usage_perc` in a `/metrics` answer."""
+    prefix = 'vllm:kv_cache_usage_perc{engine="0",model_name="Qwen/Qwen2.5-Math-1.5B"} '
+    (line,) = [line for line in metrics.decode().splitlines() if line.startswith(prefix)]
+    return float(line.removeprefix(prefix))
+
+
+async def test_kv_cache_usage_of_an_idle_replica_is_zero_however_full_its_prefix_cache(
+    emu: Emulator, client: aiohttp.ClientSession
+) -> None:
+    # A real vLLM 0.32 replica reports 0 when idle: cached blocks no request holds are free.
+    await complete(client, emu, prompt=list(range(40)))
+    await complete(client, emu, prompt=list(range(40, 80)))
+    assert len(emu.state.cache) >= 4
+    status, body = await call(client, "GET", emu.url + "/metrics")
+    assert status == 200
+    assert kv_usage(body) == 0.0
+
+
+async def test_kv_cache_usage_counts_the_blocks_running_samples_hold_shared_blocks_once(
+    start: StartEmulator, client: aiohttp.ClientSession
+) -> None:
+    # No sample emits a token while the test looks: each holds exactly its prompt's blocks.
+    emu = await start(cache_blocks=64, decode_s_per_token=60.0)
+    prompts = [list(range(40)), list(range(40)), list(range(100, 120))]
+    tasks = [asyncio.create_task(complete(client, emu, prompt=p, max_tokens=4)) for p in prompts]
+    try:
+        await eventually(lambda: emu.state.num_running == 3)
+        _, body = await call(client, "GET", emu.url + "/metrics")
+        # 40 tokens: 2 full blocks the two siblings share, and a partial block each;
+        # 20 tokens: 1 full block and a partial one.
+        assert kv_usage(body) == (2 + 1 + 1 + 2) / 64
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @pytest.mark.parametrize(
@@ -347,7 +422,7 @@ async def test_metrics_report_running_waiting_and_lora_requests(
         ("/detokenize", {"tokens": [True]}),
     ],
 )
-async def test_tokenize_and_detokenize_answer_bad_input_400(
+async def test_the_tokenizer_routes_answer_bad_input_400(
     emu: Emulator, client: aiohttp.ClientSession, path: str, body: dict[str, object]
 ) -> None:
     status, raw = await call(client, "POST", emu.url + path, json=body)

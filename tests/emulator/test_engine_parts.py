@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from lora_router.emulator import EmulatorConfig, tokens
 from lora_router.emulator.adapter_files import AdapterSpec
-from lora_router.emulator.adapters import AdapterSlots
+from lora_router.emulator.adapters import Adapter, AdapterSlots
 from lora_router.emulator.engine import Engine
 from lora_router.emulator.prefix_cache import PrefixCache, block_hashes
 from lora_router.emulator.scheduler import Scheduler, Seq
@@ -33,12 +33,25 @@ def test_extra_keys_separate_the_same_prompt() -> None:
     assert block_hashes(prompt, 16, ("v3",)) != block_hashes(prompt, 16, ("v4",))
 
 
-def test_027_keys_blocks_by_adapter_name_and_033_by_name_and_path() -> None:
-    old, new = Engine(EmulatorConfig(vllm_version="0.27")), Engine(EmulatorConfig())
-    adapter = old.register("v1", "/a/v1", SPEC, inplace=False)
-    assert old.extra_keys(adapter) == ("v1",)
-    assert new.extra_keys(adapter) == ("v1", "/a/v1")
-    assert old.extra_keys(None) == ()
+def engine_with_v1(vllm_version: str) -> tuple[Engine, Adapter]:
+    """An engine of `vllm_version` with adapter v1 loaded from /a/v1."""
+    engine = Engine(EmulatorConfig(vllm_version=vllm_version))
+    return engine, engine.register("v1", "/a/v1", SPEC, inplace=False)
+
+
+def test_027_keys_blocks_by_the_adapter_name() -> None:
+    engine, adapter = engine_with_v1("0.27")
+    assert engine.extra_keys(adapter) == ("v1",)
+
+
+def test_033_keys_blocks_by_the_adapter_name_with_its_path() -> None:
+    engine, adapter = engine_with_v1("0.33")
+    assert engine.extra_keys(adapter) == ("v1", "/a/v1")
+
+
+def test_the_base_model_keys_blocks_by_nothing() -> None:
+    engine, _ = engine_with_v1("0.27")
+    assert engine.extra_keys(None) == ()
 
 
 def test_a_fully_cached_prompt_still_recomputes_its_last_token() -> None:
@@ -49,7 +62,7 @@ def test_a_fully_cached_prompt_still_recomputes_its_last_token() -> None:
     assert cache.lookup(hashes, 33) == 32
 
 
-def test_lookup_counts_queried_and_hit_tokens() -> None:
+def test_lookup_counters_count_tokens_not_blocks() -> None:
     cache = PrefixCache(block_size=16, capacity=100)
     hashes = block_hashes(list(range(40)), 16)
     cache.lookup(hashes, 40)
@@ -191,7 +204,13 @@ async def test_a_full_batch_makes_a_request_wait() -> None:
     assert second >= first + 0.04
 
 
-def test_keep_alive_comments_default_to_15_s_on_033_and_never_on_027() -> None:
+def test_keep_alive_comments_default_to_15_s_on_033() -> None:
     assert EmulatorConfig().keepalive_interval == 15.0
+
+
+def test_keep_alive_comments_are_off_at_0_s() -> None:
     assert EmulatorConfig(sse_keepalive_s=0).keepalive_interval is None
+
+
+def test_027_never_sends_keep_alive_comments() -> None:
     assert EmulatorConfig(vllm_version="0.27", sse_keepalive_s=1).keepalive_interval is None

@@ -13,7 +13,7 @@ from .conftest import StartEmulator, call, frames_of, load
 COMPLETIONS = "/v1/completions"
 
 
-async def test_fast_mode_answers_a_completion_with_token_ids_and_logprobs(
+async def test_fast_mode_answers_a_completion_with_every_requested_field(
     start: StartEmulator, client: aiohttp.ClientSession
 ) -> None:
     emu = await start(fast=True)
@@ -54,18 +54,30 @@ async def test_fast_mode_answers_the_routes_a_router_needs_to_start(
     assert json.loads(raw)["data"][0]["max_model_len"] == 4096
 
 
-async def test_fast_mode_loads_and_unloads_adapters(
+async def fast_with_v1(start: StartEmulator, client: aiohttp.ClientSession, path: str) -> str:
+    """A fast-mode emulator with trl-policy-v1 loaded; returns its URL."""
+    emu = await start(fast=True)
+    await load(client, emu, "trl-policy-v1", path)
+    return emu.url
+
+
+async def test_fast_mode_serves_a_loaded_adapter(
     start: StartEmulator, client: aiohttp.ClientSession, adapter: Callable[..., str]
 ) -> None:
-    emu = await start(fast=True)
-    await load(client, emu, "trl-policy-v1", adapter())
+    url = await fast_with_v1(start, client, adapter())
     status, raw = await call(
-        client, "POST", emu.url + COMPLETIONS, json={"model": "trl-policy-v1", "prompt": [1]}
+        client, "POST", url + COMPLETIONS, json={"model": "trl-policy-v1", "prompt": [1]}
     )
     assert status == 200
     assert json.loads(raw)["model"] == "trl-policy-v1"
+
+
+async def test_fast_mode_unloads_an_adapter_with_vllms_bare_answer(
+    start: StartEmulator, client: aiohttp.ClientSession, adapter: Callable[..., str]
+) -> None:
+    url = await fast_with_v1(start, client, adapter())
     async with client.post(
-        emu.url + "/v1/unload_lora_adapter", json={"lora_name": "trl-policy-v1"}
+        url + "/v1/unload_lora_adapter", json={"lora_name": "trl-policy-v1"}
     ) as r:
         assert r.status == 200
         assert "Content-Type" not in r.headers

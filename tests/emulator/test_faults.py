@@ -137,14 +137,25 @@ async def test_dead_engine_answers_500_on_completions(
     assert json.loads(raw)["error"]["type"] == "InternalServerError"
 
 
-async def test_admin_endpoint_sets_and_shows_faults(
-    emu: Emulator, client: aiohttp.ClientSession
-) -> None:
-    status, raw = await call(
+async def set_dead_and_mount_lag(emu: Emulator, client: aiohttp.ClientSession) -> tuple[int, bytes]:
+    """Set `dead` and `mount_lag=3` through the admin endpoint; returns its answer."""
+    return await call(
         client, "POST", emu.url + "/emulator/faults", json={"dead": True, "mount_lag": 3}
     )
+
+
+async def test_admin_endpoint_answers_the_faults_it_set(
+    emu: Emulator, client: aiohttp.ClientSession
+) -> None:
+    status, raw = await set_dead_and_mount_lag(emu, client)
     assert status == 200
     assert json.loads(raw)["mount_lag"] == 3
+
+
+async def test_faults_set_through_the_admin_endpoint_take_effect(
+    emu: Emulator, client: aiohttp.ClientSession
+) -> None:
+    await set_dead_and_mount_lag(emu, client)
     assert emu.faults.dead
     assert (await call(client, "GET", emu.url + "/health"))[0] == 503
 
@@ -177,7 +188,7 @@ async def test_admin_endpoint_releases_a_stall(
     await pending
 
 
-async def test_restart_forgets_every_adapter_and_the_pause(
+async def test_restart_keeps_the_port_with_a_fresh_engine(
     emu: Emulator, client: aiohttp.ClientSession, adapter: Callable[..., str]
 ) -> None:
     await load(client, emu, "trl-policy-v1", adapter())

@@ -16,7 +16,7 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 
 
-async def test_token_id_prompt_is_answered_with_token_ids_and_logprobs(
+async def test_token_id_prompt_is_answered_with_a_logprob_per_token_id(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
     body = await complete(
@@ -110,7 +110,7 @@ async def test_max_tokens_reached_finishes_with_length(
     assert body["usage"]["completion_tokens"] == 1  # type: ignore[index]
 
 
-async def test_eos_finishes_with_stop_and_is_not_in_the_text(
+async def test_eos_finishes_with_stop_outside_the_text(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
     body = await complete(client, emu, max_tokens=3000, seed=3, return_token_ids=True, logprobs=0)

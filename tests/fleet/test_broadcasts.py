@@ -8,6 +8,10 @@ import logging
 import aiohttp
 import orjson
 import pytest
+from multidict import CIMultiDictProxy
+
+from lora_router.emulator import Emulator
+from lora_router.runtime import RouterRuntime
 
 from .conftest import (
     Adapter,
@@ -23,21 +27,36 @@ from .conftest import (
 )
 
 
-async def test_load_reaches_every_replica_and_answers_vllms_own_success(
+async def load_on_three(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
-) -> None:
+) -> tuple[list[Emulator], str, int, CIMultiDictProxy[str], bytes]:
+    """Load trl-policy-v1 through a router of three replicas: the replicas, the adapter's path
+    and the router's answer (status, headers, body)."""
     emus = await emulators(3)
     rt = await router(emus)
-    body = {"lora_name": "trl-policy-v1", "lora_path": adapter("trl-policy-v1")}
+    path = adapter("trl-policy-v1")
+    body = {"lora_name": "trl-policy-v1", "lora_path": path}
     async with client.post(rt.url + "/v1/load_lora_adapter", json=body) as resp:
-        text = await resp.read()
-        assert resp.status == 200
-        # vLLM's success is plain text with no Content-Type at all; the router keeps it so.
-        assert "Content-Type" not in resp.headers
-        assert resp.headers["x-lora-router-replica"] == "0,1,2"
-    assert text == b"Success: LoRA adapter 'trl-policy-v1' added successfully."
+        return emus, path, resp.status, resp.headers, await resp.read()
+
+
+async def test_a_load_reaches_every_replica(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    emus, path, _, headers, _ = await load_on_three(emulators, router, client, adapter)
+    assert headers["x-lora-router-replica"] == "0,1,2"
     for emu in emus:
-        assert emu.state.adapters == {"trl-policy-v1": body["lora_path"]}
+        assert emu.state.adapters == {"trl-policy-v1": path}
+
+
+async def test_a_load_answers_vllms_own_success(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    _, _, status, headers, text = await load_on_three(emulators, router, client, adapter)
+    assert status == 200
+    # vLLM's success is plain text with no Content-Type at all; the router keeps it so.
+    assert "Content-Type" not in headers
+    assert text == b"Success: LoRA adapter 'trl-policy-v1' added successfully."
 
 
 async def test_mount_lag_is_retried_until_the_replica_sees_the_files(
@@ -66,21 +85,36 @@ async def test_a_load_that_never_becomes_visible_answers_504_never_404(
     assert all("v1" not in emu.state.adapters for emu in emus)
 
 
-async def test_a_real_failure_rolls_back_and_names_the_replica(
+async def load_failing_on_replica_1(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> tuple[list[Emulator], RouterRuntime, int, bytes]:
+    """Load v1 through three replicas, the second of which fails it for real: the replicas,
+    the router and its answer."""
+    emus = await emulators(3)
+    emus[1].faults.load_failures = 1
+    rt = await router(emus)
+    status, data = await load(client, rt.url, "v1", adapter("v1"))
+    return emus, rt, status, data
+
+
+async def test_a_real_failure_names_the_replica(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    emus, _, status, data = await load_failing_on_replica_1(emulators, router, client, adapter)
+    assert status == 500
+    error = orjson.loads(data)["error"]
+    assert error["message"].startswith(f"Cannot load adapter 'v1': Replica 1 ({emus[1].url})")
+    assert error["type"] == "InternalServerError"
+
+
+async def test_a_real_failure_rolls_back_every_replica(
     emulators: StartEmulators,
     router: StartRouter,
     client: aiohttp.ClientSession,
     adapter: Adapter,
     monitor: FenceMonitor,
 ) -> None:
-    emus = await emulators(3)
-    emus[1].faults.load_failures = 1
-    rt = await router(emus)
-    status, data = await load(client, rt.url, "v1", adapter("v1"))
-    assert status == 500
-    error = orjson.loads(data)["error"]
-    assert error["message"].startswith(f"Cannot load adapter 'v1': Replica 1 ({emus[1].url})")
-    assert error["type"] == "InternalServerError"
+    emus, rt, _, _ = await load_failing_on_replica_1(emulators, router, client, adapter)
     assert all("v1" not in emu.state.adapters for emu in emus)
     assert paths_of(emus[0], "/v1/unload_lora_adapter") == ["v1"]
     # The name never became live: completions get vLLM's 404 from the router itself.
@@ -240,22 +274,37 @@ async def test_unload_counts_a_replica_that_never_had_it_as_done(
     assert status == 404 and b"cannot be found" in data
 
 
-async def test_pause_and_resume_reach_every_replica_with_their_query(
+async def paused_three(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
-) -> None:
+) -> tuple[list[Emulator], RouterRuntime, int, bytes]:
+    """Three replicas behind a router paused with `mode=keep&clear_cache=false`: the replicas,
+    the router and its answer to the pause."""
     emus = await emulators(3)
     rt = await router(emus)
     status, data, _ = await call(client, "POST", rt.url + "/pause?mode=keep&clear_cache=false")
+    return emus, rt, status, data
+
+
+async def test_pause_reaches_every_replica_with_its_query(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus, rt, status, data = await paused_three(emulators, router, client)
     assert (status, orjson.loads(data)) == (200, {"status": "paused"})
     assert all(e.state.paused and e.state.pause_mode == "keep" for e in emus)
     assert all(
         r.path == "/pause?mode=keep&clear_cache=false" for e in emus for r in e.requests[-1:]
     )
     assert rt.fleet is not None and rt.fleet.pause.query == "mode=keep&clear_cache=false"
+
+
+async def test_resume_undoes_the_pause_everywhere(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus, rt, _, _ = await paused_three(emulators, router, client)
     status, data, _ = await call(client, "POST", rt.url + "/resume")
     assert (status, orjson.loads(data)) == (200, {"status": "resumed"})
     assert not any(e.state.paused for e in emus)
-    assert rt.fleet.pause.query is None
+    assert rt.fleet is not None and rt.fleet.pause.query is None
 
 
 async def test_a_failed_pause_names_the_replica(
@@ -292,7 +341,7 @@ async def test_health_is_200_only_when_every_live_replica_is(
     assert f"Replica 1 ({emus[1].url})" in orjson.loads(data)["error"]["message"]
 
 
-async def test_models_lists_the_base_first_and_only_fenced_adapters(
+async def test_models_lists_the_base_first_then_only_fenced_adapters(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
 ) -> None:
     emus = await emulators(2)
@@ -436,7 +485,7 @@ async def test_malformed_load_requests_are_refused_like_vllm(
     assert not any(r.path == "/v1/load_lora_adapter" for r in emus[0].requests)
 
 
-async def test_the_token_reaches_the_replicas_and_never_an_answer_or_a_log(
+async def test_the_token_is_sent_to_the_replicas_only(
     emulators: StartEmulators,
     router: StartRouter,
     client: aiohttp.ClientSession,

@@ -8,10 +8,10 @@ import pytest
 
 from lora_router.app import fence_error
 from lora_router.fleet.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
-from lora_router.fleet.fence import AdapterFence, AdapterState, FenceRefusal
+from lora_router.fleet.fence import AdapterEntry, AdapterFence, AdapterState, FenceRefusal
 
 
-async def test_base_model_and_no_model_pass_at_once() -> None:
+async def test_the_base_model_named_or_omitted_passes_at_once() -> None:
     fence = AdapterFence(1.0)
     fence.base_models.add("base")
     assert fence.admits(None) and fence.admits("base")
@@ -96,11 +96,21 @@ async def test_a_load_after_an_unload_is_not_erased_by_the_unload_finishing() ->
     assert fence.state("v1") is AdapterState.LIVE
 
 
-async def test_the_same_load_twice_shares_one_entry_and_one_success_suffices() -> None:
+def the_same_load_twice() -> tuple[AdapterFence, AdapterEntry, AdapterEntry]:
+    """A fence and what two identical loads of v1 began with."""
     fence = AdapterFence(5.0)
     first = fence.begin_load("v1", "/a/v1", b"{}", inplace=False)
     second = fence.begin_load("v1", "/a/v1", b"{}", inplace=False)
+    return fence, first, second
+
+
+async def test_the_same_load_twice_shares_one_entry() -> None:
+    _, first, second = the_same_load_twice()
     assert first is second
+
+
+async def test_one_success_of_the_same_load_twice_suffices() -> None:
+    fence, first, second = the_same_load_twice()
     fence.finish_load(first, ok=False, failure="x")
     assert fence.state("v1") is AdapterState.LOADING  # the second attempt is still to come
     fence.finish_load(second, ok=True)

@@ -15,6 +15,7 @@ import pytest
 from lora_router.app import RouterApp
 from lora_router.emulator import Emulator
 from lora_router.http.server import Request
+from lora_router.runtime import RouterRuntime
 
 from .conftest import (
     Adapter,
@@ -56,7 +57,7 @@ async def stream(
     return received, "done" if received.endswith(b"data: [DONE]\n\n") else "short"
 
 
-async def test_a_replica_killed_mid_stream_cuts_its_stream_cleanly_and_others_go_on(
+async def test_a_replica_killed_mid_stream_cuts_only_its_own_stream(
     emulators: StartEmulators,
     router: StartRouter,
     client: aiohttp.ClientSession,
@@ -174,7 +175,7 @@ async def test_health_checks_notice_a_restart_before_any_request_does(
     assert monitor.violations == []
 
 
-async def test_a_replica_answering_5xx_opens_its_breaker_and_its_keys_move_unseen(
+async def test_a_replica_answering_5xx_is_avoided_unseen_once_its_breaker_opens(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
 ) -> None:
     emus = await emulators(3)
@@ -249,20 +250,34 @@ async def test_down_replica_policy_fail_refuses_loads_while_a_replica_is_out(
     assert all("v1" not in e.state.adapters for e in (emus[0], emus[2]))
 
 
-async def test_a_replica_unreachable_during_a_load_is_ejected_and_gets_it_on_return(
+async def load_with_replica_2_down(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> tuple[list[Emulator], RouterRuntime]:
+    """Three replicas; the third is down, unnoticed, when v1 is loaded (answered 200)."""
+    emus = await emulators(3)
+    rt = await router(emus, health_interval=0.05)
+    await emus[2].crash()  # the next load finds out before any health check does
+    assert (await load(client, rt.url, "v1", adapter("v1")))[0] == 200
+    return emus, rt
+
+
+async def test_a_replica_unreachable_during_a_load_is_ejected(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    _, rt = await load_with_replica_2_down(emulators, router, client, adapter)
+    assert rt.fleet is not None
+    assert not rt.fleet.replicas[2].live
+    assert (await complete(client, rt.url, "v1"))[0] == 200
+
+
+async def test_a_replica_unreachable_during_a_load_gets_it_on_return(
     emulators: StartEmulators,
     router: StartRouter,
     client: aiohttp.ClientSession,
     adapter: Adapter,
     monitor: FenceMonitor,
 ) -> None:
-    emus = await emulators(3)
-    rt = await router(emus, health_interval=0.05)
-    assert rt.fleet is not None
-    await emus[2].crash()  # the next load finds out before any health check does
-    assert (await load(client, rt.url, "v1", adapter("v1")))[0] == 200
-    assert not rt.fleet.replicas[2].live
-    assert (await complete(client, rt.url, "v1"))[0] == 200
+    emus, rt = await load_with_replica_2_down(emulators, router, client, adapter)
     await emus[2].restart()
     await until(lambda: rt.fleet is not None and rt.fleet.replicas[2].live, timeout=3.0)
     assert emus[2].state.adapters == {"v1": adapter("v1")}
@@ -392,13 +407,12 @@ async def test_replayed_loads_use_the_trainers_own_request(
     assert paths_of(emus[0], "/v1/load_lora_adapter") == ["v1"]
 
 
-async def test_a_load_during_a_replay_reaches_the_replaying_replica_and_never_delays_resume(
-    emulators: StartEmulators,
-    router: StartRouter,
-    client: aiohttp.ClientSession,
-    adapter: Adapter,
-    monitor: FenceMonitor,
-) -> None:
+async def sync_v2_during_a_replay(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> tuple[list[Emulator], RouterRuntime, int]:
+    """Two replicas with loads of 0.3 s; the second comes back and its replay is loading v1
+    when the trainer pauses and loads v2 (not yet resumed). Returns the replicas, the router
+    and the index of the second replica's first request after its restart."""
     emus = await emulators(2)
     for emu in emus:
         emu.faults.load_delay_s = 0.3
@@ -414,12 +428,32 @@ async def test_a_load_during_a_replay_reaches_the_replaying_replica_and_never_de
     await until(lambda: any(r.path == "/v1/load_lora_adapter" for r in emus[1].requests[mark:]))
     assert (await call(client, "POST", rt.url + "/pause?mode=keep"))[0] == 200
     assert (await load(client, rt.url, "v2", adapter("v2")))[0] == 200
+    return emus, rt, mark
+
+
+async def test_a_load_during_a_replay_never_delays_resume(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    _, rt, _ = await sync_v2_during_a_replay(emulators, router, client, adapter)
     loop = asyncio.get_running_loop()
     started = loop.time()
     assert (await call(client, "POST", rt.url + "/resume"))[0] == 200
     # v2 rode along with the broadcast, so the replay's final pass (which the resume queues
     # behind) had no load of 0.3 s left to do.
     assert loop.time() - started < 0.15
+
+
+async def test_a_load_during_a_replay_reaches_the_replaying_replica_once(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    adapter: Adapter,
+    monitor: FenceMonitor,
+) -> None:
+    emus, rt, mark = await sync_v2_during_a_replay(emulators, router, client, adapter)
+    assert (await call(client, "POST", rt.url + "/resume"))[0] == 200
+    assert rt.fleet is not None
+    back = rt.fleet.replicas[1]
     await until(lambda: back.live, timeout=3.0)
     loads = [r.body for r in emus[1].requests[mark:] if r.path == "/v1/load_lora_adapter"]
     assert len(loads) == 2  # v1 by the replay, v2 by the broadcast: each once

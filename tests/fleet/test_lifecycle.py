@@ -138,7 +138,7 @@ def in_state(state: State) -> Lifecycle:
 CELLS = [(state, event) for state in State for event in EVENTS]
 
 
-def test_the_table_covers_every_state_and_event() -> None:
+def test_the_table_covers_every_state_event_pair() -> None:
     assert set(TABLE) == set(State)
     for row in TABLE.values():
         assert set(row) == set(EVENTS)
@@ -204,8 +204,20 @@ def test_the_back_off_is_capped() -> None:
     assert life.backoff() == MAX_BACKOFF_S
 
 
-def test_a_listing_never_ejects_the_last_serving_replica_and_each_refusal_is_counted() -> None:
+def three_listings_lacking_v1_on_the_last_serving_replica() -> tuple[Lifecycle, list[bool]]:
+    """A serving replica, the only one, told three times that its listing lacks v1: the
+    lifecycle and what each listing answered (True: ejected)."""
     life = in_state(S)
-    for _ in range(3):
-        assert not life.listing_lacks(NOW, "lost v1", others_serving=False)
-    assert life.state is S and life.listing_kept == 3 and life.ejections == 0
+    return life, [life.listing_lacks(NOW, "lost v1", others_serving=False) for _ in range(3)]
+
+
+def test_a_listing_never_ejects_the_last_serving_replica() -> None:
+    life, ejected = three_listings_lacking_v1_on_the_last_serving_replica()
+    for answer in ejected:
+        assert not answer
+    assert life.state is S and life.ejections == 0
+
+
+def test_each_listing_refused_for_the_last_serving_replica_is_counted() -> None:
+    life, _ = three_listings_lacking_v1_on_the_last_serving_replica()
+    assert life.listing_kept == 3

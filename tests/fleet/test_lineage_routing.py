@@ -9,6 +9,9 @@ from typing import Any
 
 import aiohttp
 
+from lora_router.emulator import Emulator
+from lora_router.runtime import RouterRuntime
+
 from .conftest import Adapter, StartEmulators, StartRouter, load, until
 
 G = 8
@@ -73,14 +76,24 @@ async def test_a_new_lineage_is_placed_apart_from_a_busy_one(
     assert other != first
 
 
-async def test_in_flight_prompt_tokens_are_counted_and_returned(
+PROMPT = list(range(500, 740))
+
+
+async def two_slow_replicas(
+    emulators: StartEmulators, router: StartRouter
+) -> tuple[list[Emulator], RouterRuntime]:
+    """Two replicas decoding at 50 ms a token behind a router that retries once."""
+    emus = await emulators(2, decode_s_per_token=0.05)
+    return emus, await router(emus, retries=1)
+
+
+async def test_in_flight_prompt_tokens_are_held_only_while_requests_run(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
 ) -> None:
-    emus = await emulators(2, decode_s_per_token=0.05)
-    runtime = await router(emus, retries=1)
+    emus, runtime = await two_slow_replicas(emulators, router)
     fleet = runtime.fleet
     assert fleet is not None
-    prompt = list(range(500, 740))
+    prompt = PROMPT
     slow = asyncio.create_task(turn(client, runtime.url, emus[0].config.model, prompt))
     await until(lambda: sum(r.in_flight_tokens for r in fleet.replicas) == len(prompt))
     # A sibling on the fast path (its wire hash alone) counts its tokens too.
@@ -88,6 +101,15 @@ async def test_in_flight_prompt_tokens_are_counted_and_returned(
     await until(lambda: sum(r.in_flight_tokens for r in fleet.replicas) == 2 * len(prompt))
     await asyncio.gather(slow, sibling)
     assert [(r.in_flight, r.in_flight_tokens) for r in fleet.replicas] == [(0, 0), (0, 0)]
+
+
+async def test_a_request_retried_after_a_refused_connection_leaks_no_in_flight_tokens(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus, runtime = await two_slow_replicas(emulators, router)
+    fleet = runtime.fleet
+    assert fleet is not None
+    prompt = PROMPT
     # A replica that refuses the connection: the retry counts on the next one, nothing leaks.
     home = fleet.replicas[int((await turn(client, runtime.url, emus[0].config.model, prompt))[0])]
     await emus[home.rid].stop()

@@ -11,6 +11,9 @@ import aiohttp
 import orjson
 import pytest
 
+from lora_router.emulator import Emulator
+from lora_router.runtime import RouterRuntime
+
 from .conftest import Adapter, StartEmulators, StartRouter, call, load, paths_of, until
 
 
@@ -29,14 +32,11 @@ async def _send_load_and_hang_up_later(
     return reader, writer
 
 
-async def test_a_replica_that_cannot_see_the_adapter_is_logged_and_shown_while_it_waits(
-    emulators: StartEmulators,
-    router: StartRouter,
-    client: aiohttp.ClientSession,
-    adapter: Adapter,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    caplog.set_level(logging.INFO, logger="lora_router")
+async def replica_2_waiting_for_the_files(
+    emulators: StartEmulators, router: StartRouter, adapter: Adapter
+) -> tuple[list[Emulator], RouterRuntime, asyncio.StreamWriter]:
+    """Three replicas, the third of which never sees trl-policy-v1's files, and a load of it
+    whose wait has begun. Returns the replicas, the router and the load's connection."""
     emus = await emulators(3)
     emus[2].faults.mount_lag = 10_000  # replica 2 never sees the files
     rt = await router(emus, load_deadline=20.0)
@@ -47,7 +47,33 @@ async def test_a_replica_that_cannot_see_the_adapter_is_logged_and_shown_while_i
     )
     async with asyncio.timeout(10):
         await until(lambda: bool(rt.broadcaster and rt.broadcaster.mount_waits))
+    return emus, rt, writer
+
+
+async def test_a_replica_that_cannot_see_the_adapter_is_logged_while_it_waits(
+    emulators: StartEmulators,
+    router: StartRouter,
+    adapter: Adapter,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="lora_router")
+    emus, _, writer = await replica_2_waiting_for_the_files(emulators, router, adapter)
+    async with asyncio.timeout(10):
         await until(lambda: "still answers 'No adapter found'" in caplog.text)
+    started = [
+        r.getMessage()
+        for r in caplog.records
+        if "still" not in r.getMessage() and "answers 'No adapter found' for" in r.getMessage()
+    ]
+    assert len(started) == 1 and f"Replica 2 ({emus[2].url})" in started[0]
+    writer.close()
+
+
+async def test_a_replica_that_cannot_see_the_adapter_is_shown_while_it_waits(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    _, rt, writer = await replica_2_waiting_for_the_files(emulators, router, adapter)
+    async with asyncio.timeout(10):
         _, data, _ = await call(client, "GET", rt.url + "/router/status")
         waits = orjson.loads(data)["broadcasts"]["mount_waits"]
         assert [(w["replica"], w["adapter"]) for w in waits] == [(2, "trl-policy-v1")]
@@ -60,16 +86,10 @@ async def test_a_replica_that_cannot_see_the_adapter_is_logged_and_shown_while_i
         )
         assert float(line.split()[-1]) > 0
         assert 'lora_router_load_mount_wait_seconds{replica="0"} 0.0' in metrics.decode()
-    started = [
-        r.getMessage()
-        for r in caplog.records
-        if "still" not in r.getMessage() and "answers 'No adapter found' for" in r.getMessage()
-    ]
-    assert len(started) == 1 and f"Replica 2 ({emus[2].url})" in started[0]
     writer.close()
 
 
-async def test_the_wait_ends_when_the_client_disconnects_and_a_queued_resume_is_answered(
+async def test_the_wait_ends_when_the_client_disconnects(
     emulators: StartEmulators,
     router: StartRouter,
     client: aiohttp.ClientSession,

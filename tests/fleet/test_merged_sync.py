@@ -6,6 +6,8 @@ import aiohttp
 import orjson
 import pytest
 
+from lora_router.emulator import Emulator
+
 from .conftest import StartEmulators, StartRouter, call
 
 # What TRL 1.16's VLLMClient posts when `select_adapter_sync` returned False
@@ -18,17 +20,41 @@ MERGED_SYNC_CALLS = [
 ]
 
 
+async def merged_sync_call(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    path: str,
+    body: object,
+) -> tuple[list[Emulator], int, bytes]:
+    """Post one merged-sync call to a router of two replicas: the replicas and the answer."""
+    emus = await emulators(2)
+    rt = await router(emus)
+    status, data, _ = await call(client, "POST", rt.url + path, body)
+    return emus, status, data
+
+
 @pytest.mark.parametrize(("path", "body"), MERGED_SYNC_CALLS)
-async def test_merged_weight_sync_is_refused_with_the_cause_and_reaches_no_replica(
+async def test_merged_weight_sync_reaches_no_replica(
     emulators: StartEmulators,
     router: StartRouter,
     client: aiohttp.ClientSession,
     path: str,
     body: object,
 ) -> None:
-    emus = await emulators(2)
-    rt = await router(emus)
-    status, data, _ = await call(client, "POST", rt.url + path, body)
+    emus, _, _ = await merged_sync_call(emulators, router, client, path, body)
+    assert not any(r.path.split("?")[0] == path for emu in emus for r in emu.requests)
+
+
+@pytest.mark.parametrize(("path", "body"), MERGED_SYNC_CALLS)
+async def test_merged_weight_sync_is_refused_with_the_cause(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    path: str,
+    body: object,
+) -> None:
+    _, status, data = await merged_sync_call(emulators, router, client, path, body)
     assert status == 501
     error = orjson.loads(data)["error"]
     assert error["code"] == 501 and error["type"] == "NotImplemented"
@@ -36,4 +62,3 @@ async def test_merged_weight_sync_is_refused_with_the_cause_and_reaches_no_repli
     assert path in message
     assert "Only adapter-only sync" in message and "every replica" in message
     assert "--enable-lora" in message and "peft_config" in message
-    assert not any(r.path.split("?")[0] == path for emu in emus for r in emu.requests)

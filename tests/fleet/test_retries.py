@@ -8,7 +8,9 @@ import aiohttp
 import orjson
 import pytest
 
+from lora_router.emulator import Emulator
 from lora_router.retry_budget import MIN_RETRIES, WINDOW_S, RetryBudget
+from lora_router.runtime import RouterRuntime
 
 from .conftest import StartEmulators, StartRouter, call, complete
 
@@ -37,17 +39,32 @@ async def test_a_replica_answering_500_with_a_healthy_health_costs_the_client_no
     assert f'lora_router_retries_total{{reason="5xx"}} {float(sick)}'.encode() in metrics
 
 
-async def test_a_4xx_is_passed_on_and_never_counts_against_the_replica(
+async def four_4xx(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
-) -> None:
+) -> tuple[list[Emulator], RouterRuntime, list[int]]:
+    """Four completions through two replicas that answer every one 400 (round-robin, a
+    breaker that opens on the first failure): the replicas, the router and the statuses."""
     emus = await emulators(2)
     for emu in emus:
         emu.faults.error_rate, emu.faults.error_status = 1.0, 400
     rt = await router(emus, policy="round-robin", breaker_failures=1)
-    assert rt.fleet is not None
     statuses = [(await complete(client, rt.url, prompt=[i] * 20))[0] for i in range(4)]
+    return emus, rt, statuses
+
+
+async def test_a_4xx_is_passed_on_without_a_retry(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus, _, statuses = await four_4xx(emulators, router, client)
     assert statuses == [400] * 4
     assert completions(emus[0]) + completions(emus[1]) == 4  # no retry
+
+
+async def test_a_4xx_never_counts_against_the_replica(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    _, rt, _ = await four_4xx(emulators, router, client)
+    assert rt.fleet is not None
     assert all(r.breaker.failures == 0 and r.breaker.state == "closed" for r in rt.fleet.replicas)
 
 

@@ -74,7 +74,7 @@ async def test_status_shows_what_each_replica_reports(
     )
 
 
-async def test_reported_queue_and_adapters_of_running_and_waiting_requests(
+async def test_a_replicas_report_shows_its_queue_with_the_adapters_in_it(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
 ) -> None:
     # One sequence at a time, slowly: the first request runs, the second waits behind it.
@@ -116,9 +116,11 @@ async def test_replicas_are_scraped_on_the_health_interval(
     assert all(r.report is not None and 0.03 < r.report.interval < 1.0 for r in replicas)
 
 
-async def test_router_metrics_export_each_replicas_report_and_fleet_totals(
+async def metrics_after_two_samples(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
-) -> None:
+) -> tuple[Emulator, dict[tuple[str, tuple[tuple[str, str], ...]], float], str]:
+    """Two replicas scraped before and after two samples of one prompt of 8 tokens each: the
+    replica that served them, the router's `/metrics` samples and that replica's index."""
     emus = await emulators(2)
     rt = await router(emus)
     assert rt.telemetry is not None
@@ -131,7 +133,14 @@ async def test_router_metrics_export_each_replicas_report_and_fleet_totals(
     got = samples(body.decode())
     served = next(e for e in emus if e.state.counters.generated_tokens)
     rid = next(r.rid for r in rt.fleet.replicas if r.name == served.url) if rt.fleet else -1
-    label = (("replica", str(rid)),)
+    return served, got, str(rid)
+
+
+async def test_router_metrics_export_each_replicas_report(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    served, got, rid = await metrics_after_two_samples(emulators, router, client)
+    label = (("replica", rid),)
     assert got[("lora_router_replica_reporting", label)] == 1
     assert got[("lora_router_replica_requests_waiting", label)] == 0
     assert got[("lora_router_replica_generation_tokens_total", label)] == 16
@@ -141,6 +150,12 @@ async def test_router_metrics_export_each_replicas_report_and_fleet_totals(
     assert got[("lora_router_replica_prefix_cache_hit_ratio", label)] == pytest.approx(
         served.state.cache.hits / served.state.cache.queries
     )
+
+
+async def test_router_metrics_export_the_fleet_totals(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    served, got, _ = await metrics_after_two_samples(emulators, router, client)
     assert got[("lora_router_fleet_prefix_cache_hit_ratio", ())] == pytest.approx(
         served.state.cache.hits / served.state.cache.queries
     )
@@ -200,7 +215,7 @@ async def assert_unknown_and_serving(
     assert str(rid) in served
 
 
-async def test_a_replica_without_metrics_is_unknown_and_keeps_serving(
+async def test_a_replica_without_metrics_is_only_marked_unknown(
     emulators: StartEmulators,
     router: StartRouter,
     client: aiohttp.ClientSession,
@@ -228,7 +243,7 @@ async def test_a_replica_without_metrics_is_unknown_and_keeps_serving(
     ],
     ids=["html", "other-program", "binary", "broken-line", "partial"],
 )
-async def test_a_replica_answering_garbage_is_unknown_and_keeps_serving(
+async def test_a_replica_answering_garbage_is_only_marked_unknown(
     emulators: StartEmulators,
     router: StartRouter,
     client: aiohttp.ClientSession,

@@ -24,7 +24,7 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return out
 
 
-async def test_metrics_count_requests_by_route_status_and_replica(
+async def test_metrics_count_each_request_by_its_route_status_replica(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
 ) -> None:
     emus = await emulators(2)
@@ -56,9 +56,11 @@ async def test_metrics_count_requests_by_route_status_and_replica(
     )
 
 
-async def test_metrics_show_fleet_state_and_routing_decisions(
+@pytest.fixture
+async def after_a_load_and_four_samples(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
-) -> None:
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The router's `/metrics` samples after one load and four samples of one prompt."""
     emus = await emulators(2)
     rt = await router(emus)
     assert (await load(client, rt.url, "trl-policy-v1", adapter("trl-policy-v1")))[0] == 200
@@ -66,17 +68,35 @@ async def test_metrics_show_fleet_state_and_routing_decisions(
         status, _ = await complete(client, rt.url, model="trl-policy-v1")
         assert status == 200
     _, body, _ = await call(client, "GET", rt.url + "/metrics")
-    got = samples(body.decode())
+    return samples(body.decode())
+
+
+async def test_metrics_show_the_fleet_state(
+    after_a_load_and_four_samples: dict[tuple[str, tuple[tuple[str, str], ...]], float],
+) -> None:
+    got = after_a_load_and_four_samples
     assert got[("lora_router_adapters_live", ())] == 1
     assert got[("lora_router_replica_up", (("replica", "0"),))] == 1
     assert got[("lora_router_in_flight", (("replica", "1"),))] == 0
     assert got[("lora_router_breaker_opens_total", (("replica", "0"),))] == 0
+
+
+async def test_metrics_count_routing_decisions_by_kind(
+    after_a_load_and_four_samples: dict[tuple[str, tuple[tuple[str, str], ...]], float],
+) -> None:
+    got = after_a_load_and_four_samples
     assert got[("lora_router_routing_decisions_total", (("kind", "fresh"),))] == 1
     assert got[("lora_router_routing_decisions_total", (("kind", "sibling"),))] == 3
+
+
+async def test_metrics_count_broadcasts_by_op_outcome(
+    after_a_load_and_four_samples: dict[tuple[str, tuple[tuple[str, str], ...]], float],
+) -> None:
+    got = after_a_load_and_four_samples
     assert got[("lora_router_broadcasts_total", (("op", "load"), ("outcome", "ok")))] == 1
 
 
-async def test_status_page_lists_replicas_adapters_and_fence(
+async def test_status_page_shows_the_whole_fleet_state(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
 ) -> None:
     emus = await emulators(3)

@@ -19,9 +19,7 @@ async def locked(router_factory, replica):
     "authorization",
     [None, "", "Bearer", "Bearer wrong", f"Basic {API_KEY}", f"Bearer {API_KEY}x", f"{API_KEY}"],
 )
-async def test_requests_without_the_key_get_401_and_reach_no_replica(
-    locked, replica, authorization
-):
+async def test_requests_without_the_key_are_refused_401_at_the_door(locked, replica, authorization):
     headers = {} if authorization is None else {"Authorization": authorization}
     r = await request(locked.url, "POST", "/v1/completions", completion(), headers=headers)
     assert r.status == 401
@@ -30,16 +28,26 @@ async def test_requests_without_the_key_get_401_and_reach_no_replica(
     assert replica.requests == []
 
 
-@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER"])
-async def test_the_key_lets_a_request_through_and_is_not_forwarded(locked, replica, scheme):
-    r = await request(
+async def with_the_key(locked, scheme):
+    """A completion through the locked router with the key under `scheme`."""
+    return await request(
         locked.url,
         "POST",
         "/v1/completions",
         completion(),
         headers={"Authorization": f"{scheme} {API_KEY}"},
     )
+
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER"])
+async def test_the_key_lets_a_request_through(locked, scheme):
+    r = await with_the_key(locked, scheme)
     assert r.status == 200
+
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER"])
+async def test_the_key_is_replaced_by_the_replicas_token_upstream(locked, replica, scheme):
+    await with_the_key(locked, scheme)
     assert replica.requests[0].all(b"authorization") == [f"Bearer {TOKEN}".encode()]
 
 

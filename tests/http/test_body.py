@@ -19,7 +19,7 @@ def test_token_prompt() -> None:
     assert c.stream and c.text is None
 
 
-def test_a_sibling_prompt_is_kept_as_its_wire_text_and_not_parsed_again() -> None:
+def test_a_sibling_prompt_is_kept_as_its_wire_text_unparsed() -> None:
     reader = CompletionReader(100)
     first = reader.read(b'{"prompt": [7, 8,  9], "seed": 1}', chat=False)
     assert first.raw_tokens == b"[7, 8,  9]" and list(first.tokens or []) == [7, 8, 9]
@@ -63,15 +63,21 @@ def test_a_message_nested_past_the_encoders_depth_is_a_400() -> None:
     assert info.value.status == 400 and "nested" in info.value.message
 
 
-def test_batch_is_keyed_by_its_first_prompt_and_validated_whole() -> None:
+def test_a_batch_is_keyed_by_its_first_prompt() -> None:
     assert list(read(b'{"prompt": [[1, 2], [3]]}').token_ids() or []) == [1, 2]
+
+
+def test_a_batch_is_validated_whole() -> None:
     with pytest.raises(HTTPError):
         read(b'{"prompt": [[1, 2], [-3]]}')
 
 
-def test_text_and_chat_prompts() -> None:
+def test_a_text_prompt_is_read_as_its_first_text() -> None:
     assert read(b'{"prompt": "hi"}').text == b"hi"
     assert read(b'{"prompt": ["a", "b"]}').text == b"a"
+
+
+def test_a_chat_prompt_is_read_as_text_without_token_ids() -> None:
     chat = read(b'{"messages": [{"role": "user", "content": "x"}]}', chat=True)
     assert chat.text and chat.token_ids() is None
 
@@ -103,13 +109,22 @@ def test_the_reader_compares_prompt_bytes_not_only_hashes() -> None:
     assert got.tokens is not None and list(got.tokens) == [2]
 
 
-def test_the_reader_never_remembers_a_bad_prompt_and_stays_bounded() -> None:
-    reader = CompletionReader(100, entries=4, max_bytes=64)
+def small_reader() -> CompletionReader:
+    """A reader that remembers at most 4 prompts, of 64 bytes in all."""
+    return CompletionReader(100, entries=4, max_bytes=64)
+
+
+def test_the_reader_never_remembers_a_bad_prompt() -> None:
+    reader = small_reader()
     for _ in range(2):
         with pytest.raises(HTTPError):
             reader.read(b'{"prompt": [4294967296]}', chat=False)  # 2**32: out of range
+    assert not reader._prompts._items
+
+
+def test_the_reader_stays_bounded() -> None:
+    reader = small_reader()
     prompts = reader._prompts
-    assert not prompts._items
     for i in range(10):
         reader.read(b'{"prompt": [%d]}' % i, chat=False)
     assert len(prompts._items) == 4

@@ -149,11 +149,13 @@ async def test_any_routed_body_gets_a_4xx_from_the_router_or_goes_out_byte_for_b
         assert sent.body == body and sent.target == path.encode()
 
 
-async def test_the_two_reproductions_are_400s_and_the_connection_serves_on(
-    router_factory, replica: FakeReplica
-):
+async def the_reproductions_then_a_good_request(router_factory, replica: FakeReplica):
+    """The fuzzers' reproductions, then one good completion, on one client session: the
+    (status, body) answers to the reproductions, the good one's status and its body, and one
+    entry per connection the client opened."""
     router = await router_factory(replica.url, policy="prefix")
     opened = []  # connections the client opened: one for every request below
+    refused = []
 
     async def on_open(*_: object) -> None:
         opened.append(1)
@@ -168,9 +170,23 @@ async def test_the_two_reproductions_are_400s_and_the_connection_serves_on(
             ("/v1/completions", b'{"prompt": [1, ' + b"7" * 100_000 + b"]}"),
         ):
             async with http.post(router.url + path, data=body, headers=headers) as resp:
-                doc = await resp.json()
-                assert resp.status == 400 and doc["error"]["type"] == "Bad Request"
+                refused.append((resp.status, await resp.json()))
         body = b'{"prompt": [1, 2]}'
         async with http.post(router.url + "/v1/completions", data=body, headers=headers) as resp:
-            assert resp.status == 200
+            status = resp.status
+    return refused, status, body, opened
+
+
+async def test_the_reproductions_are_400s(router_factory, replica: FakeReplica):
+    refused, _, _, _ = await the_reproductions_then_a_good_request(router_factory, replica)
+    assert len(refused) == 3
+    for status, doc in refused:
+        assert status == 400 and doc["error"]["type"] == "Bad Request"
+
+
+async def test_the_connection_serves_on_after_the_reproductions(
+    router_factory, replica: FakeReplica
+):
+    _, status, body, opened = await the_reproductions_then_a_good_request(router_factory, replica)
+    assert status == 200
     assert len(opened) == 1 and [r.body for r in replica.requests] == [body]

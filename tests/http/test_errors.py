@@ -67,14 +67,14 @@ async def test_bad_chat_bodies_get_vllm_400(router, replica, body):
     assert replica.requests == []
 
 
-async def test_a_batch_of_token_prompts_and_text_prompts_pass(router, replica):
+async def test_every_valid_prompt_shape_passes(router, replica):
     for prompt in ([[1, 2], [3]], "text", ["a", "b"]):
         r = await request(router.url, "POST", "/v1/completions", completion(prompt=prompt))
         assert r.status == 200
     assert len(replica.requests) == 3
 
 
-async def test_thousands_of_bad_requests_leave_fds_and_tasks_at_baseline(router, replica, clients):
+async def test_thousands_of_bad_requests_leak_nothing(router, replica, clients):
     async def burst() -> None:
         # bad bodies on keep-alive connections, malformed HTTP on fresh ones
         client = await clients(router.url)
@@ -219,16 +219,25 @@ async def test_a_long_answer_is_not_cut_by_client_deadlines(router_factory, repl
     assert (await request(router.url)).status == 200
 
 
-async def test_no_first_byte_in_time_is_504_and_not_retried(router_factory, replica):
+async def no_first_byte_in_time(router_factory, replica):
+    """A completion through a router that waits 0.3 s for a first byte from a replica that
+    sends none: the router's answer."""
+
     async def respond(req: Received, conn: ReplicaConn) -> None:
         await asyncio.sleep(5)
 
     replica.responder = respond
     router = await router_factory(replica.url, first_byte_timeout=0.3)
-    error = assert_vllm_error(
-        await request(router.url, "POST", "/v1/completions", completion()), 504
-    )
+    return await request(router.url, "POST", "/v1/completions", completion())
+
+
+async def test_no_first_byte_in_time_is_504(router_factory, replica):
+    error = assert_vllm_error(await no_first_byte_in_time(router_factory, replica), 504)
     assert "Replica 0" in error["message"]
+
+
+async def test_no_first_byte_in_time_is_not_retried(router_factory, replica):
+    await no_first_byte_in_time(router_factory, replica)
     assert len(replica.requests) == 1
 
 

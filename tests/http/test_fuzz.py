@@ -131,7 +131,7 @@ def check_responses(raw: bytes) -> int:
     cuts=st.lists(st.integers(0, 2000), max_size=4),
     delay=st.sampled_from([0.0, 0.0, 0.002, 0.01]),
 )
-async def test_fuzzed_streams_get_valid_answers_or_a_close_and_never_a_hang(
+async def test_every_fuzzed_stream_ends_in_a_valid_answer_or_a_close_in_time(
     router_factory, replica, data, cuts, delay
 ):
     router = getattr(replica, "fuzz_router", None)

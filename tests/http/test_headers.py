@@ -28,7 +28,7 @@ def _fields(head: bytes) -> list[tuple[bytes, bytes]]:
     return [(n.lower(), v) for n, _, v in (line.partition(b": ") for line in lines)]
 
 
-def test_hop_by_hop_headers_and_those_connection_names_are_removed() -> None:
+def test_hop_by_hop_headers_are_removed_with_those_connection_names() -> None:
     head = _head(
         [
             (b"connection", b"keep-alive, X-Secret-Hop , x-other"),
@@ -85,7 +85,7 @@ def test_values_are_forwarded_verbatim_never_resplit() -> None:
     assert (b"x-odd", odd) in fields and (b"accept", b"a/b, c/d") in fields
 
 
-def test_content_length_is_exact_and_transfer_encoding_gone() -> None:
+def test_the_forwarded_body_is_framed_by_its_exact_content_length_only() -> None:
     head = upstream_request_head(
         b"POST",
         b"/v1/completions",

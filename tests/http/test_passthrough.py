@@ -58,7 +58,7 @@ delays = st.sampled_from([0.0, 0.0, 0.001, 0.003])
     delay=delays,
     head_with_first=st.booleans(),
 )
-async def test_sse_stream_is_byte_exact_and_each_frame_arrives_before_the_next_is_written(
+async def test_sse_stream_passes_through_byte_exact_frame_by_frame(
     router_factory, replica_factory, frames, cuts, delay, head_with_first
 ):
     # The replica writes frame i (in pieces, with delays) and then waits until the client has
@@ -450,9 +450,7 @@ async def test_bytes_after_the_end_of_a_response_never_reach_the_client(router, 
     assert b"EVIL" not in answer.raw and not client._pending
 
 
-async def test_a_close_delimited_answer_is_forwarded_and_ends_with_a_close(
-    router, replica, clients
-):
+async def test_a_close_delimited_answer_is_forwarded_up_to_its_close(router, replica, clients):
     async def respond(req: Received, conn: ReplicaConn) -> None:
         await conn.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nuntil the end")
         conn.abort()
@@ -464,7 +462,7 @@ async def test_a_close_delimited_answer_is_forwarded_and_ends_with_a_close(
     assert raw.endswith(b"\r\n\r\nuntil the end") and b"connection: close" in raw
 
 
-async def test_a_slow_client_pauses_the_replica_and_memory_stays_bounded(router, replica, clients):
+async def test_a_slow_client_pauses_the_replica_so_memory_stays_bounded(router, replica, clients):
     total = 64 * 1024 * 1024
     piece = b"x" * (256 * 1024)
     written = 0

@@ -55,7 +55,7 @@ MALFORMED = {
 
 
 @pytest.mark.parametrize("raw", MALFORMED.values(), ids=MALFORMED.keys())
-async def test_malformed_or_ambiguous_requests_are_refused_and_closed(
+async def test_malformed_or_ambiguous_requests_are_refused_with_a_close(
     router, replica, clients, raw
 ):
     client = await clients(router.url)
@@ -108,7 +108,9 @@ async def test_absolute_form_targets_never_reach_another_host(
     assert replica.requests == []
 
 
-async def test_connect_is_refused_and_no_tunnel_opens(router, replica, replica_factory, clients):
+async def test_connect_is_refused_without_opening_a_tunnel(
+    router, replica, replica_factory, clients
+):
     elsewhere = await replica_factory()
     client = await clients(router.url)
     target = f"127.0.0.1:{elsewhere.port}".encode()

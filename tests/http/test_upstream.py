@@ -91,7 +91,7 @@ async def test_a_replica_closing_an_idle_connection_is_noticed_in_the_pool(repli
         pool.close()
 
 
-async def test_waiters_for_a_full_pool_get_freed_slots_and_a_cancelled_one_passes_its_turn(
+async def test_waiters_for_a_full_pool_get_freed_slots_in_turn_minus_the_cancelled(
     replica,
 ):
     release = asyncio.Event()

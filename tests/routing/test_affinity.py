@@ -89,7 +89,7 @@ def test_the_longest_earlier_prompt_comes_first(first, second, third, block):
 
 
 @given(tokens, tokens, block_sizes)
-def test_the_exact_prompt_is_found_and_kept_without_its_chain(prompt, shorter, block):
+def test_the_exact_prompt_is_found_or_replaced_without_its_chain(prompt, shorter, block):
     # A sibling, the commonest request, costs one hash of the whole prompt; so do reading and
     # replacing a known prompt's home. Only a scan for shorter prompts needs the chain.
     table = AffinityTable(100)
@@ -154,21 +154,39 @@ def test_a_prompt_found_again_outlives_untouched_ones(suffixes):
     assert table.home(keys[1]) is None
 
 
-@given(st.integers(1, 40), st.lists(st.lists(st.integers(0, 1000), max_size=15), max_size=80))
-def test_prompts_under_one_head_stay_bounded_and_keep_the_newest(capacity, prompts):
-    # Prompts shorter than a block all sit under the model's seed.
+short_prompt = st.lists(st.integers(0, 1000), max_size=15)
+
+
+def under_one_head(capacity: int, prompts: list[list[int]]) -> AffinityTable:
+    """A table of `capacity` that recorded `prompts` in turn (the i-th on replica "ri"),
+    checked after each. Prompts shorter than a block all sit under the model's seed."""
     table = AffinityTable(capacity)
     for i, prompt in enumerate(prompts):
         table.record(prompt_key("m", prompt, 16), f"r{i}")
         assert_consistent(table)
-    if prompts:
-        last = prompt_key("m", prompts[-1], 16)
-        # The newest prompt is kept (an earlier placement of it, if one is left, sticks).
-        assert table.home(last) in {f"r{i}" for i, p in enumerate(prompts) if p == prompts[-1]}
-        # Replacing one anchor of a shared head leaves the others where they were.
-        before = {tuple(p): table.home(prompt_key("m", p, 16)) for p in prompts}
-        table.record(last, "new", replace=True)
-        assert_consistent(table)
-        for prompt, home in before.items():
-            expected = "new" if list(prompt) == prompts[-1] else home
-            assert table.home(prompt_key("m", list(prompt), 16)) == expected
+    return table
+
+
+@given(st.integers(1, 40), st.lists(short_prompt, max_size=80))
+def test_prompts_under_one_head_stay_bounded(capacity, prompts):
+    under_one_head(capacity, prompts)
+
+
+@given(st.integers(1, 40), st.lists(short_prompt, min_size=1, max_size=80))
+def test_prompts_under_one_head_keep_the_newest(capacity, prompts):
+    table = under_one_head(capacity, prompts)
+    last = prompt_key("m", prompts[-1], 16)
+    # The newest prompt is kept (an earlier placement of it, if one is left, sticks).
+    assert table.home(last) in {f"r{i}" for i, p in enumerate(prompts) if p == prompts[-1]}
+
+
+@given(st.integers(1, 40), st.lists(short_prompt, min_size=1, max_size=80))
+def test_replacing_one_anchor_of_a_shared_head_leaves_the_others_where_they_were(capacity, prompts):
+    table = under_one_head(capacity, prompts)
+    last = prompt_key("m", prompts[-1], 16)
+    before = {tuple(p): table.home(prompt_key("m", p, 16)) for p in prompts}
+    table.record(last, "new", replace=True)
+    assert_consistent(table)
+    for prompt, home in before.items():
+        expected = "new" if list(prompt) == prompts[-1] else home
+        assert table.home(prompt_key("m", list(prompt), 16)) == expected

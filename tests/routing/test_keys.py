@@ -39,7 +39,7 @@ def expected_key(model: str | None, tokens: list[int], block: int) -> tuple[list
 
 
 @given(models, token_ids, block_sizes)
-def test_key_is_the_xxh3_of_the_prompt_and_the_chained_xxh3_of_whole_blocks(model, tokens, block):
+def test_key_is_the_xxh3_of_the_prompt_with_the_chained_xxh3_of_its_blocks(model, tokens, block):
     key = prompt_key(model, tokens, block)
     assert (key.chain, key.full) == expected_key(model, tokens, block)
     assert key.length == len(tokens)
@@ -57,7 +57,7 @@ def test_key_is_the_same_in_every_process():
 
 
 @given(models, token_ids, block_sizes)
-def test_the_whole_prompt_is_one_hash_and_the_chain_waits_until_asked(model, tokens, block):
+def test_the_chain_is_computed_once_on_first_ask(model, tokens, block):
     original = keys_module._chain
     calls = []
 
@@ -156,7 +156,7 @@ def test_packed_ids_key_like_the_list_they_came_from(model, tokens, block):
 
 @settings(max_examples=50)
 @given(models, token_ids)
-def test_seed_domains_keep_tokens_and_text_apart(model, tokens):
+def test_seed_domains_keep_token_prompts_apart_from_text_prompts(model, tokens):
     as_tokens = prompt_key(model, tokens, 16)
     as_text = text_key(model, as_tokens.data, 64)
     assert as_tokens.seed != as_text.seed

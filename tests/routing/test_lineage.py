@@ -112,7 +112,7 @@ def test_the_base_model_is_never_an_adapters_lineage(name, prompt):
 
 
 @given(st.lists(st.integers(0, 150_000), min_size=1, max_size=200), st.integers(2, 8))
-def test_lineages_and_the_base_model_never_share_placement(prompt, n):
+def test_placement_is_shared_within_a_lineage_only(prompt, n):
     reps = fleet(n)
     policy = PrefixAffinity()
     policy.set_members([r.name for r in reps])
@@ -215,7 +215,7 @@ def adversarial_policy(prompt: list[int], reps: list[Rep]) -> PrefixAffinity:
     return policy
 
 
-def test_keying_and_routing_a_4000_token_prompt_hashes_each_block_once(monkeypatch):
+def test_a_4000_token_prompt_costs_one_hash_per_block_from_keying_to_routing(monkeypatch):
     rnd = random.Random(4)
     reps = fleet(8)
     prompt = [rnd.randrange(150_000) for _ in range(TOKENS)]
@@ -229,7 +229,7 @@ def test_keying_and_routing_a_4000_token_prompt_hashes_each_block_once(monkeypat
     assert counter.calls <= 1 + blocks + affinity.MAX_STEM_CHECKS + 1
 
 
-def test_a_sibling_costs_one_hash_and_no_chain(monkeypatch):
+def test_a_sibling_costs_one_hash_of_its_whole_prompt(monkeypatch):
     rnd = random.Random(5)
     reps = fleet(8)
     prompt = [rnd.randrange(150_000) for _ in range(TOKENS)]

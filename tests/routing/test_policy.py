@@ -434,7 +434,7 @@ def test_choose_never_changes_in_flight(name, prompt, load, n):
 
 
 @given(tokens, fleet_sizes)
-def test_an_excluded_home_spills_and_keeps_its_anchor(prompt, n):
+def test_an_excluded_home_spills_without_losing_its_anchor(prompt, n):
     # A retry excludes the replica that failed; the prompt's home is unchanged for the next one.
     reps = fleet(n)
     policy = prefix_policy(reps)

@@ -45,7 +45,7 @@ def test_every_prompt_starts_with_the_shared_template():
     assert len({tuple(r.tokens[: SPEC.template_tokens + 1]) for r in requests}) > 1
 
 
-def test_a_later_turn_extends_its_samples_previous_prompt_and_branches():
+def test_a_later_turn_extends_its_samples_previous_prompt():
     requests = list(trace.generate(SPEC))
     for r in requests:
         if r.turn:
@@ -55,6 +55,10 @@ def test_a_later_turn_extends_its_samples_previous_prompt_and_branches():
             assert len(r.tokens) >= len(parent.tokens) + parent.completion_tokens
         else:
             assert r.parent is None
+
+
+def test_the_samples_of_a_group_branch_at_their_second_turn():
+    requests = list(trace.generate(SPEC))
     second = {tuple(r.tokens) for r in requests if r.turn == 1 and r.family == 0}
     assert len(second) == SPEC.group_size
 

@@ -69,7 +69,7 @@ def test_load_of_a_name_a_replica_already_holds_at_the_same_path_succeeds(
     assert [r.adapters() for r in fleet] == [{V1: path}] * 2
 
 
-def test_load_of_a_name_a_replica_holds_at_another_path_fails_and_is_undone(
+def test_load_of_a_name_a_replica_holds_at_another_path_fails_on_every_replica(
     fleet: list[Replica], router: Router, publish: Callable[..., str]
 ) -> None:
     """A same-named leftover at a different path is not this adapter: the load fails with a

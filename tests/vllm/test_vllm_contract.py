@@ -189,7 +189,7 @@ def test_requests_without_the_token_are_refused_alike(both: list[Server]) -> Non
     same(probe, both)
 
 
-def test_models_lists_the_base_then_adapters_with_root_and_parent(
+def test_models_lists_the_base_then_adapters_in_the_same_card_shape(
     both: list[Server], model: Path, base: str
 ) -> None:
     path = str(adapter_dir(model, 0))
@@ -204,7 +204,7 @@ def test_models_lists_the_base_then_adapters_with_root_and_parent(
     same(probe, both)
 
 
-def test_server_info_has_the_fields_the_router_and_trl_read(both: list[Server]) -> None:
+def test_server_info_has_every_field_its_readers_use(both: list[Server]) -> None:
     def probe(s: Server) -> Any:
         info = s.call("GET", "/server_info?config_format=json", token=None).json()
         config = info["vllm_config"]
@@ -225,7 +225,7 @@ def test_get_world_size_answers_one(both: list[Server]) -> None:
     same(lambda s: (lambda a: (a.status, a.json()))(s.call("GET", "/get_world_size")), both)
 
 
-def test_pause_resume_and_is_paused_answer_alike(both: list[Server]) -> None:
+def test_the_pause_cycle_answers_alike(both: list[Server]) -> None:
     def probe(s: Server) -> Any:
         return [
             (a.status, a.json())
@@ -240,7 +240,9 @@ def test_pause_resume_and_is_paused_answer_alike(both: list[Server]) -> None:
     same(probe, both)
 
 
-def test_load_and_unload_answer_alike_in_text_and_errors(both: list[Server], model: Path) -> None:
+def test_the_load_unload_cycle_answers_alike_in_every_outcome(
+    both: list[Server], model: Path
+) -> None:
     path = str(adapter_dir(model, 1))
 
     def probe(s: Server) -> Any:
@@ -309,11 +311,18 @@ def test_completion_asking_past_the_context_is_400(both: list[Server]) -> None:
     same(lambda s: error_shape(s.call("POST", "/v1/completions", body)), both)
 
 
-def test_unknown_route_and_wrong_method_are_fastapis_answers(both: list[Server]) -> None:
+def test_an_unknown_route_is_fastapis_answer(both: list[Server]) -> None:
     def probe(s: Server) -> Any:
         a = s.call("GET", "/no/such/route")
+        return a.status, a.body
+
+    same(probe, both)
+
+
+def test_a_wrong_method_is_fastapis_answer(both: list[Server]) -> None:
+    def probe(s: Server) -> Any:
         b = s.call("GET", "/v1/load_lora_adapter")
-        return (a.status, a.body), (b.status, b.body)
+        return b.status, b.body
 
     same(probe, both)
 
@@ -360,7 +369,7 @@ def sse_frames(answer: Answer) -> list[bytes]:
 STREAM = {"prompt": "hello", "max_tokens": 3, "stream": True, "seed": 5}
 
 
-def test_stream_is_framed_alike_and_ends_with_done(both: list[Server], base: str) -> None:
+def test_a_stream_is_framed_alike_through_its_done(both: list[Server], base: str) -> None:
     def probe(s: Server) -> Any:
         answer = s.call("POST", "/v1/completions", {"model": base, **STREAM})
         frames = sse_frames(answer)
