@@ -31,6 +31,21 @@ its conversation sent under `-v7`:
    consistent hashing, so two routers that saw the same requests agree.
 4. *No key.* Least in flight, round robin among ties.
 
+What the replicas report of themselves (fleet/telemetry.py's `Replica.report`: running,
+waiting, KV use, up to one health interval old) is not read here. Dealing fresh families on
+the reported waiting queue was measured on the long-tail, multi-turn-sync and single-turn
+traces at 2, 3 and 8 replicas, 3 rounds (bench/results/routing-reported/, with the exact
+rules): as a rank component between families dealt and in flight, and additionally as a spill
+signal (a replica whose reported queue is at or above the bounded-loads bound of the mean
+reported queue is not dealt a family while another is below it). Neither improved in-flight
+balance; on long-tail at 8 replicas both lengthened the modeled makespan by 3-4 % in every
+round and cost load-cap spills; only single-turn's makespan at 2 and 3 replicas gained (2-5 %,
+spill rule), and wall times moved by less than the machine's noise. With one router in front,
+a replica's queue is the router's own in-flight count there minus what it runs, which the
+router knows exactly and now; the report is that number up to 2 s old, and it counts requests,
+not the tokens left to generate. The reports serve people instead: `/router/status`, the
+router's `/metrics`, `lora-router top` and the Grafana dashboard.
+
 A replica has room while its in-flight count is below the load cap
 
     cap = ceil(max((1 + load_factor) * m, m + load_slack)),  m = (total + 1) / n
