@@ -372,7 +372,8 @@ class UpstreamPool:
         self.first_byte_timeout = first_byte_timeout
         self.stream_idle_timeout = stream_idle_timeout
         self.idle_timeout = idle_timeout
-        self._idle: list[UpstreamConnection] = []
+        # Idle connections, in the order they were released (a dict: `forget` is O(1)).
+        self._idle: dict[UpstreamConnection, None] = {}
         self._all: set[UpstreamConnection] = set()
         self.max_connections = max_connections
         self._busy = 0  # exchanges in progress, at most max_connections
@@ -431,7 +432,7 @@ class UpstreamPool:
 
     def _take_idle(self) -> UpstreamConnection | None:
         while self._idle:
-            conn = self._idle.pop()  # LIFO: the most recently used is least likely stale
+            conn, _ = self._idle.popitem()  # LIFO: the most recently used is least likely stale
             if not conn.closed:
                 return conn
         return None
@@ -461,10 +462,12 @@ class UpstreamPool:
 
     def release(self, conn: UpstreamConnection) -> None:
         conn.idle()
-        self._idle.append(conn)
+        self._idle[conn] = None
 
     def forget(self, conn: UpstreamConnection) -> None:
+        """A connection that closed: nothing here may keep it alive."""
         self._all.discard(conn)
+        self._idle.pop(conn, None)
 
     @property
     def open_connections(self) -> int:
