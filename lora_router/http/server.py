@@ -13,9 +13,10 @@ pipelined request that arrives meanwhile gets its full deadlines once the answer
 is complete.
 
 The request body is buffered (it is needed whole to route and, before the first response byte,
-to retry); response bodies are never buffered here: the upstream side writes them straight to
-`transport` and uses `pause_writing`/`resume_writing` below to slow the replica down when the
-client reads slowly.
+to retry) and released when the response head is passed on (`head`): a stream that has begun
+does not keep its request. Response bodies are never buffered here: the upstream side writes
+them straight to `transport` and uses `pause_writing`/`resume_writing` below to slow the
+replica down when the client reads slowly.
 
 End of input from the client while its request is in flight means the client is gone (as in
 nginx): the connection closes and the replica's connection with it, which makes vLLM abort the
@@ -58,7 +59,11 @@ _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"expect"})
 
 @dataclass(slots=True)
 class Request:
-    """One parsed client request; the body is complete."""
+    """One parsed client request; the body is complete.
+
+    `body` becomes b"" once a response head for it reaches the client (`ClientConnection.head`):
+    from then on nothing may send the request again (the retry rule, app.py).
+    """
 
     method: bytes
     target: bytes  # origin-form path and query, exactly as sent
@@ -171,6 +176,7 @@ class ClientConnection(asyncio.Protocol):
         self._timer = LazyTimer(self._loop, self._on_timer, self._header_timeout)
         self._deadline = math.inf
         self._queue: deque[Request] = deque()
+        self._request: Request | None = None  # the one being answered
         self._task: asyncio.Task[None] | None = None
         self._upstream: asyncio.Transport | None = None
         self._paused = False  # the client's socket buffer is full (pause_writing)
@@ -363,7 +369,7 @@ class ClientConnection(asyncio.Protocol):
     # -- dispatch ---------------------------------------------------------------------------
 
     def _start_next(self) -> None:
-        request = self._queue.popleft()
+        self._request = request = self._queue.popleft()
         self.response_started = False
         self.status = 0
         self.first_byte_at = 0.0
@@ -380,7 +386,7 @@ class ClientConnection(asyncio.Protocol):
         except Exception:
             log.exception("unhandled error while handling %s %s", request.method, request.path)
             self.send_error(HTTPError(500, "Internal router error."))
-        self._task = None
+        self._task = self._request = None
         self._finish_response()
 
     def _finish_response(self) -> None:
@@ -404,6 +410,8 @@ class ClientConnection(asyncio.Protocol):
 
     def head(self, status: int, data: bytes, body: memoryview | None = None) -> None:
         """A replica's response head, rewritten, and the first body bytes (one writev)."""
+        if self._request is not None:
+            self._request.body = b""  # the answer has begun: nothing will re-send the request
         self.response_started = True
         self.status = status
         self.first_byte_at = self._loop.time()
