@@ -25,6 +25,9 @@ generation. Half-closing clients are not supported.
 What this module must never do: answer a malformed or ambiguous request with anything but an
 error and a closed connection (request smuggling), let trailers or anything after the headers
 add request headers, or run two requests of a connection at once.
+
+A connection's objects die with it, by reference counting: its parser and timer refer back to
+it, and are dropped when it is lost (a cycle would wait for the cycle collector).
 """
 
 from __future__ import annotations
@@ -213,7 +216,8 @@ class ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self._count.discard(self)
-        self._timer.cancel()
+        self._timer.close()
+        del self._parser  # it refers back to this connection (and takes no more input)
         self._queue.clear()
         # The client went away: stop the replica's work too (vLLM aborts a generation when its
         # connection closes, which frees the GPU for requests someone still waits for).

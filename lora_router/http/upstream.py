@@ -16,6 +16,9 @@ likely closed it while idle, and the request cannot have been processed. A fresh
 tried once. Nothing is ever retried once a response byte has been received; trying *another*
 replica is the caller's decision (`UpstreamError.retryable`). So the request's bytes are held
 (by its `_Exchange`) only until the first response byte: a long stream does not keep them.
+
+A connection's objects die with it, by reference counting: its parser and timer refer back to
+it, and are dropped when it is lost (a cycle would wait for the cycle collector).
 """
 
 from __future__ import annotations
@@ -127,7 +130,8 @@ class UpstreamConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._timer.cancel()
+        self._timer.close()
+        del self._parser  # it refers back to this connection (and takes no more input)
         self._pool.forget(self)
         ex = self._ex
         if ex is None or ex.done.done():
@@ -417,12 +421,14 @@ class UpstreamPool:
                     conn.cancel()
                     raise
                 except UpstreamError as exc:
+                    # A new future: the failed one holds `exc`, whose traceback holds this
+                    # frame and `ex` (a cycle), and a retry needs one anyway.
+                    ex.done = self.loop.create_future()
                     if fresh or exc.received or exc.kind == "timeout":
                         raise
                     # A reused connection died before answering (nothing was received, so the
-                    # exchange is as new but for its outcome): see the retry rule above.
+                    # exchange is as new): see the retry rule above.
                     conn, fresh = None, True
-                    ex.done = self.loop.create_future()
         finally:
             self._release_slot()
 
