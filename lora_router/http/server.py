@@ -13,9 +13,10 @@ pipelined request that arrives meanwhile gets its full deadlines once the answer
 is complete.
 
 The request body is buffered (it is needed whole to route and, before the first response byte,
-to retry); response bodies are never buffered here: the upstream side writes them straight to
-`transport` and uses `pause_writing`/`resume_writing` below to slow the replica down when the
-client reads slowly.
+to retry) and released when the response head is passed on (`head`): a stream that has begun
+does not keep its request. Response bodies are never buffered here: the upstream side writes
+them straight to `transport` and uses `pause_writing`/`resume_writing` below to slow the
+replica down when the client reads slowly.
 
 End of input from the client while its request is in flight means the client is gone (as in
 nginx): the connection closes and the replica's connection with it, which makes vLLM abort the
@@ -24,6 +25,9 @@ generation. Half-closing clients are not supported.
 What this module must never do: answer a malformed or ambiguous request with anything but an
 error and a closed connection (request smuggling), let trailers or anything after the headers
 add request headers, or run two requests of a connection at once.
+
+A connection's objects die with it, by reference counting: its parser and timer refer back to
+it, and are dropped when it is lost (a cycle would wait for the cycle collector).
 """
 
 from __future__ import annotations
@@ -58,7 +62,11 @@ _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"expect"})
 
 @dataclass(slots=True)
 class Request:
-    """One parsed client request; the body is complete."""
+    """One parsed client request; the body is complete.
+
+    `body` becomes b"" once a response head for it reaches the client (`ClientConnection.head`):
+    from then on nothing may send the request again (the retry rule, app.py).
+    """
 
     method: bytes
     target: bytes  # origin-form path and query, exactly as sent
@@ -171,6 +179,7 @@ class ClientConnection(asyncio.Protocol):
         self._timer = LazyTimer(self._loop, self._on_timer, self._header_timeout)
         self._deadline = math.inf
         self._queue: deque[Request] = deque()
+        self._request: Request | None = None  # the one being answered
         self._task: asyncio.Task[None] | None = None
         self._upstream: asyncio.Transport | None = None
         self._paused = False  # the client's socket buffer is full (pause_writing)
@@ -207,7 +216,8 @@ class ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self._count.discard(self)
-        self._timer.cancel()
+        self._timer.close()
+        del self._parser  # it refers back to this connection (and takes no more input)
         self._queue.clear()
         # The client went away: stop the replica's work too (vLLM aborts a generation when its
         # connection closes, which frees the GPU for requests someone still waits for).
@@ -363,7 +373,7 @@ class ClientConnection(asyncio.Protocol):
     # -- dispatch ---------------------------------------------------------------------------
 
     def _start_next(self) -> None:
-        request = self._queue.popleft()
+        self._request = request = self._queue.popleft()
         self.response_started = False
         self.status = 0
         self.first_byte_at = 0.0
@@ -380,7 +390,7 @@ class ClientConnection(asyncio.Protocol):
         except Exception:
             log.exception("unhandled error while handling %s %s", request.method, request.path)
             self.send_error(HTTPError(500, "Internal router error."))
-        self._task = None
+        self._task = self._request = None
         self._finish_response()
 
     def _finish_response(self) -> None:
@@ -404,6 +414,8 @@ class ClientConnection(asyncio.Protocol):
 
     def head(self, status: int, data: bytes, body: memoryview | None = None) -> None:
         """A replica's response head, rewritten, and the first body bytes (one writev)."""
+        if self._request is not None:
+            self._request.body = b""  # the answer has begun: nothing will re-send the request
         self.response_started = True
         self.status = status
         self.first_byte_at = self._loop.time()

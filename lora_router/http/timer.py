@@ -47,6 +47,12 @@ class LazyTimer:
             self._handle.cancel()
             self._handle = None
 
+    def close(self) -> None:
+        """Cancel for good (the owner's connection is lost). The callback is dropped: it refers
+        back to the owner, a cycle only the cycle collector would free."""
+        self.cancel()
+        self._callback = _closed
+
     def _wake_by(self, when: float) -> None:
         if self._handle is None or when < self._wake:
             if self._handle is not None:
@@ -57,3 +63,7 @@ class LazyTimer:
     def _fire(self) -> None:
         self._handle = None
         self._callback()
+
+
+def _closed() -> None:
+    pass

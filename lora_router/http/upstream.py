@@ -14,7 +14,11 @@ Retry rule (stated once, here): a request is re-sent only when it went out on a 
 connection and that connection failed before a single response byte arrived — the replica most
 likely closed it while idle, and the request cannot have been processed. A fresh connection is
 tried once. Nothing is ever retried once a response byte has been received; trying *another*
-replica is the caller's decision (`UpstreamError.retryable`).
+replica is the caller's decision (`UpstreamError.retryable`). So the request's bytes are held
+(by its `_Exchange`) only until the first response byte: a long stream does not keep them.
+
+A connection's objects die with it, by reference counting: its parser and timer refer back to
+it, and are dropped when it is lost (a cycle would wait for the cycle collector).
 """
 
 from __future__ import annotations
@@ -71,16 +75,23 @@ class _Exchange:
         "head_buf",
         "head_only",
         "head_sent",
+        "request",
         "reusable",
         "sink",
         "status",
     )
 
     def __init__(
-        self, sink: ResponseSink, done: asyncio.Future[bool], head_only: bool, http11: bool
+        self,
+        sink: ResponseSink,
+        done: asyncio.Future[bool],
+        request: bytes,
+        head_only: bool,
+        http11: bool,
     ) -> None:
         self.sink = sink
         self.done = done
+        self.request = request  # head + body, until the first response byte (b"" after)
         self.head_only = head_only
         self.dechunk = not http11  # an HTTP/1.0 client cannot read chunked framing
         self.client_keep_alive = True
@@ -119,7 +130,8 @@ class UpstreamConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._timer.cancel()
+        self._timer.close()
+        del self._parser  # it refers back to this connection (and takes no more input)
         self._pool.forget(self)
         ex = self._ex
         if ex is None or ex.done.done():
@@ -160,8 +172,10 @@ class UpstreamConnection(asyncio.Protocol):
     def _head(self, ex: _Exchange, data: bytes) -> bool:
         """Collect the response head; once whole, send it on with what followed it."""
         if not ex.head_buf:
-            # The first response byte: from now on the replica is streaming, not thinking.
+            # The first response byte: from now on the replica is streaming, not thinking, and
+            # the request will not be sent again (the retry rule).
             self._arm(self._pool.stream_idle_timeout)
+            ex.request = b""
         buf = ex.head_buf + data if ex.head_buf else data
         while True:
             end = buf.find(b"\r\n\r\n")
@@ -246,7 +260,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     # -- the exchange -------------------------------------------------------------------------
 
-    def start(self, data: bytes, ex: _Exchange) -> None:
+    def start(self, ex: _Exchange) -> None:
         assert self.transport is not None
         if ex.dechunk != self._dechunking:
             # Between two responses a parser holds no state: take the kind this client needs.
@@ -256,7 +270,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._last = self._loop.time()
         self._arm(self._pool.first_byte_timeout)
         ex.sink.on_upstream(self.transport)
-        self.transport.write(data)
+        self.transport.write(ex.request)
 
     def _client_keep_alive(self, ex: _Exchange, head: bytes) -> bool:
         """Whether the client may keep its connection after this response."""
@@ -372,7 +386,8 @@ class UpstreamPool:
         self.first_byte_timeout = first_byte_timeout
         self.stream_idle_timeout = stream_idle_timeout
         self.idle_timeout = idle_timeout
-        self._idle: list[UpstreamConnection] = []
+        # Idle connections, in the order they were released (a dict: `forget` is O(1)).
+        self._idle: dict[UpstreamConnection, None] = {}
         self._all: set[UpstreamConnection] = set()
         self.max_connections = max_connections
         self._busy = 0  # exchanges in progress, at most max_connections
@@ -383,8 +398,12 @@ class UpstreamPool:
     ) -> bool:
         """Send one request (`data` = head + body) and stream the answer into `sink`.
 
-        Returns whether the client connection may stay open. Raises UpstreamError.
+        Returns whether the client connection may stay open. Raises UpstreamError. From here
+        on `data` is held by the exchange alone, which drops it at the first response byte;
+        the caller should hold no reference to it either (pass it as an expression).
         """
+        ex = _Exchange(sink, self.loop.create_future(), data, head_only, http11)
+        del data
         if self._busy < self.max_connections and not self._waiters:
             self._busy += 1
         else:
@@ -395,17 +414,20 @@ class UpstreamPool:
             while True:
                 if conn is None:
                     conn = await self._connect()
-                done: asyncio.Future[bool] = self.loop.create_future()
-                conn.start(data, _Exchange(sink, done, head_only, http11))
+                conn.start(ex)
                 try:
-                    return await done
+                    return await ex.done
                 except asyncio.CancelledError:
                     conn.cancel()
                     raise
                 except UpstreamError as exc:
+                    # A new future: the failed one holds `exc`, whose traceback holds this
+                    # frame and `ex` (a cycle), and a retry needs one anyway.
+                    ex.done = self.loop.create_future()
                     if fresh or exc.received or exc.kind == "timeout":
                         raise
-                    # A reused connection died before answering: see the retry rule above.
+                    # A reused connection died before answering (nothing was received, so the
+                    # exchange is as new): see the retry rule above.
                     conn, fresh = None, True
         finally:
             self._release_slot()
@@ -431,7 +453,7 @@ class UpstreamPool:
 
     def _take_idle(self) -> UpstreamConnection | None:
         while self._idle:
-            conn = self._idle.pop()  # LIFO: the most recently used is least likely stale
+            conn, _ = self._idle.popitem()  # LIFO: the most recently used is least likely stale
             if not conn.closed:
                 return conn
         return None
@@ -461,10 +483,12 @@ class UpstreamPool:
 
     def release(self, conn: UpstreamConnection) -> None:
         conn.idle()
-        self._idle.append(conn)
+        self._idle[conn] = None
 
     def forget(self, conn: UpstreamConnection) -> None:
+        """A connection that closed: nothing here may keep it alive."""
         self._all.discard(conn)
+        self._idle.pop(conn, None)
 
     @property
     def open_connections(self) -> int:

@@ -149,3 +149,17 @@ async def test_thousands_of_idle_client_connections_cost_bounded_memory(router):
     finally:
         for s in socks:
             s.close()
+
+
+async def test_a_pooled_connection_the_replica_closed_leaves_the_idle_list(replica):
+    pool = pool_for(replica)
+    try:
+        await pool.forward(GET, Sink(), head_only=False, http11=True)
+        (idle,) = pool._idle
+        replica.conns[0].abort()
+        async with asyncio.timeout(2):
+            while pool.open_connections:
+                await asyncio.sleep(0.01)
+        assert idle not in pool._idle  # nothing keeps a closed connection alive
+    finally:
+        pool.close()
