@@ -21,10 +21,10 @@ WRK_REPORT = r"""
 done = function(summary, latency, requests)
   io.write(string.format(
     '\nWRKJSON {"requests": %d, "duration_us": %d, "errors": %d, "status_errors": %d, '
-    .. '"p50": %d, "p90": %d, "p99": %d, "bytes": %d}\n',
+    .. '"timeouts": %d, "p50": %d, "p90": %d, "p99": %d, "bytes": %d}\n',
     summary.requests, summary.duration,
     summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.timeout,
-    summary.errors.status,
+    summary.errors.status, summary.errors.timeout,
     latency:percentile(50), latency:percentile(90), latency:percentile(99), summary.bytes))
 end
 """
@@ -259,6 +259,7 @@ class WrkResult:
     p90_us: int
     p99_us: int
     bytes: int
+    timeouts: int
 
     @property
     def rps(self) -> float:
@@ -280,6 +281,8 @@ def wrk(
         "-t1",
         f"-c{connections}",
         f"-d{max(1, round(seconds))}s",
+        "--timeout",
+        "10s",  # a loaded, shared machine can stall a reply past wrk's default of 2 s
         "-s",
         str(script),
         url,
@@ -297,4 +300,5 @@ def wrk(
         p90_us=data["p90"],
         p99_us=data["p99"],
         bytes=data["bytes"],
+        timeouts=data["timeouts"],
     )
