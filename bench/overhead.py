@@ -36,7 +36,7 @@ its defaults (policy prefix), vllm-router at its default policy, cache_aware, wi
 sglang-router is not a contender: it rejects token-id prompts on /v1/completions.
 
     pip install -e '.[bench]' && apt-get install nginx wrk
-    python bench/overhead.py            # the full run, about 13 minutes
+    python bench/overhead.py            # the full run: 12 minutes on the loaded 2-core machine
     python bench/overhead.py --quick    # a smoke run, about 2 minutes (not for the record)
 
 A contender that fails to start, answers an error, or is shown a trace it does not route as
