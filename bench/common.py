@@ -21,10 +21,10 @@ WRK_REPORT = r"""
 done = function(summary, latency, requests)
   io.write(string.format(
     '\nWRKJSON {"requests": %d, "duration_us": %d, "errors": %d, "status_errors": %d, '
-    .. '"p50": %d, "p90": %d, "p99": %d, "bytes": %d}\n',
+    .. '"timeouts": %d, "p50": %d, "p90": %d, "p99": %d, "bytes": %d}\n',
     summary.requests, summary.duration,
     summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.timeout,
-    summary.errors.status,
+    summary.errors.status, summary.errors.timeout,
     latency:percentile(50), latency:percentile(90), latency:percentile(99), summary.bytes))
 end
 """
@@ -38,7 +38,7 @@ def pinned(argv: Sequence[str], cpus: str | None) -> list[str]:
 
 
 def find_binary(name: str, peers_bin: Path) -> str | None:
-    """A peer router's executable: in `peers_bin` (bench/peers.sh installs there), else PATH."""
+    """A peer router's executable: in `peers_bin`, else on PATH (`pip install .[bench]`)."""
     local = peers_bin / name
     return str(local) if local.exists() else shutil.which(name)
 
@@ -82,11 +82,14 @@ def cpu_seconds(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK") + sum(cpu_seconds(int(c)) for c in children)
 
 
-def peak_rss_mib(pid: int) -> float:
+def rss_kib(pid: int) -> int:
+    """Resident memory of a process and its live children (nginx workers), in KiB."""
+    kib = 0
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+        if line.startswith("VmRSS:"):
+            kib = int(line.split()[1])
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return kib + sum(rss_kib(int(c)) for c in children)
 
 
 class Procs:
@@ -140,9 +143,10 @@ def _start_nginx(procs: Procs, root: Path, http_body: str, cpus: str) -> subproc
     conf = f"""
 daemon off;
 worker_processes 1;
+worker_rlimit_nofile 16384;
 pid {root}/nginx.pid;
 error_log {root}/logs/error.log warn;
-events {{ worker_connections 4096; }}
+events {{ worker_connections 8192; }}
 http {{
   access_log off;
   client_body_buffer_size 1m;
@@ -158,48 +162,51 @@ http {{
     return procs.start(["nginx", "-p", str(root), "-c", str(root / "nginx.conf")], cpus=cpus)
 
 
-def nginx_replica(procs: Procs, port: int, body: str, content_type: str, cpus: str) -> None:
-    """An nginx that answers at once like a vLLM server would: an instant replica.
+def models_json(model: str) -> str:
+    """`GET /v1/models` as vLLM answers it: the base model first, with its max_model_len."""
+    card = {"id": model, "object": "model", "root": model, "max_model_len": 32768, "parent": None}
+    return json.dumps({"object": "list", "data": [card]})
+
+
+def server_info_json() -> str:
+    """The part of vLLM's `GET /server_info` a router reads at start."""
+    config = {
+        "lora_config": {"max_lora_rank": 1, "max_loras": 6, "max_cpu_loras": 6},
+        "cache_config": {"block_size": 16},
+        "parallel_config": {"data_parallel_size": 1},
+    }
+    return json.dumps({"vllm_config": config})
+
+
+def nginx_fleet(
+    procs: Procs,
+    ports: Sequence[int],
+    model: str,
+    body: str,
+    content_type: str,
+    cpus: str,
+    metrics: bytes = b"",
+) -> None:
+    """One nginx that answers on every port of `ports` at once, like a vLLM server would: a
+    fleet of instant replicas for the price of one process.
 
     Completions get `body` (a file, so long SSE replies fit); `/v1/models` and `/server_info`
-    get enough of vLLM's shape for a router to start.
+    get enough of vLLM's shape for a router to start, `/metrics` gets `metrics`.
     """
-    root = procs.tmp / f"nginx-{port}"
-    root.mkdir(parents=True)
+    root = procs.tmp / f"nginx-fleet-{ports[0]}"
+    root.mkdir(parents=True, exist_ok=True)
     (root / "reply").write_text(body)
-    models = json.dumps(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": "Qwen/Qwen2.5-Math-1.5B",
-                    "object": "model",
-                    "root": "Qwen/Qwen2.5-Math-1.5B",
-                    "max_model_len": 4096,
-                    "parent": None,
-                }
-            ],
-        }
-    )
-    (root / "models").write_text(models)
-    (root / "server_info").write_text(
-        json.dumps(
-            {
-                "vllm_config": {
-                    "lora_config": {"max_lora_rank": 1, "max_loras": 6, "max_cpu_loras": 6},
-                    "cache_config": {"block_size": 16},
-                    "parallel_config": {"data_parallel_size": 1},
-                }
-            }
-        )
-    )
+    (root / "models").write_text(models_json(model))
+    (root / "server_info").write_text(server_info_json())
+    (root / "metrics").write_bytes(metrics)
+    listens = "".join(f"    listen 127.0.0.1:{port};\n" for port in ports)
     server = f"""
   server {{
-    listen 127.0.0.1:{port};
-    root {root};
+{listens}    root {root};
     location = /health {{ return 200; }}
     location = /v1/models {{ default_type application/json; try_files /models =404; }}
     location = /server_info {{ default_type application/json; try_files /server_info =404; }}
+    location = /metrics {{ default_type text/plain; try_files /metrics =404; }}
     # POSTs to a static file are 405 in nginx; turn them back into the file.
     location / {{
       default_type '{content_type}'; error_page 405 =200 /reply; try_files /reply =404;
@@ -207,8 +214,16 @@ def nginx_replica(procs: Procs, port: int, body: str, content_type: str, cpus: s
     location = /reply {{ default_type '{content_type}'; internal; }}
   }}
 """
-    _start_nginx(procs, root, server, cpus)
-    wait_port(port)
+    _wait_nginx(procs, _start_nginx(procs, root, server, cpus), ports)
+
+
+def _wait_nginx(procs: Procs, proc: subprocess.Popen[bytes], ports: Sequence[int]) -> None:
+    try:
+        for port in ports:
+            wait_port(port)
+    except RuntimeError as e:
+        procs.stop(proc)
+        raise RuntimeError(f"{e}; nginx said: {procs.log_tail(proc.pid)}") from None
 
 
 def nginx_proxy(
@@ -226,11 +241,12 @@ def nginx_proxy(
       proxy_http_version 1.1;
       proxy_set_header Connection "";
       proxy_buffering off;
+      proxy_read_timeout 1h;
     }}
   }}
 """
     proc = _start_nginx(procs, root, server, cpus)
-    wait_port(port)
+    _wait_nginx(procs, proc, [port])
     return proc
 
 
@@ -242,6 +258,8 @@ class WrkResult:
     p50_us: int
     p90_us: int
     p99_us: int
+    bytes: int
+    timeouts: int
 
     @property
     def rps(self) -> float:
@@ -250,66 +268,29 @@ class WrkResult:
 
 def wrk(
     url: str,
-    body: bytes | list[bytes],
+    script: Path,
     *,
     connections: int,
     seconds: float,
-    tmp: Path,
     cpus: str | None = None,
-    repeat: int = 1,
 ) -> WrkResult:
-    """A closed loop of `connections` clients POSTing to `url` for `seconds`.
-
-    `body` is one body, sent every time, or a list of bodies sent in turn, each `repeat` times
-    in a row (a GRPO group: G identical requests, then the next prompt's).
-    """
-    script = tmp / "post.lua"
-    body_file = tmp / "body.json"
-    if isinstance(body, bytes):
-        body_file.write_bytes(body)
-        script.write_text(
-            f"""
-local f = io.open("{body_file}", "rb")
-wrk.method = "POST"
-wrk.body = f:read("*a")
-f:close()
-wrk.headers["Content-Type"] = "application/json"
-{WRK_REPORT}
-"""
-        )
-    else:
-        # One JSON body per line (json.dumps never writes a raw newline), formatted once.
-        body_file.write_bytes(b"\n".join(body) + b"\n")
-        script.write_text(
-            f"""
-local requests = {{}}
-init = function(args)
-  -- Formatted once the URL is known (wrk.format takes Host and path from it).
-  for line in io.lines("{body_file}") do
-    requests[#requests + 1] = wrk.format(
-      "POST", nil, {{["Content-Type"] = "application/json"}}, line)
-  end
-end
-local sent = 0
-request = function()
-  local r = requests[(math.floor(sent / {repeat}) % #requests) + 1]
-  sent = sent + 1
-  return r
-end
-{WRK_REPORT}
-"""
-        )
+    """A closed loop of `connections` clients (one wrk thread) running the Lua `script`
+    against `url` for `seconds`; the script must end with `WRK_REPORT`."""
     argv = [
         "wrk",
         "-t1",
         f"-c{connections}",
         f"-d{max(1, round(seconds))}s",
+        "--timeout",
+        "10s",  # a loaded, shared machine can stall a reply past wrk's default of 2 s
         "-s",
         str(script),
         url,
     ]
     out = subprocess.run(pinned(argv, cpus), capture_output=True, text=True, check=True).stdout
-    line = next(ln for ln in out.splitlines() if ln.startswith("WRKJSON "))
+    line = next((ln for ln in out.splitlines() if ln.startswith("WRKJSON ")), None)
+    if line is None:
+        raise RuntimeError(f"wrk printed no report:\n{out[-2000:]}")
     data = json.loads(line[len("WRKJSON ") :])
     return WrkResult(
         requests=data["requests"],
@@ -318,4 +299,6 @@ end
         p50_us=data["p50"],
         p90_us=data["p90"],
         p99_us=data["p99"],
+        bytes=data["bytes"],
+        timeouts=data["timeouts"],
     )
