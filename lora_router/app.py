@@ -59,7 +59,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from lora_router.body import Completion, CompletionReader
+from lora_router.body import CompletionReader
 from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.broadcast import Broadcaster, Reply
 from lora_router.fleet.fence import (
@@ -80,7 +80,7 @@ from lora_router.http.server import ClientConnection, Request
 from lora_router.http.upstream import UpstreamError
 from lora_router.metrics import RequestStats
 from lora_router.retry_budget import RetryBudget
-from lora_router.routing.keys import Lineages, PromptKey, Seeds, prompt_key, text_key, wire_key
+from lora_router.routing.keys import Lineages, RouteKey, completion_key
 from lora_router.routing.policy import Policy
 from lora_router.status import RouterState, replica_json, status
 
@@ -298,16 +298,11 @@ class RouterApp:
             assert model is not None
             await self.fence.wait(model)
         adapter = model is not None and model not in self.fleet.base_models
-        # A sibling of a prompt seen before is recognised by the hash of its raw JSON text;
-        # only a prompt the policy does not know yet is parsed into ids and keyed by blocks.
-        raw = fields.raw_tokens
-        uses_keys = self.policy.uses_keys
         # Placed by the adapter's lineage, not its version: a later turn under vN+1 follows
         # its conversation (routing/keys.py).
         seeds = self.lineages.seeds(model, adapter)
-        wire = wire_key(model, raw, seed=seeds.wire) if raw is not None and uses_keys else None
-        key: PromptKey | None = None
-        keyed = not uses_keys  # a key-blind policy gets None
+        key: RouteKey | None = completion_key(fields, seeds, self.block_size)
+        del fields  # the key holds the prompt now, and only until a replica is chosen
         self.budget.request(self._loop.time())
         tried: list[Replica] = []
         sink: _RetrySink | None = None
@@ -321,13 +316,14 @@ class RouterApp:
                 routable = self.fleet.routable(model, tried)
                 if not routable:
                     raise HTTPError(503, _no_replica(model, tried))
-                decision = None
-                if wire is not None and not tried:
-                    decision = self.policy.choose_known(wire, routable)
-                if decision is None:
-                    if not keyed:
-                        key, keyed = self._key(fields, seeds), True
-                    decision = self.policy.choose(key, routable, wire)
+                if key is None:  # a retry: the body is still here, its prompt was validated
+                    key = completion_key(
+                        self.reader.read(request.body, chat=chat), seeds, self.block_size
+                    )
+                decision = self.policy.choose(key, routable)
+                # The stream that follows may last minutes: it must not hold the prompt's ids,
+                # packed bytes and chain (issue 16); `decision` keeps the ints it needs.
+                key = None
                 replica = decision.replica
                 if self._debug:  # one line per decision, only when asked (--log-level debug)
                     log.debug(
@@ -379,15 +375,6 @@ class RouterApp:
             return False
         self.budget.unbudgeted(reason)
         return True
-
-    def _key(self, fields: Completion, seeds: Seeds) -> PromptKey | None:
-        """The prompt's placement key (token ids, else text or chat), or None."""
-        tokens = fields.token_ids()
-        if tokens is not None:
-            return prompt_key(None, tokens, self.block_size, seed=seeds.token)
-        if fields.text is not None:
-            return text_key(None, fields.text, seed=seeds.text)
-        return None
 
     async def forward_any(self, request: Request, conn: ClientConnection) -> None:
         """A path the router has no rule for: one replica answers, as a single server would."""

@@ -9,12 +9,13 @@
 - `policy`: the policies behind `--policy`: `prefix` (exact-prefix affinity + consistent
   hashing with bounded loads), `round-robin`, `least-loaded`; `make_policy` builds one.
 
-The HTTP layer keys a request (`prompt_key`/`text_key`), asks `policy.choose(key, routable)`,
-and counts the request in flight on the replica it gets. Nothing in this package does I/O,
-reads a clock, draws random numbers, logs, or changes a replica.
+The HTTP layer turns a validated completion into one `RouteKey` (`completion_key`: the wire
+hash at once, the block key only if the policy asks for it), asks `policy.choose(key,
+routable)`, drops the key, and counts the request in flight on the replica it gets. Nothing
+in this package does I/O, reads a clock, draws random numbers, logs, or changes a replica.
 """
 
-from .keys import PromptKey, encode_messages, messages_key, prompt_key, text_key, wire_key
+from .keys import PromptKey, RouteKey, completion_key, prompt_key, text_key, wire_key
 from .policy import (
     POLICIES,
     Decision,
@@ -37,9 +38,9 @@ __all__ = [
     "PrefixAffinity",
     "PromptKey",
     "RoundRobin",
-    "encode_messages",
+    "RouteKey",
+    "completion_key",
     "make_policy",
-    "messages_key",
     "prompt_key",
     "text_key",
     "wire_key",

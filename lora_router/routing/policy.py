@@ -5,6 +5,10 @@ plus an affinity table of earlier prompts (`affinity`). Keys are placement keys 
 by the adapter's lineage, not its version), so a turn sent under `trl-policy-v8` finds the turns
 its conversation sent under `-v7`:
 
+0. *Sibling by its wire key.* A token-id prompt whose JSON text was seen before (`RouteKey.wire`,
+   remembered with the home of that exact prompt and its token count) goes to that home if it
+   is routable and has room, and its block key is never built: the G - 1 later samples of a
+   GRPO prompt cost one hash. Otherwise the block key is built and the steps below run.
 1. *Known prompt.* The table finds the earlier prompts whose stems this one starts with, longest
    shared block prefix first (itself, if it was seen: a *sibling*; a shorter one: a
    *continuation*, e.g. the previous turn of a conversation, appended to or re-rendered). The
@@ -53,7 +57,9 @@ for a shared template.
 
 `RoundRobin` and `LeastLoaded` ignore keys; they are there for comparison.
 
-Contract with the caller (the HTTP layer): `routable` is already filtered (healthy, adapter
+Contract with the caller (the HTTP layer): one `choose(key, routable)` per attempt, `key` the
+request's `RouteKey` (`keys.completion_key`) or None, which the caller drops once it has the
+decision (a retry builds a new one); `routable` is already filtered (healthy, adapter
 loaded, breaker closed, not excluded by a retry) and never empty; `choose` reads `in_flight`
 and `in_flight_tokens` but never changes them — the caller adds 1 and `Decision.tokens` for the
 request it sends and takes them off on every exit path. `set_members` gets the full membership
@@ -73,7 +79,7 @@ from fractions import Fraction
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
 from .affinity import AffinityTable
-from .keys import PromptKey
+from .keys import PromptKey, RouteKey
 from .ring import DEFAULT_VNODES, HashRing
 
 DEFAULT_LOAD_FACTOR = 0.25
@@ -126,39 +132,25 @@ class DecisionCounts:
 
 class Policy(Protocol):
     counts: DecisionCounts
-    uses_keys: bool  # False: `choose` ignores keys, so nobody needs to build them
 
     def set_members(self, names: Sequence[str]) -> None:
         """The full membership (the ring); called at start and on every add or remove."""
 
-    def choose(
-        self, key: PromptKey | None, routable: Sequence[R], wire: int | None = None
-    ) -> Decision[R]:
-        """Pick a replica among `routable` (never empty); must not change `in_flight`.
-        `wire` is the prompt's `wire_key`, remembered for `choose_known`."""
-        ...
-
-    def choose_known(self, wire: int, routable: Sequence[R]) -> Decision[R] | None:
-        """A sibling's replica from its `wire_key` alone, if it is known and has room;
-        None means: build the `PromptKey` and call `choose`. Both must be given placement
-        keys (`keys.Lineages.seeds`)."""
+    def choose(self, key: RouteKey | None, routable: Sequence[R]) -> Decision[R]:
+        """Pick a replica among `routable` (never empty); must not change `in_flight`. `key`
+        is the request's `RouteKey` under placement seeds (`keys.completion_key`): a policy
+        reads its `wire` first and builds its block `key` only when that is not enough."""
         ...
 
 
-def load_cap(total: int, n: int, load_factor: Fraction, slack: int = 0) -> int:
+def _cap(total: int, n: int, grow: int, den: int, slack: int) -> int:
     """The most requests a replica may have in flight after taking one more request:
     `ceil(max((1 + load_factor) * m, m + slack))` with `m = (total + 1) / n`, the mean load
-    counting the new request.
+    counting the new request, and 1 + load_factor given as the integers grow / den.
 
     Integer arithmetic on the exact fraction: with floats, `1.1 * 10 / 11` rounds up to 2 and
     would let the cap drift by one.
     """
-    num, den = load_factor.as_integer_ratio()
-    return _cap(total, n, den + num, den, slack)
-
-
-def _cap(total: int, n: int, grow: int, den: int, slack: int) -> int:
-    """`load_cap` with 1 + load_factor given as the integers grow / den."""
     return max(-(-grow * (total + 1) // (den * n)), -(-(total + 1) // n) + slack)
 
 
@@ -173,7 +165,6 @@ class PrefixAffinity:
     """Consistent hashing with bounded loads plus exact-prefix affinity (module docstring)."""
 
     name = "prefix"
-    uses_keys = True
 
     def __init__(
         self,
@@ -213,40 +204,41 @@ class PrefixAffinity:
             total += r.in_flight
         return _cap(total, len(routable), self._grow, self._den, self.load_slack)
 
-    def choose_known(self, wire: int, routable: Sequence[R]) -> Decision[R] | None:
-        known = self._wire.get(wire)
-        if known is None:
-            return None
-        name = known[0]
-        for replica in routable:
-            if replica.name == name:
-                if replica.in_flight >= self.cap(routable):
-                    return None  # full: the whole policy decides where it spills
-                self._wire.move_to_end(wire)
-                self.counts.sibling += 1
-                return Decision(replica, "sibling", known[1])
-        return None
-
-    def choose(
-        self, key: PromptKey | None, routable: Sequence[R], wire: int | None = None
-    ) -> Decision[R]:
-        decision = self._choose(key, routable)
+    def choose(self, key: RouteKey | None, routable: Sequence[R]) -> Decision[R]:
+        """A sibling by its wire key alone when its home has room; else the whole policy on
+        the block key (module docstring), remembering the wire key for the next sibling."""
         if key is None:
-            return decision
+            return self._nokey(routable)
+        wire = key.wire
+        if wire is not None:
+            known = self._wire.get(wire)
+            if known is not None:
+                name = known[0]
+                for replica in routable:
+                    if replica.name == name:
+                        if replica.in_flight < self.cap(routable):
+                            self._wire.move_to_end(wire)
+                            self.counts.sibling += 1
+                            return Decision(replica, "sibling", known[1])
+                        break  # full: the whole policy decides where it spills
+        prompt = key.key
+        if prompt is None:
+            return self._nokey(routable)
+        decision = self._choose(prompt, routable)
         if wire is not None:
             # The prompt's home is its first placement (a spill does not move it).
-            self._wire[wire] = (self.table.home(key) or decision.replica.name, key.tokens)
+            self._wire[wire] = (self.table.home(prompt) or decision.replica.name, prompt.tokens)
             self._wire.move_to_end(wire)
             if len(self._wire) > self.table.capacity:
                 self._wire.popitem(last=False)
-        return decision._replace(tokens=key.tokens)
+        return decision._replace(tokens=prompt.tokens)
 
-    def _choose(self, key: PromptKey | None, routable: Sequence[R]) -> Decision[R]:
-        if key is None:
-            self.counts.nokey += 1
-            self._turn += 1
-            return Decision(least_loaded(routable, self._turn), "nokey")
+    def _nokey(self, routable: Sequence[R]) -> Decision[R]:
+        self.counts.nokey += 1
+        self._turn += 1
+        return Decision(least_loaded(routable, self._turn), "nokey")
 
+    def _choose(self, key: PromptKey, routable: Sequence[R]) -> Decision[R]:
         by_name = {r.name: r for r in routable}
         cap = self.cap(routable)
         known = False
@@ -323,7 +315,6 @@ class _KeyBlind:
     """A policy that ignores keys: `_pick` chooses among the routable replicas."""
 
     name = ""
-    uses_keys = False
 
     def __init__(self) -> None:
         self.counts = DecisionCounts()
@@ -332,12 +323,7 @@ class _KeyBlind:
     def set_members(self, names: Sequence[str]) -> None:
         pass  # the routable list is all it looks at
 
-    def choose_known(self, wire: int, routable: Sequence[R]) -> Decision[R] | None:
-        return None  # keys are ignored
-
-    def choose(
-        self, key: PromptKey | None, routable: Sequence[R], wire: int | None = None
-    ) -> Decision[R]:
+    def choose(self, key: RouteKey | None, routable: Sequence[R]) -> Decision[R]:
         self._turn += 1
         self.counts.balanced += 1
         return Decision(self._pick(routable, self._turn), "balanced")

@@ -68,7 +68,3 @@ class HashRing:
                 yield name
                 if len(seen) == wanted:
                     return
-
-    def owner(self, key: int) -> str | None:
-        """The member that serves `key` when every member has room."""
-        return next(self.walk(key), None)
