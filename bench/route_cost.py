@@ -19,7 +19,8 @@ of 1,000 calls:
 The fresh and known figures exclude `routable`, which is timed on its own. With `--compare
 REV` the same script measures `git archive REV` of this repository too; each round runs one
 process per tree, trees alternating, and the table shows the medians over rounds and the
-ratios (this tree / REV, and each size against 2 replicas). A revision's API is detected
+ratios (each tree against the first REV, and each size against the smallest fleet).
+`--no-tree` leaves the working tree out. A revision's API is detected
 (before `keys.completion_key`: `wire_key` + `choose_known`, then `prompt_key` + `choose`).
 """
 
@@ -187,8 +188,8 @@ def report(runs: dict[str, list[dict[str, dict[str, float]]]], args: argparse.Na
         "",
     ]
     head = "| case | replicas | " + " | ".join(f"{t} µs | vs 2" for t in trees)
-    if len(trees) == 2:
-        head += f" | {trees[1]} / {trees[0]}"
+    if len(trees) >= 2:
+        head += " | " + " | ".join(f"{t} / {trees[0]}" for t in trees[1:])
     lines += [head + " |", "|" + "---|" * (head.count("|") - 1)]
     for case in CASES:
         for n in args.sizes:
@@ -198,8 +199,8 @@ def report(runs: dict[str, list[dict[str, dict[str, float]]]], args: argparse.Na
                     f"{med[t][n, case]:.2f} | {med[t][n, case] / med[t][args.sizes[0], case]:.2f}"
                 )
             row = f"| {case} | {n} | " + " | ".join(cells)
-            if len(trees) == 2:
-                row += f" | {med[trees[1]][n, case] / med[trees[0]][n, case]:.2f}"
+            for t in trees[1:]:
+                row += f" | {med[t][n, case] / med[trees[0]][n, case]:.2f}"
             lines.append(row + " |")
     return "\n".join(lines) + "\n"
 
@@ -210,7 +211,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--table", type=int, default=200_000)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--compare", metavar="REV", help="also measure this git revision")
+    parser.add_argument(
+        "--compare", metavar="REV[,REV]", help="also measure these git revisions (first: the base)"
+    )
+    parser.add_argument("--no-tree", action="store_true", help="measure only the revisions")
     parser.add_argument("--out", type=Path, help="write the markdown table here too")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tree", type=Path, default=ROOT, help=argparse.SUPPRESS)
@@ -220,12 +224,13 @@ def main() -> None:
         child(args)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        trees = {"this tree": ROOT}
-        if args.compare:
-            trees = {args.compare: export(args.compare, Path(tmp)), **trees}
+        revs = args.compare.split(",") if args.compare else []
+        trees = {rev: export(rev, Path(tmp)) for rev in revs}
+        if not args.no_tree:
+            trees["this tree"] = ROOT
         runs: dict[str, list[dict[str, dict[str, float]]]] = {t: [] for t in trees}
         for i in range(args.rounds):
-            order = list(trees) if i % 2 == 0 else list(reversed(trees))
+            order = list(trees) if i % 2 == 0 else list(reversed(trees))  # interleaved
             for name in order:
                 runs[name].append(run_tree(trees[name], args))
                 print(f"round {i + 1}/{args.rounds}: {name} done", file=sys.stderr)
