@@ -1,10 +1,14 @@
 """The request dispatcher: which of the three kinds of route a request takes, and the proxy loop.
 
-- **Routed**: `POST /v1/completions` and `/v1/chat/completions`. The body is read once for
-  `model` and the prompt; the request waits at the adapter fence if its adapter is being
-  loaded (fleet/fence.py: forwarded only once every live replica acknowledged the adapter,
-  and only to a replica that holds it); the routing policy picks a replica among those allowed
-  to serve the model; the body goes out byte for byte and the answer streams back untouched.
+- **Routed**: `POST /v1/completions` and `/v1/chat/completions`. The body is read and
+  validated once for `model` and the prompt (body.py); the request waits at the adapter fence
+  if its adapter is being loaded (fleet/fence.py: forwarded only once every live replica
+  acknowledged the adapter, and only to a replica that holds it); routing gets one `RouteKey`
+  (routing/keys.py) and the fleet's kept candidates for the model (`Fleet.routable`), and its
+  policy picks one; the key is dropped at once (a stream holds no copy of the prompt's parsed
+  forms), and `completion` keeps only the retry loop below. `Fleet.started`/`finished` count
+  the request around the exchange. The body goes out byte for byte and the answer streams
+  back untouched.
 - **Broadcast**: `POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`, `/pause`, `/resume`,
   `/reset_prefix_cache` — to every serving replica, serialized, through the broadcaster
   (fleet/broadcast.py).
@@ -405,8 +409,7 @@ class RouterApp:
             new_request_id=self._new_request_id,
             body_length=len(request.body),
         )
-        replica.in_flight += 1
-        replica.in_flight_tokens += tokens
+        self.fleet.started(replica, tokens)
         conn.replica = replica.label
         try:
             keep_alive = await replica.pool.forward(
@@ -416,8 +419,7 @@ class RouterApp:
                 http11=request.http11,
             )
         finally:
-            replica.in_flight -= 1
-            replica.in_flight_tokens -= tokens
+            self.fleet.finished(replica, tokens)
         conn.keep_alive = conn.keep_alive and keep_alive
 
     # -- broadcasts and read-only routes ----------------------------------------------------

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import random
 from array import array
-from dataclasses import dataclass
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from routing_doubles import Rep, fleet, watch
 
 from lora_router.body import read_completion
 from lora_router.routing import affinity, keys
@@ -19,17 +19,6 @@ from lora_router.routing.policy import PrefixAffinity
 LINEAGES = Lineages()
 # The generation prompt a re-rendered turn drops (Qwen3's empty think stub is 4 tokens).
 STUBS = st.lists(st.integers(150_000, 151_999), max_size=8)
-
-
-@dataclass
-class Rep:
-    name: str
-    in_flight: int = 0
-    in_flight_tokens: int = 0
-
-
-def fleet(n: int) -> list[Rep]:
-    return [Rep(f"http://replica-{i}.internal:8000") for i in range(n)]
 
 
 def placement(model: str | None, prompt: list[int], adapter: bool = True) -> keys.PromptKey:
@@ -121,7 +110,7 @@ def test_the_base_model_is_never_an_adapters_lineage(name, prompt):
 def test_lineages_and_the_base_model_never_share_placement(prompt, n):
     reps = fleet(n)
     policy = PrefixAffinity()
-    policy.set_members([r.name for r in reps])
+    watch(policy, reps)
     policy.choose(rk(placement("trl-policy-v3", prompt)), reps)
     assert policy.choose(rk(placement("other-v3", prompt)), reps).kind == "fresh"
     assert policy.choose(rk(placement("trl-policy", prompt, adapter=False)), reps).kind == "fresh"
@@ -146,7 +135,7 @@ def test_a_version_bump_never_moves_a_family(template, families, g, bumps, stub,
     rnd = random.Random(seed)
     reps = fleet(n)
     policy = PrefixAffinity()
-    policy.set_members([r.name for r in reps])
+    watch(policy, reps)
     shared = [rnd.randrange(150_000) for _ in range(template)]
     conversations: dict[tuple[int, int], list[int]] = {}
     for f in range(families):
@@ -178,7 +167,7 @@ def test_later_turns_count_no_new_family(n, seed):
     # after any number of synced turns the families spread one per replica, as on a fresh fleet.
     reps = fleet(n)
     policy = PrefixAffinity()
-    policy.set_members([r.name for r in reps])
+    watch(policy, reps)
     prompts = [[rnd.randrange(150_000) for _ in range(100)] for _ in range(n)]
     for turn in range(3):
         for i, prompt in enumerate(prompts):
@@ -214,7 +203,7 @@ def adversarial_policy(prompt: list[int], reps: list[Rep]) -> PrefixAffinity:
     """A table holding an anchor at every level of `prompt`'s chain (every one of its prefixes
     a multiple of 7 tokens long was routed), under other models too."""
     policy = PrefixAffinity()
-    policy.set_members([r.name for r in reps])
+    watch(policy, reps)
     for end in range(7, TOKENS, 7):
         policy.choose(rk(placement("trl-policy-v1", prompt[:end])), reps)
         policy.choose(rk(placement("other-v1", prompt[:end])), reps)

@@ -6,13 +6,13 @@ import math
 import random
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from routing_doubles import Pool, Rep, fleet, watch
 
 from lora_router.routing.keys import PromptKey, RouteKey, prompt_key, wire_key
 from lora_router.routing.policy import (
@@ -24,20 +24,9 @@ from lora_router.routing.policy import (
 )
 
 
-@dataclass
-class Rep:
-    name: str
-    in_flight: int = 0
-    in_flight_tokens: int = 0
-
-
-def fleet(n: int) -> list[Rep]:
-    return [Rep(f"http://replica-{i}.internal:8000") for i in range(n)]
-
-
 def prefix_policy(reps: Sequence[Rep], **options: Any) -> PrefixAffinity:
     policy = PrefixAffinity(**options)
-    policy.set_members([r.name for r in reps])
+    watch(policy, reps)
     return policy
 
 
@@ -307,8 +296,8 @@ def test_removing_a_replica_moves_only_its_prompts_spread_over_the_survivors(n, 
     for key in KEYS:
         homes[key.full] = policy.choose(route(key), reps).replica.name  # idle fleet
     gone = data.draw(st.sampled_from([r.name for r in reps]))
-    survivors = [r for r in reps if r.name != gone]
-    policy.set_members([r.name for r in survivors])
+    survivors = Pool(r for r in reps if r.name != gone)
+    watch(policy, survivors)
     moved: Counter[str] = Counter()
     for key in KEYS:
         decision = policy.choose(route(key), survivors)
@@ -345,7 +334,7 @@ def test_adding_a_replica_never_moves_a_known_prompt(n):
     reps = fleet(n + 1)
     policy = prefix_policy(reps[:n])
     homes = {key.full: policy.choose(route(key), reps[:n]).replica for key in KEYS[:200]}
-    policy.set_members([r.name for r in reps])
+    watch(policy, reps)
     for key in KEYS[:200]:
         decision = policy.choose(route(key), reps)
         assert decision.kind == "sibling" and decision.replica is homes[key.full]
@@ -360,11 +349,10 @@ def test_two_routers_agree_on_fresh_prompts(prompt, load, n, rnd):
     ours, theirs = fleet(n), fleet(n)
     for a, b, extra in zip(ours, theirs, load, strict=False):
         a.in_flight = b.in_flight = extra
-    shuffled = [r.name for r in theirs]
+    shuffled = list(theirs)
     rnd.shuffle(shuffled)
     first = prefix_policy(ours)
-    second = PrefixAffinity()
-    second.set_members(shuffled)  # learned the fleet in another order
+    second = prefix_policy(shuffled)  # learned the fleet in another order
     key = prompt_key("trl-policy-v2", prompt)
     assert (
         first.choose(route(key), ours).replica.name
@@ -401,7 +389,7 @@ def test_no_replica_is_sent_more_than_the_load_cap(ops, n, load_factor, slack, r
         if op == "finish" and outstanding:
             outstanding.pop(pick % len(outstanding)).in_flight -= 1
             continue
-        routable = [r for r in reps if pick % 7 or r is not reps[0]]  # sometimes one is out
+        routable = Pool(r for r in reps if pick % 7 or r is not reps[0])  # sometimes one is out
         cap = bound(routable, load_factor, slack)
         decision = send(policy, pool[pick % len(pool)], routable)
         assert decision.replica.in_flight <= cap
@@ -441,7 +429,7 @@ def test_choose_never_changes_in_flight(name, prompt, load, n):
     for rep, extra in zip(reps, load, strict=False):
         rep.in_flight = extra
     policy = make_policy(name, load_factor=0.25, vnodes=160, table_size=100)
-    policy.set_members([r.name for r in reps])
+    watch(policy, reps)
     for key in (prompt_key("m", prompt), prompt_key("m", prompt), None):
         policy.choose(route(key), reps)
     assert [r.in_flight for r in reps] == load[:n]
@@ -454,7 +442,7 @@ def test_an_excluded_home_spills_and_keeps_its_anchor(prompt, n):
     policy = prefix_policy(reps)
     key = prompt_key("m", prompt)
     home = send(policy, key, reps).replica
-    others = [r for r in reps if r is not home]
+    others = Pool(r for r in reps if r is not home)
     decision = policy.choose(route(key), others)
     assert decision.kind == "spill"
     assert policy.choose(route(key), reps)[:2] == (home, "sibling")
@@ -606,3 +594,45 @@ def test_key_blind_policies_never_build_a_key() -> None:
         for _ in range(3):
             assert policy.choose(RouteKey(builder, wire_key("m", b"[1]")), reps).kind == "balanced"
         assert builder.calls == 0
+
+
+def dealt_by_scan(policy: PrefixAffinity, position: int, routable: Sequence[Rep]) -> Rep:
+    """Dealing as defined (module docstring), by walking the whole ring: the reference."""
+    by_name = {r.name: r for r in routable}
+    cap = bound(routable)
+    best, best_rank = None, None
+    for name in policy.ring.walk(position):
+        r = by_name.get(name)
+        if r is None or r.in_flight >= cap:
+            continue
+        rank = (policy._dealt.get(name, 0), r.in_flight, r.in_flight_tokens)
+        if best_rank is None or rank < best_rank:
+            best, best_rank = r, rank
+    assert best is not None
+    return best
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(2, 40), st.randoms(use_true_random=False))
+def test_dealing_from_the_kept_ranks_equals_a_scan_of_the_ring(n, rnd):
+    # Fresh prompts among changing loads, prompt tokens and exclusions: the ranks the policy
+    # keeps must pick what a walk over every replica picks.
+    reps = fleet(n)
+    policy = prefix_policy(reps)
+    outstanding: list[tuple[Rep, int]] = []
+    for i in range(120):
+        if outstanding and rnd.random() < 0.4:
+            rep, tokens = outstanding.pop(rnd.randrange(len(outstanding)))
+            rep.in_flight -= 1
+            rep.in_flight_tokens -= tokens
+        routable = reps if rnd.random() < 0.8 else Pool(r for r in reps if rnd.random() < 0.7)
+        if not routable:
+            continue
+        key = prompt_key("m", [i, rnd.randrange(1 << 30)])
+        expected = dealt_by_scan(policy, key.full, routable)
+        decision = policy.choose(route(key), routable)
+        assert decision[:2] == (expected, "fresh")
+        tokens = rnd.choice([0, 16, 16, 512])  # equal token counts make ties
+        decision.replica.in_flight += 1
+        decision.replica.in_flight_tokens += tokens
+        outstanding.append((decision.replica, tokens))

@@ -78,3 +78,16 @@ def test_adding_a_member_moves_about_one_nth_of_the_keys(members):
 def test_an_empty_ring_walks_nothing():
     assert list(HashRing([]).walk(5)) == []
     assert owner(HashRing([]), 5) is None
+
+
+@given(names, positions, st.data())
+def test_first_of_is_the_first_of_those_names_the_walk_meets(members, key, data):
+    ring = HashRing(members, vnodes=40)
+    wanted = set(data.draw(st.lists(st.sampled_from(members), min_size=1, unique=True)))
+    # Few names (k * k <= n) are bisected in their own points, many are met walking the ring.
+    assert ring.first_of(key, wanted) == next(n for n in ring.walk(key) if n in wanted)
+
+
+def test_first_of_names_outside_the_ring_is_none():
+    ring = HashRing(["a", "b", "c", "d"], vnodes=8)
+    assert ring.first_of(5, {"x"}) is None and ring.first_of(5, {"x", "y", "z"}) is None
