@@ -1,13 +1,20 @@
 """What routing one request costs, with no I/O, as the fleet grows: microseconds per call.
 
     python bench/route_cost.py [--replicas 2,8,32,128] [--tokens 512] [--table 200000]
-                               [--rounds 3] [--compare REV] [--out bench/results/route_cost.md]
+                               [--rounds 3] [--tokens-in-flight] [--compare REV[,REV]]
+                               [--no-tree] [--out bench/results/route_cost.md]
 
 For each fleet size, a real `Fleet` (replicas with the adapter acknowledged, 20-40 requests in
 flight each) and a `PrefixAffinity` whose affinity table is filled to its cap with GRPO-like
 prompts (a shared template plus a problem, placed on random replicas), so lookups and
-evictions run at their steady-state cost. Three figures, each the fastest of 7 timeit repeats
-of 1,000 calls (the machine is shared: slower repeats measure the neighbours):
+evictions run at their steady-state cost. Three figures, each the fastest of 35 repeats of 200
+calls, in CPU time of the process (the machine is shared: wall time and the slower repeats
+measure the neighbours too):
+
+Without `--tokens-in-flight` the requests in flight carry no prompt tokens, so replicas with
+equal in-flight counts tie for a fresh prompt (about 6 of 128) and dealing settles each tie
+by ring order: the costliest case for `HashRing.first_of`. With it, ties are as rare as they
+are under real prompts.
 
 - *routable*: `Fleet.routable(model)` alone, the routed path's "who may take it?";
 - *fresh*: a prompt nobody sent before, as app.py routes it: its key built from a validated
@@ -36,6 +43,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 import timeit
 from array import array
 from collections.abc import Callable
@@ -45,15 +53,17 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "trl-policy-v2"
 CASES = ("routable", "fresh", "known")
-NUMBER, REPEATS = 1000, 7
+NUMBER, REPEATS = 200, 35
 
 
 def per_call_us(fn: Callable[[], object]) -> float:
-    # The fastest repeat: on a shared machine the others measure the neighbours too.
-    return min(timeit.repeat(fn, number=NUMBER, repeat=REPEATS)) / NUMBER * 1e6
+    # CPU time of this process, and the fastest repeat: on a shared machine, wall time and
+    # the slower repeats measure the neighbours too.
+    timer = timeit.Timer(fn, timer=time.process_time)
+    return min(timer.repeat(number=NUMBER, repeat=REPEATS)) / NUMBER * 1e6
 
 
-async def measure(n: int, tokens: int, table: int, seed: int) -> dict[str, float]:
+async def measure(n: int, args: argparse.Namespace, seed: int) -> dict[str, float]:
     """One fleet size's figures, in the lora_router on sys.path."""
     body = importlib.import_module("lora_router.body")
     config_mod = importlib.import_module("lora_router.config")
@@ -66,7 +76,7 @@ async def measure(n: int, tokens: int, table: int, seed: int) -> dict[str, float
         config_mod.ReplicaAddress.parse(f"http://replica-{i}.internal:8000") for i in range(n)
     )
     fleet = fleet_mod.Fleet(config_mod.Config(replicas=addresses))
-    policy = policy_mod.PrefixAffinity(table_size=table)
+    policy = policy_mod.PrefixAffinity(table_size=args.table)
     fleet.on_members = policy.set_members
     if hasattr(fleet, "on_load"):  # the policy keeps dealing ranks: it reads the members' loads
         policy.set_members(fleet.replicas)
@@ -76,15 +86,16 @@ async def measure(n: int, tokens: int, table: int, seed: int) -> dict[str, float
     for r in fleet.replicas:
         r.adapters[MODEL] = "/adapters/v2"
         load = rng.randrange(20, 40)
+        prompts = [rng.randrange(100, 1000) if args.tokens_in_flight else 0 for _ in range(load)]
         if hasattr(fleet, "started"):
-            for _ in range(load):
-                fleet.started(r, 0)
+            for tokens in prompts:
+                fleet.started(r, tokens)
         else:
-            r.in_flight = load
+            r.in_flight, r.in_flight_tokens = load, sum(prompts)
     seeds = keys.Lineages().seeds(MODEL, True)
     template = array("I", rng.randbytes(4 * 300))
     names = [r.name for r in fleet.replicas]
-    for _ in range(table):
+    for _ in range(args.table):
         filler = template + array("I", rng.randbytes(4 * rng.randrange(20, 200)))
         policy.table.record(keys.prompt_key(None, filler, seed=seeds.token), rng.choice(names))
 
@@ -92,7 +103,7 @@ async def measure(n: int, tokens: int, table: int, seed: int) -> dict[str, float
         return body.Completion(MODEL, raw, ids, None, False)
 
     def prompt() -> tuple[bytes, array[int]]:
-        ids = template + array("I", rng.randbytes(4 * (tokens - len(template))))
+        ids = template + array("I", rng.randbytes(4 * (args.tokens - len(template))))
         return ("[" + ",".join(map(str, ids)) + "]").encode(), ids
 
     if hasattr(keys, "completion_key"):
@@ -134,7 +145,7 @@ def child(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(args.tree))
     out = {}
     for n in args.sizes:
-        out[str(n)] = asyncio.run(measure(n, args.tokens, args.table, seed=n))
+        out[str(n)] = asyncio.run(measure(n, args, seed=n))
     print(json.dumps(out))
 
 
@@ -151,6 +162,7 @@ def run_tree(tree: Path, args: argparse.Namespace) -> dict[str, dict[str, float]
         str(args.tokens),
         "--table",
         str(args.table),
+        *(["--tokens-in-flight"] if args.tokens_in_flight else []),
     ]
     done = subprocess.run(command, check=True, capture_output=True, text=True)
     return json.loads(done.stdout)
@@ -214,6 +226,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--table", type=int, default=200_000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--tokens-in-flight",
+        action="store_true",
+        help="give each request in flight 100-1000 prompt tokens (else 0: replicas with equal "
+        "in-flight counts tie, the costliest case for dealing's ring-order tie-break)",
+    )
     parser.add_argument(
         "--compare", metavar="REV[,REV]", help="also measure these git revisions (first: the base)"
     )

@@ -83,6 +83,9 @@ class HashRing:
         O(k log vnodes) by bisecting each name's own points when k * k <= n (few names), else
         a walk over the ring's points that stops at the first of them: about n / k points, as
         a member's points are spread evenly. Either way O(sqrt(n) log vnodes) at most."""
+        if len(names) == 1:  # the usual case: a rank held by one replica
+            for name in names:
+                return name if name in self._names else None
         if len(names) * len(names) <= len(self._names):
             best: tuple[int, str] | None = None
             for name in names:
@@ -96,10 +99,11 @@ class HashRing:
                     best = (ahead, name)
             return None if best is None else best[1]
         owners = self._owners
-        n = len(owners)
         i = bisect_left(self._points, key)
-        for step in range(n):
-            name = owners[(i + step) % n]
-            if name in names:
-                return name
+        for j in range(i, len(owners)):
+            if owners[j] in names:
+                return owners[j]
+        for j in range(i):  # wrapped past the last point
+            if owners[j] in names:
+                return owners[j]
         return None
