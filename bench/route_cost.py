@@ -205,7 +205,7 @@ def report(runs: dict[str, list[dict[str, dict[str, float]]]], args: argparse.Na
     head = "| case | replicas | " + " | ".join(f"{t} µs | vs 2" for t in trees)
     if len(trees) >= 2:
         head += " | " + " | ".join(f"{t} / {trees[0]}" for t in trees[1:])
-    lines += [head + " |", "|" + "---|" * (head.count("|") + 1)]
+    lines += [head + " |", "|" + "---|" * head.count("|")]
     for case in CASES:
         for n in args.sizes:
             cells = []
