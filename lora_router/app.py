@@ -1,10 +1,14 @@
 """The request dispatcher: which of the three kinds of route a request takes, and the proxy loop.
 
-- **Routed**: `POST /v1/completions` and `/v1/chat/completions`. The body is read once for
-  `model` and the prompt; the request waits at the adapter fence if its adapter is being
-  loaded (fleet/fence.py: forwarded only once every live replica acknowledged the adapter,
-  and only to a replica that holds it); the routing policy picks a replica among those allowed
-  to serve the model; the body goes out byte for byte and the answer streams back untouched.
+- **Routed**: `POST /v1/completions` and `/v1/chat/completions`. The body is read and
+  validated once for `model` and the prompt (body.py); the request waits at the adapter fence
+  if its adapter is being loaded (fleet/fence.py: forwarded only once every live replica
+  acknowledged the adapter, and only to a replica that holds it); routing gets one `RouteKey`
+  (routing/keys.py) and the fleet's kept candidates for the model (`Fleet.routable`), and its
+  policy picks one; the key is dropped at once (a stream holds no copy of the prompt's parsed
+  forms), and `completion` keeps only the retry loop below. `Fleet.started`/`finished` count
+  the request around the exchange. The body goes out byte for byte and the answer streams
+  back untouched.
 - **Broadcast**: `POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`, `/pause`, `/resume`,
   `/reset_prefix_cache` — to every serving replica, serialized, through the broadcaster
   (fleet/broadcast.py).
@@ -59,7 +63,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from lora_router.body import Completion, CompletionReader
+from lora_router.body import CompletionReader
 from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.broadcast import Broadcaster, Reply
 from lora_router.fleet.fence import (
@@ -80,7 +84,7 @@ from lora_router.http.server import ClientConnection, Request
 from lora_router.http.upstream import UpstreamError
 from lora_router.metrics import RequestStats
 from lora_router.retry_budget import RetryBudget
-from lora_router.routing.keys import Lineages, PromptKey, Seeds, prompt_key, text_key, wire_key
+from lora_router.routing.keys import Lineages, RouteKey, completion_key
 from lora_router.routing.policy import Policy
 from lora_router.status import RouterState, replica_json, status
 
@@ -298,16 +302,11 @@ class RouterApp:
             assert model is not None
             await self.fence.wait(model)
         adapter = model is not None and model not in self.fleet.base_models
-        # A sibling of a prompt seen before is recognised by the hash of its raw JSON text;
-        # only a prompt the policy does not know yet is parsed into ids and keyed by blocks.
-        raw = fields.raw_tokens
-        uses_keys = self.policy.uses_keys
         # Placed by the adapter's lineage, not its version: a later turn under vN+1 follows
         # its conversation (routing/keys.py).
         seeds = self.lineages.seeds(model, adapter)
-        wire = wire_key(model, raw, seed=seeds.wire) if raw is not None and uses_keys else None
-        key: PromptKey | None = None
-        keyed = not uses_keys  # a key-blind policy gets None
+        key: RouteKey | None = completion_key(fields, seeds, self.block_size)
+        del fields  # the key holds the prompt now, and only until a replica is chosen
         self.budget.request(self._loop.time())
         tried: list[Replica] = []
         sink: _RetrySink | None = None
@@ -321,13 +320,14 @@ class RouterApp:
                 routable = self.fleet.routable(model, tried)
                 if not routable:
                     raise HTTPError(503, _no_replica(model, tried))
-                decision = None
-                if wire is not None and not tried:
-                    decision = self.policy.choose_known(wire, routable)
-                if decision is None:
-                    if not keyed:
-                        key, keyed = self._key(fields, seeds), True
-                    decision = self.policy.choose(key, routable, wire)
+                if key is None:  # a retry: the body is still here, its prompt was validated
+                    key = completion_key(
+                        self.reader.read(request.body, chat=chat), seeds, self.block_size
+                    )
+                decision = self.policy.choose(key, routable)
+                # The stream that follows may last minutes: it must not hold the prompt's ids,
+                # packed bytes and chain (issue 16); `decision` keeps the ints it needs.
+                key = None
                 replica = decision.replica
                 if self._debug:  # one line per decision, only when asked (--log-level debug)
                     log.debug(
@@ -380,15 +380,6 @@ class RouterApp:
         self.budget.unbudgeted(reason)
         return True
 
-    def _key(self, fields: Completion, seeds: Seeds) -> PromptKey | None:
-        """The prompt's placement key (token ids, else text or chat), or None."""
-        tokens = fields.token_ids()
-        if tokens is not None:
-            return prompt_key(None, tokens, self.block_size, seed=seeds.token)
-        if fields.text is not None:
-            return text_key(None, fields.text, seed=seeds.text)
-        return None
-
     async def forward_any(self, request: Request, conn: ClientConnection) -> None:
         """A path the router has no rule for: one replica answers, as a single server would."""
         routable = self.fleet.routable(None)
@@ -418,8 +409,7 @@ class RouterApp:
             new_request_id=self._new_request_id,
             body_length=len(request.body),
         )
-        replica.in_flight += 1
-        replica.in_flight_tokens += tokens
+        self.fleet.started(replica, tokens)
         conn.replica = replica.label
         try:
             keep_alive = await replica.pool.forward(
@@ -429,8 +419,7 @@ class RouterApp:
                 http11=request.http11,
             )
         finally:
-            replica.in_flight -= 1
-            replica.in_flight_tokens -= tokens
+            self.fleet.finished(replica, tokens)
         conn.keep_alive = conn.keep_alive and keep_alive
 
     # -- broadcasts and read-only routes ----------------------------------------------------

@@ -69,8 +69,9 @@ class RouterRuntime:
             table_size=config.affinity_table_size,
             load_slack=config.load_slack,
         )
-        policy.set_members([r.name for r in fleet.replicas])
+        policy.set_members(fleet.replicas)
         fleet.on_members = policy.set_members
+        fleet.on_load = policy.load_changed
         self.fence = fence = AdapterFence(config.fence_timeout)
         fence.base_models = fleet.base_models  # one set, filled by discovery and replays
         self.client = client = ReplicaClient(config)

@@ -18,6 +18,8 @@ I/O or read the clock itself.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 CLOSED = "closed"
 OPEN = "open"
 HALF_OPEN = "half-open"
@@ -26,16 +28,39 @@ HALF_OPEN = "half-open"
 class CircuitBreaker:
     """Consecutive-failure breaker with a cooldown and a single half-open trial."""
 
-    __slots__ = ("cooldown", "failures", "opened_at", "opens", "state", "threshold", "trial")
+    __slots__ = (
+        "_state",
+        "cooldown",
+        "failures",
+        "on_change",
+        "opened_at",
+        "opens",
+        "threshold",
+        "trial",
+    )
 
     def __init__(self, threshold: int, cooldown: float) -> None:
         self.threshold = threshold
         self.cooldown = cooldown
-        self.state = CLOSED
+        self._state = CLOSED
+        # Called when it closes or stops being closed (the fleet's kept candidate sets); the
+        # time-driven open -> half-open is not announced: the fleet asks `allows` instead.
+        self.on_change: Callable[[], None] | None = None
         self.failures = 0  # consecutive failures in the current run
         self.opened_at = 0.0
         self.opens = 0  # times the breaker opened (for metrics)
         self.trial = False  # a half-open trial request is in flight
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @state.setter
+    def state(self, state: str) -> None:
+        was_closed = self._state == CLOSED
+        self._state = state
+        if was_closed != (state == CLOSED) and self.on_change is not None:
+            self.on_change()
 
     def allows(self, now: float) -> bool:
         """Whether the routed path may send this replica a request now."""

@@ -1,14 +1,24 @@
 """The set of replicas behind the router, and which of them may serve a given model.
 
 This is the data plane's view of the fleet: membership (add, remove, with ids never reused),
-the pause the fleet is under (`pause`, a `PauseIntent`), and `routable`, the one function the
-routed path asks "who may take a request for this model now?". A replica's service state is
-its `Lifecycle` (lifecycle.py), changed only by that object's methods; this module reads it
-and does no I/O.
+the pause the fleet is under (`pause`, a `PauseIntent`), `routable`, the one function the
+routed path asks "who may take a request for this model now?", and the request counts
+(`started`, `finished`: the only writers of `in_flight` and `in_flight_tokens`). A replica's
+service state is its `Lifecycle` (lifecycle.py), changed only by that object's methods; this
+module reads it and does no I/O.
 
 `routable` is the second half of the fence's invariant: a replica is a candidate for adapter A
 only when its state is *serving* (which it reaches only through a completed replay), its
 circuit breaker lets traffic through, and its acknowledged adapters include A.
+
+Kept, not rebuilt per request (issue 16): one `Candidates` per model (None for the base
+model), built on first use after a change and dropped on every change that can alter it: a
+member added or removed, a lifecycle transition, a breaker closing or opening, an adapter
+acknowledged or forgotten (each of those objects calls `_changed`). A breaker's open ->
+half-open is driven by the clock, not by an event, so the replicas whose breaker is not closed
+(`_trial`, usually none) are asked per request; one that lets its trial through is added to
+that request's candidates. `started`/`finished` keep each kept set's `in_flight` total and
+tell the policy (`on_load`), so no step of a routed request walks the fleet.
 """
 
 from __future__ import annotations
@@ -23,6 +33,9 @@ from lora_router.fleet.breaker import CLOSED, CircuitBreaker
 from lora_router.fleet.lifecycle import Lifecycle, State
 from lora_router.fleet.replica import Replica
 from lora_router.http.upstream import UpstreamPool
+from lora_router.routing.policy import Candidates
+
+_MAX_SETS = 64  # kept candidate sets (models in use); more and they are all dropped, rebuilt
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +65,13 @@ class Fleet:
         self.base_models: set[str] = set()  # names that are the base model, not an adapter
         # Set by the broadcaster when a /pause or /resume is asked (before its outcome).
         self.pause = PauseIntent()
-        # Called with every member's name after each add or remove (the policy's ring).
-        self.on_members: Callable[[Sequence[str]], None] | None = None
+        # Called with every member after each add or remove (the policy's ring).
+        self.on_members: Callable[[Sequence[Replica]], None] | None = None
+        # Called after each change of a replica's request counts (the policy's dealing ranks).
+        self.on_load: Callable[[Replica], None] | None = None
+        self._sets: dict[str | None, Candidates[Replica]] = {}  # model -> its candidates
+        self._trial: list[Replica] = []  # replicas whose breaker is not closed
+        self._stale = True
         for address in config.replicas:
             self.add(address)
 
@@ -82,6 +100,7 @@ class Fleet:
         )
         breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown)
         replica = Replica(rid, address, pool, breaker, life)
+        life.on_change = breaker.on_change = replica.on_change = self._changed
         self.replicas.append(replica)
         self._members_changed()
         return replica
@@ -108,30 +127,74 @@ class Fleet:
         """Whether a replica other than `replica` serves (the lifecycle's last-replica rules)."""
         return any(r.live for r in self.replicas if r is not replica)
 
-    def routable(self, model: str | None, exclude: Collection[Replica] = ()) -> list[Replica]:
+    def routable(self, model: str | None, exclude: Collection[Replica] = ()) -> Candidates[Replica]:
         """Replicas that may receive a request for `model` now.
 
         For an adapter, only replicas that acknowledged loading it; the fence has already
         made sure every live replica did before the first request was let through.
+
+        O(1) plus O(t), t the replicas whose breaker is not closed, while nothing changed
+        (module docstring); O(n) to rebuild after a change, and O(n) for a retry's `exclude`
+        or a breaker's trial, which build that request's own set.
         """
-        adapter = model is not None and model not in self.base_models
-        now = 0.0  # read only when a breaker is not closed (rare)
-        out = []
-        for r in self.replicas:
-            if r.life.state is not State.SERVING or r in exclude:
-                continue
-            if adapter and model not in r.adapters:
-                continue
-            if r.breaker.state != CLOSED:
-                now = now or asyncio.get_running_loop().time()
-                if not r.breaker.allows(now):
-                    continue
-            out.append(r)
-        return out
+        if self._stale:
+            self._sets.clear()
+            self._trial = [r for r in self.replicas if r.breaker.state != CLOSED]
+            self._stale = False
+        key = model if model is not None and model not in self.base_models else None
+        kept = self._sets.get(key)
+        if kept is None:
+            if len(self._sets) >= _MAX_SETS:
+                self._sets.clear()
+            kept = self._sets[key] = Candidates(
+                r for r in self.replicas if r.breaker.state == CLOSED and self._serves(r, key)
+            )
+        trial: list[Replica] = []
+        if self._trial:
+            now = asyncio.get_running_loop().time()
+            trial = [r for r in self._trial if self._serves(r, key) and r.breaker.allows(now)]
+        if not trial and not exclude:
+            return kept
+        extra = set(trial)
+        return Candidates(
+            r for r in self.replicas if (r in extra or kept.get(r.name) is r) and r not in exclude
+        )
+
+    @staticmethod
+    def _serves(replica: Replica, adapter: str | None) -> bool:
+        return replica.life.state is State.SERVING and (
+            adapter is None or adapter in replica.adapters
+        )
+
+    def started(self, replica: Replica, tokens: int) -> None:
+        """A request of `tokens` prompt tokens is being sent to `replica`: O(m), m the kept
+        sets (one per model in use), plus the policy's `on_load`."""
+        replica.in_flight += 1
+        replica.in_flight_tokens += tokens
+        self._count(replica, 1)
+
+    def finished(self, replica: Replica, tokens: int) -> None:
+        """The request `started` counted is over, however it ended."""
+        replica.in_flight -= 1
+        replica.in_flight_tokens -= tokens
+        self._count(replica, -1)
+
+    def _count(self, replica: Replica, delta: int) -> None:
+        name = replica.name
+        for kept in self._sets.values():
+            if kept.get(name) is replica:
+                kept.in_flight += delta
+        if self.on_load is not None:
+            self.on_load(replica)
+
+    def _changed(self) -> None:
+        """Something `routable` reads changed: the kept sets are rebuilt on next use."""
+        self._stale = True
 
     def _members_changed(self) -> None:
+        self._stale = True
         if self.on_members is not None:
-            self.on_members([r.name for r in self.replicas])
+            self.on_members(self.replicas)
 
     def close(self) -> None:
         for replica in self.replicas:

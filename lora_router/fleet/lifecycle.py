@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -71,27 +72,42 @@ class Lifecycle:
     """One replica's state and the events that move it (module docstring)."""
 
     __slots__ = (
+        "_state",
         "admitted_at",
         "ejections",
         "interval",
         "last_error",
         "listing_kept",
+        "on_change",
         "readmit_at",
         "slips",
-        "state",
         "who",
     )
 
     def __init__(self, who: str, interval: float, state: State = State.JOINING) -> None:
         self.who = who  # how log lines name the replica
         self.interval = interval  # the health interval: the back-off's unit
-        self.state = state
+        self._state = state
+        # Called after every transition (the fleet's kept candidate sets, fleet/fleet.py).
+        self.on_change: Callable[[], None] | None = None
         self.last_error = ""  # why it was last ejected or refused admission
         self.ejections = 0  # times it left service (for metrics)
         self.admitted_at = 0.0  # when its last replay ended in admission
         self.slips = 0  # replays in a row that did not stick
         self.readmit_at = 0.0  # not replayed before this (back-off)
         self.listing_kept = 0  # times a listing alone would have ejected it as the last one
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @state.setter
+    def state(self, state: State) -> None:
+        # Written only by the event methods below.
+        if state is not self._state:
+            self._state = state
+            if self.on_change is not None:
+                self.on_change()
 
     @property
     def serving(self) -> bool:

@@ -14,7 +14,8 @@ replays and broadcasts report. Only a serving replica receives traffic or broadc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from lora_router.config import ReplicaAddress
 from lora_router.fleet.breaker import CircuitBreaker
@@ -29,7 +30,7 @@ class Replica:
     """A vLLM server behind the router. `rid` is stable for the replica's lifetime in the fleet."""
 
     __slots__ = (
-        "adapters",
+        "_adapters",
         "breaker",
         "host_header",
         "in_flight",
@@ -38,6 +39,7 @@ class Replica:
         "life",
         "load_seconds",
         "name",
+        "on_change",
         "pool",
         "report",
         "report_error",
@@ -64,12 +66,28 @@ class Replica:
         self.in_flight = 0
         self.in_flight_tokens = 0  # prompt tokens of the requests in flight (fresh placement)
         self.life = life  # its service state; only `life`'s own methods change it
-        self.adapters: dict[str, str] = {}  # adapter name -> lora_path, as acknowledged
+        # Called when its acknowledged adapters change (the fleet's kept candidate sets).
+        self.on_change: Callable[[], None] | None = None
+        self._adapters = _Adapters(self)  # adapter name -> lora_path, as acknowledged
         self.load_seconds = 0.0  # how long its last adapter load took (broadcast order)
         # Its own /metrics at the last scrape (running, waiting, KV, ...); None: unknown, with
         # the reason in report_error. Never a reason to eject it.
         self.report: Report | None = None
         self.report_error = "not scraped yet"
+
+    @property
+    def adapters(self) -> dict[str, str]:
+        """Adapter name -> lora_path, as acknowledged; every change is announced."""
+        return self._adapters
+
+    @adapters.setter
+    def adapters(self, adapters: dict[str, str]) -> None:
+        self._adapters = _Adapters(self, adapters)
+        self._announce()
+
+    def _announce(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     @property
     def state(self) -> State:
@@ -86,3 +104,44 @@ class Replica:
 
     def __repr__(self) -> str:
         return f"Replica({self.rid}, {self.name}, in_flight={self.in_flight})"
+
+
+class _Adapters(dict[str, str]):
+    """A replica's acknowledged adapters: a dict that tells its replica of every change."""
+
+    __slots__ = ("_owner",)
+
+    def __init__(self, owner: Replica, items: dict[str, str] | None = None) -> None:
+        super().__init__(items or {})
+        self._owner = owner
+
+    def __setitem__(self, name: str, path: str) -> None:
+        super().__setitem__(name, path)
+        self._owner._announce()
+
+    def __delitem__(self, name: str) -> None:
+        super().__delitem__(name)
+        self._owner._announce()
+
+    def pop(self, name: str, *default: Any) -> Any:
+        out = super().pop(name, *default)
+        self._owner._announce()
+        return out
+
+    def popitem(self) -> tuple[str, str]:
+        out = super().popitem()
+        self._owner._announce()
+        return out
+
+    def clear(self) -> None:
+        super().clear()
+        self._owner._announce()
+
+    def update(self, *args: Any, **kwargs: str) -> None:
+        super().update(*args, **kwargs)
+        self._owner._announce()
+
+    def setdefault(self, name: str, default: str = "") -> str:
+        out = super().setdefault(name, default)
+        self._owner._announce()
+        return out

@@ -9,14 +9,18 @@
 - `policy`: the policies behind `--policy`: `prefix` (exact-prefix affinity + consistent
   hashing with bounded loads), `round-robin`, `least-loaded`; `make_policy` builds one.
 
-The HTTP layer keys a request (`prompt_key`/`text_key`), asks `policy.choose(key, routable)`,
-and counts the request in flight on the replica it gets. Nothing in this package does I/O,
-reads a clock, draws random numbers, logs, or changes a replica.
+The HTTP layer turns a validated completion into one `RouteKey` (`completion_key`: the wire
+hash at once, the block key only if the policy asks for it), asks `policy.choose(key,
+routable)` with the fleet's kept `Candidates` for the model, drops the key, and counts the
+request in flight on the replica it gets (telling the policy, `load_changed`). Nothing in
+this package does I/O, reads a clock, draws random numbers, logs, or changes a replica; no
+step of a routed request's choice walks the fleet (policy.py states each step's cost).
 """
 
-from .keys import PromptKey, encode_messages, messages_key, prompt_key, text_key, wire_key
+from .keys import PromptKey, RouteKey, completion_key, prompt_key, text_key, wire_key
 from .policy import (
     POLICIES,
+    Candidates,
     Decision,
     DecisionCounts,
     LeastLoaded,
@@ -29,6 +33,7 @@ from .ring import HashRing
 
 __all__ = [
     "POLICIES",
+    "Candidates",
     "Decision",
     "DecisionCounts",
     "HashRing",
@@ -37,9 +42,9 @@ __all__ = [
     "PrefixAffinity",
     "PromptKey",
     "RoundRobin",
-    "encode_messages",
+    "RouteKey",
+    "completion_key",
     "make_policy",
-    "messages_key",
     "prompt_key",
     "text_key",
     "wire_key",

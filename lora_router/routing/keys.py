@@ -61,6 +61,14 @@ C (one set operation, no Python loop over blocks), then hashes at most `PER_HEAD
 matching level and at most `MAX_STEM_CHECKS` in all before it gives up: O(blocks) hashing plus
 a constant. tests/routing/test_keys_lineage.py counts the hash calls on 4,000-token prompts.
 
+**One object per request.** `completion_key` turns a validated completion (`body.Completion`,
+read through the `Prompt` protocol) into a `RouteKey`, the one thing a policy's `choose` is
+given: its `wire` (one xxh3 of a token-id prompt's JSON text, computed at once: all a sibling
+needs) and its `key`, the block `PromptKey`, built on first access only (parsing the ids if
+validation did not). A policy that stops at the wire key never builds it. The caller drops the
+`RouteKey` once a replica is chosen, which frees the prompt's parsed forms (ids, packed bytes,
+chain); a retry builds a new one from the request.
+
 How each kind of request is keyed (the HTTP layer, `lora_router/body.py`, extracts the prompt
 and validates it; this module only hashes):
 
@@ -70,7 +78,7 @@ and validates it; this module only hashes):
   (`text_key`); the router does not tokenize, so a text prompt and the same prompt as token ids
   are different keys;
 - chat (`messages: [...]`): each message serialized compactly by orjson with sorted keys, the
-  results concatenated (`encode_messages`) and keyed as text (`messages_key`). A later turn of
+  results concatenated (body.py does it while validating) and keyed as text. A later turn of
   a conversation repeats the earlier messages byte for byte, so its key extends the earlier
   one; serializing the list as a whole would not (the closing bracket moves);
 - a batch (`prompt: [[int, ...], ...]` or `["...", ...]`): one upstream request, forwarded byte
@@ -95,11 +103,11 @@ from __future__ import annotations
 import re
 import sys
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from functools import partial
+from typing import NamedTuple, Protocol
 
-import orjson
 from xxhash import xxh3_64_intdigest
 
 # Seed domains (ASCII tags): the same bytes keyed as tokens and as text never collide.
@@ -131,7 +139,7 @@ class PromptKey:
     """The identity of a prompt under one model: `full` for the whole of it, `chain` (lazy) for
     its full blocks (module docstring).
 
-    Built by `prompt_key`, `text_key` and `messages_key`. `data` and `block_bytes` are kept so
+    Built by `prompt_key` and `text_key`. `data` and `block_bytes` are kept so
     that the chain can be computed when first asked for and so that the affinity table can ask
     "does this prompt start with that earlier one?" at any length (`prefix_hash`). Two keys are
     equal when they key the same units under the same seed and block size.
@@ -332,20 +340,62 @@ def text_key(
     return PromptKey(bytes(data), seed, block_bytes, size, size // TEXT_BYTES_PER_TOKEN)
 
 
-def encode_messages(messages: Iterable[Any]) -> bytes:
-    """The prefix-stable encoding of chat messages: each one compact, keys sorted, concatenated.
+class RouteKey:
+    """What a policy is given for one request (module docstring): the prompt's `wire` key, if
+    it has one, and its block `key`, built by `build` on first access, then cached.
 
-    Raises orjson.JSONEncodeError for what JSON cannot hold (a parsed body always can)."""
-    dumps = orjson.dumps
-    return b"".join([dumps(m, option=orjson.OPT_SORT_KEYS) for m in messages])
+    Building is deferred so that a request routed by its wire key alone (a sibling) never
+    parses ids or packs blocks. The builder is dropped once it ran, so that what it read (the
+    completion) goes as soon as the key exists; the key goes with this object.
+    """
+
+    __slots__ = ("_build", "_key", "wire")
+
+    def __init__(self, build: Callable[[], PromptKey | None], wire: int | None = None) -> None:
+        self.wire = wire  # `wire_key` of a token-id prompt's JSON text, or None
+        self._build: Callable[[], PromptKey | None] | None = build
+        self._key: PromptKey | None = None
+
+    @property
+    def key(self) -> PromptKey | None:
+        """The prompt's block key (None: a prompt without one, e.g. `prompt_embeds`)."""
+        build = self._build
+        if build is not None:
+            self._key = build()
+            self._build = None
+        return self._key
 
 
-def messages_key(
-    model: str | None,
-    messages: Iterable[Any],
-    block_bytes: int = TEXT_BLOCK_BYTES,
-    *,
-    seed: int | None = None,
-) -> PromptKey:
-    """Key a chat conversation: `text_key` of `encode_messages(messages)`."""
-    return text_key(model, encode_messages(messages), block_bytes, seed=seed)
+class Prompt(Protocol):
+    """What `completion_key` reads of a validated completion (`body.Completion`)."""
+
+    @property
+    def raw_tokens(self) -> bytes | None:
+        """A flat token-id prompt as the client wrote it, validated."""
+        ...
+
+    @property
+    def text(self) -> bytes | None:
+        """A text prompt, or chat messages in their prefix-stable encoding."""
+        ...
+
+    def token_ids(self) -> Sequence[int] | None:
+        """The (first) token-id prompt's ids; cannot fail once validated."""
+        ...
+
+
+def completion_key(prompt: Prompt, seeds: Seeds, block_size: int) -> RouteKey:
+    """The `RouteKey` of a validated completion under its placement `seeds`
+    (`Lineages.seeds`): the wire key now (one C call), the block key when first needed."""
+    raw = prompt.raw_tokens
+    wire = None if raw is None else xxh3_64_intdigest(raw, seeds.wire)
+    return RouteKey(partial(_block_key, prompt, seeds, block_size), wire)
+
+
+def _block_key(prompt: Prompt, seeds: Seeds, block_size: int) -> PromptKey | None:
+    tokens = prompt.token_ids()
+    if tokens is not None:
+        return prompt_key(None, tokens, block_size, seed=seeds.token)
+    if prompt.text is not None:
+        return text_key(None, prompt.text, seed=seeds.text)
+    return None

@@ -5,6 +5,10 @@ plus an affinity table of earlier prompts (`affinity`). Keys are placement keys 
 by the adapter's lineage, not its version), so a turn sent under `trl-policy-v8` finds the turns
 its conversation sent under `-v7`:
 
+0. *Sibling by its wire key.* A token-id prompt whose JSON text was seen before (`RouteKey.wire`,
+   remembered with the home of that exact prompt and its token count) goes to that home if it
+   is routable and has room, and its block key is never built: the G - 1 later samples of a
+   GRPO prompt cost one hash. Otherwise the block key is built and the steps below run.
 1. *Known prompt.* The table finds the earlier prompts whose stems this one starts with, longest
    shared block prefix first (itself, if it was seen: a *sibling*; a shorter one: a
    *continuation*, e.g. the previous turn of a conversation, appended to or re-rendered). The
@@ -28,7 +32,9 @@ its conversation sent under `-v7`:
    count keeps 1.00-1.01 with in-flight balance as close to the oracle's
    (bench/results/routing-work-held/ against bench/results/routing.md). A replica that joins
    starts at the fewest count. On an idle fleet every replica ties and placement is plain
-   consistent hashing, so two routers that saw the same requests agree.
+   consistent hashing, so two routers that saw the same requests agree. The ranks are kept,
+   not computed per request (`_Ranks`: grouped by equal rank, the distinct ranks in a heap,
+   re-filed on `load_changed`), and ties are settled by `HashRing.first_of`.
 4. *No key.* Least in flight, round robin among ties.
 
 What the replicas report of themselves (fleet/telemetry.py's `Replica.report`: running,
@@ -68,12 +74,24 @@ for a shared template.
 
 `RoundRobin` and `LeastLoaded` ignore keys; they are there for comparison.
 
-Contract with the caller (the HTTP layer): `routable` is already filtered (healthy, adapter
-loaded, breaker closed, not excluded by a retry) and never empty; `choose` reads `in_flight`
-and `in_flight_tokens` but never changes them — the caller adds 1 and `Decision.tokens` for the
-request it sends and takes them off on every exit path. `set_members` gets the full membership
-(the ring), at start and on every add or remove. Policies are not thread-safe; the router calls
-them from its event loop.
+Cost per request, with n replicas (issue 16: it must not grow with the fleet): a sibling by
+its wire key and the load cap, O(1) (the candidates carry their in-flight total); a known
+prompt, O(blocks) for the chain and the table, then O(1) per earlier prompt's replica tried; a
+spill, O(1 + s), s the replicas the ring walk passes over because they cannot take it; a new
+family, O(log n) per rank passed over (ranks without room or without a candidate) plus
+O(min(k, n / k)) for k tied replicas, at most O(sqrt(n)); `load_changed`, O(log n). Only what
+by definition compares every replica is O(n): a request without a key (least loaded), the
+`LeastLoaded` comparison policy, `set_members`.
+
+Contract with the caller (the HTTP layer): one `choose(key, routable)` per attempt, `key` the
+request's `RouteKey` (`keys.completion_key`) or None, which the caller drops once it has the
+decision (a retry builds a new one); `routable` is a `Candidates` (fleet/fleet.py keeps one
+per model), already filtered (healthy, adapter loaded, breaker closed, not excluded by a
+retry), never empty, its `in_flight` the sum over its replicas; `choose` reads `in_flight` and
+`in_flight_tokens` but never changes them — the caller adds 1 and `Decision.tokens` for the
+request it sends and takes them off on every exit path, and calls `load_changed` after each
+change. `set_members` gets the full membership (the ring) with their loads, at start and on
+every add or remove. Policies are not thread-safe; the router calls them from its event loop.
 
 Never: I/O, clocks, randomness, logging (the caller logs decisions at debug level), mutating
 replicas.
@@ -82,13 +100,14 @@ replicas.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from fractions import Fraction
+from heapq import heapify, heappop, heappush
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
 from .affinity import AffinityTable
-from .keys import PromptKey
+from .keys import PromptKey, RouteKey
 from .ring import DEFAULT_VNODES, HashRing
 
 DEFAULT_LOAD_FACTOR = 0.25
@@ -139,41 +158,92 @@ class DecisionCounts:
         return asdict(self)
 
 
+class Candidates(list[R]):
+    """The replicas a request may go to, as a policy reads them: a list in fleet order that
+    also finds a replica by name in O(1) (`get`) and carries `in_flight`, the requests in
+    flight over all of them, which whoever counts requests keeps current (fleet/fleet.py
+    keeps one per model and adds or takes one off per request: O(1) to read here)."""
+
+    __slots__ = ("_names", "in_flight")
+
+    def __init__(self, replicas: Iterable[R] = ()) -> None:
+        super().__init__(replicas)
+        self._names = {r.name: r for r in self}
+        self.in_flight = sum(r.in_flight for r in self)
+
+    def get(self, name: str) -> R | None:
+        return self._names.get(name)
+
+
 class Policy(Protocol):
     counts: DecisionCounts
-    uses_keys: bool  # False: `choose` ignores keys, so nobody needs to build them
 
-    def set_members(self, names: Sequence[str]) -> None:
-        """The full membership (the ring); called at start and on every add or remove."""
+    def set_members(self, members: Sequence[Replica]) -> None:
+        """The full membership (the ring), with each member's load now; called at start and
+        on every add or remove."""
 
-    def choose(
-        self, key: PromptKey | None, routable: Sequence[R], wire: int | None = None
-    ) -> Decision[R]:
-        """Pick a replica among `routable` (never empty); must not change `in_flight`.
-        `wire` is the prompt's `wire_key`, remembered for `choose_known`."""
-        ...
+    def load_changed(self, replica: Replica) -> None:
+        """`replica`'s `in_flight` or `in_flight_tokens` changed (the caller calls it after
+        every change it makes)."""
 
-    def choose_known(self, wire: int, routable: Sequence[R]) -> Decision[R] | None:
-        """A sibling's replica from its `wire_key` alone, if it is known and has room;
-        None means: build the `PromptKey` and call `choose`. Both must be given placement
-        keys (`keys.Lineages.seeds`)."""
+    def choose(self, key: RouteKey | None, routable: Candidates[R]) -> Decision[R]:
+        """Pick a replica among `routable` (never empty); must not change `in_flight`. `key`
+        is the request's `RouteKey` under placement seeds (`keys.completion_key`): a policy
+        reads its `wire` first and builds its block `key` only when that is not enough."""
         ...
 
 
-def load_cap(total: int, n: int, load_factor: Fraction, slack: int = 0) -> int:
+class _Ranks:
+    """The members by dealing rank, (families dealt, requests in flight, prompt tokens in
+    flight), for the fresh-prompt step: names grouped by equal rank, and the distinct ranks in
+    a heap with lazy deletion (a rank whose group emptied stays in the heap until it surfaces
+    or the heap is compacted).
+
+    `file` is O(log g), g the distinct ranks (at most the members), amortized with the
+    compaction, which runs when stale ranks outnumber live ones and costs O(g). Reading the
+    lowest ranks in order costs O(log g) per rank passed over (`PrefixAffinity._deal`)."""
+
+    __slots__ = ("groups", "heap", "queued", "rank")
+
+    def __init__(self) -> None:
+        self.rank: dict[str, tuple[int, int, int]] = {}  # member -> its rank now
+        self.groups: dict[tuple[int, int, int], set[str]] = {}  # rank -> its members
+        self.heap: list[tuple[int, int, int]] = []  # distinct ranks, some stale
+        self.queued: set[tuple[int, int, int]] = set()  # the ranks in `heap`, once each
+
+    def file(self, name: str, rank: tuple[int, int, int]) -> None:
+        old = self.rank.get(name)
+        if old == rank:
+            return
+        groups = self.groups
+        if old is not None:
+            group = groups[old]
+            group.discard(name)
+            if not group:
+                del groups[old]
+        self.rank[name] = rank
+        joined = groups.get(rank)
+        if joined is not None:
+            joined.add(name)
+            return
+        groups[rank] = {name}
+        if rank not in self.queued:
+            self.queued.add(rank)
+            heappush(self.heap, rank)
+            if len(self.heap) > 2 * len(groups) + 32:
+                self.heap = list(groups)
+                heapify(self.heap)
+                self.queued = set(self.heap)
+
+
+def _cap(total: int, n: int, grow: int, den: int, slack: int) -> int:
     """The most requests a replica may have in flight after taking one more request:
     `ceil(max((1 + load_factor) * m, m + slack))` with `m = (total + 1) / n`, the mean load
-    counting the new request.
+    counting the new request, and 1 + load_factor given as the integers grow / den.
 
     Integer arithmetic on the exact fraction: with floats, `1.1 * 10 / 11` rounds up to 2 and
     would let the cap drift by one.
     """
-    num, den = load_factor.as_integer_ratio()
-    return _cap(total, n, den + num, den, slack)
-
-
-def _cap(total: int, n: int, grow: int, den: int, slack: int) -> int:
-    """`load_cap` with 1 + load_factor given as the integers grow / den."""
     return max(-(-grow * (total + 1) // (den * n)), -(-(total + 1) // n) + slack)
 
 
@@ -188,7 +258,6 @@ class PrefixAffinity:
     """Consistent hashing with bounded loads plus exact-prefix affinity (module docstring)."""
 
     name = "prefix"
-    uses_keys = True
 
     def __init__(
         self,
@@ -214,55 +283,67 @@ class PrefixAffinity:
         # wire_key -> (the home of that exact prompt, its tokens), for siblings routed without
         # a PromptKey; as bounded as the table.
         self._wire: OrderedDict[int, tuple[str, int]] = OrderedDict()
-        self._dealt: dict[str, int] = {}
+        self._dealt: dict[str, int] = {}  # member -> families dealt to it
+        self._ranks = _Ranks()
 
-    def set_members(self, names: Sequence[str]) -> None:
+    def set_members(self, members: Sequence[Replica]) -> None:
+        """O(n * vnodes log) for the ring; membership changes are rare."""
+        names = [r.name for r in members]
         self.ring = HashRing(names, self.ring.vnodes)
         floor = min(self._dealt.values(), default=0)
         self._dealt = {name: self._dealt.get(name, floor) for name in names}
+        self._ranks = _Ranks()
+        for r in members:
+            self._ranks.file(r.name, (self._dealt[r.name], r.in_flight, r.in_flight_tokens))
 
-    def cap(self, routable: Sequence[Replica]) -> int:
-        """The in-flight count a replica may reach by taking the next request."""
-        total = 0
-        for r in routable:
-            total += r.in_flight
-        return _cap(total, len(routable), self._grow, self._den, self.load_slack)
+    def load_changed(self, replica: Replica) -> None:
+        """Re-file a member under its new load: O(log n) (`_Ranks.file`)."""
+        name = replica.name
+        rank = self._ranks.rank.get(name)
+        if rank is not None:
+            self._ranks.file(name, (rank[0], replica.in_flight, replica.in_flight_tokens))
 
-    def choose_known(self, wire: int, routable: Sequence[R]) -> Decision[R] | None:
-        known = self._wire.get(wire)
-        if known is None:
-            return None
-        name = known[0]
-        for replica in routable:
-            if replica.name == name:
-                if replica.in_flight >= self.cap(routable):
-                    return None  # full: the whole policy decides where it spills
-                self._wire.move_to_end(wire)
-                self.counts.sibling += 1
-                return Decision(replica, "sibling", known[1])
-        return None
+    def cap(self, routable: Candidates[R]) -> int:
+        """The in-flight count a replica may reach by taking the next request: O(1), from
+        the candidates' maintained total."""
+        return _cap(routable.in_flight, len(routable), self._grow, self._den, self.load_slack)
 
-    def choose(
-        self, key: PromptKey | None, routable: Sequence[R], wire: int | None = None
-    ) -> Decision[R]:
-        decision = self._choose(key, routable)
+    def choose(self, key: RouteKey | None, routable: Candidates[R]) -> Decision[R]:
+        """A sibling by its wire key alone when its home has room: O(1). Else the whole
+        policy on the block key (module docstring): O(blocks) for the chain and the table,
+        plus a spill's walk (`_next_with_room`) or a deal (`_deal`), independent of the fleet
+        size but for their stated bounds; the wire key is remembered for the next sibling."""
         if key is None:
-            return decision
+            return self._nokey(routable)
+        wire = key.wire
+        if wire is not None:
+            known = self._wire.get(wire)
+            if known is not None:
+                home = routable.get(known[0])
+                if home is not None and home.in_flight < self.cap(routable):
+                    self._wire.move_to_end(wire)
+                    self.counts.sibling += 1
+                    return Decision(home, "sibling", known[1])
+            # Unknown, not routable or full: the whole policy decides (a full home spills).
+        prompt = key.key
+        if prompt is None:
+            return self._nokey(routable)
+        decision = self._choose(prompt, routable)
         if wire is not None:
             # The prompt's home is its first placement (a spill does not move it).
-            self._wire[wire] = (self.table.home(key) or decision.replica.name, key.tokens)
+            self._wire[wire] = (self.table.home(prompt) or decision.replica.name, prompt.tokens)
             self._wire.move_to_end(wire)
             if len(self._wire) > self.table.capacity:
                 self._wire.popitem(last=False)
-        return decision._replace(tokens=key.tokens)
+        return decision._replace(tokens=prompt.tokens)
 
-    def _choose(self, key: PromptKey | None, routable: Sequence[R]) -> Decision[R]:
-        if key is None:
-            self.counts.nokey += 1
-            self._turn += 1
-            return Decision(least_loaded(routable, self._turn), "nokey")
+    def _nokey(self, routable: Candidates[R]) -> Decision[R]:
+        """O(n): least loaded among all of them (only requests without a key: embeddings)."""
+        self.counts.nokey += 1
+        self._turn += 1
+        return Decision(least_loaded(routable, self._turn), "nokey")
 
-        by_name = {r.name: r for r in routable}
+    def _choose(self, key: PromptKey, routable: Candidates[R]) -> Decision[R]:
         cap = self.cap(routable)
         known = False
         home: str | None = None  # this exact prompt's recorded replica
@@ -270,7 +351,7 @@ class PrefixAffinity:
             known = True
             if exact:
                 home = name
-            replica = by_name.get(name)
+            replica = routable.get(name)
             if replica is not None and replica.in_flight < cap:
                 if exact:
                     self.counts.sibling += 1
@@ -280,11 +361,11 @@ class PrefixAffinity:
                 return Decision(replica, "continuation")
 
         if known:
-            replica = self._next_with_room(key.full, by_name, routable, cap)
+            replica = self._next_with_room(key.full, routable, cap)
             self.counts.spill += 1
             kind = "spill"
         else:
-            replica = self._deal(key.full, by_name, routable, cap)
+            replica = self._deal(key.full, routable, cap)
             self.counts.fresh += 1
             kind = "fresh"
         self._remember(key, home, replica.name)
@@ -299,35 +380,62 @@ class PrefixAffinity:
         elif home not in self.ring:
             self.table.record(key, replica, replace=True)
 
-    def _next_with_room(
-        self, position: int, by_name: dict[str, R], routable: Sequence[R], cap: int
-    ) -> R:
-        """The first routable replica with room in ring order from `position`."""
+    def _next_with_room(self, position: int, routable: Candidates[R], cap: int) -> R:
+        """The first routable replica with room in ring order from `position`: the walk
+        passes over only the members that cannot take it (each once), so it is bounded by
+        them, not by the fleet: O(1 + s) steps, s the members without room or not routable
+        that come first."""
         for name in self.ring.walk(position):
-            replica = by_name.get(name)
+            replica = routable.get(name)
             if replica is not None and replica.in_flight < cap:
                 return replica
         return self._unknown_to_the_ring(routable)
 
-    def _deal(self, position: int, by_name: dict[str, R], routable: Sequence[R], cap: int) -> R:
+    def _deal(self, position: int, routable: Candidates[R], cap: int) -> R:
         """A fresh prompt's replica: fewest families dealt, then fewest in flight, then fewest
-        prompt tokens in flight, among those with room; ties to the first in ring order from
-        `position`."""
+        prompt tokens in flight, among the routable members with room; ties to the first in
+        ring order from `position`.
+
+        Read from the maintained ranks (`_Ranks`), lowest first: a rank is passed over only if
+        its members have no room (they share one in-flight count) or none of them is routable,
+        O(log n) each; among the k members of the winning rank, `HashRing.first_of` finds the
+        first in ring order in O(min(k, n / k)), at most O(sqrt(n)). On an idle fleet (every
+        member tied) that is about one ring point: plain consistent hashing."""
+        ranks = self._ranks
+        heap, groups = ranks.heap, ranks.groups
+        # Every member is a candidate when there are as many candidates as members (the fleet
+        # routes only to members); a candidate outside the ring is caught by `get` below.
+        everyone = len(routable) == len(ranks.rank)
+        passed: list[tuple[int, int, int]] = []
         best: R | None = None
-        best_rank = (0, 0, 0)
-        for name in self.ring.walk(position):
-            replica = by_name.get(name)
-            if replica is None or replica.in_flight >= cap:
+        while heap:
+            rank = heap[0]
+            group = groups.get(rank)
+            if group is None:  # stale: its members moved on
+                heappop(heap)
+                ranks.queued.discard(rank)
                 continue
-            rank = (self._dealt.get(name, 0), replica.in_flight, replica.in_flight_tokens)
-            if best is None or rank < best_rank:
-                best, best_rank = replica, rank
+            if rank[1] < cap:
+                ties = group if everyone else {n for n in group if routable.get(n) is not None}
+                name = self.ring.first_of(position, ties) if ties else None
+                best = None if name is None else routable.get(name)
+                if best is None and everyone:  # a candidate the ring does not know: filter
+                    ties = {n for n in group if routable.get(n) is not None}
+                    name = self.ring.first_of(position, ties) if ties else None
+                    best = None if name is None else routable.get(name)
+                if best is not None:
+                    break
+            passed.append(heappop(heap))
+        for rank in passed:
+            heappush(heap, rank)
         if best is None:
             best = self._unknown_to_the_ring(routable)
-        self._dealt[best.name] = self._dealt.get(best.name, 0) + 1
+        dealt = self._dealt[best.name] = self._dealt.get(best.name, 0) + 1
+        if best.name in ranks.rank:
+            ranks.file(best.name, (dealt, best.in_flight, best.in_flight_tokens))
         return best
 
-    def _unknown_to_the_ring(self, routable: Sequence[R]) -> R:
+    def _unknown_to_the_ring(self, routable: Candidates[R]) -> R:
         # Routable replicas the ring does not know (membership not set yet): still bounded,
         # since the least loaded replica always has room.
         self._turn += 1
@@ -338,21 +446,18 @@ class _KeyBlind:
     """A policy that ignores keys: `_pick` chooses among the routable replicas."""
 
     name = ""
-    uses_keys = False
 
     def __init__(self) -> None:
         self.counts = DecisionCounts()
         self._turn = -1
 
-    def set_members(self, names: Sequence[str]) -> None:
+    def set_members(self, members: Sequence[Replica]) -> None:
         pass  # the routable list is all it looks at
 
-    def choose_known(self, wire: int, routable: Sequence[R]) -> Decision[R] | None:
-        return None  # keys are ignored
+    def load_changed(self, replica: Replica) -> None:
+        pass
 
-    def choose(
-        self, key: PromptKey | None, routable: Sequence[R], wire: int | None = None
-    ) -> Decision[R]:
+    def choose(self, key: RouteKey | None, routable: Candidates[R]) -> Decision[R]:
         self._turn += 1
         self.counts.balanced += 1
         return Decision(self._pick(routable, self._turn), "balanced")

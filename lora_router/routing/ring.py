@@ -3,9 +3,11 @@
 Each replica owns `vnodes` points on a 64-bit ring, placed by xxh3 of its name with a fixed
 seed, so every router process given the same names builds the same ring. A key is served by
 the first point at or after it; `walk` goes on from there and yields each replica once, which
-is the order in which bounded-load routing tries them. Removing a replica moves only the arcs
-that ended at its points, and with many points per replica those arcs are spread over all the
-survivors rather than handed to one neighbour.
+is the order in which bounded-load routing tries them. For "which of these few names comes
+first from here?" (dealing's ties) `first_of` answers without walking the ring: one bisection
+in each name's own points, or a walk of about n / k points when the k names are many.
+Removing a replica moves only the arcs that ended at its points, and with many points per
+replica those arcs are spread over all the survivors rather than handed to one neighbour.
 
 Pure: no I/O, no clock, no randomness, no knowledge of load or health (the policy filters).
 """
@@ -13,12 +15,13 @@ Pure: no I/O, no clock, no randomness, no knowledge of load or health (the polic
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 
 from xxhash import xxh3_64_intdigest
 
 RING_SEED = int.from_bytes(b"lr-ring\0", "big")
 DEFAULT_VNODES = 160
+_TURN = 1 << 64  # the ring's circumference
 
 
 def point(name: str, index: int) -> int:
@@ -29,7 +32,7 @@ def point(name: str, index: int) -> int:
 class HashRing:
     """Replica names on a ring; immutable once built (membership changes build a new one)."""
 
-    __slots__ = ("_names", "_owners", "_points", "vnodes")
+    __slots__ = ("_names", "_own", "_owners", "_points", "vnodes")
 
     def __init__(self, names: Iterable[str] = (), vnodes: int = DEFAULT_VNODES) -> None:
         if vnodes < 1:
@@ -41,6 +44,10 @@ class HashRing:
         placed = sorted((point(name, i), name) for name in self._names for i in range(vnodes))
         self._points = [p for p, _ in placed]
         self._owners = [name for _, name in placed]
+        # Each member's own points, sorted: where it first appears from any position.
+        self._own: dict[str, list[int]] = {name: [] for name in self._names}
+        for p, name in placed:
+            self._own[name].append(p)
 
     @property
     def names(self) -> frozenset[str]:
@@ -69,6 +76,34 @@ class HashRing:
                 if len(seen) == wanted:
                     return
 
-    def owner(self, key: int) -> str | None:
-        """The member that serves `key` when every member has room."""
-        return next(self.walk(key), None)
+    def first_of(self, key: int, names: Collection[str]) -> str | None:
+        """The first of `names` (members) in ring order from `key`, as `walk` would meet them;
+        None if none is a member.
+
+        O(k log vnodes) by bisecting each name's own points when k * k <= n (few names), else
+        a walk over the ring's points that stops at the first of them: about n / k points, as
+        a member's points are spread evenly. Either way O(sqrt(n) log vnodes) at most."""
+        if len(names) == 1:  # the usual case: a rank held by one replica
+            for name in names:
+                return name if name in self._names else None
+        if len(names) * len(names) <= len(self._names):
+            best: tuple[int, str] | None = None
+            for name in names:
+                own = self._own.get(name)
+                if own is None:
+                    continue
+                i = bisect_left(own, key)
+                # Distance along the ring; past the last point it wraps to the first.
+                ahead = own[i] - key if i < len(own) else own[0] + _TURN - key
+                if best is None or (ahead, name) < best:
+                    best = (ahead, name)
+            return None if best is None else best[1]
+        owners = self._owners
+        i = bisect_left(self._points, key)
+        for j in range(i, len(owners)):
+            if owners[j] in names:
+                return owners[j]
+        for j in range(i):  # wrapped past the last point
+            if owners[j] in names:
+                return owners[j]
+        return None

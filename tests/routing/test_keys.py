@@ -11,14 +11,17 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lora_router.body import read_completion
 from lora_router.routing import keys as keys_module
 from lora_router.routing.keys import (
     TEXT_SEED,
     TOKEN_SEED,
-    encode_messages,
-    messages_key,
+    Lineages,
+    PromptKey,
+    completion_key,
     prompt_key,
     text_key,
+    wire_key,
 )
 
 token_ids = st.lists(st.integers(0, 2**32 - 1), max_size=300)
@@ -133,10 +136,17 @@ chat_messages = st.lists(
 )
 
 
+def chat_key(messages: list[dict[str, str]]) -> PromptKey | None:
+    """A chat body's key as the router builds it: validated by body.py, keyed by keys.py."""
+    body = orjson.dumps({"model": "m", "messages": messages})
+    completion = read_completion(body, chat=True, max_prompt_tokens=1 << 20)
+    return completion_key(completion, Lineages().seeds("m", False), 16).key
+
+
 @given(chat_messages, chat_messages)
 def test_a_later_chat_turn_extends_the_earlier_turns_key(earlier, later):
-    first = messages_key("m", earlier)
-    second = messages_key("m", earlier + later)
+    first, second = chat_key(earlier), chat_key(earlier + later)
+    assert first is not None and second is not None
     assert second.data.startswith(first.data)
     assert second.chain[: len(first.chain)] == first.chain
 
@@ -144,8 +154,7 @@ def test_a_later_chat_turn_extends_the_earlier_turns_key(earlier, later):
 @given(chat_messages)
 def test_chat_is_keyed_as_its_compact_sorted_messages(messages):
     data = b"".join(orjson.dumps(m, option=orjson.OPT_SORT_KEYS) for m in messages)
-    assert encode_messages(messages) == data
-    assert messages_key("m", messages) == text_key("m", data)
+    assert chat_key(messages) == text_key("m", data)
 
 
 @given(models, token_ids, block_sizes)
@@ -161,3 +170,38 @@ def test_seed_domains_keep_token_prompts_apart_from_text_prompts(model, tokens):
     as_text = text_key(model, as_tokens.data, 64)
     assert as_tokens.seed != as_text.seed
     assert as_tokens.full != as_text.full
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=300))
+def test_a_token_id_completion_keys_by_its_wire_text_and_its_ids(tokens):
+    raw = orjson.dumps(tokens)
+    completion = read_completion(
+        b'{"model": "a-v1", "prompt": %s}' % raw, chat=False, max_prompt_tokens=1 << 20
+    )
+    seeds = Lineages().seeds("a-v1", True)
+    key = completion_key(completion, seeds, 16)
+    assert key.wire == wire_key(None, raw, seed=seeds.wire)
+    assert key.key == prompt_key(None, tokens, 16, seed=seeds.token)
+
+
+def test_the_block_key_is_built_once_and_only_when_asked_for():
+    class Counting:
+        raw_tokens = None
+        text = None
+        calls = 0
+
+        def token_ids(self) -> list[int]:
+            self.calls += 1
+            return [1, 2, 3]
+
+    prompt = Counting()
+    key = completion_key(prompt, Lineages().seeds(None, False), 16)
+    assert key.wire is None and prompt.calls == 0
+    assert key.key is key.key and prompt.calls == 1
+
+
+def test_a_prompt_without_ids_or_text_has_no_block_key():
+    completion = read_completion(
+        b'{"prompt_embeds": "AAAA"}', chat=False, max_prompt_tokens=1 << 20
+    )
+    assert completion_key(completion, Lineages().seeds(None, False), 16).key is None

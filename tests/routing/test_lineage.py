@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import random
 from array import array
-from dataclasses import dataclass
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from routing_doubles import Rep, fleet, watch
 
+from lora_router.body import read_completion
 from lora_router.routing import affinity, keys
 from lora_router.routing.keys import Lineages, prompt_key, wire_key
 from lora_router.routing.policy import PrefixAffinity
@@ -20,24 +21,18 @@ LINEAGES = Lineages()
 STUBS = st.lists(st.integers(150_000, 151_999), max_size=8)
 
 
-@dataclass
-class Rep:
-    name: str
-    in_flight: int = 0
-    in_flight_tokens: int = 0
-
-
-def fleet(n: int) -> list[Rep]:
-    return [Rep(f"http://replica-{i}.internal:8000") for i in range(n)]
-
-
 def placement(model: str | None, prompt: list[int], adapter: bool = True) -> keys.PromptKey:
     return prompt_key(None, prompt, seed=LINEAGES.seeds(model, adapter).token)
 
 
+def rk(key: keys.PromptKey, wire: int | None = None) -> keys.RouteKey:
+    """What the HTTP layer hands a policy for a prompt keyed as `key`."""
+    return keys.RouteKey(lambda: key, wire)
+
+
 def route(policy: PrefixAffinity, reps: list[Rep], model: str, prompt: list[int]) -> Rep:
     """One request that finishes before the next arrives (no load cap in play)."""
-    decision = policy.choose(placement(model, prompt), reps)
+    decision = policy.choose(rk(placement(model, prompt)), reps)
     return decision.replica
 
 
@@ -115,11 +110,11 @@ def test_the_base_model_is_never_an_adapters_lineage(name, prompt):
 def test_placement_is_shared_within_a_lineage_only(prompt, n):
     reps = fleet(n)
     policy = PrefixAffinity()
-    policy.set_members([r.name for r in reps])
-    policy.choose(placement("trl-policy-v3", prompt), reps)
-    assert policy.choose(placement("other-v3", prompt), reps).kind == "fresh"
-    assert policy.choose(placement("trl-policy", prompt, adapter=False), reps).kind == "fresh"
-    assert policy.choose(placement("trl-policy-v4", prompt), reps).kind == "sibling"
+    watch(policy, reps)
+    policy.choose(rk(placement("trl-policy-v3", prompt)), reps)
+    assert policy.choose(rk(placement("other-v3", prompt)), reps).kind == "fresh"
+    assert policy.choose(rk(placement("trl-policy", prompt, adapter=False)), reps).kind == "fresh"
+    assert policy.choose(rk(placement("trl-policy-v4", prompt)), reps).kind == "sibling"
 
 
 # -- a version bump never moves a family ------------------------------------------------------
@@ -140,7 +135,7 @@ def test_a_version_bump_never_moves_a_family(template, families, g, bumps, stub,
     rnd = random.Random(seed)
     reps = fleet(n)
     policy = PrefixAffinity()
-    policy.set_members([r.name for r in reps])
+    watch(policy, reps)
     shared = [rnd.randrange(150_000) for _ in range(template)]
     conversations: dict[tuple[int, int], list[int]] = {}
     for f in range(families):
@@ -172,11 +167,11 @@ def test_later_turns_count_no_new_family(n, seed):
     # after any number of synced turns the families spread one per replica, as on a fresh fleet.
     reps = fleet(n)
     policy = PrefixAffinity()
-    policy.set_members([r.name for r in reps])
+    watch(policy, reps)
     prompts = [[rnd.randrange(150_000) for _ in range(100)] for _ in range(n)]
     for turn in range(3):
         for i, prompt in enumerate(prompts):
-            decision = policy.choose(placement(f"trl-policy-v{turn + 1}", prompt), reps)
+            decision = policy.choose(rk(placement(f"trl-policy-v{turn + 1}", prompt)), reps)
             assert decision.kind == ("fresh" if turn == 0 else "continuation")
             decision.replica.in_flight += 1  # each family's conversation stays in flight
             prompts[i] = prompt + [rnd.randrange(150_000) for _ in range(50)]
@@ -208,10 +203,10 @@ def adversarial_policy(prompt: list[int], reps: list[Rep]) -> PrefixAffinity:
     """A table holding an anchor at every level of `prompt`'s chain (every one of its prefixes
     a multiple of 7 tokens long was routed), under other models too."""
     policy = PrefixAffinity()
-    policy.set_members([r.name for r in reps])
+    watch(policy, reps)
     for end in range(7, TOKENS, 7):
-        policy.choose(placement("trl-policy-v1", prompt[:end]), reps)
-        policy.choose(placement("other-v1", prompt[:end]), reps)
+        policy.choose(rk(placement("trl-policy-v1", prompt[:end])), reps)
+        policy.choose(rk(placement("other-v1", prompt[:end])), reps)
     return policy
 
 
@@ -222,7 +217,7 @@ def test_a_4000_token_prompt_costs_one_hash_per_block_from_keying_to_routing(mon
     policy = adversarial_policy(prompt, reps)
     counter = Counting(monkeypatch)
     later = array("I", [*prompt, *(rnd.randrange(150_000) for _ in range(300))])
-    decision = policy.choose(placement("trl-policy-v2", list(later)), reps)
+    decision = policy.choose(rk(placement("trl-policy-v2", list(later))), reps)
     assert decision.kind == "continuation"
     # full + one per block of the chain + the stems checked + recording (the new stem).
     blocks = len(later) // 16
@@ -234,16 +229,22 @@ def test_a_sibling_costs_one_hash_of_its_whole_prompt(monkeypatch):
     reps = fleet(8)
     prompt = [rnd.randrange(150_000) for _ in range(TOKENS)]
     policy = adversarial_policy(prompt, reps)
-    raw = b"[" + b",".join(b"%d" % t for t in prompt) + b"]"
+    body = b'{"model": "trl-policy-v1", "prompt": [%s]}' % b",".join(b"%d" % t for t in prompt)
     seeds = LINEAGES.seeds("trl-policy-v1", True)
-    policy.choose(placement("trl-policy-v1", prompt), reps, wire_key(None, raw, seed=seeds.wire))
+
+    def key() -> keys.RouteKey:
+        return keys.completion_key(
+            read_completion(body, chat=False, max_prompt_tokens=TOKENS), seeds, 16
+        )
+
+    policy.choose(key(), reps)  # placed, and its wire key remembered
+    sibling = key()
     counter = Counting(monkeypatch)
-    decision = policy.choose_known(wire_key(None, raw, seed=seeds.wire), reps)
-    assert decision is not None and decision.kind == "sibling" and decision.tokens == TOKENS
-    assert counter.calls == 1  # the wire hash; the seeds were one cached lookup
+    decision = policy.choose(sibling, reps)
+    assert decision.kind == "sibling" and decision.tokens == TOKENS
+    assert counter.calls == 0  # the wire hash was computed with the key; the seeds were cached
     # Without a wire key (a text prompt, or another spelling): the whole prompt, once.
-    counter.calls = 0
-    assert policy.choose(placement("trl-policy-v1", prompt), reps).kind == "sibling"
+    assert policy.choose(rk(placement("trl-policy-v1", prompt)), reps).kind == "sibling"
     assert counter.calls == 1
 
 

@@ -6,39 +6,27 @@ import math
 import random
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from routing_doubles import Pool, Rep, fleet, watch
 
-from lora_router.routing.keys import PromptKey, prompt_key, wire_key
+from lora_router.routing.keys import PromptKey, RouteKey, prompt_key, wire_key
 from lora_router.routing.policy import (
     DEFAULT_LOAD_SLACK,
     LeastLoaded,
     PrefixAffinity,
     RoundRobin,
-    load_cap,
     make_policy,
 )
 
 
-@dataclass
-class Rep:
-    name: str
-    in_flight: int = 0
-    in_flight_tokens: int = 0
-
-
-def fleet(n: int) -> list[Rep]:
-    return [Rep(f"http://replica-{i}.internal:8000") for i in range(n)]
-
-
 def prefix_policy(reps: Sequence[Rep], **options: Any) -> PrefixAffinity:
     policy = PrefixAffinity(**options)
-    policy.set_members([r.name for r in reps])
+    watch(policy, reps)
     return policy
 
 
@@ -48,9 +36,14 @@ def bound(reps: Sequence[Rep], load_factor: str = "0.25", slack: int = DEFAULT_L
     return max(math.ceil((1 + Fraction(load_factor)) * mean), math.ceil(mean + slack))
 
 
-def send(policy, key: PromptKey | None, reps: Sequence[Rep]):
+def route(key: PromptKey | None, wire: int | None = None) -> RouteKey | None:
+    """What the HTTP layer hands a policy for a prompt keyed as `key`."""
+    return None if key is None else RouteKey(lambda: key, wire)
+
+
+def send(policy, key: RouteKey | PromptKey | None, reps: Sequence[Rep]):
     """Route like the HTTP layer: choose, then count the request in flight."""
-    decision = policy.choose(key, reps)
+    decision = policy.choose(key if isinstance(key, RouteKey) else route(key), reps)
     decision.replica.in_flight += 1
     decision.replica.in_flight_tokens += decision.tokens
     return decision
@@ -116,7 +109,7 @@ def test_a_spill_does_not_move_the_home(prompt, n):
     home.in_flight = 1000
     assert send(policy, key, reps).replica is not home
     home.in_flight = 0
-    assert policy.choose(key, reps)[:2] == (home, "sibling")
+    assert policy.choose(route(key), reps)[:2] == (home, "sibling")
 
 
 class ChainlessKey(PromptKey):
@@ -146,7 +139,7 @@ def test_continuations_follow_their_prefix_while_the_bound_allows(prompt, more, 
     for rep, extra in zip(reps, load, strict=False):
         rep.in_flight = extra
     room = home.in_flight < bound(reps)
-    decision = policy.choose(prompt_key("m", prompt + more), reps)
+    decision = policy.choose(route(prompt_key("m", prompt + more)), reps)
     assert (decision.replica is home) == room
     if room:
         assert decision.kind == "continuation"
@@ -162,7 +155,7 @@ def test_a_conversation_that_spilled_goes_on_where_it_spilled(prompt, turn2, tur
     spilled = send(policy, prompt_key("m", prompt + turn2), reps)
     assert spilled.kind == "spill"
     home.in_flight = 0
-    later = policy.choose(prompt_key("m", prompt + turn2 + turn3), reps)
+    later = policy.choose(route(prompt_key("m", prompt + turn2 + turn3)), reps)
     assert later[:2] == (spilled.replica, "continuation")
 
 
@@ -174,7 +167,7 @@ def test_a_full_home_falls_back_to_the_home_of_a_shorter_prefix(prompt, turn2, t
     first.in_flight = 1000
     second = send(policy, prompt_key("m", prompt + turn2), reps).replica
     first.in_flight, second.in_flight = 0, 1000
-    later = policy.choose(prompt_key("m", prompt + turn2 + turn3), reps)
+    later = policy.choose(route(prompt_key("m", prompt + turn2 + turn3)), reps)
     assert later[:2] == (first, "continuation")
 
 
@@ -188,7 +181,7 @@ def test_a_fresh_prompt_goes_to_the_least_loaded_ties_in_ring_order(prompt, load
     by_name = {r.name: r for r in reps}
     low = min(r.in_flight for r in reps)
     expected = next(n for n in policy.ring.walk(key.full) if by_name[n].in_flight == low)
-    assert policy.choose(key, reps)[:2] == (by_name[expected], "fresh")
+    assert policy.choose(route(key), reps)[:2] == (by_name[expected], "fresh")
 
 
 @settings(max_examples=40, deadline=None)  # a shared machine: timing is not what this checks
@@ -242,7 +235,7 @@ def test_prompts_sharing_only_a_template_spread_like_distinct_prompts(length, n,
         decision = send(policy, key, reps)  # a trainer's burst: every one still in flight
         assert decision.kind == "fresh"  # never taken for another prompt's continuation
         if i == 0:
-            assert decision.replica.name == policy.ring.owner(key.full)  # its own key decides
+            assert decision.replica.name == next(policy.ring.walk(key.full))  # its own key decides
         placed[decision.replica.name] += 1
     # Spread evenly by the work held, however long the shared template.
     assert max(placed.values()) - min(placed.get(r.name, 0) for r in reps) <= 1
@@ -301,13 +294,13 @@ def test_removing_a_replica_moves_only_its_prompts_spread_over_the_survivors(n, 
     policy = prefix_policy(reps)
     homes = {}
     for key in KEYS:
-        homes[key.full] = policy.choose(key, reps).replica.name  # idle fleet
+        homes[key.full] = policy.choose(route(key), reps).replica.name  # idle fleet
     gone = data.draw(st.sampled_from([r.name for r in reps]))
-    survivors = [r for r in reps if r.name != gone]
-    policy.set_members([r.name for r in survivors])
+    survivors = Pool(r for r in reps if r.name != gone)
+    watch(policy, survivors)
     moved: Counter[str] = Counter()
     for key in KEYS:
-        decision = policy.choose(key, survivors)
+        decision = policy.choose(route(key), survivors)
         if homes[key.full] == gone:
             moved[decision.replica.name] += 1
         else:
@@ -317,7 +310,7 @@ def test_removing_a_replica_moves_only_its_prompts_spread_over_the_survivors(n, 
             )
     assert len(moved) > 1  # not all onto one neighbour
     # A moved prompt has a new home: the next sibling goes straight there.
-    assert all(policy.choose(key, survivors).kind == "sibling" for key in KEYS)
+    assert all(policy.choose(route(key), survivors).kind == "sibling" for key in KEYS)
 
 
 @settings(max_examples=20, deadline=None)
@@ -327,8 +320,8 @@ def test_adding_a_replica_moves_about_one_nth_of_first_placements(n):
     reps = fleet(n + 1)
     moved = 0
     for key in KEYS:
-        old = prefix_policy(reps[:n]).choose(key, reps[:n]).replica
-        new = prefix_policy(reps).choose(key, reps).replica
+        old = prefix_policy(reps[:n]).choose(route(key), reps[:n]).replica
+        new = prefix_policy(reps).choose(route(key), reps).replica
         if new is not old:
             assert new is reps[n]
             moved += 1
@@ -340,14 +333,14 @@ def test_adding_a_replica_moves_about_one_nth_of_first_placements(n):
 def test_adding_a_replica_never_moves_a_known_prompt(n):
     reps = fleet(n + 1)
     policy = prefix_policy(reps[:n])
-    homes = {key.full: policy.choose(key, reps[:n]).replica for key in KEYS[:200]}
-    policy.set_members([r.name for r in reps])
+    homes = {key.full: policy.choose(route(key), reps[:n]).replica for key in KEYS[:200]}
+    watch(policy, reps)
     for key in KEYS[:200]:
-        decision = policy.choose(key, reps)
+        decision = policy.choose(route(key), reps)
         assert decision.kind == "sibling" and decision.replica is homes[key.full]
     # New families reach the newcomer (it starts at the fewest families dealt), but it does
     # not take all of them to catch up.
-    fresh = [policy.choose(key, reps).replica for key in KEYS[200:260]]
+    fresh = [policy.choose(route(key), reps).replica for key in KEYS[200:260]]
     assert 0 < sum(r is reps[n] for r in fresh) <= 60 // (n + 1) + 1
 
 
@@ -356,13 +349,15 @@ def test_two_routers_agree_on_fresh_prompts(prompt, load, n, rnd):
     ours, theirs = fleet(n), fleet(n)
     for a, b, extra in zip(ours, theirs, load, strict=False):
         a.in_flight = b.in_flight = extra
-    shuffled = [r.name for r in theirs]
+    shuffled = list(theirs)
     rnd.shuffle(shuffled)
     first = prefix_policy(ours)
-    second = PrefixAffinity()
-    second.set_members(shuffled)  # learned the fleet in another order
+    second = prefix_policy(shuffled)  # learned the fleet in another order
     key = prompt_key("trl-policy-v2", prompt)
-    assert first.choose(key, ours).replica.name == second.choose(key, theirs).replica.name
+    assert (
+        first.choose(route(key), ours).replica.name
+        == second.choose(route(key), theirs).replica.name
+    )
 
 
 # -- bounded loads and memory -----------------------------------------------------------------
@@ -394,7 +389,7 @@ def test_no_replica_is_sent_more_than_the_load_cap(ops, n, load_factor, slack, r
         if op == "finish" and outstanding:
             outstanding.pop(pick % len(outstanding)).in_flight -= 1
             continue
-        routable = [r for r in reps if pick % 7 or r is not reps[0]]  # sometimes one is out
+        routable = Pool(r for r in reps if pick % 7 or r is not reps[0])  # sometimes one is out
         cap = bound(routable, load_factor, slack)
         decision = send(policy, pool[pick % len(pool)], routable)
         assert decision.replica.in_flight <= cap
@@ -407,15 +402,22 @@ def test_the_affinity_table_never_exceeds_its_size(size, prompts, n):
     reps = fleet(n)
     policy = prefix_policy(reps, table_size=size)
     for prompt in prompts:
-        policy.choose(prompt_key("m", prompt), reps)
-        policy.choose(prompt_key("m", [*prompt, 1]), reps)
+        policy.choose(route(prompt_key("m", prompt)), reps)
+        policy.choose(route(prompt_key("m", [*prompt, 1])), reps)
         assert len(policy.table) <= size
 
 
-@given(st.integers(0, 10_000), st.integers(1, 64), st.sampled_from(["0", "0.1", "0.25", "2"]))
-def test_the_cap_without_slack_is_the_bounded_loads_bound(total, n, load_factor):
+@given(
+    st.lists(st.integers(0, 500), min_size=1, max_size=64),
+    st.sampled_from(["0", "0.1", "0.25", "2"]),
+)
+def test_the_cap_without_slack_is_the_bounded_loads_bound(loads, load_factor):
+    reps = fleet(len(loads))
+    for rep, load in zip(reps, loads, strict=True):
+        rep.in_flight = load
+    policy = prefix_policy(reps, load_factor=float(load_factor), load_slack=0)
     e = Fraction(load_factor)
-    assert load_cap(total, n, e, 0) == math.ceil((1 + e) * (total + 1) / n)
+    assert policy.cap(reps) == math.ceil((1 + e) * (sum(loads) + 1) / len(reps))
 
 
 # -- the contract with the caller -------------------------------------------------------------
@@ -427,9 +429,9 @@ def test_choose_never_changes_in_flight(name, prompt, load, n):
     for rep, extra in zip(reps, load, strict=False):
         rep.in_flight = extra
     policy = make_policy(name, load_factor=0.25, vnodes=160, table_size=100)
-    policy.set_members([r.name for r in reps])
+    watch(policy, reps)
     for key in (prompt_key("m", prompt), prompt_key("m", prompt), None):
-        policy.choose(key, reps)
+        policy.choose(route(key), reps)
     assert [r.in_flight for r in reps] == load[:n]
 
 
@@ -440,17 +442,17 @@ def test_an_excluded_home_spills_without_losing_its_anchor(prompt, n):
     policy = prefix_policy(reps)
     key = prompt_key("m", prompt)
     home = send(policy, key, reps).replica
-    others = [r for r in reps if r is not home]
-    decision = policy.choose(key, others)
+    others = Pool(r for r in reps if r is not home)
+    decision = policy.choose(route(key), others)
     assert decision.kind == "spill"
-    assert policy.choose(key, reps)[:2] == (home, "sibling")
+    assert policy.choose(route(key), reps)[:2] == (home, "sibling")
 
 
 def test_replicas_outside_the_ring_are_still_routed_by_load():
     reps = fleet(3)
     policy = PrefixAffinity()  # set_members never called
     reps[0].in_flight, reps[1].in_flight, reps[2].in_flight = 3, 1, 2
-    assert policy.choose(prompt_key("m", [1, 2, 3]), reps).replica is reps[1]
+    assert policy.choose(route(prompt_key("m", [1, 2, 3])), reps).replica is reps[1]
 
 
 def test_prompts_without_a_key_go_to_the_least_loaded_in_turn():
@@ -510,6 +512,19 @@ def test_make_policy_knows_three_policies():
 # -- siblings by their wire text --------------------------------------------------------------
 
 
+class Unbuilt:
+    """A block key builder that counts its calls: a sibling routed by its wire key never
+    builds the block key."""
+
+    def __init__(self, key: PromptKey) -> None:
+        self.key = key
+        self.calls = 0
+
+    def __call__(self) -> PromptKey:
+        self.calls += 1
+        return self.key
+
+
 @settings(deadline=None)  # the machine is shared: timing is not what this checks
 @given(nonempty, fleet_sizes, st.integers(1, 12))
 def test_a_sibling_is_routed_by_the_hash_of_its_wire_text_alone(prompt, n, siblings):
@@ -517,29 +532,49 @@ def test_a_sibling_is_routed_by_the_hash_of_its_wire_text_alone(prompt, n, sibli
     policy = prefix_policy(reps)
     raw = str(prompt).encode()  # the JSON text a client sent
     wire = wire_key("trl-policy-v1", raw)
-    assert policy.choose_known(wire, reps) is None  # never seen: the caller builds the key
-    first = send(policy, prompt_key("trl-policy-v1", prompt), reps)
-    policy.choose(prompt_key("trl-policy-v1", prompt), reps, wire)  # remembered by the caller
+    first = send(policy, route(prompt_key("trl-policy-v1", prompt), wire), reps)
     first.replica.in_flight -= 1
     for _ in range(siblings):
-        decision = policy.choose_known(wire, reps)
-        assert decision is not None and decision.kind == "sibling"
-        assert decision.replica is first.replica
-    # Another model's identical text is another prompt.
-    assert policy.choose_known(wire_key("trl-policy-v2", raw), reps) is None
+        builder = Unbuilt(prompt_key("trl-policy-v1", prompt))
+        decision = policy.choose(RouteKey(builder, wire), reps)
+        assert decision.kind == "sibling" and decision.replica is first.replica
+        assert decision.tokens == len(prompt) and builder.calls == 0
+
+
+@given(nonempty, fleet_sizes)
+def test_an_unknown_wire_key_builds_the_block_key(prompt, n):
+    reps = fleet(n)
+    policy = prefix_policy(reps)
+    builder = Unbuilt(prompt_key("trl-policy-v1", prompt))
+    assert policy.choose(RouteKey(builder, wire_key("trl-policy-v1", b"[1]")), reps).kind == "fresh"
+    assert builder.calls == 1
+
+
+def test_another_models_identical_text_is_another_prompt() -> None:
+    reps = fleet(3)
+    policy = prefix_policy(reps)
+    raw = b"[1, 2, 3]"
+    policy.choose(
+        route(prompt_key("trl-policy-v1", [1, 2, 3]), wire_key("trl-policy-v1", raw)), reps
+    )
+    builder = Unbuilt(prompt_key("trl-policy-v2", [1, 2, 3]))
+    assert policy.choose(RouteKey(builder, wire_key("trl-policy-v2", raw)), reps).kind == "fresh"
+    assert builder.calls == 1
 
 
 def test_a_full_home_hands_the_sibling_back_to_the_whole_policy() -> None:
     reps = fleet(2)
     policy = prefix_policy(reps, load_slack=0)
     key, wire = prompt_key("m", [1, 2, 3]), wire_key("m", b"[1, 2, 3]")
-    home = policy.choose(key, reps, wire).replica
+    home = policy.choose(route(key, wire), reps).replica
     home.in_flight = 10  # far above the cap
-    assert policy.choose_known(wire, reps) is None
-    assert policy.choose(key, reps, wire).kind == "spill"
+    builder = Unbuilt(key)
+    assert policy.choose(RouteKey(builder, wire), reps).kind == "spill"
+    assert builder.calls == 1
     home.in_flight = 0
-    known = policy.choose_known(wire, reps)
-    assert known is not None and known.replica is home  # a spill never moves the home
+    builder = Unbuilt(key)
+    known = policy.choose(RouteKey(builder, wire), reps)
+    assert known.replica is home and builder.calls == 0  # a spill never moves the home
 
 
 @settings(max_examples=10)
@@ -548,12 +583,56 @@ def test_the_wire_index_is_bounded_like_the_table(capacity):
     reps = fleet(3)
     policy = prefix_policy(reps, table_size=capacity)
     for i in range(capacity * 3):
-        policy.choose(prompt_key("m", [i, i + 1]), reps, wire_key("m", b"[%d]" % i))
+        policy.choose(route(prompt_key("m", [i, i + 1]), wire_key("m", b"[%d]" % i)), reps)
     assert len(policy._wire) <= capacity
 
 
-def test_key_blind_policies_never_claim_a_sibling() -> None:
+def test_key_blind_policies_never_build_a_key() -> None:
     reps = fleet(2)
     for policy in (RoundRobin(), LeastLoaded()):
-        policy.choose(None, reps, wire_key("m", b"[1]"))
-        assert policy.choose_known(wire_key("m", b"[1]"), reps) is None
+        builder = Unbuilt(prompt_key("m", [1]))
+        for _ in range(3):
+            assert policy.choose(RouteKey(builder, wire_key("m", b"[1]")), reps).kind == "balanced"
+        assert builder.calls == 0
+
+
+def dealt_by_scan(policy: PrefixAffinity, position: int, routable: Sequence[Rep]) -> Rep:
+    """Dealing as defined (module docstring), by walking the whole ring: the reference."""
+    by_name = {r.name: r for r in routable}
+    cap = bound(routable)
+    best, best_rank = None, None
+    for name in policy.ring.walk(position):
+        r = by_name.get(name)
+        if r is None or r.in_flight >= cap:
+            continue
+        rank = (policy._dealt.get(name, 0), r.in_flight, r.in_flight_tokens)
+        if best_rank is None or rank < best_rank:
+            best, best_rank = r, rank
+    assert best is not None
+    return best
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(2, 40), st.randoms(use_true_random=False))
+def test_dealing_from_the_kept_ranks_equals_a_scan_of_the_ring(n, rnd):
+    # Fresh prompts among changing loads, prompt tokens and exclusions: the ranks the policy
+    # keeps must pick what a walk over every replica picks.
+    reps = fleet(n)
+    policy = prefix_policy(reps)
+    outstanding: list[tuple[Rep, int]] = []
+    for i in range(120):
+        if outstanding and rnd.random() < 0.4:
+            rep, tokens = outstanding.pop(rnd.randrange(len(outstanding)))
+            rep.in_flight -= 1
+            rep.in_flight_tokens -= tokens
+        routable = reps if rnd.random() < 0.8 else Pool(r for r in reps if rnd.random() < 0.7)
+        if not routable:
+            continue
+        key = prompt_key("m", [i, rnd.randrange(1 << 30)])
+        expected = dealt_by_scan(policy, key.full, routable)
+        decision = policy.choose(route(key), routable)
+        assert decision[:2] == (expected, "fresh")
+        tokens = rnd.choice([0, 16, 16, 512])  # equal token counts make ties
+        decision.replica.in_flight += 1
+        decision.replica.in_flight_tokens += tokens
+        outstanding.append((decision.replica, tokens))

@@ -22,6 +22,11 @@ _RNG = random.Random(7)
 KEYS = [_RNG.getrandbits(64) for _ in range(4000)]
 
 
+def owner(ring: HashRing, key: int) -> str | None:
+    """The member that serves `key` when every member has room: the first of its walk."""
+    return next(ring.walk(key), None)
+
+
 @given(names, positions)
 def test_walk_yields_every_member_once(members, key):
     walked = list(HashRing(members, vnodes=40).walk(key))
@@ -42,8 +47,8 @@ def test_removing_a_member_moves_only_its_keys(members, data):
     before = HashRing(members)
     after = HashRing([m for m in members if m != gone])
     for key in KEYS[:1000]:
-        if before.owner(key) != gone:
-            assert after.owner(key) == before.owner(key)
+        if owner(before, key) != gone:
+            assert owner(after, key) == owner(before, key)
 
 
 @settings(max_examples=20)
@@ -52,7 +57,7 @@ def test_a_removed_members_keys_spread_over_the_survivors(members, data):
     gone = data.draw(st.sampled_from(members))
     before = HashRing(members)
     after = HashRing([m for m in members if m != gone])
-    moved = Counter(after.owner(k) for k in KEYS if before.owner(k) == gone)
+    moved = Counter(owner(after, k) for k in KEYS if owner(before, k) == gone)
     survivors = len(members) - 1
     # Every survivor takes some, none takes the lot: no hotspot next to the dead replica.
     assert len(moved) == survivors
@@ -64,12 +69,25 @@ def test_a_removed_members_keys_spread_over_the_survivors(members, data):
 def test_adding_a_member_moves_about_one_nth_of_the_keys(members):
     before = HashRing(members[:-1])
     after = HashRing(members)
-    moved = [k for k in KEYS if before.owner(k) != after.owner(k)]
-    assert all(after.owner(k) == members[-1] for k in moved)
+    moved = [k for k in KEYS if owner(before, k) != owner(after, k)]
+    assert all(owner(after, k) == members[-1] for k in moved)
     share = len(moved) / len(KEYS)
     assert 0.5 / len(members) <= share <= 1.6 / len(members)
 
 
 def test_an_empty_ring_walks_nothing():
     assert list(HashRing([]).walk(5)) == []
-    assert HashRing([]).owner(5) is None
+    assert owner(HashRing([]), 5) is None
+
+
+@given(names, positions, st.data())
+def test_first_of_is_the_first_of_those_names_the_walk_meets(members, key, data):
+    ring = HashRing(members, vnodes=40)
+    wanted = set(data.draw(st.lists(st.sampled_from(members), min_size=1, unique=True)))
+    # Few names (k * k <= n) are bisected in their own points, many are met walking the ring.
+    assert ring.first_of(key, wanted) == next(n for n in ring.walk(key) if n in wanted)
+
+
+def test_first_of_names_outside_the_ring_is_none():
+    ring = HashRing(["a", "b", "c", "d"], vnodes=8)
+    assert ring.first_of(5, {"x"}) is None and ring.first_of(5, {"x", "y", "z"}) is None
