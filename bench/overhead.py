@@ -895,34 +895,11 @@ def markdown(report: Report, fleets: Sequence[int], goals: list[dict[str, object
                 for name in PROXIES
             ]
             out.append(f"| {n} | " + " | ".join(cells) + " |")
-        for n in fleets[1:]:
-            cells = [
-                fmt(
-                    report.paired(
-                        name,
-                        f"{n} replicas, {trace}, c=64",
-                        f"{fleets[0]} replicas, {trace}, c=64",
-                        "cpu_us_per_req",
-                    ),
-                    ".3f",
-                )
-                for name in PROXIES
-            ]
-            out.append(f"| CPU {n} / {fleets[0]} | " + " | ".join(cells) + " |")
-        for n in fleets[1:]:
-            cells = [
-                fmt(
-                    report.paired(
-                        name,
-                        f"{n} replicas, {trace}, c=64",
-                        f"{fleets[0]} replicas, {trace}, c=64",
-                        "net_cpu_us_per_req",
-                    ),
-                    ".3f",
-                )
-                for name in PROXIES
-            ]
-            out.append(f"| CPU {n} / {fleets[0]}, less idle CPU | " + " | ".join(cells) + " |")
+        for figure, label in (("cpu_us_per_req", ""), ("net_cpu_us_per_req", ", less idle CPU")):
+            for n in fleets[1:]:
+                pair = (f"{n} replicas, {trace}, c=64", f"{fleets[0]} replicas, {trace}, c=64")
+                cells = [fmt(report.paired(name, *pair, figure), ".3f") for name in PROXIES]
+                out.append(f"| CPU {n} / {fleets[0]}{label} | " + " | ".join(cells) + " |")
         out.append("")
     out += [
         "Idle CPU (µs per second) of each proxy while the others of its fleet size were measured: "

@@ -14,6 +14,7 @@ import pytest
 
 from lora_router.app import RouterApp
 from lora_router.emulator import Emulator
+from lora_router.fleet.replica import Replica
 from lora_router.http.server import Request
 from lora_router.runtime import RouterRuntime
 
@@ -461,13 +462,18 @@ async def test_a_load_during_a_replay_reaches_the_replaying_replica_once(
     assert monitor.violations == []
 
 
-async def test_a_replica_back_during_a_broadcast_loads_that_version_in_its_first_replay_round(
+async def _back_while_v2_is_broadcast(
     emulators: StartEmulators,
     router: StartRouter,
     client: aiohttp.ClientSession,
     adapter: Adapter,
-    monitor: FenceMonitor,
-) -> None:
+) -> tuple[list[Emulator], Replica, asyncio.Task[tuple[int, bytes]], int]:
+    """v1 live on two replicas; replica 1 crashes, and comes back while the load of v2 is
+    being broadcast to replica 0 alone (so it is not one of that broadcast's riders). Replica 0
+    does not see v2's files (mount lag), so the broadcast keeps resending it until the test
+    lifts `mount_lag`: no fixed delay could promise the overlap. Returns the replicas, replica
+    1 as the router sees it, the load's task, and where replica 1's requests after its
+    restart begin, once its replay has sent it v2."""
     emus = await emulators(2)
     rt = await router(emus, health_interval=0.05, health_successes=1)
     assert rt.fleet is not None
@@ -475,14 +481,25 @@ async def test_a_replica_back_during_a_broadcast_loads_that_version_in_its_first
     assert (await load(client, rt.url, "v1", adapter("v1")))[0] == 200
     await emus[1].crash()
     await until(lambda: not back.live, timeout=2.0)
-    # Replica 0 does not see v2's files yet: the broadcast keeps resending it (mount lag)
-    # until replica 1 is back and replaying, which no fixed delay could promise.
     emus[0].faults.mount_lag = 1_000_000
     loading = asyncio.create_task(load(client, rt.url, "v2", adapter("v2")))
     await until(lambda: "v2" in paths_of(emus[0], "/v1/load_lora_adapter"))
     mark = len(emus[1].requests)
-    await emus[1].restart()  # not serving when the broadcast began: not one of its riders
+    await emus[1].restart()
     await until(lambda: "v2" in loads_after(emus[1], mark))
+    return emus, back, loading, mark
+
+
+async def test_a_replica_back_during_a_broadcast_loads_that_version_in_its_first_replay_round(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    adapter: Adapter,
+    monitor: FenceMonitor,
+) -> None:
+    emus, back, loading, mark = await _back_while_v2_is_broadcast(
+        emulators, router, client, adapter
+    )
     emus[0].faults.mount_lag = 0
     assert (await loading)[0] == 200
     # Its replay's first round, outside the broadcast lock, took v2 along with v1 (before,
@@ -501,23 +518,11 @@ async def test_a_version_whose_broadcast_fails_is_unloaded_from_a_replica_that_t
     adapter: Adapter,
     monitor: FenceMonitor,
 ) -> None:
-    emus = await emulators(2)
-    rt = await router(emus, health_interval=0.05, health_successes=1)
-    assert rt.fleet is not None
-    back = rt.fleet.replicas[1]
-    assert (await load(client, rt.url, "v1", adapter("v1")))[0] == 200
-    await emus[1].crash()
-    await until(lambda: not back.live, timeout=2.0)
-    emus[0].faults.mount_lag = 1_000_000  # as above: the broadcast waits for replica 1
-    loading = asyncio.create_task(load(client, rt.url, "v2", adapter("v2")))
-    await until(lambda: "v2" in paths_of(emus[0], "/v1/load_lora_adapter"))
-    mark = len(emus[1].requests)
-    await emus[1].restart()
-    await until(lambda: "v2" in loads_after(emus[1], mark))  # taken early, best effort
-    emus[0].faults.load_failures = 1  # then the serving replica refuses it: all or nothing
+    emus, back, loading, _ = await _back_while_v2_is_broadcast(emulators, router, client, adapter)
+    emus[0].faults.load_failures = 1  # the serving replica refuses v2: all or nothing
     emus[0].faults.mount_lag = 0
     assert (await loading)[0] != 200
     await until(lambda: back.live, timeout=3.0)
-    assert emus[1].state.adapters == {"v1": adapter("v1")}  # and given back before serving
+    assert emus[1].state.adapters == {"v1": adapter("v1")}  # given back before serving
     assert "v2" not in back.adapters
     assert monitor.violations == []
