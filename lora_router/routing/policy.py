@@ -416,13 +416,7 @@ class PrefixAffinity:
                 ranks.queued.discard(rank)
                 continue
             if rank[1] < cap:
-                ties = group if everyone else {n for n in group if routable.get(n) is not None}
-                name = self.ring.first_of(position, ties) if ties else None
-                best = None if name is None else routable.get(name)
-                if best is None and everyone:  # a candidate the ring does not know: filter
-                    ties = {n for n in group if routable.get(n) is not None}
-                    name = self.ring.first_of(position, ties) if ties else None
-                    best = None if name is None else routable.get(name)
+                best = self._first_routable(position, group, routable, everyone)
                 if best is not None:
                     break
             passed.append(heappop(heap))
@@ -434,6 +428,21 @@ class PrefixAffinity:
         if best.name in ranks.rank:
             ranks.file(best.name, (dealt, best.in_flight, best.in_flight_tokens))
         return best
+
+    def _first_routable(
+        self, position: int, group: set[str], routable: Candidates[R], everyone: bool
+    ) -> R | None:
+        """The first routable member of `group` in ring order from `position`. With `everyone`
+        the group is tried whole (its members are the candidates), and filtered only if the
+        one found is not a candidate (one the ring does not know took a member's place)."""
+        if everyone:
+            name = self.ring.first_of(position, group)
+            found = None if name is None else routable.get(name)
+            if found is not None:
+                return found
+        ties = {n for n in group if routable.get(n) is not None}
+        name = self.ring.first_of(position, ties) if ties else None
+        return None if name is None else routable.get(name)
 
     def _unknown_to_the_ring(self, routable: Candidates[R]) -> R:
         # Routable replicas the ring does not know (membership not set yet): still bounded,
