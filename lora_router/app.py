@@ -344,7 +344,7 @@ class RouterApp:
                         raise _upstream_http_error(replica, exc) from None
                     continue
                 if not sink.diverted:
-                    self.health.report_status(replica, conn.status)
+                    self.health.report_status(replica, conn.status, model)
                     return
                 if sink.diverted != 404:  # a 5xx held back: the rule granted the retry
                     self.health.report_status(replica, sink.diverted)

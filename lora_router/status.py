@@ -141,6 +141,9 @@ def status(state: RouterState) -> dict[str, object]:
             "readmissions": state.health.readmissions,
             "readmission_failures": state.health.readmission_failures,
             "restarts_detected": state.health.restarts_detected,
+            # Checks of serving replicas that routed 2xx answers stood in for (fleet/health.py).
+            "probes_skipped": state.health.probes_skipped,
+            "listings_skipped": state.health.listings_skipped,
             # Replays that did not stick (the listing lacks what was loaded), by replica id.
             "listing_flaps": {str(rid): n for rid, n in sorted(state.health.listing_flaps.items())},
             "last_replica_kept_despite_listing": state.health.listing_kept,

@@ -16,6 +16,33 @@ Each replica has a watcher task that, every `health_interval`, asks its `/health
   unloaded and the fleet's pause state applied (replay.py) — only then does it
   become routable. Until then no request for any adapter reaches it.
 
+**Passive health.** Routed traffic is evidence too, and with a large fleet under load the
+probes above are most of the router's background work, so a serving replica's check uses what
+its routed answers proved since the previous check began (`report_status`), under these rules:
+
+- a 2xx answer to a routed request (a whole response: a stream cut short is a failure) proves
+  the replica is up, so its `/health` probe is skipped for that interval and its run of failed
+  checks ends. A 4xx proves less (vLLM's front end answers 400 with its engine dead) and
+  counts for nothing here; a 5xx or a transport failure is a failure, as below;
+- its `/v1/models` listing is skipped only when a 2xx came for an adapter that the replica's
+  last listing showed it holding, with the fence entry of that name unchanged since (never
+  unloaded and loaded again). vLLM keeps adapters in process memory: a process restarted
+  after that listing lacks the name, so a request for it sent to the new process answers 404
+  and one in flight across the restart is cut, never 2xx. Such an answer therefore proves no
+  restart between that listing and itself. A 2xx for the base model, for an adapter loaded
+  after the listing (it may have been loaded onto a restarted process), or for one a replica
+  held on its own when it joined (static `--lora-modules`, which a restarted process loads
+  again) proves nothing about adapters: the listing runs;
+- after a re-admission no listing has been seen yet: the first check asks it whatever the
+  traffic (it is also how a replay that did not stick shows);
+- a suspect replica (below) is always probed, and a replica out of service is checked exactly
+  as an idle one. An idle replica (no routed 2xx in the interval) is checked as before.
+
+So a restart is still noticed on the first request naming a lost adapter (its 404, at once),
+or else by a listing at most two intervals after it (one interval when no proof skipped a
+listing): a restart just after a proving answer leaves that check's listing skipped, and no
+answer after it can prove anything again.
+
 Passive reports come from the routed path: a connection refused or reset, a timeout or a 5xx
 counts against the replica's circuit breaker (breaker.py) and marks it *suspect*, which wakes
 its watcher at once; a suspect replica that then fails one check is ejected without waiting
@@ -53,7 +80,7 @@ from collections import Counter
 
 from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.client import ReplicaClient
-from lora_router.fleet.fence import AdapterFence, AdapterState
+from lora_router.fleet.fence import AdapterEntry, AdapterFence, AdapterState
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.lifecycle import State
 from lora_router.fleet.replay import Replay, ReplayError, UnlistedError
@@ -65,7 +92,17 @@ log = logging.getLogger(__name__)
 class _Watch:
     """The watcher state of one replica."""
 
-    __slots__ = ("failures", "lock", "successes", "suspect", "task", "wake")
+    __slots__ = (
+        "answered",
+        "failures",
+        "lock",
+        "proof",
+        "successes",
+        "suspect",
+        "task",
+        "verified",
+        "wake",
+    )
 
     def __init__(self) -> None:
         self.wake = asyncio.Event()
@@ -74,6 +111,12 @@ class _Watch:
         self.successes = 0
         self.suspect = False
         self.task: asyncio.Task[None] | None = None
+        # Passive health (module docstring), since the current check began: a routed 2xx came,
+        # and the last adapter of `verified` one came for. `verified`: the live adapters its
+        # last listing showed, with their fence entries then.
+        self.answered = False
+        self.proof: str | None = None
+        self.verified: dict[str, AdapterEntry] = {}
 
 
 class HealthMonitor:
@@ -99,12 +142,20 @@ class HealthMonitor:
         self.readmissions = 0
         self.readmission_failures = 0
         self.restarts_detected = 0
+        # Checks of serving replicas that routed 2xx answers made unneeded (module docstring).
+        self.probes_skipped = 0
+        self.listings_skipped = 0
         self.listing_flaps: Counter[int] = Counter()  # replica id -> replays that did not stick
+        # Adapters some replica held on its own when it joined: a restart brings them back, so
+        # an answer for one proves no adapter is held (passive health).
+        self._own: set[str] = set()
 
     # -- life cycle -------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Watch every replica; called once discovery has read what each one holds."""
         for replica in self.fleet.replicas:
+            self._own.update(replica.adapters)
             self._watch(replica)
 
     async def stop(self) -> None:
@@ -123,14 +174,21 @@ class HealthMonitor:
 
     # -- passive reports from the routed path -----------------------------------------------
 
-    def report_status(self, replica: Replica, status: int) -> None:
-        """The status line a replica answered a routed request with."""
+    def report_status(self, replica: Replica, status: int, model: str | None = None) -> None:
+        """The status line a replica answered a whole routed request for `model` with (None:
+        the request named no model). O(1): it runs once per routed request."""
         if status >= 500:
             if status == 503 and self.fleet.pause.paused:
                 return  # paused on purpose (vLLM 0.33 abort/wait modes refuse new work)
             self.report_failure(replica)
             return
         replica.breaker.success()
+        if status < 300:
+            watch = self._watches.get(replica)
+            if watch is not None:
+                watch.answered = True
+                if model in watch.verified:
+                    watch.proof = model
 
     def report_missing_adapter(self, replica: Replica, model: str) -> None:
         """A replica answered 404 for `model`. If the fence still says it is live, the replica
@@ -172,6 +230,7 @@ class HealthMonitor:
         watch = self._watches.get(replica)
         if watch is not None:
             watch.successes = self.config.health_successes
+            watch.verified = {}
             watch.wake.set()
         return True
 
@@ -216,6 +275,20 @@ class HealthMonitor:
                 log.exception("health check of %s failed unexpectedly", replica.describe())
 
     async def _check(self, replica: Replica, watch: _Watch) -> None:
+        # What routed traffic proved since the previous check began; from here on, answers
+        # count for the next one.
+        answered, proof = watch.answered, watch.proof
+        watch.answered, watch.proof = False, None
+        if not replica.live:
+            watch.verified = {}  # it is replayed before it serves: a listing comes first
+        elif answered and not watch.suspect:
+            self.probes_skipped += 1
+            watch.failures = 0
+            if proof is not None and self.fence.live().get(proof) is watch.verified.get(proof):
+                self.listings_skipped += 1
+            else:
+                await self._lost_adapters(replica, watch)
+            return
         config = self.config
         self.checks += 1
         answer = await self.client.call(replica, "GET", "/health", timeout=config.health_timeout)
@@ -232,7 +305,7 @@ class HealthMonitor:
                 return
             watch.failures = 0
             watch.suspect = False
-            await self._lost_adapters(replica)
+            await self._lost_adapters(replica, watch)
             return
         watch.failures = 0
         if not ok:
@@ -244,10 +317,12 @@ class HealthMonitor:
         if watch.successes >= config.health_successes:
             await self.admit(replica)
 
-    async def _lost_adapters(self, replica: Replica) -> None:
-        """Take a serving replica that lacks an adapter live before we asked out of service."""
+    async def _lost_adapters(self, replica: Replica, watch: _Watch) -> None:
+        """Take a serving replica that lacks an adapter live before we asked out of service;
+        else note what its listing showed (`verified`, for passive health)."""
         fence = self.fence
-        before = {n: e.path for n, e in fence.live().items()}
+        before = fence.live()
+        watch.verified = {}
         if not before:
             return
         held = await self.client.listing(replica)
@@ -255,10 +330,14 @@ class HealthMonitor:
             return
         lost = [
             n
-            for n, path in before.items()
-            if held.adapters.get(n) != path and fence.state(n) is AdapterState.LIVE
+            for n, entry in before.items()
+            if held.adapters.get(n) != entry.path and fence.state(n) is AdapterState.LIVE
         ]
         if not lost:
+            own = self._own
+            watch.verified = {
+                n: e for n, e in before.items() if held.adapters.get(n) == e.path and n not in own
+            }
             return
         shown = ", ".join(lost[:3]) + (" ..." if len(lost) > 3 else "")
         reason = f"restarted: it no longer holds {shown}"
@@ -299,6 +378,7 @@ class HealthMonitor:
                 log.warning("%s stays out of service: replay failed: %s", replica.describe(), exc)
                 return False
             self.readmissions += 1
+            watch.verified = {}  # nothing it answers proves its adapters before a listing does
             watch.successes = 0
             watch.failures = 0
             watch.suspect = False
@@ -320,6 +400,9 @@ class HealthMonitor:
             replica, "GET", "/health", timeout=self.config.health_timeout
         )
         if answer.status == 200:
+            held = await self.client.listing(replica)
+            if held is not None:
+                self._own.update(held.adapters)
             await self.admit(replica)
         else:
             replica.life.eject(f"/health: {answer.summary()}")
