@@ -338,6 +338,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.breaker_cooldown,
         help="seconds an open circuit breaker waits before letting one request try",
     )
+    g.add_argument(
+        "--scrape-budget",
+        type=int,
+        default=d.scrape_budget,
+        help="replicas whose /metrics are read per health interval, round robin (a report is "
+        "at most ceil(replicas / budget) intervals old)",
+    )
 
     g = p.add_argument_group("visibility")
     g.add_argument(

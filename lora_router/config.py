@@ -162,6 +162,9 @@ class Config:
     health_successes: int = 2
     breaker_failures: int = 5
     breaker_cooldown: float = 10.0
+    # Replicas whose /metrics are read per health interval, round robin (fleet/telemetry.py):
+    # bounds the scrapes' cost; each report is then at most ceil(replicas / it) intervals old.
+    scrape_budget: int = 16
 
     # Visibility
     log_level: str = "info"
@@ -258,6 +261,7 @@ _POSITIVE = (
     "health_failures",
     "health_successes",
     "breaker_failures",
+    "scrape_budget",
 )
 _CHOICES = {
     "policy": POLICIES,

@@ -1,10 +1,12 @@
 """Replica telemetry: what each replica says about itself on its `/metrics`, and the fleet's
 weight syncs as the router saw them.
 
-Every `health_interval` (the first time one interval after start) one task asks every
-replica's `/metrics` at once, through the replica client (client.py) (so with the
-replica's token), each call bounded by `health_timeout`, and keeps the answer as a frozen
-`Report` on `Replica.report`:
+Every `health_interval` (the first time one interval after start) one task asks the `/metrics`
+of the next `scrape_budget` members, round robin, at once, through the replica client
+(client.py) (so with the replica's token), each call bounded by `health_timeout`, and keeps the
+answer as a frozen `Report` on `Replica.report`. The budget bounds the background cost of a
+large fleet (a real vLLM page is ~75 KB): with n members each report is at most ceil(n / budget)
+intervals old, and shows its age (`/router/status`'s `age_s`, `lora-router top`). What is read:
 
 - queue: `vllm:num_requests_running`, `vllm:num_requests_waiting`;
 - KV use: `vllm:kv_cache_usage_perc` (0..1);
@@ -16,13 +18,15 @@ replica's token), each call bounded by `health_timeout`, and keeps the answer as
   a new label set at every step and never drops the old ones, so the current set is the sample
   with the largest value.
 
-Samples of several engines (data parallel) add up; KV use is their mean. The text is parsed by
-prometheus-client's parser, which costs about 50 µs a line: only the sample lines of the
-families read here are handed to it (one `startswith` pass over the ~700 lines of a real vLLM
-0.32), and of `vllm:lora_requests_info` only the newest line (largest value field), since vLLM
-keeps every label set it ever set — thousands over a long run. prometheus-client's own
-endpoint gzips its answer when asked to (aiohttp asks by default), so the scrape asks for
-`identity`.
+Samples of several engines (data parallel) add up; KV use is their mean. Only the sample lines
+of the families read here are looked at: one regular-expression scan of the bytes finds the
+lines that begin with their names (the other ~700 lines of a real vLLM 0.32 are skipped by the
+scan, not split or decoded), and each found line is read by `_sample`, which follows the text
+format (labels quoted with `\\`, `\"` and `\n` escapes; a value; an optional timestamp) and
+refuses a line that breaks it. Of `vllm:lora_requests_info` only the newest line (largest value
+field) is read in full, since vLLM keeps every label set it ever set — thousands over a long
+run. prometheus-client's own endpoint gzips its answer when asked to (aiohttp asks by default),
+so the scrape asks for `identity`.
 
 A replica whose `/metrics` fails, is missing a family, or answers something that does not parse
 gets `report = None` ("unknown") and `report_error` saying why; nothing else changes. Each
@@ -43,12 +47,11 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from lora_router.config import Config
 from lora_router.fleet.client import ReplicaClient
@@ -75,9 +78,23 @@ REQUIRED = (
     GENERATION_TOKENS,
     PROMPT_TOKENS,
 )
-# The exact sample names, as a line starts with them (labels follow, or the value).
-_SAMPLES = tuple(n.encode() + end for n in REQUIRED for end in (b"{", b" "))
-_LORA_SAMPLE = (LORA_INFO.encode() + b"{", LORA_INFO.encode() + b" ")
+# A line that begins with one of the names read here, then labels or a blank: the name and the
+# rest of the line. The pattern begins with a literal, so the scan skips the other lines fast;
+# `parse_report` puts a newline before the text, so its first line is found too.
+_LINE = re.compile(
+    rb"\n(" + b"|".join(re.escape(n.encode()) for n in (*REQUIRED, LORA_INFO)) + rb")([{ \t][^\n]*)"
+)
+# What follows a sample's name, as the text format has it: optional labels (quoted values
+# with `\\`, `\"`, `\n` escapes; a trailing comma allowed), blanks, a value, an optional
+# timestamp (ms).
+_QUOTED = rb'"[^"\\\n]*(?:\\.[^"\\\n]*)*"'  # unrolled: one step per run of plain bytes
+_PAIR = rb"[ \t]*[a-zA-Z_][a-zA-Z0-9_]*[ \t]*=[ \t]*" + _QUOTED + rb"[ \t]*"
+_REST = re.compile(
+    rb"(?:\{((?:" + _PAIR + rb",)*(?:" + _PAIR + rb")?)\})?[ \t]+(\S+)(?:[ \t]+-?[0-9]+)?[ \t\r]*"
+)
+_LABEL = re.compile(rb'([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\\n]|\\.)*)"')
+_UNESCAPE = re.compile(rb"\\(.)")
+_ESCAPED = {b"n": b"\n", b"\\": b"\\", b'"': b'"'}
 _IDENTITY = {"Accept-Encoding": "identity"}
 
 WINDOW_S = 300.0  # how far back `busy_share` and the paused share look
@@ -140,39 +157,27 @@ class MetricsError(ValueError):
 
 def parse_report(text: bytes, at: float) -> Report:
     """Read the families of the module docstring out of one `/metrics` answer."""
-    kept: list[bytes] = []
-    newest, newest_value = b"", -math.inf
-    for line in text.splitlines():
-        if line.startswith(_SAMPLES):
-            kept.append(line)
-        elif line.startswith(_LORA_SAMPLE):
-            value = _sample_value(line)
-            if value is not None and value >= newest_value:
-                newest, newest_value = line, value
-    if newest:
-        kept.append(newest)
-    try:
-        families = list(text_string_to_metric_families(b"\n".join(kept).decode("utf-8") + "\n"))
-    except (ValueError, UnicodeDecodeError, IndexError) as exc:
-        # The parser quotes the offending text: a line of it is enough for status and log.
-        raise MetricsError(f"not a Prometheus exposition ({str(exc)[:120]})") from None
     values: dict[str, list[float]] = {}
-    lora: tuple[float, dict[str, str]] | None = None
-    for family in families:
-        for sample in family.samples:
-            if sample.name == LORA_INFO:
-                lora = (sample.value, sample.labels)
-            elif sample.name in REQUIRED:
-                values.setdefault(sample.name, []).append(sample.value)
-    if not values:
+    newest, newest_value = b"", -math.inf
+    for match in _LINE.finditer(b"\n" + text):
+        name, rest = match.groups()
+        if name == _LORA_NAME:
+            # Thousands of these over a long run: a cheap look at the value picks the newest.
+            value = _newest_value(rest)
+            if value is not None and value >= newest_value:
+                newest, newest_value = rest, value
+            continue
+        values.setdefault(name.decode(), []).append(_sample(name, rest)[1])
+    if not values and not newest:
         raise MetricsError("no vLLM metrics in the answer")
     missing = [name for name in REQUIRED if name not in values]
     if missing:
         raise MetricsError(f"no {', '.join(missing)}")
     kv = values[KV_USAGE]
     running, waiting, max_lora = None, None, None
-    if lora is not None:
-        labels = lora[1]
+    if newest:
+        block, _ = _sample(_LORA_NAME, newest)
+        labels = _labels(_LORA_NAME, newest, block)
         running = _adapters(labels.get("running_lora_adapters", ""))
         waiting = _adapters(labels.get("waiting_lora_adapters", ""))
         with contextlib.suppress(ValueError):
@@ -192,6 +197,42 @@ def parse_report(text: bytes, at: float) -> Report:
     )
 
 
+_LORA_NAME = LORA_INFO.encode()
+
+
+def _sample(name: bytes, rest: bytes) -> tuple[bytes, float]:
+    """The label block and value of one sample line (`rest`: what follows its name);
+    MetricsError quoting a little of the line if it breaks the text format."""
+    line = _REST.fullmatch(rest)
+    if line is None:
+        raise _broken(name, rest)
+    block, value = line.groups()
+    try:
+        return block or b"", float(value)
+    except ValueError:
+        raise _broken(name, rest) from None
+
+
+def _labels(name: bytes, rest: bytes, block: bytes) -> dict[str, str]:
+    """The labels of a label block `_sample` accepted, unescaped."""
+    try:
+        return {
+            key.decode(): _UNESCAPE.sub(_unescaped, raw).decode("utf-8")
+            for key, raw in _LABEL.findall(block)
+        }
+    except UnicodeDecodeError:
+        raise _broken(name, rest) from None
+
+
+def _unescaped(match: re.Match[bytes]) -> bytes:
+    return _ESCAPED.get(match.group(1), b"\\" + match.group(1))
+
+
+def _broken(name: bytes, rest: bytes) -> MetricsError:
+    line = (name + rest)[:80].decode("utf-8", "replace")
+    return MetricsError(f"not a Prometheus exposition (line {line!r})")
+
+
 class Telemetry:
     """The scrape loop and each replica's recent busy samples (module docstring)."""
 
@@ -203,6 +244,7 @@ class Telemetry:
         self.scrape_failures = 0
         self._busy: dict[int, deque[tuple[float, bool]]] = {}  # rid -> (time, busy)
         self._task: asyncio.Task[None] | None = None
+        self._next = 0  # where the next round starts among the members (round robin)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -223,13 +265,27 @@ class Telemetry:
             await asyncio.sleep(max(0.0, started + interval - time.monotonic()))
             started = time.monotonic()
             try:
-                await self.scrape_all()
+                await self.scrape_round()
             except Exception:  # the loop must outlive any one bad answer
                 log.exception("replica telemetry failed unexpectedly")
 
+    async def scrape_round(self) -> None:
+        """Ask the next `scrape_budget` members' `/metrics` at once, round robin; returns when
+        all answered or timed out. O(members) to pick them, `scrape_budget` requests."""
+        members = [r for r in self.fleet.replicas if r.life.member]
+        budget = self.config.scrape_budget
+        if len(members) <= budget:
+            await self._scrape_some(members)
+            return
+        start = self._next % len(members)
+        self._next = start + budget
+        await self._scrape_some((members + members)[start : start + budget])
+
     async def scrape_all(self) -> None:
-        """Ask every member's `/metrics` at once; returns when all answered or timed out."""
-        replicas = [r for r in self.fleet.replicas if r.life.member]
+        """Ask every member's `/metrics` at once, whatever the budget."""
+        await self._scrape_some([r for r in self.fleet.replicas if r.life.member])
+
+    async def _scrape_some(self, replicas: Sequence[Replica]) -> None:
         await asyncio.gather(*(self.scrape(r) for r in replicas))
         members = {r.rid for r in self.fleet.replicas}
         for rid in [rid for rid in self._busy if rid not in members]:
@@ -374,9 +430,10 @@ def _adapters(label: str) -> tuple[str, ...]:
     return tuple(sorted(n for n in label.split(",") if n))
 
 
-def _sample_value(line: bytes) -> float | None:
-    """The value field of an exposition line (after the labels; a timestamp may follow)."""
-    fields = line[line.rfind(b"}") + 1 :].split()
+def _newest_value(rest: bytes) -> float | None:
+    """The value field of a sample line's rest, read cheaply (after the last `}`; a timestamp
+    may follow); None if there is none. The line chosen is then read in full by `_sample`."""
+    fields = rest[rest.rfind(b"}") + 1 :].split()
     try:
         return float(fields[0]) if fields else None
     except ValueError:

@@ -9,6 +9,7 @@ they are about run on that clock); every wait for a state the router reaches on 
 from __future__ import annotations
 
 import asyncio
+import math
 
 import aiohttp
 
@@ -138,3 +139,23 @@ async def test_a_crashed_replica_under_traffic_is_ejected_within_one_round_trip(
         assert (await complete(client, rt.url, prompt=[i] * 40, max_tokens=1))[0] == 200
     await until(lambda: not down.live, timeout=2.0)
     assert loop.time() - crashed_at < 1.0  # the first failed request, not the 30 s interval
+
+
+async def test_scrapes_stay_within_the_budget_in_a_large_fleet(
+    emulators: StartEmulators, router: StartRouter
+) -> None:
+    n, budget = 64, 8
+    emus = await emulators(n)
+    rt = await router(emus, scrape_budget=budget)  # the hour-long interval: rounds by hand
+    assert rt.telemetry is not None and rt.fleet is not None
+    replicas = rt.fleet.replicas
+    rounds = math.ceil(n / budget)
+    for i in range(1, rounds + 1):
+        await rt.telemetry.scrape_round()
+        assert sum(count(e, "/metrics") for e in emus) == budget * i
+        assert sum(r.report is not None for r in replicas) == budget * i
+    # Round robin: every replica once in ceil(n / budget) rounds, then the first ones again.
+    assert all(count(e, "/metrics") == 1 for e in emus)
+    await rt.telemetry.scrape_round()
+    again = [r for r in replicas if r.report is not None and r.report.interval > 0]
+    assert len(again) == budget

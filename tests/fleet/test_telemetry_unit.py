@@ -189,3 +189,18 @@ def test_a_refusal_quotes_little_of_the_answer() -> None:
     with pytest.raises(MetricsError, match=r"^not a Prometheus exposition") as refused:
         parse_report(b"vllm:num_requests_running{" + b"x" * 10_000 + b"\n", at=0.0)
     assert len(str(refused.value)) < 200
+
+
+@given(st.text(st.characters(blacklist_characters=",", blacklist_categories=("Cs",)), max_size=40))
+def test_escaped_label_values_read_as_prometheus_client_wrote_them(name: str) -> None:
+    report = parse_report(REAL + lora_info((name, name, 1.0)), at=0.0)
+    assert report.adapters_running == report.adapters_waiting == ((name,) if name else ())
+
+
+def test_only_the_lines_of_the_families_read_are_looked_at() -> None:
+    # A family whose name begins with a read one is another family; its lines never count.
+    text = with_values(REAL, vllm__num_requests_running=2) + (
+        b'vllm:num_requests_running_max{engine="0"} 99\n'
+        b"vllm:num_requests_running_other not-a-number\n"
+    )
+    assert parse_report(text, at=0.0).running == 2
