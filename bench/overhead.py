@@ -39,6 +39,14 @@ sglang-router is not a contender: it rejects token-id prompts on /v1/completions
     python bench/overhead.py            # the full run: 12 minutes on the loaded 2-core machine
     python bench/overhead.py --quick    # a smoke run, about 2 minutes (not for the record)
 
+An A/B of two revisions: `--base-tree DIR` adds `lora-router@base`, lora-router run from the
+source tree DIR (PYTHONPATH), to every window, interleaved with the others; the report then
+has a per-round ratio of the two and is written as overhead-ab.md/.json. With `--fleets 2` and
+`--windows-only` it is the latency and CPU windows alone:
+
+    git archive f8cdf5c | tar -x -C /tmp/base
+    python bench/overhead.py --base-tree /tmp/base --fleets 2 --windows-only
+
 A contender that fails to start, answers an error, or is shown a trace it does not route as
 such stops the run with a non-zero exit: no figure is written from a broken measurement.
 """
@@ -101,6 +109,7 @@ TABLE_PROMPTS = (100_000, 300_000)
 TABLE_LIMIT_S = 600  # per step: a router slower than this fails the run
 WINDOW_CONTENDERS = ("direct", "nginx", "lora-router", "vllm-router")
 PROXIES = WINDOW_CONTENDERS[1:]
+BASE = "lora-router@base"  # --base-tree: lora-router from another source tree
 TRACES = {"fresh": 1, "siblings": GROUP}  # trace: requests per prompt
 VARYING = 3  # leading prompt tokens that make a prompt new: the run's nonce, then its number
 
@@ -262,8 +271,9 @@ def urls(replicas: Sequence[int]) -> list[str]:
     return [f"http://127.0.0.1:{p}" for p in replicas]
 
 
-def starters(vllm_router: str) -> dict[str, Start]:
-    """How each contender starts on a port in front of replica ports; direct starts nothing."""
+def starters(vllm_router: str, base_tree: str | None = None) -> dict[str, Start]:
+    """How each contender starts on a port in front of replica ports; direct starts nothing.
+    `base_tree`: the source tree `BASE` runs from."""
 
     def direct(procs: Procs, port: int, replicas: Sequence[int]) -> None:
         return None
@@ -276,13 +286,22 @@ def starters(vllm_router: str) -> dict[str, Start]:
         argv += ["--no-token", "--port", str(port), "--log-level", "warning"]
         return procs.start(argv, cpus=PROXY_CPU)
 
+    def base(procs: Procs, port: int, replicas: Sequence[int]) -> subprocess.Popen[bytes]:
+        argv = [sys.executable, "-m", "lora_router.cli", "--replicas", ",".join(urls(replicas))]
+        argv += ["--no-token", "--port", str(port), "--log-level", "warning"]
+        env = {**os.environ, "PYTHONPATH": str(base_tree)}
+        return procs.start(argv, cpus=PROXY_CPU, env=env, cwd=base_tree)
+
     def vllm(procs: Procs, port: int, replicas: Sequence[int]) -> subprocess.Popen[bytes]:
         argv = [vllm_router, "--worker-urls", *urls(replicas), "--port", str(port)]
         argv += ["--host", "127.0.0.1", "--log-level", "warning"]
         argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         return procs.start(argv, cpus=PROXY_CPU)
 
-    return {"direct": direct, "nginx": nginx, "lora-router": lora_router, "vllm-router": vllm}
+    out = {"direct": direct, "nginx": nginx, "lora-router": lora_router, "vllm-router": vllm}
+    if base_tree:
+        out[BASE] = base
+    return out
 
 
 @dataclass
@@ -375,13 +394,15 @@ class Scenario:
         return f"{self.replicas} replicas, {self.trace}, c={self.connections}"
 
 
-def scenarios(fleets: Sequence[int]) -> list[Scenario]:
-    out = [Scenario(2, "siblings", 1, WINDOW_CONTENDERS)]
-    out.append(Scenario(2, "siblings", 64, WINDOW_CONTENDERS))
+def scenarios(fleets: Sequence[int], extra: tuple[str, ...] = ()) -> list[Scenario]:
+    """Every window of a round; `extra` contenders (BASE) join every one."""
+    window, proxies = (*WINDOW_CONTENDERS, *extra), (*PROXIES, *extra)
+    out = [Scenario(2, "siblings", 1, window)]
+    out.append(Scenario(2, "siblings", 64, window))
     for n in fleets:
         for trace in TRACES:
             if (n, trace) != (2, "siblings"):
-                out.append(Scenario(n, trace, 64, PROXIES))
+                out.append(Scenario(n, trace, 64, proxies))
     return out
 
 
@@ -419,7 +440,7 @@ def measure(
         script = lua_script(tmp, payload, group)
         wrk(url, script, connections=sc.connections, seconds=args.warmup, cpus=LOAD_CPU)
     script = lua_script(tmp, payload, group)
-    lora = inst.name == "lora-router"
+    lora = inst.name.startswith("lora-router")
     before = decisions(inst.port) if lora else {}
     cpu0 = cpu_seconds(inst.pid) if inst.pid else 0.0
     res = wrk(url, script, connections=sc.connections, seconds=args.seconds, cpus=LOAD_CPU)
@@ -465,7 +486,7 @@ def windows(
     Within a round, fleet sizes come one at a time: only the proxies of the size being measured
     run (started for it and stopped after it), so an idle router's health checks of 128
     replicas never take core 0 from another contender's window."""
-    plan = scenarios(args.fleets)
+    plan = scenarios(args.fleets, (BASE,) if args.base_tree else ())
     reply = len(json_reply())
     samples: list[Sample] = []
     idle: list[Idle] = []
@@ -743,6 +764,24 @@ class Report:
     streams: list[StreamSample] = field(default_factory=list)
     table_baseline_kib: int = 0
     table: list[TableSample] = field(default_factory=list)
+    contenders: list[str] = field(default_factory=lambda: list(WINDOW_CONTENDERS))
+    base_tree: str | None = None
+
+    @property
+    def proxies(self) -> list[str]:
+        return self.contenders[1:]
+
+    def versus(self, scenario: str, a: str, b: str, attr: str) -> dict[str, float] | None:
+        """Per round, `attr` of contender a over contender b in one scenario."""
+        mine = {
+            (s.contender, s.round): getattr(s, attr) for s in self.samples if s.scenario == scenario
+        }
+        ratios = [
+            mine[a, r] / mine[b, r]
+            for r in {s.round for s in self.samples}
+            if mine.get((a, r)) and mine.get((b, r))
+        ]
+        return spread(ratios) if ratios else None
 
     def values(self, scenario: str, name: str, attr: str) -> list[float]:
         got = [
@@ -867,6 +906,19 @@ def markdown(report: Report, fleets: Sequence[int], goals: list[dict[str, object
         "| --- | --- | --- |",
     ]
     out += [f"| {g['target']} | {g['figure']} | {'yes' if g['met'] else '**no**'} |" for g in goals]
+    if BASE in report.contenders:
+        out += ["", f"## A/B: lora-router over {BASE} (`{report.base_tree}`)", ""]
+        out += [
+            f"Per round, lora-router's figure over {BASE}'s in the same scenario (below 1: "
+            "lora-router uses less CPU, or waits less; above 1: it serves more req/s).",
+            "",
+            "| scenario | CPU µs/req | req/s | p50 µs | added p50 µs |",
+            "| --- | ---: | ---: | ---: | ---: |",
+        ]
+        for sc in dict.fromkeys(s.scenario for s in report.samples):
+            attrs = ("cpu_us_per_req", "rps", "p50_us", "added_p50_us")
+            cells = [fmt(report.versus(sc, "lora-router", BASE, a), ".3f") for a in attrs]
+            out.append(f"| {sc} | " + " | ".join(cells) + " |")
     out += ["", "## Latency and CPU, 2 replicas, siblings trace", ""]
     out += [
         "| concurrency | contender | req/s | p50 µs | added p50 µs | p99 µs | CPU µs/req |",
@@ -874,7 +926,7 @@ def markdown(report: Report, fleets: Sequence[int], goals: list[dict[str, object
     ]
     for c in (1, 64):
         sc = f"2 replicas, siblings, c={c}"
-        for name in WINDOW_CONTENDERS:
+        for name in report.contenders:
             attrs = ("rps", "p50_us", "added_p50_us", "p99_us")
             cells = [fmt(report.stat(sc, name, a)) for a in attrs]
             cells.append(fmt(report.stat(sc, name, "cpu_us_per_req"), ".1f"))
@@ -886,19 +938,20 @@ def markdown(report: Report, fleets: Sequence[int], goals: list[dict[str, object
     ]
     for trace in TRACES:
         out += [f"### {trace} ({TRACES[trace]} request(s) per prompt)", ""]
-        out += ["| replicas | " + " | ".join(PROXIES) + " |", "| ---: |" + " ---: |" * len(PROXIES)]
+        proxies = report.proxies
+        out += ["| replicas | " + " | ".join(proxies) + " |", "| ---: |" + " ---: |" * len(proxies)]
         for n in fleets:
             sc = f"{n} replicas, {trace}, c=64"
             cells = [
                 fmt(report.stat(sc, name, "cpu_us_per_req"), ".1f")
                 + f"<br>{fmt(report.stat(sc, name, 'rps'))} req/s"
-                for name in PROXIES
+                for name in proxies
             ]
             out.append(f"| {n} | " + " | ".join(cells) + " |")
         for figure, label in (("cpu_us_per_req", ""), ("net_cpu_us_per_req", ", less idle CPU")):
             for n in fleets[1:]:
                 pair = (f"{n} replicas, {trace}, c=64", f"{fleets[0]} replicas, {trace}, c=64")
-                cells = [fmt(report.paired(name, *pair, figure), ".3f") for name in PROXIES]
+                cells = [fmt(report.paired(name, *pair, figure), ".3f") for name in proxies]
                 out.append(f"| CPU {n} / {fleets[0]}{label} | " + " | ".join(cells) + " |")
         out.append("")
     out += [
@@ -907,12 +960,12 @@ def markdown(report: Report, fleets: Sequence[int], goals: list[dict[str, object
         'and replica scrapes, included in the figures above (the "less idle CPU" rows take '
         "each proxy's idle rate of that round out of its windows).",
         "",
-        "| replicas | " + " | ".join(PROXIES) + " |",
-        "| ---: |" + " ---: |" * len(PROXIES),
+        "| replicas | " + " | ".join(report.proxies) + " |",
+        "| ---: |" + " ---: |" * len(report.proxies),
     ]
     for n in fleets:
         cells = []
-        for name in PROXIES:
+        for name in report.proxies:
             rates = [i.cpu_us_per_s for i in report.idle if i.contender == name and i.replicas == n]
             cells.append(fmt(spread(rates), ",.0f") if rates else "—")
         out.append(f"| {n} | " + " | ".join(cells) + " |")
@@ -982,6 +1035,18 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=2.0, help="timed window per contender")
     p.add_argument("--warmup", type=float, default=1.0, help="warm-up before each window")
     p.add_argument("--stream-rounds", type=int, default=1)
+    p.add_argument(
+        "--base-tree", help=f"a source tree to run {BASE} from, beside lora-router (an A/B)"
+    )
+    p.add_argument(
+        "--fleets",
+        type=lambda v: tuple(int(n) for n in v.split(",")),
+        default=FLEETS,
+        help="fleet sizes of the sweep (default 2,8,32,128)",
+    )
+    p.add_argument(
+        "--windows-only", action="store_true", help="skip the open-stream and table phases"
+    )
     p.add_argument("--peers-bin", default=str(Path(__file__).parent / ".peers" / "bin"))
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     p.add_argument("--hold-replica", help=argparse.SUPPRESS)  # internal: the holding replica
@@ -989,7 +1054,9 @@ def main() -> None:
     if args.hold_replica:
         asyncio.run(serve_hold([int(x) for x in args.hold_replica.split(",")]))
         return
-    args.fleets, args.streams, args.table = FLEETS, STREAM_COUNTS, TABLE_PROMPTS
+    args.streams, args.table = STREAM_COUNTS, TABLE_PROMPTS
+    if args.base_tree:
+        args.base_tree = str(Path(args.base_tree).resolve())
     if args.quick:
         args.rounds, args.seconds, args.warmup, args.stream_rounds = 1, 1.0, 0.0, 1
         args.table = (5_000, 15_000)
@@ -1006,18 +1073,22 @@ def main() -> None:
         command=" ".join(["python", "bench/overhead.py", *sys.argv[1:]]),
         revision=git_revision(),
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        base_tree=args.base_tree,
     )
+    if args.base_tree:
+        report.contenders.append(BASE)
     began = time.monotonic()
     procs = Procs()
     try:
         check_payload()
-        start = starters(vllm_router)
+        start = starters(vllm_router, args.base_tree)
         fleet = start_fleet(procs, max(args.fleets))
         report.samples, report.idle, report.load_before_rounds = windows(procs, start, fleet, args)
-        print("open streams", flush=True)
-        report.streams = streams(procs, start, args)
-        print("affinity table", flush=True)
-        report.table_baseline_kib, report.table = table(procs, start, fleet, args)
+        if not args.windows_only:
+            print("open streams", flush=True)
+            report.streams = streams(procs, start, args)
+            print("affinity table", flush=True)
+            report.table_baseline_kib, report.table = table(procs, start, fleet, args)
     except BenchFailure as e:
         sys.exit(f"bench/overhead.py FAILED, no results written: {e}")
     finally:
@@ -1028,7 +1099,7 @@ def main() -> None:
     text = markdown(report, args.fleets, goals)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "overhead-quick" if args.quick else "overhead"
+    name = "overhead-ab" if args.base_tree else "overhead-quick" if args.quick else "overhead"
     (out / f"{name}.json").write_text(
         json.dumps({**asdict(report), "targets": goals}, indent=1) + "\n"
     )

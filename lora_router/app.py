@@ -22,6 +22,20 @@
 Anything else (`/server_info`, `/tokenize`, `/version`, ...) is forwarded to one healthy
 replica, like a single vLLM server would answer it.
 
+Two paths for a routed completion, one rule. The general path is a Task (`handle`, then
+`completion` and its retry loop `_attempts`). THE FAST PATH (`handle_now`) is the same steps
+run from the parser callback that completed the request, for the common case only: an
+authenticated routed POST whose body reads without error, for a model the fence admits without
+waiting, sent to the chosen replica on an idle pooled connection with a free slot
+(`UpstreamPool.take_now`); the answer is relayed by protocol callbacks and the request ends in
+`_Fast.ended`, with no Task, coroutine or Future. Whenever a precondition does not hold it
+declines before any side effect (the general path then does everything), or, once routed, hands
+the request over to the general path at the step it reached (`ClientConnection.hand_over`):
+the forward itself when the replica has no idle connection; and every end but a complete
+answer passed on (a failure, a held-back 5xx or 404, a re-send on a fresh connection) goes
+through the same outcome rule (`_settled`) and retry loop as the general path, so nothing the
+general path retries is lost on the fast one.
+
 Retries (the data plane's whole rule; http/upstream.py adds only the re-send of a request that
 met a pooled connection the replica had closed). A routed request is tried on the next replica
 the policy picks, at most `config.retries` times, when nothing of its answer has reached the
@@ -63,7 +77,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from lora_router.body import CompletionReader
+from lora_router.body import Completion, CompletionReader
 from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.broadcast import Broadcaster, Reply
 from lora_router.fleet.fence import (
@@ -81,10 +95,10 @@ from lora_router.http.auth import authenticate
 from lora_router.http.errors import HTTPError, bad_request, model_not_found
 from lora_router.http.headers import upstream_request_head
 from lora_router.http.server import ClientConnection, Request
-from lora_router.http.upstream import UpstreamError
+from lora_router.http.upstream import Exchange, UpstreamConnection, UpstreamError
 from lora_router.metrics import RequestStats
 from lora_router.retry_budget import RetryBudget
-from lora_router.routing.keys import Lineages, RouteKey, completion_key
+from lora_router.routing.keys import Lineages, RouteKey, Seeds, completion_key
 from lora_router.routing.policy import Policy
 from lora_router.status import RouterState, replica_json, status
 
@@ -193,6 +207,109 @@ def _drop(data: bytes | memoryview) -> None:
     pass
 
 
+class _Job:
+    """One routed request from the fence to its answer: what the retry loop carries."""
+
+    __slots__ = ("adapter", "chat", "conn", "held", "model", "request", "seeds", "sink", "tried")
+
+    def __init__(
+        self,
+        request: Request,
+        conn: ClientConnection,
+        chat: bool,
+        model: str | None,
+        adapter: bool,
+        seeds: Seeds,
+    ) -> None:
+        self.request = request
+        self.conn = conn
+        self.chat = chat
+        self.model = model
+        self.adapter = adapter
+        self.seeds = seeds
+        self.tried: list[Replica] = []
+        self.sink: _RetrySink | None = None  # the last attempt's
+        # The adapter it is counted under at the fence until its head passes (fleet/fence.py).
+        self.held = model if adapter else None
+
+    def release(self, fence: AdapterFence) -> None:
+        """The request ended: its fence count goes, unless a passed head released it."""
+        held, self.held = self.held, None
+        if held is not None and (self.sink is None or self.sink.held is not None):
+            fence.release(held)
+
+
+class _Send:
+    """How a handed-over attempt goes on: not sent yet (`_SEND`)."""
+
+
+_SEND = _Send()
+# How an attempt went: answered (None, maybe held back by its sink), failed, or to be sent
+# (`_SEND`, or an Exchange to re-send on a fresh connection, the pool's retry rule).
+How = UpstreamError | Exchange | _Send | None
+Begun = tuple[Replica, _RetrySink, int, How]
+
+
+class _Fast:
+    """A routed request on THE FAST PATH (module docstring), from its write upstream to its end,
+    told by the replica connection's callbacks (`ended`) or the client's (`lost`)."""
+
+    __slots__ = ("app", "ex", "job", "replica", "sink", "started", "tokens", "upstream")
+
+    def __init__(
+        self,
+        app: RouterApp,
+        job: _Job,
+        replica: Replica,
+        sink: _RetrySink,
+        tokens: int,
+        started: float,
+        upstream: UpstreamConnection,
+    ) -> None:
+        self.app = app
+        self.job = job
+        self.replica = replica
+        self.sink = sink
+        self.tokens = tokens
+        self.started = started
+        self.upstream = upstream
+        self.ex: Exchange | None = None
+
+    def ended(self, error: UpstreamError | None) -> None:
+        """The exchange is over: a complete answer passed on ends the request here, anything
+        else goes to the general path's outcome rule and retry loop."""
+        app, job, replica, sink = self.app, self.job, self.replica, self.sink
+        conn = job.conn
+        app.fleet.finished(replica, self.tokens)
+        how: How = error
+        if error is None:
+            assert self.ex is not None
+            conn.keep_alive = conn.keep_alive and self.ex.client_keep_alive
+            if not sink.diverted:
+                app.health.report_status(replica, conn.status, job.model)
+                job.release(app.fence)
+                app._observe(job.request, conn, self.started, conn.status)
+                conn.answered()
+                return
+        elif error.retryable:
+            how = self.ex  # nothing received on a reused connection: the pool's retry rule
+        self.ex = None
+        begun: Begun = (replica, sink, self.tokens, how)
+        work = app._attempts(job, None, begun)
+        conn.hand_over(app._observed(job.request, conn, self.started, work))
+
+    def lost(self) -> None:
+        """The client went away: stop the replica's work, count the request as the general
+        path's cancellation does (499)."""
+        app, job, ex = self.app, self.job, self.ex
+        if ex is not None:
+            self.replica.pool.abandon(self.upstream, ex)
+            self.ex = None
+            app.fleet.finished(self.replica, self.tokens)
+            job.release(app.fence)
+            app._observe(job.request, job.conn, self.started, job.conn.status or 499)
+
+
 class RouterApp:
     """Everything a request needs, wired once at start."""
 
@@ -248,18 +365,27 @@ class RouterApp:
             (b"POST", _ADMIN): self.add_replica,
         }
 
-    async def handle(self, request: Request, conn: ClientConnection) -> None:
-        """Answer one request and count it (route, status, replica, latency, first byte)."""
-        started = self._loop.time()
+    def handle(self, request: Request, conn: ClientConnection) -> Awaitable[None]:
+        """Answer one request and count it (route, status, replica, latency, first byte): the
+        general path, awaited in a Task."""
         conn.replica = b"-"
+        return self._observed(request, conn, self._loop.time(), self._route(request, conn))
+
+    async def _route(self, request: Request, conn: ClientConnection) -> None:
+        authenticate(request, self.config)
+        chat = _ROUTED.get(request.path)
+        if chat is not None and request.method == b"POST":
+            await self.completion(request, conn, chat)
+        else:
+            await self._dispatch(request, conn)
+
+    async def _observed(
+        self, request: Request, conn: ClientConnection, started: float, work: Awaitable[None]
+    ) -> None:
+        """`work` answers `request`; count it once it has."""
         try:
             try:
-                authenticate(request, self.config)
-                chat = _ROUTED.get(request.path)
-                if chat is not None and request.method == b"POST":
-                    await self.completion(request, conn, chat)
-                else:
-                    await self._dispatch(request, conn)
+                await work
             except FenceRefusal as refusal:
                 raise fence_error(refusal) from None
         except HTTPError as exc:
@@ -270,6 +396,47 @@ class RouterApp:
             self._observe(request, conn, started, conn.status or 499)  # the client went away
             raise
         self._observe(request, conn, started, conn.status)
+
+    def handle_now(self, request: Request, conn: ClientConnection) -> bool:
+        """THE FAST PATH (module docstring), called from the client connection's parser
+        callback: True when it took the request. It declines, having done nothing, unless the
+        request is an authenticated routed POST with a body that reads and a model the fence
+        admits now; then routes it here, and writes it upstream at once if the chosen
+        replica's pool has an idle connection, else hands it over to the general path."""
+        chat = _ROUTED.get(request.path)
+        if chat is None or request.method != b"POST":
+            return False
+        try:
+            authenticate(request, self.config)
+            fields = self.reader.read(request.body, chat=chat)
+        except HTTPError:
+            return False  # the general path gives the same answer
+        if not self.fence.admits(fields.model):
+            return False
+        started = self._loop.time()
+        conn.replica = b"-"
+        job, key = self._admitted(request, conn, chat, fields)
+        del fields
+        try:
+            replica, sink, tokens = self._pick(job, key)
+        except HTTPError:  # no replica for it: the general path answers (its 503)
+            conn.hand_over(self._observed(request, conn, started, self._attempts(job, key)))
+            return True
+        del key
+        upstream = replica.pool.take_now()
+        if upstream is None:  # no idle connection: the general path connects or queues
+            begun: Begun = (replica, sink, tokens, _SEND)
+            conn.hand_over(self._observed(request, conn, started, self._attempts(job, None, begun)))
+            return True
+        fast = _Fast(self, job, replica, sink, tokens, started, upstream)
+        head = self._request_head(request, replica)
+        self.fleet.started(replica, tokens)
+        conn.replica = replica.label
+        conn.on_lost = fast.lost
+        fast.ex = replica.pool.send_now(
+            upstream, head + request.body, sink, fast.ended, http11=request.http11
+        )
+        return True
 
     def _observe(self, request: Request, conn: ClientConnection, started: float, code: int) -> None:
         first_byte = conn.first_byte_at - started if conn.first_byte_at else None
@@ -301,61 +468,97 @@ class RouterApp:
         if not self.fence.admits(model):
             assert model is not None
             await self.fence.wait(model)
+        job, key = self._admitted(request, conn, chat, fields)
+        del fields  # the key holds the prompt now, and only until a replica is chosen
+        await self._attempts(job, key)
+
+    def _admitted(
+        self, request: Request, conn: ClientConnection, chat: bool, fields: Completion
+    ) -> tuple[_Job, RouteKey]:
+        """Past the fence: the request's routing key, counted by the retry budget and, for an
+        adapter, held at the fence."""
+        model = fields.model
         adapter = model is not None and model not in self.fleet.base_models
         # Placed by the adapter's lineage, not its version: a later turn under vN+1 follows
         # its conversation (routing/keys.py).
         seeds = self.lineages.seeds(model, adapter)
-        key: RouteKey | None = completion_key(fields, seeds, self.block_size)
-        del fields  # the key holds the prompt now, and only until a replica is chosen
+        key = completion_key(fields, seeds, self.block_size)
         self.budget.request(self._loop.time())
-        tried: list[Replica] = []
-        sink: _RetrySink | None = None
-        held = model if adapter else None
-        if held is not None:
+        job = _Job(request, conn, chat, model, adapter, seeds)
+        if job.held is not None:
             # Counted as admitted under its name until answered, in the same step as the fence
             # let it through: an unload waits for it before it is broadcast (fleet/fence.py).
-            self.fence.hold(held)
+            self.fence.hold(job.held)
+        return job, key
+
+    async def _attempts(self, job: _Job, key: RouteKey | None, begun: Begun | None = None) -> None:
+        """The retry loop (module docstring). `begun`: an attempt the fast path handed over,
+        with how it went (`How`)."""
         try:
             while True:
-                routable = self.fleet.routable(model, tried)
-                if not routable:
-                    raise HTTPError(503, _no_replica(model, tried))
-                if key is None:  # a retry: the body is still here, its prompt was validated
-                    key = completion_key(
-                        self.reader.read(request.body, chat=chat), seeds, self.block_size
-                    )
-                decision = self.policy.choose(key, routable)
-                # The stream that follows may last minutes: it must not hold the prompt's ids,
-                # packed bytes and chain (issue 16); `decision` keeps the ints it needs.
-                key = None
-                replica = decision.replica
-                if self._debug:  # one line per decision, only when asked (--log-level debug)
-                    log.debug(
-                        "%s -> replica %d (%s)", model or "base model", replica.rid, decision.kind
-                    )
-                replica.breaker.begin()
-                tried.append(replica)
-                sink = _RetrySink(self, conn, model, adapter, tried, held)
-                try:
-                    await self._forward(request, conn, replica, sink, decision.tokens)
-                except UpstreamError as exc:
-                    self.health.report_failure(replica)
-                    if not (exc.retryable and self._may_retry(tried, "transport")):
-                        raise _upstream_http_error(replica, exc) from None
-                    continue
-                if not sink.diverted:
-                    self.health.report_status(replica, conn.status, model)
+                if begun is None:
+                    replica, sink, tokens = self._pick(job, key)
+                    key = None
+                    how: How = _SEND
+                else:
+                    replica, sink, tokens, how = begun
+                    begun = None
+                if how is _SEND or isinstance(how, Exchange):
+                    try:
+                        resend = how if isinstance(how, Exchange) else None
+                        await self._forward(job.request, job.conn, replica, sink, tokens, resend)
+                        how = None
+                    except UpstreamError as exc:
+                        how = exc.with_traceback(None)  # its frames would hold `how`: a cycle
+                assert how is None or isinstance(how, UpstreamError)
+                if self._settled(job, replica, sink, how):
                     return
-                if sink.diverted != 404:  # a 5xx held back: the rule granted the retry
-                    self.health.report_status(replica, sink.diverted)
-                    continue
-                assert model is not None
-                self.health.report_missing_adapter(replica, model)
-                if not self._may_retry(tried, "missing_adapter"):
-                    raise _lost_adapter_error(model, tried, self.fence.state(model))
         finally:
-            if held is not None and (sink is None or sink.held is not None):
-                self.fence.release(held)
+            job.release(self.fence)
+
+    def _pick(self, job: _Job, key: RouteKey | None) -> tuple[Replica, _RetrySink, int]:
+        """The next attempt's replica (raises the 503 when none can take it), and its sink."""
+        model, tried = job.model, job.tried
+        routable = self.fleet.routable(model, tried)
+        if not routable:
+            raise HTTPError(503, _no_replica(model, tried))
+        if key is None:  # a retry: the body is still here, its prompt was validated
+            fields = self.reader.read(job.request.body, chat=job.chat)
+            key = completion_key(fields, job.seeds, self.block_size)
+        decision = self.policy.choose(key, routable)
+        # The stream that follows may last minutes: it must not hold the prompt's ids, packed
+        # bytes and chain (issue 16); `decision` keeps the ints it needs.
+        del key
+        replica = decision.replica
+        if self._debug:  # one line per decision, only when asked (--log-level debug)
+            log.debug("%s -> replica %d (%s)", model or "base model", replica.rid, decision.kind)
+        replica.breaker.begin()
+        tried.append(replica)
+        job.sink = sink = _RetrySink(self, job.conn, model, job.adapter, tried, job.held)
+        return replica, sink, decision.tokens
+
+    def _settled(
+        self, job: _Job, replica: Replica, sink: _RetrySink, failure: UpstreamError | None
+    ) -> bool:
+        """The outcome of one attempt, by the retry rule (module docstring): True when the
+        request is answered, False for another attempt; raises the router's own answer."""
+        if failure is not None:
+            self.health.report_failure(replica)
+            if not (failure.retryable and self._may_retry(job.tried, "transport")):
+                raise _upstream_http_error(replica, failure)
+            return False
+        if not sink.diverted:
+            self.health.report_status(replica, job.conn.status, job.model)
+            return True
+        if sink.diverted != 404:  # a 5xx held back: the rule granted the retry
+            self.health.report_status(replica, sink.diverted)
+            return False
+        model = job.model
+        assert model is not None
+        self.health.report_missing_adapter(replica, model)
+        if not self._may_retry(job.tried, "missing_adapter"):
+            raise _lost_adapter_error(model, job.tried, self.fence.state(model))
+        return False
 
     def diverts(self, status: int, model: str | None, adapter: bool, tried: list[Replica]) -> bool:
         """The retry rule for a replica's 404 or 5xx head (module docstring): hold it back and
@@ -398,8 +601,31 @@ class RouterApp:
         replica: Replica,
         sink: ClientConnection | _RetrySink,
         tokens: int = 0,
+        resend: Exchange | None = None,
     ) -> None:
-        head = upstream_request_head(
+        """One exchange with `replica`, on the general path; `resend`: a fast exchange to send
+        again on a fresh connection (the pool's retry rule), its bytes as they were."""
+        if resend is None:
+            # head + body as an expression: held by the exchange alone, until the first
+            # response byte (http/upstream.py).
+            forwarding = replica.pool.forward(
+                self._request_head(request, replica) + request.body,
+                sink,
+                head_only=request.method == b"HEAD",
+                http11=request.http11,
+            )
+        else:
+            forwarding = replica.pool.resend(resend)
+        self.fleet.started(replica, tokens)
+        conn.replica = replica.label
+        try:
+            keep_alive = await forwarding
+        finally:
+            self.fleet.finished(replica, tokens)
+        conn.keep_alive = conn.keep_alive and keep_alive
+
+    def _request_head(self, request: Request, replica: Replica) -> bytes:
+        return upstream_request_head(
             request.method,
             replica.target_prefix + request.target,
             request.headers,
@@ -409,18 +635,6 @@ class RouterApp:
             new_request_id=self._new_request_id,
             body_length=len(request.body),
         )
-        self.fleet.started(replica, tokens)
-        conn.replica = replica.label
-        try:
-            keep_alive = await replica.pool.forward(
-                head + request.body,
-                sink,
-                head_only=request.method == b"HEAD",
-                http11=request.http11,
-            )
-        finally:
-            self.fleet.finished(replica, tokens)
-        conn.keep_alive = conn.keep_alive and keep_alive
 
     # -- broadcasts and read-only routes ----------------------------------------------------
 

@@ -95,6 +95,7 @@ class RouterRuntime:
                 config.port,
                 max_connections=config.max_connections,
                 start_serving=False,
+                fast=app.handle_now,
             )
         except OSError as exc:
             fleet.close()

@@ -23,7 +23,8 @@ its routed answers proved since the previous check began (`report_status`), unde
 - a 2xx answer to a routed request (a whole response: a stream cut short is a failure) proves
   the replica is up, so its `/health` probe is skipped for that interval and its run of failed
   checks ends. A 4xx proves less (vLLM's front end can refuse a request as invalid while
-  its engine is dead) and counts for nothing here; a 5xx or a transport failure is a failure, as below;
+  its engine is dead) and counts for nothing here; a 5xx or a transport failure is a
+  failure, as below;
 - its `/v1/models` listing is skipped only when a 2xx came for an adapter that the replica's
   last listing showed it holding, with the fence entry of that name unchanged since (never
   unloaded and loaded again). vLLM keeps adapters in process memory: a process restarted

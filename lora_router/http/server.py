@@ -26,6 +26,14 @@ What this module must never do: answer a malformed or ambiguous request with any
 error and a closed connection (request smuggling), let trailers or anything after the headers
 add request headers, or run two requests of a connection at once.
 
+Two ways a request is answered. THE FAST PATH: `fast(request, connection)`, called from the
+parser callback that completed the request (`on_message_complete`) or from the end of the
+answer in front of it, may take the request and answer it from protocol callbacks alone, with
+no Task (the app's `handle_now`: a routed completion written upstream at once on an idle pooled
+connection). It then ends with `answered()`, or passes the request on to the general path with
+`hand_over(work)`; `on_lost` tells it the client went away. When `fast` declines (returns
+False), the general path runs: a Task awaiting `handler(request, connection)`.
+
 A connection's objects die with it, by reference counting: its parser and timer refer back to
 it, and are dropped when it is lost (a cycle would wait for the cycle collector).
 """
@@ -120,6 +128,8 @@ class ResponseSink(Protocol):
 
 
 Handler = Callable[[Request, "ClientConnection"], Awaitable[None]]
+# The fast path (module docstring): True when it took the request.
+FastHandler = Callable[[Request, "ClientConnection"], bool]
 
 
 class ConnectionCount:
@@ -158,8 +168,57 @@ class _Phase:
 class ClientConnection(asyncio.Protocol):
     """One client connection: parse, limit, dispatch in order, write answers."""
 
-    def __init__(self, handler: Handler, limits: Limits, count: ConnectionCount) -> None:
+    __slots__ = (
+        "__weakref__",
+        "_body",
+        "_body_bytes",
+        "_broken",
+        "_busy",
+        "_client_ip",
+        "_closed",
+        "_continue",
+        "_count",
+        "_deadline",
+        "_error",
+        "_fast",
+        "_framing",
+        "_handler",
+        "_header_bytes",
+        "_header_timeout",
+        "_headers",
+        "_http11",
+        "_limits",
+        "_loop",
+        "_max_body_bytes",
+        "_max_header_bytes",
+        "_max_headers",
+        "_parser",
+        "_paused",
+        "_phase",
+        "_queue",
+        "_request",
+        "_task",
+        "_timer",
+        "_upstream",
+        "_url",
+        "first_byte_at",
+        "keep_alive",
+        "on_lost",
+        "replica",
+        "response_started",
+        "status",
+        "transport",
+    )
+
+    def __init__(
+        self,
+        handler: Handler,
+        limits: Limits,
+        count: ConnectionCount,
+        fast: FastHandler | None = None,
+    ) -> None:
         self._handler = handler
+        self._fast = fast
         self._limits = limits
         # Read on every request: copied out of `limits` once.
         self._max_header_bytes = limits.max_header_bytes
@@ -180,7 +239,10 @@ class ClientConnection(asyncio.Protocol):
         self._deadline = math.inf
         self._queue: deque[Request] = deque()
         self._request: Request | None = None  # the one being answered
+        self._busy = False  # a request is being answered (by a Task or the fast path)
         self._task: asyncio.Task[None] | None = None
+        # Set by the fast path while it answers: called if the client goes away meanwhile.
+        self.on_lost: Callable[[], None] | None = None
         self._upstream: asyncio.Transport | None = None
         self._paused = False  # the client's socket buffer is full (pause_writing)
         self.response_started = False
@@ -226,6 +288,9 @@ class ClientConnection(asyncio.Protocol):
             self._upstream = None
         if self._task is not None and not self._task.done():
             self._task.cancel()
+        elif self.on_lost is not None:
+            on_lost, self.on_lost = self.on_lost, None
+            on_lost()
 
     def data_received(self, data: bytes) -> None:
         if self._closed or self._broken:
@@ -259,7 +324,7 @@ class ClientConnection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._phase = _Phase.HEADERS
-        if self._task is None:
+        if not self._busy:
             self._arm(self._header_timeout)
         self._url = b""
         self._headers = []
@@ -291,7 +356,7 @@ class ClientConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._phase = _Phase.BODY
-        if self._task is None:
+        if not self._busy:
             self._arm(self._limits.body_timeout)
         version = self._parser.get_http_version()
         if version not in ("1.1", "1.0"):
@@ -326,7 +391,7 @@ class ClientConnection(asyncio.Protocol):
             if expect != [b"100-continue"]:
                 self._raise(HTTPError(417, "Only `Expect: 100-continue` is supported."))
             if version == "1.1" and (lengths or codings):
-                if self._task is None:
+                if not self._busy:
                     self._write_continue()
                 else:
                     self._continue = True  # after the answer in front of it
@@ -363,7 +428,7 @@ class ClientConnection(asyncio.Protocol):
         self._phase = _Phase.IDLE
         self._continue = False
         self._queue.append(request)
-        if self._task is None:
+        if not self._busy:
             self._disarm()
             self._start_next()
         elif self.transport is not None:
@@ -378,11 +443,23 @@ class ClientConnection(asyncio.Protocol):
         self.status = 0
         self.first_byte_at = 0.0
         self.keep_alive = self.keep_alive and request.keep_alive
-        self._task = self._loop.create_task(self._run(request))
+        self._busy = True
+        if self._fast is not None:
+            try:
+                if self._fast(request, self):
+                    return  # the fast path took it: it ends with `answered` or `hand_over`
+            except Exception:
+                # Never into the parser (it would read as malformed input): answered as the
+                # general path answers an unhandled error.
+                log.exception("unhandled error while handling %s %s", request.method, request.path)
+                self.send_error(HTTPError(500, "Internal router error."))
+                self.answered()
+                return
+        self._task = self._loop.create_task(self._run(request, self._handler(request, self)))
 
-    async def _run(self, request: Request) -> None:
+    async def _run(self, request: Request, work: Awaitable[None]) -> None:
         try:
-            await self._handler(request, self)
+            await work
         except asyncio.CancelledError:
             return
         except HTTPError as exc:
@@ -390,8 +467,22 @@ class ClientConnection(asyncio.Protocol):
         except Exception:
             log.exception("unhandled error while handling %s %s", request.method, request.path)
             self.send_error(HTTPError(500, "Internal router error."))
-        self._task = self._request = None
+        self._task = None
+        self.answered()
+
+    def answered(self) -> None:
+        """The current request is answered (or its error sent): on to the next one."""
+        self._request = self.on_lost = None
+        self._busy = False
         self._finish_response()
+
+    def hand_over(self, work: Awaitable[None]) -> None:
+        """The fast path passes the current request on to the general path: `work` runs in a
+        Task, as a handler would (its HTTPError is the answer; a client going away cancels it).
+        Only before `on_lost` was called: a fast path told the client is gone ends there."""
+        assert self._request is not None and not self._closed
+        self.on_lost = None
+        self._task = self._loop.create_task(self._run(self._request, work))
 
     def _finish_response(self) -> None:
         if self._closed or self.transport is None:
@@ -462,7 +553,7 @@ class ClientConnection(asyncio.Protocol):
     def close_when_idle(self) -> None:
         """Finish the request in progress, if any, then close (graceful shutdown)."""
         self.keep_alive = False
-        if self._task is None and self._phase == _Phase.IDLE:
+        if not self._busy and self._phase == _Phase.IDLE:
             self._close()
 
     def abort(self) -> None:
@@ -492,7 +583,7 @@ class ClientConnection(asyncio.Protocol):
         self._broken = True
         self.keep_alive = False
         self._queue.clear()
-        if self._task is None:
+        if not self._busy:
             self.send(error.status, error.body())
             self._close()
         elif self.transport is not None:
@@ -545,7 +636,7 @@ class ClientConnection(asyncio.Protocol):
             self._on_timeout()
 
     def _on_timeout(self) -> None:
-        if self._task is not None:
+        if self._busy:
             return  # answering: the replica's timeouts apply
         if self._phase != _Phase.IDLE:
             self.keep_alive = False
@@ -562,13 +653,15 @@ async def serve(
     max_connections: int,
     backlog: int = 2048,
     start_serving: bool = True,
+    fast: FastHandler | None = None,
 ) -> tuple[asyncio.Server, ConnectionCount]:
-    """Listen on host:port; every accepted connection becomes a `ClientConnection`. With
-    `start_serving` False the socket is bound but accepts only after `start_serving()`."""
+    """Listen on host:port; every accepted connection becomes a `ClientConnection` (`fast`:
+    the fast path, see the module docstring). With `start_serving` False the socket is bound
+    but accepts only after `start_serving()`."""
     loop = asyncio.get_running_loop()
     count = ConnectionCount(max_connections)
     server = await loop.create_server(
-        lambda: ClientConnection(handler, limits, count),
+        lambda: ClientConnection(handler, limits, count, fast),
         host,
         port,
         backlog=backlog,

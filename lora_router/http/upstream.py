@@ -15,7 +15,16 @@ connection and that connection failed before a single response byte arrived — 
 likely closed it while idle, and the request cannot have been processed. A fresh connection is
 tried once. Nothing is ever retried once a response byte has been received; trying *another*
 replica is the caller's decision (`UpstreamError.retryable`). So the request's bytes are held
-(by its `_Exchange`) only until the first response byte: a long stream does not keep them.
+(by its `Exchange`) only until the first response byte: a long stream does not keep them.
+
+Two ways in, one exchange. `forward` (a coroutine) is the general path: it may wait for a
+slot, connect, and applies the retry rule above itself. `forward_now` is THE FAST PATH, for a
+caller running in a protocol callback: only when a slot is free with nobody queued and an idle
+pooled connection is at hand, it writes the request at once and returns the exchange; its end
+is reported by calling `then(error)` from this connection's protocol callbacks, with no Task and
+no Future. A fast exchange that fails the way the retry rule re-sends (nothing received on its
+reused connection) is handed back to the general path by its caller: `resend` sends the same
+bytes once more on a fresh connection, as `forward` would have.
 
 A connection's objects die with it, by reference counting: its parser and timer refer back to
 it, and are dropped when it is lost (a cycle would wait for the cycle collector).
@@ -27,6 +36,7 @@ import asyncio
 import re
 import ssl
 from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import Final, cast
 
 import httptools
@@ -63,8 +73,16 @@ class UpstreamError(Exception):
         return not self.received and self.kind != "timeout"
 
 
-class _Exchange:
-    """Per-request state of one upstream connection."""
+Then = Callable[["UpstreamError | None"], None]
+
+
+class Exchange:
+    """Per-request state of one upstream connection.
+
+    Its end is told once, by `end`: to the general path's `done` future, or, on the fast path,
+    to `then` (None: the answer is complete; else the UpstreamError). `client_keep_alive` then
+    says whether the client connection may stay open.
+    """
 
     __slots__ = (
         "client_keep_alive",
@@ -72,6 +90,7 @@ class _Exchange:
         "complete",
         "dechunk",
         "done",
+        "ended",
         "head_buf",
         "head_only",
         "head_sent",
@@ -79,18 +98,14 @@ class _Exchange:
         "reusable",
         "sink",
         "status",
+        "then",
     )
 
-    def __init__(
-        self,
-        sink: ResponseSink,
-        done: asyncio.Future[bool],
-        request: bytes,
-        head_only: bool,
-        http11: bool,
-    ) -> None:
+    def __init__(self, sink: ResponseSink, request: bytes, head_only: bool, http11: bool) -> None:
         self.sink = sink
-        self.done = done
+        self.done: asyncio.Future[bool] | None = None  # the general path's
+        self.then: Then | None = None  # the fast path's
+        self.ended = False
         self.request = request  # head + body, until the first response byte (b"" after)
         self.head_only = head_only
         self.dechunk = not http11  # an HTTP/1.0 client cannot read chunked framing
@@ -104,9 +119,38 @@ class _Exchange:
         self.reusable = False
         self.close_delimited = False
 
+    def end(self, error: UpstreamError | None) -> None:
+        """The exchange is over (complete, or failed with `error`): tell whoever waits, once."""
+        if self.ended:
+            return
+        self.ended = True
+        done, then = self.done, self.then
+        if then is not None:
+            self.then = None  # it refers to the caller's state: not kept past the end
+            then(error)
+        elif done is not None and not done.done():
+            if error is None:
+                done.set_result(self.client_keep_alive)
+            else:
+                done.set_exception(error)
+
 
 class UpstreamConnection(asyncio.Protocol):
     """One HTTP/1.1 connection to a replica, carrying one request at a time."""
+
+    __slots__ = (
+        "__weakref__",
+        "_dechunking",
+        "_ex",
+        "_last",
+        "_limit",
+        "_loop",
+        "_parser",
+        "_pool",
+        "_timer",
+        "closed",
+        "transport",
+    )
 
     def __init__(self, pool: UpstreamPool) -> None:
         self._pool = pool
@@ -117,7 +161,7 @@ class UpstreamConnection(asyncio.Protocol):
         # is decoded, by a parser with `_Dechunking` callbacks.
         self._parser = httptools.HttpResponseParser(self)
         self._dechunking = False
-        self._ex: _Exchange | None = None
+        self._ex: Exchange | None = None
         self._timer = LazyTimer(self._loop, self._on_timer, pool.idle_timeout)
         self._last = 0.0
         self._limit = 0.0
@@ -134,7 +178,7 @@ class UpstreamConnection(asyncio.Protocol):
         del self._parser  # it refers back to this connection (and takes no more input)
         self._pool.forget(self)
         ex = self._ex
-        if ex is None or ex.done.done():
+        if ex is None or ex.ended:
             return
         if ex.head_sent and ex.close_delimited:
             ex.complete = True  # EOF is how this response ends
@@ -169,7 +213,7 @@ class UpstreamConnection(asyncio.Protocol):
         if ex.complete:
             self._finish(keep=ex.reusable)
 
-    def _head(self, ex: _Exchange, data: bytes) -> bool:
+    def _head(self, ex: Exchange, data: bytes) -> bool:
         """Collect the response head; once whole, send it on with what followed it."""
         if not ex.head_buf:
             # The first response byte: from now on the replica is streaming, not thinking, and
@@ -218,7 +262,7 @@ class UpstreamConnection(asyncio.Protocol):
             ex.sink.head(ex.status, out, memoryview(buf)[body_at:])  # one write, no copy
         return True
 
-    def _send_head(self, ex: _Exchange, head: bytes, rest: memoryview) -> bool:
+    def _send_head(self, ex: Exchange, head: bytes, rest: memoryview) -> bool:
         """The final head on the careful path, then what followed it (parsed first)."""
         ex.head_buf = b""
         ex.head_sent = True
@@ -260,7 +304,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     # -- the exchange -------------------------------------------------------------------------
 
-    def start(self, ex: _Exchange) -> None:
+    def start(self, ex: Exchange) -> None:
         assert self.transport is not None
         if ex.dechunk != self._dechunking:
             # Between two responses a parser holds no state: take the kind this client needs.
@@ -272,7 +316,7 @@ class UpstreamConnection(asyncio.Protocol):
         ex.sink.on_upstream(self.transport)
         self.transport.write(ex.request)
 
-    def _client_keep_alive(self, ex: _Exchange, head: bytes) -> bool:
+    def _client_keep_alive(self, ex: Exchange, head: bytes) -> bool:
         """Whether the client may keep its connection after this response."""
         framed = ex.head_only or ex.status in (204, 304) or _FRAMED.search(head) is not None
         ex.close_delimited = not framed
@@ -291,8 +335,8 @@ class UpstreamConnection(asyncio.Protocol):
         assert ex is not None
         self._ex = None
         ex.sink.on_upstream(None)
-        if not ex.done.done():
-            ex.done.set_result(ex.client_keep_alive)
+        # Back in the pool before the end is told: a fast-path caller may send its next
+        # request on this very connection from `then`.
         if keep and not self.closed:
             # A slow client may have paused this connection; in the pool it must read again,
             # or it would neither see the replica close it nor answer its next request.
@@ -301,15 +345,16 @@ class UpstreamConnection(asyncio.Protocol):
             self._pool.release(self)
         else:
             self._abort()
+        ex.end(None)
 
     def _fail(self, kind: str, message: str, received: bool) -> None:
         ex = self._ex
         self._ex = None
         self._abort()
-        if ex is None or ex.done.done():
+        if ex is None or ex.ended:
             return
         ex.sink.on_upstream(None)
-        ex.done.set_exception(UpstreamError(kind, message, received=received))
+        ex.end(UpstreamError(kind, message, received=received))
 
     # -- timers -----------------------------------------------------------------------------
     # `_last` (the last byte either way) and `_limit` (the timeout of the current phase) say
@@ -350,6 +395,8 @@ class UpstreamConnection(asyncio.Protocol):
 class _Dechunking:
     """Parser callbacks for an answer to an HTTP/1.0 client, who cannot read chunked framing:
     the connection's own, plus `on_body`, which writes the decoded body."""
+
+    __slots__ = ("_conn", "on_headers_complete", "on_message_begin", "on_message_complete")
 
     def __init__(self, conn: UpstreamConnection) -> None:
         self._conn = conn
@@ -393,27 +440,80 @@ class UpstreamPool:
         self._busy = 0  # exchanges in progress, at most max_connections
         self._waiters: deque[asyncio.Future[None]] = deque()
 
-    async def forward(
+    def forward(
         self, data: bytes, sink: ResponseSink, *, head_only: bool, http11: bool
-    ) -> bool:
-        """Send one request (`data` = head + body) and stream the answer into `sink`.
+    ) -> Awaitable[bool]:
+        """Send one request (`data` = head + body) and stream the answer into `sink` (the
+        general path: it may wait for a slot and connect).
 
-        Returns whether the client connection may stay open. Raises UpstreamError. From here
-        on `data` is held by the exchange alone, which drops it at the first response byte;
-        the caller should hold no reference to it either (pass it as an expression).
+        Awaited, returns whether the client connection may stay open. Raises UpstreamError.
+        From here on `data` is held by the exchange alone, which drops it at the first response
+        byte; the caller should hold no reference to it either (pass it as an expression).
         """
-        ex = _Exchange(sink, self.loop.create_future(), data, head_only, http11)
+        return self._send(Exchange(sink, data, head_only, http11), reuse=True)
+
+    def take_now(self) -> UpstreamConnection | None:
+        """THE FAST PATH's precondition (module docstring): a slot free with nobody queued and
+        an idle pooled connection at hand. Taken, with its slot, for `send_now`; else None and
+        nothing taken."""
+        if self._busy >= self.max_connections or self._waiters:
+            return None
+        conn = self._take_idle()
+        if conn is not None:
+            self._busy += 1
+        return conn
+
+    def send_now(
+        self, conn: UpstreamConnection, data: bytes, sink: ResponseSink, then: Then, *, http11: bool
+    ) -> Exchange:
+        """THE FAST PATH of `forward`: write the request (`data` = head + body, not a HEAD) on
+        the connection `take_now` gave, now; `then(error)` is called from the connection's
+        callbacks when the exchange ends, its slot already free.
+
+        The retry rule is the caller's here: an error with `retryable` set met this reused
+        connection before any response byte, and `resend` sends the request once more."""
+        ex = Exchange(sink, data, False, http11)
         del data
+        ex.then = self._ended(then)
+        conn.start(ex)
+        return ex
+
+    def _ended(self, then: Then) -> Then:
+        def ended(error: UpstreamError | None) -> None:
+            self._release_slot()
+            then(error)
+
+        return ended
+
+    def abandon(self, conn: UpstreamConnection, ex: Exchange) -> None:
+        """The fast exchange's client went away: drop it and its connection (which stops the
+        generation), free its slot; its `then` is never called."""
+        if ex.ended:
+            return
+        ex.ended = True
+        ex.then = None
+        conn.cancel()
+        self._release_slot()
+
+    def resend(self, ex: Exchange) -> Awaitable[bool]:
+        """A fast exchange that failed on its reused connection before any response byte (the
+        retry rule): sent once more on a fresh connection, as `forward` would have; awaited
+        like `forward`."""
+        ex.ended = False  # nothing was received: the exchange is as new
+        return self._send(ex, reuse=False)
+
+    async def _send(self, ex: Exchange, reuse: bool) -> bool:
         if self._busy < self.max_connections and not self._waiters:
             self._busy += 1
         else:
             await self._wait_for_slot()
         try:
-            conn = self._take_idle()
+            conn = self._take_idle() if reuse else None
             fresh = conn is None
             while True:
                 if conn is None:
                     conn = await self._connect()
+                ex.done = self.loop.create_future()
                 conn.start(ex)
                 try:
                     return await ex.done
@@ -421,9 +521,10 @@ class UpstreamPool:
                     conn.cancel()
                     raise
                 except UpstreamError as exc:
-                    # A new future: the failed one holds `exc`, whose traceback holds this
-                    # frame and `ex` (a cycle), and a retry needs one anyway.
-                    ex.done = self.loop.create_future()
+                    # A new future on the next pass: the failed one holds `exc`, whose
+                    # traceback holds this frame and `ex` (a cycle).
+                    ex.done = None
+                    ex.ended = False
                     if fresh or exc.received or exc.kind == "timeout":
                         raise
                     # A reused connection died before answering (nothing was received, so the
