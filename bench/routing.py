@@ -85,6 +85,8 @@ every completion each emulator receives (it replaces the emulator's request log,
 
 Investigation aids: `--load-factor` and `--load-slack` are passed to lora-router; `--lr-source`
 runs lora-router from another source tree (the base commit's, to show a trace can fail);
+`--alt-source` runs the `lr-prefix-alt` and `lr-prefix-base-alt` contenders from another tree
+next to lora-router itself, interleaved in one run (an A/B of two revisions);
 `--prefill-us`, `--decode-us`, `--max-num-seqs`, `--cache-blocks` change the timing model.
 
 Outputs: bench/results/routing.json (every run and the summaries), routing.md (tables, the
