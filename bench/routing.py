@@ -85,6 +85,8 @@ every completion each emulator receives (it replaces the emulator's request log,
 
 Investigation aids: `--load-factor` and `--load-slack` are passed to lora-router; `--lr-source`
 runs lora-router from another source tree (the base commit's, to show a trace can fail);
+`--alt-source` runs the `lr-prefix-alt` and `lr-prefix-base-alt` contenders from another tree
+next to lora-router itself, interleaved in one run (an A/B of two revisions);
 `--prefill-us`, `--decode-us`, `--max-num-seqs`, `--cache-blocks` change the timing model.
 
 Outputs: bench/results/routing.json (every run and the summaries), routing.md (tables, the
@@ -258,6 +260,7 @@ class Contender:
     kind: str  # oracle | lora-router | vllm-router | sglang-router
     policy: str
     base: bool  # requests name the base model (no adapter syncs)
+    alt: bool = False  # lora-router run from --alt-source (an A/B of two revisions in one run)
 
 
 CONTENDERS = (
@@ -267,6 +270,17 @@ CONTENDERS = (
     Contender("lr-least-loaded", "lora-router least-loaded", "lora-router", "least-loaded", False),
     Contender("oracle-base", "oracle (families pinned)", "oracle", "", True),
     Contender("lr-prefix-base", "lora-router prefix", "lora-router", "prefix", True),
+    Contender(
+        "lr-prefix-alt", "lora-router prefix, --alt-source", "lora-router", "prefix", False, True
+    ),
+    Contender(
+        "lr-prefix-base-alt",
+        "lora-router prefix, --alt-source",
+        "lora-router",
+        "prefix",
+        True,
+        True,
+    ),
     Contender("vllm-ch", "vllm-router consistent_hash", "vllm-router", "consistent_hash", True),
     Contender("vllm-ca", "vllm-router cache_aware", "vllm-router", "cache_aware", True),
     Contender("sglang-ca", "sglang-router cache_aware", "sglang-router", "cache_aware", True),
@@ -281,6 +295,7 @@ class RouterOptions:
     load_factor: float | None = None
     load_slack: int | None = None
     source: Path | None = None  # run lora-router from this source tree (another revision)
+    alt_source: Path | None = None  # the tree the *-alt contenders run from
 
 
 # --- workload ------------------------------------------------------------------------------
@@ -938,7 +953,9 @@ class Bench:
         self.args = args
         self.timing: Timing = args.timing
         self.scale: Scale = args.scale
-        self.options = RouterOptions(args.load_factor, args.load_slack, args.lr_source)
+        self.options = RouterOptions(
+            args.load_factor, args.load_slack, args.lr_source, args.alt_source
+        )
         self.workdir = workdir
         self.adapters = workdir / "adapters"
 
@@ -957,7 +974,9 @@ class Bench:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         log = self.workdir / f"{c.key}-{trace}-{n}.log"
-        source = self.options.source if c.kind == "lora-router" else None
+        source = None
+        if c.kind == "lora-router":
+            source = self.options.alt_source if c.alt else self.options.source
         router = RouterProcess(router_argv(c, port, host.urls, self.options), log, source)
         connector = aiohttp.TCPConnector(limit=self.scale.in_flight_per_replica * n + 16)
         try:
@@ -1450,6 +1469,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "to show how that revision does on these traces",
     )
     p.add_argument(
+        "--alt-source",
+        type=Path,
+        default=None,
+        help="the source tree the lr-prefix-alt and lr-prefix-base-alt contenders run from, so "
+        "two revisions run interleaved in one run (e.g. `git archive` of the base commit)",
+    )
+    p.add_argument(
         "--from-json",
         type=Path,
         default=None,
@@ -1487,6 +1513,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     unknown |= set(args.router_list) - {c.key for c in CONTENDERS}
     if unknown:
         p.error(f"unknown trace or router: {', '.join(sorted(unknown))}")
+    if args.alt_source is None and any(r.endswith("-alt") for r in args.router_list):
+        p.error("the -alt contenders need --alt-source")
     # Fractions of the oracle need the oracle of the same mode.
     wanted = {c.key: c for c in CONTENDERS if c.key in args.router_list}
     for c in list(wanted.values()):
@@ -1575,6 +1603,7 @@ async def bench_main(args: argparse.Namespace) -> int:
         "router_options": {
             **asdict(RouterOptions(args.load_factor, args.load_slack)),
             "source": str(args.lr_source) if args.lr_source else None,
+            "alt_source": str(args.alt_source) if args.alt_source else None,
         },
         "targets": {
             "of_oracle": TARGET_FRACTION,

@@ -12,9 +12,10 @@ its conversation sent under `-v7`:
 1. *Known prompt.* The table finds the earlier prompts whose stems this one starts with, longest
    shared block prefix first (itself, if it was seen: a *sibling*; a shorter one: a
    *continuation*, e.g. the previous turn of a conversation, appended to or re-rendered). The
-   first of their replicas that is routable and has room takes it: the longest prefix's replica
-   if it can, else the next longest (its KV is still there, which beats any other replica). A
-   new prompt is then remembered on that replica.
+   first of their replicas that is routable and has room takes it (room: below the load cap
+   for a sibling, below the follow cap for a continuation, see below): the longest prefix's
+   replica if it can, else the next longest (its KV is still there, which beats any other
+   replica). A new prompt is then remembered on that replica.
 2. *Spill.* If prefixes were known but none of their replicas can take it, walk the ring from
    the prompt's key to the first routable replica with room. Siblings walk the same path, so
    they keep meeting on one replica while their home is full. A spill never moves the home of
@@ -30,8 +31,11 @@ its conversation sent under `-v7`:
    families by the work held alone was measured too: it let request totals drift to
    1.08-1.10 max/mean on multi-turn, re-rendered and long-tailed traces, where dealing by
    count keeps 1.00-1.01 with in-flight balance as close to the oracle's
-   (bench/results/routing-work-held/ against bench/results/routing.md). A replica that joins
-   starts at the fewest count. On an idle fleet every replica ties and placement is plain
+   (bench/results/routing-work-held/ against bench/results/routing.md). Letting the work held
+   decide inside a window of 1.05 x the mean count was measured as well
+   (bench/results/routing-deal-window/): 0.4-1.5 % shorter makespans on single-turn and
+   system-300 at 8 replicas, request totals at 1.04, no wall-time gain; not kept. A replica
+   that joins starts at the fewest count. On an idle fleet every replica ties and placement is plain
    consistent hashing, so two routers that saw the same requests agree. The ranks are kept,
    not computed per request (`_Ranks`: grouped by equal rank, the distinct ranks in a heap,
    re-filed on `load_changed`), and ties are settled by `HashRing.first_of`.
@@ -64,6 +68,24 @@ mean is a handful, `(1 + e) * m` is below one group, so the textbook bound scatt
 over replicas that each recompute its prompt. An allowance of `load_slack` requests above the
 mean lets a group meet on its home; once the mean exceeds `load_slack / load_factor` (64 by
 default) the multiplicative bound is the larger and applies unchanged.
+
+A continuation (step 1, a known prompt that extends an earlier one) may take its replica up to
+the *follow cap*, the same bound with twice the slack (`follow_cap`); siblings, spill targets
+and fresh families keep the load cap. A trainer sends a conversation's next turn only once its
+previous turn has answered, and that turn left the replica the continuation now joins, so
+following a conversation does not add to a replica's load: what the load cap spilled instead
+was the drain at the end of a burst, when the mean falls with the requests in flight and a
+replica still works through the long conversations it holds (bench/routing.py, long-tail at 3
+replicas: the conversation's home at 31 in flight, the other two at 8 and 3, the cap 31). Such a
+spilled turn recomputes its whole history elsewhere (up to two long-tailed completions), so a
+few spills cost 0.2-0.8 % of the hit rate. The allowance stays bounded: once the mean exceeds
+`2 * load_slack / load_factor` (128 by default) the multiplicative bound applies to
+continuations unchanged, so prompts extending one shared prompt (an open-loop client) cannot
+pile up on one replica. Measured (bench/results/routing-follow/): with the follow cap no trace
+spilled, every later turn followed its conversation and every cell reached the oracle's hit
+rate (the load cap alone: 0.993-0.994 on long-tail at 3 and 8 replicas); the price is the
+drain a spill used to even out: the modelled makespan on long-tail moved by -0.2 % to +2.8 %
+(medians over rounds and over trace seeds), +3.6 % on the worst of 10 seeds.
 
 Prompts that share only a template never match each other in the table (neither starts with
 the other's stem, see `keys`), so
@@ -343,8 +365,14 @@ class PrefixAffinity:
         self._turn += 1
         return Decision(least_loaded(routable, self._turn), "nokey")
 
+    def follow_cap(self, routable: Candidates[R]) -> int:
+        """The in-flight count a continuation's replica may reach: the load cap with twice
+        the slack (module docstring), O(1)."""
+        return _cap(routable.in_flight, len(routable), self._grow, self._den, 2 * self.load_slack)
+
     def _choose(self, key: PromptKey, routable: Candidates[R]) -> Decision[R]:
         cap = self.cap(routable)
+        follow = self.follow_cap(routable)
         known = False
         home: str | None = None  # this exact prompt's recorded replica
         for name, exact in self.table.find(key):
@@ -352,10 +380,13 @@ class PrefixAffinity:
             if exact:
                 home = name
             replica = routable.get(name)
-            if replica is not None and replica.in_flight < cap:
-                if exact:
+            if replica is None:
+                continue
+            if exact:
+                if replica.in_flight < cap:
                     self.counts.sibling += 1
                     return Decision(replica, "sibling")
+            elif replica.in_flight < follow:
                 self._remember(key, home, name)
                 self.counts.continuation += 1
                 return Decision(replica, "continuation")
