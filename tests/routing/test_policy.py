@@ -435,16 +435,29 @@ def test_choose_never_changes_in_flight(name, prompt, load, n):
     assert [r.in_flight for r in reps] == load[:n]
 
 
-@given(tokens, fleet_sizes)
-def test_an_excluded_home_spills_without_losing_its_anchor(prompt, n):
-    # A retry excludes the replica that failed; the prompt's home is unchanged for the next one.
+def spilled_from_home(
+    prompt: list[int], n: int
+) -> tuple[PrefixAffinity, Pool, PromptKey, Rep, Any]:
+    """A prompt placed on its home, then routed by a retry that excludes the home (the
+    replica that failed): (policy, fleet, key, home, the retry's decision)."""
     reps = fleet(n)
     policy = prefix_policy(reps)
     key = prompt_key("m", prompt)
     home = send(policy, key, reps).replica
-    others = Pool(r for r in reps if r is not home)
-    decision = policy.choose(route(key), others)
-    assert decision.kind == "spill"
+    retry = policy.choose(route(key), Pool(r for r in reps if r is not home))
+    return policy, reps, key, home, retry
+
+
+@given(tokens, fleet_sizes)
+def test_an_excluded_home_spills(prompt, n):
+    *_, home, retry = spilled_from_home(prompt, n)
+    assert retry.kind == "spill" and retry.replica is not home
+
+
+@given(tokens, fleet_sizes)
+def test_a_spill_from_an_excluded_home_keeps_its_anchor(prompt, n):
+    # The prompt's home is unchanged for the next request.
+    policy, reps, key, home, _ = spilled_from_home(prompt, n)
     assert policy.choose(route(key), reps)[:2] == (home, "sibling")
 
 
