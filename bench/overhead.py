@@ -726,11 +726,14 @@ def table_contenders(
         tree = procs.tmp / f"tree-{args.table_base}"
         tree.mkdir()
         archive = subprocess.run(
-            ["git", "-C", str(Path(__file__).parent), "archive", args.table_base],
+            # From the repository's root: `git archive` run in bench/ archives bench/ only.
+            ["git", "-C", str(Path(__file__).resolve().parents[1]), "archive", args.table_base],
             capture_output=True,
             check=True,
         ).stdout
         subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        if not (tree / "lora_router" / "cli.py").exists():
+            raise BenchFailure(f"{args.table_base} has no lora_router/cli.py")
         env = {**os.environ, "PYTHONPATH": str(tree)}
 
         def base(procs: Procs, port: int, replicas: Sequence[int]) -> subprocess.Popen[bytes]:
