@@ -31,14 +31,15 @@ index holds one entry per anchor, the wire index one per anchor with a wire key 
 JSON text of a token-id prompt, by which `sibling` finds it without a key), and every eviction
 removes from all three. Nothing here knows about load or health.
 
-What an anchor costs (CPython 3.11, 64-bit; bench/results/table_memory.md): one record tuple
-and four ints (head, packed `meta`, `full`, wire key), about 320 bytes, plus its entries in
-the three indexes (the heads' OrderedDict, the exact and the wire dicts), whose hash tables
-cost about 185 bytes per anchor while the table fills and about 385 once it evicts: a dict
-that deletes as it inserts is resized to three times its live entries, which doubles each
-table once, about 150,000 evictions after the table is full. So about 505 bytes per anchor at
-capacity and 705 from then on (the default 200,000 anchors: 96 then 134 MiB), where the
-anchor, the exact index and a separate wire map cost 695 and 895 before.
+What an anchor costs (CPython 3.11, 64-bit; `python bench/anchor_bytes.py`,
+bench/results/anchor_bytes.md): about 240 bytes of objects (its 4-tuple, and the ints of its
+head, `meta`, `full` and wire key) plus its share of the three indexes' hash tables (the heads'
+OrderedDict, the exact and the wire dicts): about 210 bytes while the table fills and 390 once
+it evicts, because a dict that deletes as it inserts is resized to three times its live
+entries, which doubles each table once, about 150,000 evictions after the table is full; it is
+flat from then on. In all, about 505 bytes per anchor at capacity and 705 from then on (the
+default 200,000 anchors: 96, then 134 MiB), where the anchor, the exact index and the policy's
+separate wire map took 695 and 895.
 
 Must never: do I/O, log, hold more than `capacity` anchors, hash anything itself (all hashing is
 defined in `keys`: `PromptKey.full`, `.chain`, `.prefix_hash` and `.stem`).
@@ -59,7 +60,7 @@ MAX_STEM_CHECKS = 64
 # An anchor is (replica, meta, wire, full): the replica name (shared by every anchor on it), the
 # prompt's `wire` key (None if it has none), its `full`, and `meta`, one int packing what `find`
 # and a sibling by its wire key read of it (four int objects would cost 32-40 bytes each):
-#   bits 0-63 the stem hash, 64-103 the prompt's tokens, 104-143 its bytes, 144- the stem's
+#   bits 0-39 the prompt's tokens, 40-103 the stem hash, 104-143 its bytes, 144- the stem's
 #   tail bytes,
 # so that `meta >> _ORDER` orders anchors as (stem tail, prompt bytes) do: longest stem first,
 # then the longer prompt. A body's size is capped far below 2**40 bytes (`--max-body-bytes`).
@@ -68,11 +69,16 @@ MAX_STEM_CHECKS = 64
 Anchor = tuple[str, int, int | None, int]
 _HASH = (1 << 64) - 1
 _FIELD = (1 << 40) - 1
-_TOKENS, _ORDER, _TAIL = 64, 104, 144
+_STEM, _ORDER, _TAIL = 40, 104, 144
 
 
 def _order(anchor: Anchor) -> int:
     return anchor[1] >> _ORDER
+
+
+def anchor_tokens(anchor: Anchor) -> int:
+    """The prompt tokens of an anchor's prompt."""
+    return anchor[1] & _FIELD
 
 
 class AffinityTable:
@@ -109,22 +115,23 @@ class AffinityTable:
                 return replica
         return None
 
-    def sibling(self, wire: int) -> tuple[str, int] | None:
-        """(replica, tokens) of the prompt whose wire key is `wire`, marked as just used; None
-        if the table holds no such anchor. Needs no key at all: O(1), plus a scan of its
-        head's anchors (at most `PER_HEAD`) when it shares its head."""
+    def sibling(self, wire: int) -> Anchor | None:
+        """The anchor of the prompt whose wire key is `wire` (its replica: `[0]`, its tokens:
+        `anchor_tokens`), marked as just used; None if the table holds no such anchor. Needs no key
+        at all: O(1), plus a scan of its head's anchors (at most `PER_HEAD`) when it shares
+        its head."""
         head = self._wires.get(wire)
         if head is None:
             return None
         heads = self._heads
-        entry = heads[head]
         heads.move_to_end(head)
+        entry = heads[head]
         if isinstance(entry, tuple):  # the head's one anchor is the one with this wire key
-            return entry[0], entry[1] >> _TOKENS & _FIELD
+            return entry
         for i, anchor in enumerate(entry):
             if anchor[2] == wire:
                 entry.append(entry.pop(i))
-                return anchor[0], anchor[1] >> _TOKENS & _FIELD
+                return anchor
         raise AssertionError("the wire index names a head without its anchor")
 
     def link(self, key: PromptKey, wire: int) -> None:
@@ -182,7 +189,7 @@ class AffinityTable:
                 if not checks:
                     return
                 checks -= 1
-                if key.prefix_hash(level, tail) == meta & _HASH:
+                if key.prefix_hash(level, tail) == meta >> _STEM & _HASH:
                     replica = self._touch(head, anchored)
                     if replica is not None:
                         yield replica, False
@@ -207,7 +214,7 @@ class AffinityTable:
             return
         level, tail, stem = key.stem()
         head = key.head(level)
-        meta = (((tail << 40 | len(key.data)) << 40 | key.tokens) << 64) | stem
+        meta = ((tail << 40 | len(key.data)) << 64 | stem) << 40 | key.tokens
         anchor = (replica, meta, None, full)
         entry = heads.get(head)
         if entry is None:

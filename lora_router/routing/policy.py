@@ -106,7 +106,7 @@ from fractions import Fraction
 from heapq import heapify, heappop, heappush
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
-from .affinity import AffinityTable
+from .affinity import AffinityTable, anchor_tokens
 from .keys import PromptKey, RouteKey
 from .ring import DEFAULT_VNODES, HashRing
 
@@ -319,7 +319,7 @@ class PrefixAffinity:
                 home = routable.get(known[0])
                 if home is not None and home.in_flight < self.cap(routable):
                     self.counts.sibling += 1
-                    return Decision(home, "sibling", known[1])
+                    return Decision(home, "sibling", anchor_tokens(known))
             # Unknown, not routable or full: the whole policy decides (a full home spills).
         prompt = key.key
         if prompt is None:

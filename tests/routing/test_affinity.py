@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lora_router.routing.affinity import AffinityTable, _anchors
+from lora_router.routing.affinity import AffinityTable, _anchors, anchor_tokens
 from lora_router.routing.keys import PromptKey, prompt_key, wire_key
 
 tokens = st.lists(st.integers(0, 1000), max_size=120)
@@ -230,7 +230,9 @@ def test_a_linked_wire_key_finds_its_prompts_home_and_tokens(prompts, spelling):
         table.link(key, wire_key("m", spelling % prompt))
     for prompt in prompts:
         key = prompt_key("m", prompt, 16)
-        assert table.sibling(wire_key("m", spelling % prompt)) == (table.home(key), len(prompt))
+        anchor = table.sibling(wire_key("m", spelling % prompt))
+        assert anchor is not None
+        assert (anchor[0], anchor_tokens(anchor)) == (table.home(key), len(prompt))
 
 
 @given(short_prompt)
