@@ -37,8 +37,8 @@ head, `meta`, `full` and wire key) plus its share of the three indexes' hash tab
 OrderedDict, the exact and the wire dicts): about 210 bytes while the table fills and 390 once
 it evicts, because a dict that deletes as it inserts is resized to three times its live
 entries, which doubles each table once, about 150,000 evictions after the table is full; it is
-flat from then on. In all, about 505 bytes per anchor at capacity and 705 from then on (the
-default 200,000 anchors: 96, then 134 MiB), where the anchor, the exact index and the policy's
+flat from then on. In all, about 510 bytes per anchor at capacity and 710 from then on (the
+default 200,000 anchors: 97, then 135 MiB), where the anchor, the exact index and the policy's
 separate wire map took 695 and 895.
 
 Must never: do I/O, log, hold more than `capacity` anchors, hash anything itself (all hashing is
@@ -116,10 +116,10 @@ class AffinityTable:
         return None
 
     def sibling(self, wire: int) -> Anchor | None:
-        """The anchor of the prompt whose wire key is `wire` (its replica: `[0]`, its tokens:
-        `anchor_tokens`), marked as just used; None if the table holds no such anchor. Needs no key
-        at all: O(1), plus a scan of its head's anchors (at most `PER_HEAD`) when it shares
-        its head."""
+        """The anchor of the prompt whose wire key is `wire` (its replica: `[0]`, its
+        tokens: `anchor_tokens`), marked as just used; None if the table holds no such anchor.
+        Needs no key at all: O(1), plus a scan of its head's anchors (at most `PER_HEAD`) when
+        it shares its head."""
         head = self._wires.get(wire)
         if head is None:
             return None
