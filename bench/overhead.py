@@ -27,7 +27,10 @@ Measured:
 3. RSS per open stream: 500, 1,000 and 2,000 SSE streams of 4,096-token prompts held open
    through each proxy to 4 replicas that send a head and a first chunk and then hold (a small
    asyncio server this script starts); RSS before and with the streams open.
-4. lora-router's RSS after 100k and 300k distinct 1,000-token prompts (default affinity table).
+4. RSS of lora-router and vllm-router after 100k, 300k and 500k distinct 1,000-token prompts
+   (lora-router's default affinity table holds 200,000), the contenders side by side, filled
+   step by step in turn; `--table-base REV` adds lora-router at git revision REV, and
+   `--table-only` runs this part alone and writes bench/results/table_memory.md.
 Then the issue-16 targets, each marked met or not.
 
 Contenders: direct (wrk to a replica), nginx proxy_pass (keep-alive upstreams), lora-router at
@@ -105,7 +108,7 @@ STREAM_TOKENS = 4096
 STREAM_COUNTS = (500, 1000, 2000)
 STREAM_REPLICAS = 4
 TABLE_TOKENS = 1000
-TABLE_PROMPTS = (100_000, 300_000)
+TABLE_PROMPTS = (100_000, 300_000, 500_000)
 TABLE_LIMIT_S = 600  # per step: a router slower than this fails the run
 WINDOW_CONTENDERS = ("direct", "nginx", "lora-router", "vllm-router")
 PROXIES = WINDOW_CONTENDERS[1:]
@@ -271,6 +274,19 @@ def urls(replicas: Sequence[int]) -> list[str]:
     return [f"http://127.0.0.1:{p}" for p in replicas]
 
 
+def lora_router_from(tree: str | None) -> Start:
+    """How lora-router starts: from this checkout (None), or from another source `tree` (an
+    A/B: `--base-tree`, `--table-base`), with PYTHONPATH on it."""
+    env = {**os.environ, "PYTHONPATH": tree} if tree else None
+
+    def lora_router(procs: Procs, port: int, replicas: Sequence[int]) -> subprocess.Popen[bytes]:
+        argv = [sys.executable, "-m", "lora_router.cli", "--replicas", ",".join(urls(replicas))]
+        argv += ["--no-token", "--port", str(port), "--log-level", "warning"]
+        return procs.start(argv, cpus=PROXY_CPU, env=env, cwd=tree)
+
+    return lora_router
+
+
 def starters(vllm_router: str, base_tree: str | None = None) -> dict[str, Start]:
     """How each contender starts on a port in front of replica ports; direct starts nothing.
     `base_tree`: the source tree `BASE` runs from."""
@@ -281,26 +297,17 @@ def starters(vllm_router: str, base_tree: str | None = None) -> dict[str, Start]
     def nginx(procs: Procs, port: int, replicas: Sequence[int]) -> subprocess.Popen[bytes]:
         return nginx_proxy(procs, port, replicas, PROXY_CPU)
 
-    def lora_router(procs: Procs, port: int, replicas: Sequence[int]) -> subprocess.Popen[bytes]:
-        argv = [sys.executable, "-m", "lora_router.cli", "--replicas", ",".join(urls(replicas))]
-        argv += ["--no-token", "--port", str(port), "--log-level", "warning"]
-        return procs.start(argv, cpus=PROXY_CPU)
-
-    def base(procs: Procs, port: int, replicas: Sequence[int]) -> subprocess.Popen[bytes]:
-        argv = [sys.executable, "-m", "lora_router.cli", "--replicas", ",".join(urls(replicas))]
-        argv += ["--no-token", "--port", str(port), "--log-level", "warning"]
-        env = {**os.environ, "PYTHONPATH": str(base_tree)}
-        return procs.start(argv, cpus=PROXY_CPU, env=env, cwd=base_tree)
-
     def vllm(procs: Procs, port: int, replicas: Sequence[int]) -> subprocess.Popen[bytes]:
         argv = [vllm_router, "--worker-urls", *urls(replicas), "--port", str(port)]
         argv += ["--host", "127.0.0.1", "--log-level", "warning"]
         argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         return procs.start(argv, cpus=PROXY_CPU)
 
-    out = {"direct": direct, "nginx": nginx, "lora-router": lora_router, "vllm-router": vllm}
+    out: dict[str, Start] = {"direct": direct, "nginx": nginx}
+    out["lora-router"] = lora_router_from(None)
+    out["vllm-router"] = vllm
     if base_tree:
-        out[BASE] = base
+        out[BASE] = lora_router_from(base_tree)
     return out
 
 
@@ -691,51 +698,139 @@ def streams(procs: Procs, start: dict[str, Start], args: argparse.Namespace) -> 
 
 @dataclass
 class TableSample:
-    prompts: int
+    contender: str
+    prompts: int  # distinct prompts answered so far (0: started, one request)
     rss_kib: int
-    rps: float
+    rps: float  # while filling up to `prompts`
+
+
+def fill_script(tmp: Path, payload: Payload, count: int) -> Path:
+    """A wrk script sending `count` distinct prompts (under a nonce no other script uses), each
+    once, that stops sending and writes `<script>.done` once `count` were answered (wrk itself
+    then waits out its duration: the caller interrupts it)."""
+    nonce = next(_nonces)
+    if nonce >= 151_000:
+        raise BenchFailure("out of nonces for distinct prompts")
+    path = tmp / f"fill-{nonce}.lua"
+    path.write_text(
+        f"""
+local prefix = [==[{payload.prefix}]==]
+local rest = [==[{payload.rest}]==]
+local suffix = [==[{payload.suffix}]==]
+local headers = {{["Content-Type"] = "application/json"}}
+local sent, answered = 0, 0
+request = function()
+  local n = sent
+  sent = sent + 1
+  local body = prefix .. "{nonce}, " .. (n % 100000) .. ", " .. math.floor(n / 100000)
+    .. rest .. sent .. suffix
+  return wrk.format("POST", nil, headers, body)
+end
+response = function(status, headers, body)
+  answered = answered + 1
+  if answered == {count} then
+    local marker = io.open("{path}.done", "w")
+    marker:write(answered)
+    marker:close()
+    wrk.thread:stop()
+  end
+end
+{WRK_REPORT}
+"""
+    )
+    return path
+
+
+def table_contenders(
+    procs: Procs, start: dict[str, Start], args: argparse.Namespace
+) -> dict[str, Start]:
+    """The plateau's contenders: lora-router of this tree, of `--table-base` if given (its
+    `git archive`, run with PYTHONPATH on it), and vllm-router."""
+    out = {"lora-router": start["lora-router"]}
+    if args.table_base:
+        tree = procs.tmp / f"tree-{args.table_base}"
+        tree.mkdir()
+        archive = subprocess.run(
+            # From the repository's root: `git archive` run in bench/ archives bench/ only.
+            ["git", "-C", str(Path(__file__).resolve().parents[1]), "archive", args.table_base],
+            capture_output=True,
+            check=True,
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        if not (tree / "lora_router" / "cli.py").exists():
+            raise BenchFailure(f"{args.table_base} has no lora_router/cli.py")
+        out[f"lora-router {args.table_base}"] = lora_router_from(str(tree))
+    out["vllm-router"] = start["vllm-router"]
+    return out
 
 
 def table(
     procs: Procs, start: dict[str, Start], fleet: list[int], args: argparse.Namespace
-) -> tuple[int, list[TableSample]]:
-    """lora-router's RSS, idle, after `args.table` distinct prompts of TABLE_TOKENS tokens."""
-    inst = launch(procs, start["lora-router"], "lora-router", fleet[:2])
-    assert inst.proc is not None
-    baseline = rss_kib(inst.proc.pid)
-    url = f"http://127.0.0.1:{inst.port}/v1/completions"
+) -> list[TableSample]:
+    """Each contender's RSS, idle, after `args.table` distinct prompts of TABLE_TOKENS tokens
+    (every prompt new: they differ from their first token). The contenders run side by side
+    and are filled step by step in turn, so each step of each is measured on the same machine
+    load; a lora-router must count every prompt as fresh."""
+    contenders = table_contenders(procs, start, args)
+    running = {name: launch(procs, s, name, fleet[:2]) for name, s in contenders.items()}
+    out = [TableSample(name, 0, rss_kib(inst.pid or 0), 0.0) for name, inst in running.items()]
     payload = Payload.make(TABLE_TOKENS)
-    out = []
+    done = 0
     for target in args.table:
-        script = lua_script(procs.tmp, payload, 1)
-        argv = ["wrk", "-t1", "-c64", "-d900s", "--timeout", "10s", "-s", str(script), url]
-        argv = pinned(argv, LOAD_CPU)
-        began = time.monotonic()
-        counts = decisions(inst.port)
-        runner = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-        try:
-            while sum(decisions(inst.port).values()) < target:
-                if runner.poll() is not None or time.monotonic() - began > TABLE_LIMIT_S:
-                    raise BenchFailure(
-                        f"lora-router routed fewer than {target:,} prompts in {TABLE_LIMIT_S} s"
-                    )
-                time.sleep(0.25)
-        finally:
-            runner.send_signal(signal.SIGINT)  # wrk prints its summary and exits
-            printed, _ = runner.communicate(timeout=30)
-        took = time.monotonic() - began
-        line = next((ln for ln in printed.splitlines() if ln.startswith("WRKJSON ")), "")
-        res = json.loads(line[len("WRKJSON ") :] or "{}")
-        if res.get("status_errors", 1) or res.get("errors", 1):
-            raise BenchFailure(f"lora-router failed requests filling its table:\n{printed}")
-        after = decisions(inst.port)
-        check_trace("fresh", counts, after)  # every prompt was new to it
-        routed = int(sum(after.values()))
-        rate = (routed - sum(counts.values())) / took
-        out.append(TableSample(routed, rss_kib(inst.proc.pid), rate))
-        print(f"  {routed:,} distinct prompts: {out[-1].rss_kib / 1024:.1f} MiB", flush=True)
-    procs.stop(inst.proc)
-    return baseline, out
+        for name, inst in running.items():
+            script = fill_script(procs.tmp, payload, target - done)
+            url = f"http://127.0.0.1:{inst.port}/v1/completions"
+            argv = ["wrk", "-t1", "-c64", f"-d{TABLE_LIMIT_S}s", "--timeout", "10s"]
+            argv = pinned([*argv, "-s", str(script), url], LOAD_CPU)
+            counts = decisions(inst.port) if name.startswith("lora-router") else None
+            began = time.monotonic()
+            runner = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+            try:
+                while not Path(f"{script}.done").exists():
+                    if runner.poll() is not None:
+                        raise BenchFailure(f"{name} did not answer {target:,} prompts in time")
+                    time.sleep(0.25)
+            finally:
+                runner.send_signal(signal.SIGINT)  # wrk prints its summary and exits
+                printed, _ = runner.communicate(timeout=30)
+            took = time.monotonic() - began
+            line = next((ln for ln in printed.splitlines() if ln.startswith("WRKJSON ")), "")
+            res = json.loads(line[len("WRKJSON ") :] or "{}")
+            if res.get("status_errors", 1) or res.get("requests", 0) < target - done:
+                raise BenchFailure(f"{name} did not answer {target:,} prompts:\n{printed}")
+            if counts is not None:
+                check_trace("fresh", counts, decisions(inst.port))  # every prompt was new
+            time.sleep(1.0)  # the requests cut off by wrk's stop reach the proxy and go
+            out.append(TableSample(name, target, rss_kib(inst.pid or 0), res["requests"] / took))
+            print(f"  {name}, {target:,} prompts: {out[-1].rss_kib / 1024:.1f} MiB", flush=True)
+        done = target
+    for inst in running.values():
+        if inst.proc is not None:
+            procs.stop(inst.proc)
+    return out
+
+
+def table_markdown(samples: Sequence[TableSample]) -> list[str]:
+    names = list(dict.fromkeys(t.contender for t in samples))
+    steps = sorted({t.prompts for t in samples})
+    at = {(t.contender, t.prompts): t for t in samples}
+    out = [
+        f"## RSS with distinct {TABLE_TOKENS:,}-token prompts (default affinity table)",
+        "",
+        "RSS MiB after that many distinct prompts answered (req/s while filling up to it).",
+        "",
+        "| distinct prompts | " + " | ".join(names) + " |",
+        "| ---: |" + " ---: |" * len(names),
+    ]
+    for n in steps:
+        label = "0 (started, one request)" if n == 0 else f"{n:,}"
+        cells = [
+            f"{at[name, n].rss_kib / 1024:.1f}"
+            + ("" if n == 0 else f" ({at[name, n].rps:,.0f} req/s)")
+            for name in names
+        ]
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return out
 
 
 # --- the report ---------------------------------------------------------------------------------
@@ -762,7 +857,6 @@ class Report:
     samples: list[Sample] = field(default_factory=list)
     idle: list[Idle] = field(default_factory=list)
     streams: list[StreamSample] = field(default_factory=list)
-    table_baseline_kib: int = 0
     table: list[TableSample] = field(default_factory=list)
     contenders: list[str] = field(default_factory=lambda: list(WINDOW_CONTENDERS))
     base_tree: str | None = None
@@ -1005,21 +1099,12 @@ def markdown(report: Report, fleets: Sequence[int], goals: list[dict[str, object
             cells.append(fmt(spread([s.per_stream_kib(n) for s in mine]), ".1f"))
         cells.append(fmt(spread([s.after_close_kib / 1024 for s in mine]), ".1f"))
         out.append(f"| {name} | " + " | ".join(cells) + " |")
-    out += [
-        "",
-        f"## lora-router's RSS with distinct {TABLE_TOKENS:,}-token prompts "
-        "(default affinity table)",
-        "",
-    ]
-    out += ["| distinct prompts routed | RSS MiB | req/s while filling |", "| ---: | ---: | ---: |"]
-    out.append(f"| 0 (started, one request) | {report.table_baseline_kib / 1024:.1f} | — |")
-    out += [f"| {t.prompts:,} | {t.rss_kib / 1024:.1f} | {t.rps:,.0f} |" for t in report.table]
+    out += ["", *table_markdown(report.table)]
     out += [
         "",
         "## Not measured here",
         "",
         "- sglang-router: it rejects token-id prompts on /v1/completions, which is all TRL sends.",
-        "- vllm-router's RSS with 300k distinct prompts (its cache_aware tree holds prompt text).",
         "- the routing figures of bench/routing.py (the issue's last target): run that bench.",
         "",
     ]
@@ -1049,6 +1134,8 @@ def main() -> None:
     )
     p.add_argument("--peers-bin", default=str(Path(__file__).parent / ".peers" / "bin"))
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--table-only", action="store_true", help="only the RSS plateau (part 4)")
+    p.add_argument("--table-base", metavar="REV", help="part 4 also measures lora-router at REV")
     p.add_argument("--hold-replica", help=argparse.SUPPRESS)  # internal: the holding replica
     args = p.parse_args()
     if args.hold_replica:
@@ -1082,13 +1169,16 @@ def main() -> None:
     try:
         check_payload()
         start = starters(vllm_router, args.base_tree)
-        fleet = start_fleet(procs, max(args.fleets))
+        fleet = start_fleet(procs, 2 if args.table_only else max(args.fleets))
+        if args.table_only:
+            report.table = table(procs, start, fleet, args)
+            return write_table(report, began, Path(args.out), args.quick)
         report.samples, report.idle, report.load_before_rounds = windows(procs, start, fleet, args)
         if not args.windows_only:
             print("open streams", flush=True)
             report.streams = streams(procs, start, args)
             print("affinity table", flush=True)
-            report.table_baseline_kib, report.table = table(procs, start, fleet, args)
+            report.table = table(procs, start, fleet, args)
     except BenchFailure as e:
         sys.exit(f"bench/overhead.py FAILED, no results written: {e}")
     finally:
@@ -1103,6 +1193,32 @@ def main() -> None:
     (out / f"{name}.json").write_text(
         json.dumps({**asdict(report), "targets": goals}, indent=1) + "\n"
     )
+    (out / f"{name}.md").write_text(text)
+    print(text)
+
+
+def write_table(report: Report, began: float, out: Path, quick: bool) -> None:
+    """The report of `--table-only`: bench/results/table_memory.md (and .json)."""
+    report.seconds = time.monotonic() - began
+    report.load_end = os.getloadavg()[0]
+    text = "\n".join(
+        [
+            "# Memory after many distinct prompts (issue 16)",
+            "",
+            f"- command: `{report.command}`",
+            f"- revision: `{report.revision}`; {report.date}; the run took "
+            f"{report.seconds / 60:.1f} min; 1-minute load average at the end: "
+            f"{report.load_end:.2f}",
+            "- proxies pinned to core 0; nginx replicas (2), wrk (one thread, 64 connections) and "
+            "the bench on core 1",
+            "",
+            *table_markdown(report.table),
+            "",
+        ]
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    name = "table_memory-quick" if quick else "table_memory"
+    (out / f"{name}.json").write_text(json.dumps(asdict(report), indent=1) + "\n")
     (out / f"{name}.md").write_text(text)
     print(text)
 

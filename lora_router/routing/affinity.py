@@ -27,8 +27,19 @@ only make one be routed as the other's sibling (about one lookup in 2**64 / capa
 Memory is bounded: at most `capacity` anchors, least recently used head evicted first with all
 its anchors (a lookup that matches refreshes its head), and at most `PER_HEAD` anchors under one
 head (only prompts that differ within their last block and a half share a head). The exact
-index holds one entry per anchor, and every eviction removes from both. Nothing here knows about
-load or health.
+index holds one entry per anchor, the wire index one per anchor with a wire key (`link`: the
+JSON text of a token-id prompt, by which `sibling` finds it without a key), and every eviction
+removes from all three. Nothing here knows about load or health.
+
+What an anchor costs (CPython 3.11, 64-bit; `python bench/anchor_bytes.py`,
+bench/results/anchor_bytes.md): about 240 bytes of objects (its 4-tuple, and the ints of its
+head, `meta`, `full` and wire key) plus its share of the three indexes' hash tables (the heads'
+OrderedDict, the exact and the wire dicts): about 210 bytes while the table fills and 390 once
+it evicts, because a dict that deletes as it inserts is resized to three times its live
+entries, which doubles each table once, about 150,000 evictions after the table is full; it is
+flat from then on. In all, about 510 bytes per anchor at capacity and 710 from then on (the
+default 200,000 anchors: 97, then 135 MiB), where the anchor, the exact index and the policy's
+separate wire map took 695 and 895.
 
 Must never: do I/O, log, hold more than `capacity` anchors, hash anything itself (all hashing is
 defined in `keys`: `PromptKey.full`, `.chain`, `.prefix_hash` and `.stem`).
@@ -38,7 +49,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator
-from operator import itemgetter
 
 from .keys import PromptKey
 
@@ -47,17 +57,34 @@ PER_HEAD = 32
 # longest ones, which come first.
 MAX_STEM_CHECKS = 64
 
-# (replica, stem tail bytes, stem hash, full, prompt bytes). One anchor under a head is stored
-# bare, several as a list (least recently used first): most heads have one, and a bare tuple is
-# the smaller record. Prompts with one stem are tried longest first.
-Anchor = tuple[str, int, int, int, int]
-_by_length = itemgetter(1, 4)
+# An anchor is (replica, meta, wire, full): the replica name (shared by every anchor on it), the
+# prompt's `wire` key (None if it has none), its `full`, and `meta`, one int packing what `find`
+# and a sibling by its wire key read of it (four int objects would cost 32-40 bytes each):
+#   bits 0-39 the prompt's tokens, 40-103 the stem hash, 104-143 its bytes, 144- the stem's
+#   tail bytes,
+# so that `meta >> _ORDER` orders anchors as (stem tail, prompt bytes) do: longest stem first,
+# then the longer prompt. A body's size is capped far below 2**40 bytes (`--max-body-bytes`).
+# One anchor under a head is stored bare, several as a list (least recently used first): most
+# heads have one, and a bare tuple is the smaller record.
+Anchor = tuple[str, int, int | None, int]
+_HASH = (1 << 64) - 1
+_FIELD = (1 << 40) - 1
+_STEM, _ORDER, _TAIL = 40, 104, 144
+
+
+def _order(anchor: Anchor) -> int:
+    return anchor[1] >> _ORDER
+
+
+def anchor_tokens(anchor: Anchor) -> int:
+    """The prompt tokens of an anchor's prompt."""
+    return anchor[1] & _FIELD
 
 
 class AffinityTable:
     """An LRU map from prompts to the replica they were placed on, with prefix lookup."""
 
-    __slots__ = ("_exact", "_heads", "_per_head", "capacity")
+    __slots__ = ("_exact", "_heads", "_per_head", "_wires", "capacity")
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
@@ -70,6 +97,9 @@ class AffinityTable:
         self._heads: OrderedDict[int, Anchor | list[Anchor]] = OrderedDict()
         # full -> the head its anchor is filed under: exactly one entry per anchor.
         self._exact: dict[int, int] = {}
+        # wire -> the head of the one anchor holding that wire key: one entry per anchor that
+        # has one.
+        self._wires: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._exact)
@@ -80,10 +110,51 @@ class AffinityTable:
         head = self._exact.get(full)
         if head is None:
             return None
-        for replica, _, _, anchored, _ in _anchors(self._heads.get(head)):
+        for replica, _, _, anchored in _anchors(self._heads.get(head)):
             if anchored == full:
                 return replica
         return None
+
+    def sibling(self, wire: int) -> Anchor | None:
+        """The anchor of the prompt whose wire key is `wire` (its replica: `[0]`, its
+        tokens: `anchor_tokens`), marked as just used; None if the table holds no such anchor.
+        Needs no key at all: O(1), plus a scan of its head's anchors (at most `PER_HEAD`) when
+        it shares its head."""
+        head = self._wires.get(wire)
+        if head is None:
+            return None
+        heads = self._heads
+        heads.move_to_end(head)
+        entry = heads[head]
+        if isinstance(entry, tuple):  # the head's one anchor is the one with this wire key
+            return entry
+        for i, anchor in enumerate(entry):
+            if anchor[2] == wire:
+                entry.append(entry.pop(i))
+                return anchor
+        raise AssertionError("the wire index names a head without its anchor")
+
+    def link(self, key: PromptKey, wire: int) -> None:
+        """File `wire` (the prompt's wire key) with the anchor of `key`, if the table holds
+        one: `sibling(wire)` finds it from then on, until the anchor is evicted. A wire key
+        names one anchor and an anchor keeps one wire key, its latest: linking either anew
+        unlinks what it was linked to. Needs no chain."""
+        full = key.full
+        head = self._exact.get(full)
+        if head is None:
+            return
+        wires = self._wires
+        held = wires.get(wire)
+        if held is not None:
+            if held == head and any(
+                a[3] == full and a[2] == wire for a in _anchors(self._heads[head])
+            ):
+                return  # already linked: the usual case for a prompt seen before
+            self._rewire(held, 2, wire, None)
+        old = self._rewire(head, 3, full, wire)
+        if old is not None:
+            del wires[old]
+        wires[wire] = head
 
     def find(self, key: PromptKey) -> Iterator[tuple[str, bool]]:
         """Replicas of earlier prompts whose stems `key` starts with, longest shared block
@@ -111,15 +182,14 @@ class AffinityTable:
             head = key.head(level)
             room = size - level * key.block_bytes
             # Longest stem first; this very prompt was looked up above.
-            for _, tail, stem, anchored, _ in sorted(
-                _anchors(heads.get(head)), key=_by_length, reverse=True
-            ):
+            for _, meta, _, anchored in sorted(_anchors(heads.get(head)), key=_order, reverse=True):
+                tail = meta >> _TAIL
                 if tail > room or anchored == full:
                     continue
                 if not checks:
                     return
                 checks -= 1
-                if key.prefix_hash(level, tail) == stem:
+                if key.prefix_hash(level, tail) == meta >> _STEM & _HASH:
                     replica = self._touch(head, anchored)
                     if replica is not None:
                         yield replica, False
@@ -144,7 +214,8 @@ class AffinityTable:
             return
         level, tail, stem = key.stem()
         head = key.head(level)
-        anchor = (replica, tail, stem, full, len(key.data))
+        meta = ((tail << 40 | len(key.data)) << 64 | stem) << 40 | key.tokens
+        anchor = (replica, meta, None, full)
         entry = heads.get(head)
         if entry is None:
             heads[head] = anchor
@@ -153,13 +224,34 @@ class AffinityTable:
             group = [entry] if isinstance(entry, tuple) else entry
             group.append(anchor)
             if len(group) > self._per_head:
-                del exact[group.pop(0)[3]]
+                self._forget(group.pop(0))
             heads[head] = group if len(group) > 1 else anchor
         exact[full] = head
         while len(exact) > self.capacity:
             _, old = heads.popitem(last=False)
             for evicted in _anchors(old):
-                del exact[evicted[3]]
+                self._forget(evicted)
+
+    def _forget(self, anchor: Anchor) -> None:
+        """Take an evicted anchor out of the exact and wire indexes."""
+        del self._exact[anchor[3]]
+        if anchor[2] is not None:
+            del self._wires[anchor[2]]
+
+    def _rewire(self, head: int, field: int, match: int, wire: int | None) -> int | None:
+        """Give the anchor under `head` whose `field` (3: full, 2: wire key) is `match` the
+        wire key `wire`; returns the wire key it had."""
+        heads = self._heads
+        entry = heads[head]
+        group = [entry] if isinstance(entry, tuple) else entry
+        for i, a in enumerate(group):
+            if a[field] == match:
+                if a[2] != wire:
+                    group[i] = (a[0], a[1], wire, a[3])
+                    if isinstance(entry, tuple):
+                        heads[head] = group[0]
+                return a[2]
+        raise AssertionError("an index names a head without its anchor")
 
     def _touch(self, head: int, full: int) -> str | None:
         """The replica of the anchor (head, full), marked as just used; None if absent."""

@@ -6,9 +6,10 @@ by the adapter's lineage, not its version), so a turn sent under `trl-policy-v8`
 its conversation sent under `-v7`:
 
 0. *Sibling by its wire key.* A token-id prompt whose JSON text was seen before (`RouteKey.wire`,
-   remembered with the home of that exact prompt and its token count) goes to that home if it
-   is routable and has room, and its block key is never built: the G - 1 later samples of a
-   GRPO prompt cost one hash. Otherwise the block key is built and the steps below run.
+   filed with that exact prompt's anchor in the table, `AffinityTable.link`, which holds its
+   home and token count) goes to that home if it is routable and has room, and its block key is
+   never built: the G - 1 later samples of a GRPO prompt cost one hash. Otherwise the block key
+   is built and the steps below run.
 1. *Known prompt.* The table finds the earlier prompts whose stems this one starts with, longest
    shared block prefix first (itself, if it was seen: a *sibling*; a shorter one: a
    *continuation*, e.g. the previous turn of a conversation, appended to or re-rendered). The
@@ -121,14 +122,13 @@ replicas.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from heapq import heapify, heappop, heappush
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
-from .affinity import AffinityTable
+from .affinity import AffinityTable, anchor_tokens
 from .keys import PromptKey, RouteKey
 from .ring import DEFAULT_VNODES, HashRing
 
@@ -302,9 +302,6 @@ class PrefixAffinity:
         self.table = AffinityTable(table_size)
         self.counts = DecisionCounts()
         self._turn = 0
-        # wire_key -> (the home of that exact prompt, its tokens), for siblings routed without
-        # a PromptKey; as bounded as the table.
-        self._wire: OrderedDict[int, tuple[str, int]] = OrderedDict()
         self._dealt: dict[str, int] = {}  # member -> families dealt to it
         self._ranks = _Ranks()
 
@@ -339,24 +336,21 @@ class PrefixAffinity:
             return self._nokey(routable)
         wire = key.wire
         if wire is not None:
-            known = self._wire.get(wire)
+            known = self.table.sibling(wire)
             if known is not None:
                 home = routable.get(known[0])
                 if home is not None and home.in_flight < self.cap(routable):
-                    self._wire.move_to_end(wire)
                     self.counts.sibling += 1
-                    return Decision(home, "sibling", known[1])
+                    return Decision(home, "sibling", anchor_tokens(known))
             # Unknown, not routable or full: the whole policy decides (a full home spills).
         prompt = key.key
         if prompt is None:
             return self._nokey(routable)
         decision = self._choose(prompt, routable)
         if wire is not None:
-            # The prompt's home is its first placement (a spill does not move it).
-            self._wire[wire] = (self.table.home(prompt) or decision.replica.name, prompt.tokens)
-            self._wire.move_to_end(wire)
-            if len(self._wire) > self.table.capacity:
-                self._wire.popitem(last=False)
+            # Filed with the prompt's anchor, whose replica is its home (a spill does not move
+            # it), and forgotten with it.
+            self.table.link(prompt, wire)
         return decision._replace(tokens=prompt.tokens)
 
     def _nokey(self, routable: Candidates[R]) -> Decision[R]:

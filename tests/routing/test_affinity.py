@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lora_router.routing.affinity import AffinityTable, _anchors
-from lora_router.routing.keys import PromptKey, prompt_key
+from lora_router.routing.affinity import AffinityTable, _anchors, anchor_tokens
+from lora_router.routing.keys import PromptKey, prompt_key, wire_key
 
 tokens = st.lists(st.integers(0, 1000), max_size=120)
 nonempty = st.lists(st.integers(0, 1000), min_size=1, max_size=120)
@@ -190,3 +190,54 @@ def test_replacing_one_anchor_of_a_shared_head_leaves_the_others_where_they_were
     for prompt, home in before.items():
         expected = "new" if list(prompt) == prompts[-1] else home
         assert table.home(prompt_key("m", list(prompt), 16)) == expected
+
+
+def assert_wires_consistent(table: AffinityTable) -> None:
+    """The wire index names, for each wire key, the head of the one anchor holding it."""
+    linked = [(a[2], head) for head, e in table._heads.items() for a in _anchors(e) if a[2]]
+    assert dict(linked) == table._wires
+    assert len(linked) == len(table._wires)  # no wire key on two anchors
+
+
+spellings = st.sampled_from([b"%r", b"%r ", b" %r"])
+
+
+@settings(max_examples=60)
+@given(
+    st.integers(1, 12),
+    st.lists(st.tuples(st.sampled_from(["link", "record", "replace"]), short_prompt, spellings)),
+)
+def test_wire_keys_stay_filed_with_their_anchors_and_go_with_them(capacity, ops):
+    # Prompts shorter than a block share one head, so linking and eviction within a shared head
+    # are exercised too.
+    table = AffinityTable(capacity)
+    for i, (op, prompt, spelling) in enumerate(ops):
+        key = prompt_key("m", prompt, 16)
+        if op == "link":
+            table.link(key, wire_key("m", spelling % prompt))
+        else:
+            table.record(key, f"r{i}", replace=op == "replace")
+        assert_consistent(table)
+        assert_wires_consistent(table)
+
+
+@given(st.lists(short_prompt, min_size=1, max_size=20), spellings)
+def test_a_linked_wire_key_finds_its_prompts_home_and_tokens(prompts, spelling):
+    table = AffinityTable(100)
+    for i, prompt in enumerate(prompts):
+        key = prompt_key("m", prompt, 16)
+        table.record(key, f"r{i}")
+        table.link(key, wire_key("m", spelling % prompt))
+    for prompt in prompts:
+        key = prompt_key("m", prompt, 16)
+        anchor = table.sibling(wire_key("m", spelling % prompt))
+        assert anchor is not None
+        assert (anchor[0], anchor_tokens(anchor)) == (table.home(key), len(prompt))
+
+
+@given(short_prompt)
+def test_a_wire_key_unknown_to_the_table_finds_nothing(prompt):
+    table = AffinityTable(100)
+    key = prompt_key("m", prompt, 16)
+    table.record(key, "A")
+    assert table.sibling(wire_key("m", b"%r" % prompt)) is None  # recorded, never linked

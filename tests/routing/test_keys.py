@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import struct
 from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import orjson
 import xxhash
@@ -59,10 +61,11 @@ def test_key_is_the_same_in_every_process():
     assert base.full == 17677036808822813041
 
 
-@given(models, token_ids, block_sizes)
-def test_the_chain_is_computed_once_on_first_ask(model, tokens, block):
+@contextmanager
+def counted_chains() -> Iterator[list[tuple[object, ...]]]:
+    """The calls of `keys._chain` made inside the block."""
     original = keys_module._chain
-    calls = []
+    calls: list[tuple[object, ...]] = []
 
     def counting_chain(*args):
         calls.append(args)
@@ -70,13 +73,31 @@ def test_the_chain_is_computed_once_on_first_ask(model, tokens, block):
 
     keys_module._chain = counting_chain  # (hypothesis and function-scoped monkeypatch clash)
     try:
-        key = prompt_key(model, tokens, block)
-        assert calls == []  # `full` alone: all a sibling needs
-        assert key.chain is key.chain  # computed once, then cached
-        assert len(calls) == 1
+        yield calls
     finally:
         keys_module._chain = original
-    assert key == prompt_key(model, tokens, block)  # a cached chain is not part of equality
+
+
+@given(models, token_ids, block_sizes)
+def test_building_a_key_does_not_compute_its_chain(model, tokens, block):
+    with counted_chains() as calls:
+        prompt_key(model, tokens, block)  # its `full` is computed: all a sibling needs
+    assert calls == []
+
+
+@given(models, token_ids, block_sizes)
+def test_the_chain_is_computed_on_first_ask_then_cached(model, tokens, block):
+    key = prompt_key(model, tokens, block)
+    with counted_chains() as calls:
+        assert key.chain is key.chain
+    assert len(calls) == 1
+
+
+@given(models, token_ids, block_sizes)
+def test_a_cached_chain_is_not_part_of_a_keys_equality(model, tokens, block):
+    key = prompt_key(model, tokens, block)
+    key.chain  # noqa: B018 - computed and cached
+    assert key == prompt_key(model, tokens, block)
 
 
 @given(models, token_ids, st.data(), block_sizes)

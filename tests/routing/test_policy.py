@@ -504,16 +504,29 @@ def test_choose_never_changes_in_flight(name, prompt, load, n):
     assert [r.in_flight for r in reps] == load[:n]
 
 
-@given(tokens, fleet_sizes)
-def test_an_excluded_home_spills_without_losing_its_anchor(prompt, n):
-    # A retry excludes the replica that failed; the prompt's home is unchanged for the next one.
+def spilled_from_home(
+    prompt: list[int], n: int
+) -> tuple[PrefixAffinity, Pool, PromptKey, Rep, Any]:
+    """A prompt placed on its home, then routed by a retry that excludes the home (the
+    replica that failed): (policy, fleet, key, home, the retry's decision)."""
     reps = fleet(n)
     policy = prefix_policy(reps)
     key = prompt_key("m", prompt)
     home = send(policy, key, reps).replica
-    others = Pool(r for r in reps if r is not home)
-    decision = policy.choose(route(key), others)
-    assert decision.kind == "spill"
+    retry = policy.choose(route(key), Pool(r for r in reps if r is not home))
+    return policy, reps, key, home, retry
+
+
+@given(tokens, fleet_sizes)
+def test_an_excluded_home_spills(prompt, n):
+    *_, home, retry = spilled_from_home(prompt, n)
+    assert retry.kind == "spill" and retry.replica is not home
+
+
+@given(tokens, fleet_sizes)
+def test_a_spill_from_an_excluded_home_keeps_its_anchor(prompt, n):
+    # The prompt's home is unchanged for the next request.
+    policy, reps, key, home, _ = spilled_from_home(prompt, n)
     assert policy.choose(route(key), reps)[:2] == (home, "sibling")
 
 
@@ -653,7 +666,45 @@ def test_the_wire_index_is_bounded_like_the_table(capacity):
     policy = prefix_policy(reps, table_size=capacity)
     for i in range(capacity * 3):
         policy.choose(route(prompt_key("m", [i, i + 1]), wire_key("m", b"[%d]" % i)), reps)
-    assert len(policy._wire) <= capacity
+    assert len(policy.table._wires) <= len(policy.table) <= capacity
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 12),
+    fleet_sizes,
+    st.randoms(use_true_random=False),
+    st.lists(st.tuples(st.sampled_from(["send", "send", "finish"]), st.integers(0, 10**6))),
+)
+def test_a_wire_key_only_shortcuts_the_decision_of_the_block_key(size, n, rnd, ops):
+    # One trace routed twice: with the prompts' wire keys (two spellings each) and without.
+    # Every decision is the same, also once the table evicts: a prompt's wire key is forgotten
+    # with its anchor, and using it keeps the anchor as using the block key does.
+    base = [[rnd.randrange(1000) for _ in range(rnd.randrange(1, 40))] for _ in range(3)]
+    prompts = base + [p + [rnd.randrange(1000) for _ in range(20)] for p in base]
+    spellings = [(b"%r", b"%r "), (b"%r", b" %r")]
+    fleets = fleet(n), fleet(n)
+    with_wire, without = (prefix_policy(reps, table_size=size) for reps in fleets)
+    outstanding: list[tuple[Rep, Rep]] = []
+    for op, pick in ops:
+        if op == "finish":
+            for rep in outstanding.pop(pick % len(outstanding)) if outstanding else ():
+                rep.in_flight -= 1
+            continue
+        prompt = prompts[pick % len(prompts)]
+        key = prompt_key("m", prompt)
+        wire = wire_key("m", spellings[pick % 2][pick // 2 % 2] % prompt)
+        a, b = (Pool(r for r in reps if pick % 5 or r is not reps[0]) for reps in fleets)
+        got = with_wire.choose(route(key, wire), a)
+        wanted = without.choose(route(key), b)
+        assert (got.replica.name, got.kind, got.tokens) == (
+            wanted.replica.name,
+            wanted.kind,
+            wanted.tokens,
+        )
+        got.replica.in_flight += 1
+        wanted.replica.in_flight += 1
+        outstanding.append((got.replica, wanted.replica))
 
 
 def test_key_blind_policies_never_build_a_key() -> None:
