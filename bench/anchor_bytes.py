@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from common import source_tree
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "trl-policy-v1"
 
@@ -111,13 +113,7 @@ def main() -> None:
     trees: dict[str, Path] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rev in filter(None, args.compare.split(",")):
-            tree = Path(tmp) / rev
-            tree.mkdir()
-            archive = subprocess.run(
-                ["git", "-C", str(ROOT), "archive", rev], capture_output=True, check=True
-            ).stdout
-            subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-            trees[rev] = tree
+            trees[rev] = source_tree(rev, Path(tmp) / rev)
         trees["this tree"] = ROOT
         results = {name: run_tree(tree, args) for name, tree in trees.items()}
     lines = [

@@ -43,6 +43,20 @@ def find_binary(name: str, peers_bin: Path) -> str | None:
     return str(local) if local.exists() else shutil.which(name)
 
 
+def source_tree(rev: str, into: Path) -> Path:
+    """`git archive REV` of this repository, unpacked into the new directory `into`: an older
+    revision to run beside this checkout (with PYTHONPATH on it) in one bench run."""
+    root = Path(__file__).resolve().parent.parent  # `git archive` in bench/ archives bench/ only
+    archive = subprocess.run(
+        ["git", "-C", str(root), "archive", rev], capture_output=True, check=True
+    ).stdout
+    into.mkdir()
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    if not (into / "lora_router" / "cli.py").exists():
+        raise RuntimeError(f"{rev} has no lora_router/cli.py")
+    return into
+
+
 def git_revision() -> str:
     """`git describe` of this checkout, for the results' provenance ("?" without git)."""
     try:

@@ -38,7 +38,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Procs, find_binary, free_port, git_revision, nginx_fleet, pinned
+from common import (
+    Procs,
+    find_binary,
+    free_port,
+    git_revision,
+    nginx_fleet,
+    pinned,
+    source_tree,
+)
 from overhead import (
     LOAD_CPU,
     MODEL,
@@ -47,9 +55,9 @@ from overhead import (
     Start,
     json_reply,
     launch,
+    lora_router_from,
     rotated,
     starters,
-    urls,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,18 +71,6 @@ parse_report(page, 0.0)
 n = 200
 print(min(timeit.repeat(lambda: parse_report(page, 0.0), number=n, repeat=5)) / n * 1e6)
 """
-
-
-def router_start(src: Path) -> Start:
-    """lora-router from the checkout at `src`, at its defaults."""
-
-    def start(procs: Procs, port: int, replicas: Sequence[int]) -> subprocess.Popen[bytes]:
-        argv = [sys.executable, "-m", "lora_router.cli", "--replicas", ",".join(urls(replicas))]
-        argv += ["--no-token", "--port", str(port), "--log-level", "warning"]
-        env = {**os.environ, "PYTHONPATH": str(src)}
-        return procs.start(argv, cpus=PROXY_CPU, env=env, cwd=str(src))
-
-    return start
 
 
 def cpu_seconds(pid: int) -> float:
@@ -124,14 +120,10 @@ def main() -> None:
         sys.exit(f"bench/idle.py needs nginx, taskset, git and vllm-router; missing: {missing}")
     os.sched_setaffinity(0, {int(LOAD_CPU)})
     command = " ".join(["python", "bench/idle.py", *sys.argv[1:]])
-    base = Path(tempfile.mkdtemp(prefix="lora-router-idle-base-"))
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", args.base_rev], capture_output=True, check=True
-    )
-    subprocess.run(["tar", "-x", "-C", str(base)], input=archive.stdout, check=True)
+    base = source_tree(args.base_rev, Path(tempfile.mkdtemp(prefix="lora-router-idle-")) / "base")
     contenders: dict[str, Start] = {
-        f"lora-router {args.base_rev}": router_start(base),
-        "lora-router branch": router_start(ROOT),
+        f"lora-router {args.base_rev}": lora_router_from(str(base)),
+        "lora-router branch": lora_router_from(str(ROOT)),
         "vllm-router": starters(vllm_router)["vllm-router"],
     }
     names = list(contenders)

@@ -90,6 +90,7 @@ from common import (
     pinned,
     rss_kib,
     server_info_json,
+    source_tree,
     wait_port,
     wrk,
 )
@@ -748,17 +749,7 @@ def table_contenders(
     `git archive`, run with PYTHONPATH on it), and vllm-router."""
     out = {"lora-router": start["lora-router"]}
     if args.table_base:
-        tree = procs.tmp / f"tree-{args.table_base}"
-        tree.mkdir()
-        archive = subprocess.run(
-            # From the repository's root: `git archive` run in bench/ archives bench/ only.
-            ["git", "-C", str(Path(__file__).resolve().parents[1]), "archive", args.table_base],
-            capture_output=True,
-            check=True,
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-        if not (tree / "lora_router" / "cli.py").exists():
-            raise BenchFailure(f"{args.table_base} has no lora_router/cli.py")
+        tree = source_tree(args.table_base, procs.tmp / f"tree-{args.table_base}")
         out[f"lora-router {args.table_base}"] = lora_router_from(str(tree))
     out["vllm-router"] = start["vllm-router"]
     return out
