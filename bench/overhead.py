@@ -801,6 +801,32 @@ def table(
     return out
 
 
+def streams_markdown(streams: Sequence[StreamSample]) -> list[str]:
+    out = [
+        f"## RSS per open stream ({STREAM_TOKENS:,}-token prompts, "
+        f"{STREAM_REPLICAS} holding replicas)",
+        "",
+    ]
+    counts = sorted({n for s in streams for n in s.with_open_kib})
+    out += [
+        "| contender | RSS before MiB | "
+        + " | ".join(f"RSS with {n:,} MiB | KiB/stream at {n:,}" for n in counts)
+        + " | RSS after close MiB |",
+        "| --- | ---: |" + " ---: | ---: |" * len(counts) + " ---: |",
+    ]
+    for name in PROXIES:
+        mine = [s for s in streams if s.contender == name]
+        if not mine:
+            continue
+        cells = [fmt(spread([s.before_kib / 1024 for s in mine]), ".1f")]
+        for n in counts:
+            cells.append(fmt(spread([s.with_open_kib[n] / 1024 for s in mine]), ".1f"))
+            cells.append(fmt(spread([s.per_stream_kib(n) for s in mine]), ".1f"))
+        cells.append(fmt(spread([s.after_close_kib / 1024 for s in mine]), ".1f"))
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return out
+
+
 def table_markdown(samples: Sequence[TableSample]) -> list[str]:
     names = list(dict.fromkeys(t.contender for t in samples))
     steps = sorted({t.prompts for t in samples})
@@ -1067,30 +1093,11 @@ def markdown(report: Report, fleets: Sequence[int], goals: list[dict[str, object
         f"| {sc} | " + ", ".join(f"{k} {n:,}" for k, n in sorted(t.items())) + " |"
         for sc, t in mix.items()
     ]
-    out += [
-        "",
-        f"## RSS per open stream ({STREAM_TOKENS:,}-token prompts, "
-        f"{STREAM_REPLICAS} holding replicas)",
-        "",
-    ]
-    counts = sorted({n for s in report.streams for n in s.with_open_kib})
-    out += [
-        "| contender | RSS before MiB | "
-        + " | ".join(f"RSS with {n:,} MiB | KiB/stream at {n:,}" for n in counts)
-        + " | RSS after close MiB |",
-        "| --- | ---: |" + " ---: | ---: |" * len(counts) + " ---: |",
-    ]
-    for name in PROXIES:
-        mine = [s for s in report.streams if s.contender == name]
-        if not mine:
-            continue
-        cells = [fmt(spread([s.before_kib / 1024 for s in mine]), ".1f")]
-        for n in counts:
-            cells.append(fmt(spread([s.with_open_kib[n] / 1024 for s in mine]), ".1f"))
-            cells.append(fmt(spread([s.per_stream_kib(n) for s in mine]), ".1f"))
-        cells.append(fmt(spread([s.after_close_kib / 1024 for s in mine]), ".1f"))
-        out.append(f"| {name} | " + " | ".join(cells) + " |")
-    out += ["", *table_markdown(report.table)]
+    # --windows-only measures neither of these: no empty tables.
+    if report.streams:
+        out += ["", *streams_markdown(report.streams)]
+    if report.table:
+        out += ["", *table_markdown(report.table)]
     out += [
         "",
         "## Not measured here",
