@@ -921,7 +921,7 @@ def targets(report: Report, fleets: Sequence[int]) -> list[dict[str, object]]:
     c1, c64 = "2 replicas, siblings, c=1", "2 replicas, siblings, c=64"
     out: list[dict[str, object]] = []
     small, large = min(fleets), max(fleets)
-    for trace in TRACES:
+    for trace in TRACES if large > small else ():  # one fleet size (--fleets 2): no sweep
         ratio = report.paired(
             "lora-router",
             f"{large} replicas, {trace}, c=64",
