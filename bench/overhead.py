@@ -194,20 +194,28 @@ def check_payload() -> None:
 _nonces = itertools.count(1)
 
 
-def lua_script(tmp: Path, payload: Payload, group: int) -> Path:
-    """A wrk script sending `payload` with a new prompt every `group` requests and a new 63-bit
-    seed on every request; prompts are numbered from 0 under a nonce no other script uses."""
+def _new_script(tmp: Path, payload: Payload, kind: str) -> tuple[int, Path, str]:
+    """A nonce no other script uses (its prompts are numbered under it), the script's path, and
+    the Lua lines every script starts with: the payload's parts around the prompt and seed."""
     nonce = next(_nonces)
     if nonce >= 151_000:
         raise BenchFailure("out of nonces for distinct prompts")
-    path = tmp / f"trl-{nonce}.lua"
-    path.write_text(
-        f"""
+    head = f"""
 local prefix = [==[{payload.prefix}]==]
 local rest = [==[{payload.rest}]==]
 local suffix = [==[{payload.suffix}]==]
 local headers = {{["Content-Type"] = "application/json"}}
-local sent = 0
+"""
+    return nonce, tmp / f"{kind}-{nonce}.lua", head
+
+
+def lua_script(tmp: Path, payload: Payload, group: int) -> Path:
+    """A wrk script sending `payload` with a new prompt every `group` requests and a new 63-bit
+    seed on every request; prompts are numbered from 0 under a nonce no other script uses."""
+    nonce, path, head = _new_script(tmp, payload, "trl")
+    path.write_text(
+        head
+        + f"""local sent = 0
 init = function(args) math.randomseed({nonce}) end
 request = function()
   local n = math.floor(sent / {group})
@@ -709,17 +717,10 @@ def fill_script(tmp: Path, payload: Payload, count: int) -> Path:
     """A wrk script sending `count` distinct prompts (under a nonce no other script uses), each
     once, that stops sending and writes `<script>.done` once `count` were answered (wrk itself
     then waits out its duration: the caller interrupts it)."""
-    nonce = next(_nonces)
-    if nonce >= 151_000:
-        raise BenchFailure("out of nonces for distinct prompts")
-    path = tmp / f"fill-{nonce}.lua"
+    nonce, path, head = _new_script(tmp, payload, "fill")
     path.write_text(
-        f"""
-local prefix = [==[{payload.prefix}]==]
-local rest = [==[{payload.rest}]==]
-local suffix = [==[{payload.suffix}]==]
-local headers = {{["Content-Type"] = "application/json"}}
-local sent, answered = 0, 0
+        head
+        + f"""local sent, answered = 0, 0
 request = function()
   local n = sent
   sent = sent + 1

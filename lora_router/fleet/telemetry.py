@@ -95,6 +95,7 @@ _REST = re.compile(
 _LABEL = re.compile(rb'([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\\n]|\\.)*)"')
 _UNESCAPE = re.compile(rb"\\(.)")
 _ESCAPED = {b"n": b"\n", b"\\": b"\\", b'"': b'"'}
+_LORA_NAME = LORA_INFO.encode()
 _IDENTITY = {"Accept-Encoding": "identity"}
 
 WINDOW_S = 300.0  # how far back `busy_share` and the paused share look
@@ -195,9 +196,6 @@ def parse_report(text: bytes, at: float) -> Report:
         adapters_waiting=waiting,
         max_lora=max_lora,
     )
-
-
-_LORA_NAME = LORA_INFO.encode()
 
 
 def _sample(name: bytes, rest: bytes) -> tuple[bytes, float]:

@@ -17,14 +17,15 @@ tried once. Nothing is ever retried once a response byte has been received; tryi
 replica is the caller's decision (`UpstreamError.retryable`). So the request's bytes are held
 (by its `Exchange`) only until the first response byte: a long stream does not keep them.
 
-Two ways in, one exchange. `forward` (a coroutine) is the general path: it may wait for a
-slot, connect, and applies the retry rule above itself. `forward_now` is THE FAST PATH, for a
-caller running in a protocol callback: only when a slot is free with nobody queued and an idle
-pooled connection is at hand, it writes the request at once and returns the exchange; its end
-is reported by calling `then(error)` from this connection's protocol callbacks, with no Task and
-no Future. A fast exchange that fails the way the retry rule re-sends (nothing received on its
-reused connection) is handed back to the general path by its caller: `resend` sends the same
-bytes once more on a fresh connection, as `forward` would have.
+Two ways in, one exchange. `forward` (a coroutine) is the general path: it may wait for a slot,
+connect, and applies the retry rule above itself. `take_now` and `send_now` are THE FAST PATH,
+for a caller running in a protocol callback: only when a slot is free with nobody queued and an
+idle pooled connection is at hand (`take_now`), the request is written at once and its exchange
+returned (`send_now`); its end is reported by calling `then(error)` from this connection's
+protocol callbacks, with no Task and no Future. A fast exchange that fails the way the retry
+rule re-sends (nothing received on its reused connection) is handed back to the general path by
+its caller: `resend` sends the same bytes once more on a fresh connection, as `forward` would
+have.
 
 A connection's objects die with it, by reference counting: its parser and timer refer back to
 it, and are dropped when it is lost (a cycle would wait for the cycle collector).
