@@ -95,6 +95,7 @@ class Exchange:
         "head_buf",
         "head_only",
         "head_sent",
+        "pool",
         "request",
         "reusable",
         "sink",
@@ -106,6 +107,7 @@ class Exchange:
         self.sink = sink
         self.done: asyncio.Future[bool] | None = None  # the general path's
         self.then: Then | None = None  # the fast path's
+        self.pool: UpstreamPool | None = None  # the fast path's: its slot is freed at the end
         self.ended = False
         self.request = request  # head + body, until the first response byte (b"" after)
         self.head_only = head_only
@@ -128,6 +130,8 @@ class Exchange:
         done, then = self.done, self.then
         if then is not None:
             self.then = None  # it refers to the caller's state: not kept past the end
+            assert self.pool is not None
+            self.pool._release_slot()  # free before `then`, which may send the next request
             then(error)
         elif done is not None and not done.done():
             if error is None:
@@ -254,13 +258,17 @@ class UpstreamConnection(asyncio.Protocol):
         ex.head_buf = b""
         ex.head_sent = True
         head = buf[:end]
-        out = client_response_head(head, self._pool.label, self._client_keep_alive(ex, head), False)
-        if len(buf) == body_at:
-            ex.sink.head(ex.status, out)
-        elif len(buf) - body_at <= _COALESCE:
-            ex.sink.head(ex.status, out + buf[body_at:])  # one segment for a small answer
+        keep_alive = self._client_keep_alive(ex, head)
+        if len(buf) - body_at <= _COALESCE:
+            # A whole small answer (vLLM's non-streamed completions are a few KB): its body is
+            # copied behind the rewritten head in the same join, and goes in one write.
+            body = buf[body_at:] if len(buf) > body_at else b""
+            ex.sink.head(
+                ex.status, client_response_head(head, self._pool.label, keep_alive, False, body)
+            )
         else:
-            ex.sink.head(ex.status, out, memoryview(buf)[body_at:])  # one write, no copy
+            out = client_response_head(head, self._pool.label, keep_alive, False)
+            ex.sink.head(ex.status, out, memoryview(buf)[body_at:])  # one writev, no copy
         return True
 
     def _send_head(self, ex: Exchange, head: bytes, rest: memoryview) -> bool:
@@ -319,7 +327,14 @@ class UpstreamConnection(asyncio.Protocol):
 
     def _client_keep_alive(self, ex: Exchange, head: bytes) -> bool:
         """Whether the client may keep its connection after this response."""
-        framed = ex.head_only or ex.status in (204, 304) or _FRAMED.search(head) is not None
+        # A response the parser has seen end is framed (llhttp ends an unframed one only at
+        # EOF): a whole answer in one read needs no look at its headers.
+        framed = (
+            ex.complete
+            or ex.head_only
+            or ex.status in (204, 304)
+            or _FRAMED.search(head) is not None
+        )
         ex.close_delimited = not framed
         # Close-delimited bodies and HTTP/1.0 clients (dechunked body) end with a close.
         ex.client_keep_alive = framed and not ex.dechunk and ex.sink.keep_alive
@@ -475,16 +490,10 @@ class UpstreamPool:
         connection before any response byte, and `resend` sends the request once more."""
         ex = Exchange(sink, data, False, http11)
         del data
-        ex.then = self._ended(then)
+        ex.then = then
+        ex.pool = self
         conn.start(ex)
         return ex
-
-    def _ended(self, then: Then) -> Then:
-        def ended(error: UpstreamError | None) -> None:
-            self._release_slot()
-            then(error)
-
-        return ended
 
     def abandon(self, conn: UpstreamConnection, ex: Exchange) -> None:
         """The fast exchange's client went away: drop it and its connection (which stops the
