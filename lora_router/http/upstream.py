@@ -217,13 +217,15 @@ class UpstreamConnection(asyncio.Protocol):
             return
         if ex.complete:
             self._finish(keep=ex.reusable)
+        elif self._limit != self._pool.stream_idle_timeout:
+            self._arm(self._pool.stream_idle_timeout)  # streaming now: its first bytes came
 
     def _head(self, ex: Exchange, data: bytes) -> bool:
         """Collect the response head; once whole, send it on with what followed it."""
         if not ex.head_buf:
-            # The first response byte: from now on the replica is streaming, not thinking, and
-            # the request will not be sent again (the retry rule).
-            self._arm(self._pool.stream_idle_timeout)
+            # The first response byte: the request will not be sent again (the retry rule). The
+            # replica is streaming, not thinking: `data_received` arms the stream-idle timeout
+            # unless this read ends the answer (the usual case: the pool's idle one follows).
             ex.request = b""
         buf = ex.head_buf + data if ex.head_buf else data
         while True:
@@ -233,6 +235,7 @@ class UpstreamConnection(asyncio.Protocol):
                     self._fail("protocol", "the replica sent an oversized response head", True)
                     return False
                 ex.head_buf = buf
+                self._arm(self._pool.stream_idle_timeout)
                 return False
             body_at = end + 4
             if buf[9:10] != b"1" and not ex.dechunk and not ex.head_only:
@@ -358,6 +361,7 @@ class UpstreamConnection(asyncio.Protocol):
             # or it would neither see the replica close it nor answer its next request.
             assert self.transport is not None
             self.transport.resume_reading()
+            self._arm(self._pool.idle_timeout)  # closed if unused that long in the pool
             self._pool.release(self)
         else:
             self._abort()
@@ -391,10 +395,6 @@ class UpstreamConnection(asyncio.Protocol):
         received = ex.head_sent or bool(ex.head_buf)
         what = "between response bytes" if received else "for the first response byte"
         self._fail("timeout", f"the replica sent nothing {what} for {self._limit:g} s", received)
-
-    def idle(self) -> None:
-        """Back in the pool (just after its last byte): close if unused for the idle timeout."""
-        self._arm(self._pool.idle_timeout)
 
     def cancel(self) -> None:
         """The client went away: drop the exchange and the connection (stops the generation)."""
@@ -593,7 +593,7 @@ class UpstreamPool:
         return conn
 
     def release(self, conn: UpstreamConnection) -> None:
-        conn.idle()
+        """Back in the pool, its idle timeout armed (`UpstreamConnection._finish`)."""
         self._idle[conn] = None
 
     def forget(self, conn: UpstreamConnection) -> None:
