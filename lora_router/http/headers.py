@@ -147,9 +147,10 @@ def client_response_head(
         if _NAMING_CONNECTION.search(lowered, found.start()) is None:
             parts = []
             at = 0
-            for line in _DROPPED_LINES.finditer(lowered, found.start()):
-                parts.append(raw_head[at : line.start()])
-                at = line.end()
+            while found is not None:
+                parts.append(raw_head[at : found.start()])
+                at = found.end()
+                found = _DROPPED_LINES.search(lowered, at)
             parts += (raw_head[at:], b"\r\n", REPLICA_HEADER, b": ", replica, tail, body)
             return b"".join(parts)
     status_line, *lines = raw_head.split(b"\r\n")
