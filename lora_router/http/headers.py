@@ -47,15 +47,14 @@ _RESPONSE_DROPPED_DECHUNKED = _RESPONSE_DROPPED | {b"transfer-encoding"}
 REPLICA_HEADER = b"x-lora-router-replica"
 
 # A response header line whose name is dropped, to the end of its value. llhttp rejects
-# whitespace before the colon, so `\r\nname:` finds every such line.
+# whitespace before the colon, so `\r\nname:` finds every such line. Both patterns are matched
+# against the lower-cased head (bytes.lower() keeps every offset), where a case-sensitive
+# pattern is about twice as fast as re.IGNORECASE on the raw one.
 _DROPPED_LINES = re.compile(
-    rb"\r\n(?:" + b"|".join(re.escape(n) for n in sorted(_RESPONSE_DROPPED)) + rb"):[^\r\n]*",
-    re.IGNORECASE,
+    rb"\r\n(?:" + b"|".join(re.escape(n) for n in sorted(_RESPONSE_DROPPED)) + rb"):[^\r\n]*"
 )
 # A `Connection` line that names other headers (anything but a lone keep-alive or close).
-_NAMING_CONNECTION = re.compile(
-    rb"\r\nconnection:(?![ \t]*(?:keep-alive|close)?[ \t]*(?:\r\n|\Z))", re.IGNORECASE
-)
+_NAMING_CONNECTION = re.compile(rb"\r\nconnection:(?![ \t]*(?:keep-alive|close)?[ \t]*(?:\r\n|\Z))")
 _KEEP_ALIVE_TAIL = b"\r\nconnection: keep-alive\r\n\r\n"
 _CLOSE_TAIL = b"\r\nconnection: close\r\n\r\n"
 
@@ -126,9 +125,10 @@ def upstream_request_head(
 
 
 def client_response_head(
-    raw_head: bytes, replica: bytes, keep_alive: bool, dechunked: bool
+    raw_head: bytes, replica: bytes, keep_alive: bool, dechunked: bool, body: bytes = b""
 ) -> bytes:
-    """Rewrite a replica's response head for the client.
+    """Rewrite a replica's response head for the client, followed by `body` (the first body
+    bytes, copied in the same join: the client gets head and body in one write).
 
     `raw_head` is the head exactly as received, up to and excluding the blank line. The status
     line and every end-to-end header pass verbatim; hop-by-hop headers are dropped; the router
@@ -137,11 +137,22 @@ def client_response_head(
     """
     tail = _KEEP_ALIVE_TAIL if keep_alive else _CLOSE_TAIL
     if not dechunked:
-        # One pass cuts the hop-by-hop lines out: none with vLLM (uvicorn sends none), nginx's
-        # `Connection: keep-alive`. Right unless `Connection` names other headers too.
-        kept, cut = _DROPPED_LINES.subn(b"", raw_head)
-        if not cut or _NAMING_CONNECTION.search(raw_head) is None:
-            return b"".join((kept, b"\r\n", REPLICA_HEADER, b": ", replica, tail))
+        # vLLM's heads (uvicorn's) carry no hop-by-hop line: one scan, one join. nginx's carry
+        # `Connection: keep-alive`, cut by offsets found in the lower-cased copy. Right unless
+        # `Connection` names other headers too (then the careful path below).
+        lowered = raw_head.lower()
+        found = _DROPPED_LINES.search(lowered)
+        if found is None:
+            return b"".join((raw_head, b"\r\n", REPLICA_HEADER, b": ", replica, tail, body))
+        if _NAMING_CONNECTION.search(lowered, found.start()) is None:
+            parts = []
+            at = 0
+            while found is not None:
+                parts.append(raw_head[at : found.start()])
+                at = found.end()
+                found = _DROPPED_LINES.search(lowered, at)
+            parts += (raw_head[at:], b"\r\n", REPLICA_HEADER, b": ", replica, tail, body)
+            return b"".join(parts)
     status_line, *lines = raw_head.split(b"\r\n")
     fields = [(line.partition(b":")[0].strip().lower(), line) for line in lines]
     named = connection_tokens((name, line.partition(b":")[2]) for name, line in fields)
@@ -149,7 +160,7 @@ def client_response_head(
     out = [status_line]
     out += (line for name, line in fields if name not in dropped and name not in named)
     out.append(REPLICA_HEADER + b": " + replica)
-    return b"\r\n".join(out) + tail
+    return b"\r\n".join(out) + tail + body
 
 
 def response_head(

@@ -95,6 +95,7 @@ class Exchange:
         "head_buf",
         "head_only",
         "head_sent",
+        "pool",
         "request",
         "reusable",
         "sink",
@@ -106,6 +107,7 @@ class Exchange:
         self.sink = sink
         self.done: asyncio.Future[bool] | None = None  # the general path's
         self.then: Then | None = None  # the fast path's
+        self.pool: UpstreamPool | None = None  # the fast path's: its slot is freed at the end
         self.ended = False
         self.request = request  # head + body, until the first response byte (b"" after)
         self.head_only = head_only
@@ -128,6 +130,8 @@ class Exchange:
         done, then = self.done, self.then
         if then is not None:
             self.then = None  # it refers to the caller's state: not kept past the end
+            assert self.pool is not None
+            self.pool._release_slot()  # free before `then`, which may send the next request
             then(error)
         elif done is not None and not done.done():
             if error is None:
@@ -213,13 +217,15 @@ class UpstreamConnection(asyncio.Protocol):
             return
         if ex.complete:
             self._finish(keep=ex.reusable)
+        elif self._limit != self._pool.stream_idle_timeout:
+            self._arm(self._pool.stream_idle_timeout)  # streaming now: its first bytes came
 
     def _head(self, ex: Exchange, data: bytes) -> bool:
         """Collect the response head; once whole, send it on with what followed it."""
         if not ex.head_buf:
-            # The first response byte: from now on the replica is streaming, not thinking, and
-            # the request will not be sent again (the retry rule).
-            self._arm(self._pool.stream_idle_timeout)
+            # The first response byte: the request will not be sent again (the retry rule). The
+            # replica is streaming, not thinking: `data_received` arms the stream-idle timeout
+            # unless this read ends the answer (the usual case: the pool's idle one follows).
             ex.request = b""
         buf = ex.head_buf + data if ex.head_buf else data
         while True:
@@ -229,6 +235,7 @@ class UpstreamConnection(asyncio.Protocol):
                     self._fail("protocol", "the replica sent an oversized response head", True)
                     return False
                 ex.head_buf = buf
+                self._arm(self._pool.stream_idle_timeout)
                 return False
             body_at = end + 4
             if buf[9:10] != b"1" and not ex.dechunk and not ex.head_only:
@@ -254,13 +261,17 @@ class UpstreamConnection(asyncio.Protocol):
         ex.head_buf = b""
         ex.head_sent = True
         head = buf[:end]
-        out = client_response_head(head, self._pool.label, self._client_keep_alive(ex, head), False)
-        if len(buf) == body_at:
-            ex.sink.head(ex.status, out)
-        elif len(buf) - body_at <= _COALESCE:
-            ex.sink.head(ex.status, out + buf[body_at:])  # one segment for a small answer
+        keep_alive = self._client_keep_alive(ex, head)
+        if len(buf) - body_at <= _COALESCE:
+            # A whole small answer (vLLM's non-streamed completions are a few KB): its body is
+            # copied behind the rewritten head in the same join, and goes in one write.
+            body = buf[body_at:] if len(buf) > body_at else b""
+            ex.sink.head(
+                ex.status, client_response_head(head, self._pool.label, keep_alive, False, body)
+            )
         else:
-            ex.sink.head(ex.status, out, memoryview(buf)[body_at:])  # one write, no copy
+            out = client_response_head(head, self._pool.label, keep_alive, False)
+            ex.sink.head(ex.status, out, memoryview(buf)[body_at:])  # one writev, no copy
         return True
 
     def _send_head(self, ex: Exchange, head: bytes, rest: memoryview) -> bool:
@@ -319,7 +330,14 @@ class UpstreamConnection(asyncio.Protocol):
 
     def _client_keep_alive(self, ex: Exchange, head: bytes) -> bool:
         """Whether the client may keep its connection after this response."""
-        framed = ex.head_only or ex.status in (204, 304) or _FRAMED.search(head) is not None
+        # A response the parser has seen end is framed (llhttp ends an unframed one only at
+        # EOF): a whole answer in one read needs no look at its headers.
+        framed = (
+            ex.complete
+            or ex.head_only
+            or ex.status in (204, 304)
+            or _FRAMED.search(head) is not None
+        )
         ex.close_delimited = not framed
         # Close-delimited bodies and HTTP/1.0 clients (dechunked body) end with a close.
         ex.client_keep_alive = framed and not ex.dechunk and ex.sink.keep_alive
@@ -343,6 +361,7 @@ class UpstreamConnection(asyncio.Protocol):
             # or it would neither see the replica close it nor answer its next request.
             assert self.transport is not None
             self.transport.resume_reading()
+            self._arm(self._pool.idle_timeout)  # closed if unused that long in the pool
             self._pool.release(self)
         else:
             self._abort()
@@ -376,10 +395,6 @@ class UpstreamConnection(asyncio.Protocol):
         received = ex.head_sent or bool(ex.head_buf)
         what = "between response bytes" if received else "for the first response byte"
         self._fail("timeout", f"the replica sent nothing {what} for {self._limit:g} s", received)
-
-    def idle(self) -> None:
-        """Back in the pool (just after its last byte): close if unused for the idle timeout."""
-        self._arm(self._pool.idle_timeout)
 
     def cancel(self) -> None:
         """The client went away: drop the exchange and the connection (stops the generation)."""
@@ -475,16 +490,10 @@ class UpstreamPool:
         connection before any response byte, and `resend` sends the request once more."""
         ex = Exchange(sink, data, False, http11)
         del data
-        ex.then = self._ended(then)
+        ex.then = then
+        ex.pool = self
         conn.start(ex)
         return ex
-
-    def _ended(self, then: Then) -> Then:
-        def ended(error: UpstreamError | None) -> None:
-            self._release_slot()
-            then(error)
-
-        return ended
 
     def abandon(self, conn: UpstreamConnection, ex: Exchange) -> None:
         """The fast exchange's client went away: drop it and its connection (which stops the
@@ -584,7 +593,7 @@ class UpstreamPool:
         return conn
 
     def release(self, conn: UpstreamConnection) -> None:
-        conn.idle()
+        """Back in the pool, its idle timeout armed (`UpstreamConnection._finish`)."""
         self._idle[conn] = None
 
     def forget(self, conn: UpstreamConnection) -> None:

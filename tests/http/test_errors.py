@@ -254,6 +254,21 @@ async def test_a_stream_that_stalls_is_cut_by_closing_the_client(router_factory,
     assert raw.endswith(b"5\r\nhello\r\n")  # what came, then a close: never a fake end
 
 
+async def test_a_head_that_stalls_halfway_is_cut_by_the_stream_idle_timeout(
+    router_factory, replica
+):
+    async def respond(req: Received, conn: ReplicaConn) -> None:
+        await conn.write(b"HTTP/1.1 200 OK\r\ncontent-")
+        await asyncio.sleep(5)
+
+    replica.responder = respond
+    router = await router_factory(replica.url, first_byte_timeout=5.0, idle_timeout=0.3)
+    async with asyncio.timeout(3):  # well before the first-byte timeout of 5 s
+        answer = await request(router.url, "POST", "/v1/completions", completion())
+    error = assert_vllm_error(answer, 504)
+    assert "between response bytes" in error["message"]
+
+
 # -- replicas that cannot be reached -------------------------------------------------------------
 
 

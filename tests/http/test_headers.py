@@ -117,6 +117,18 @@ def test_response_hop_by_hop_dropped_replica_index_added() -> None:
     )
 
 
+def test_response_hop_by_hop_lines_in_any_case_are_cut_and_the_body_follows_the_head() -> None:
+    raw = (
+        b"HTTP/1.1 200 OK\r\nServer: nginx\r\nCONNECTION: keep-alive\r\nContent-Length: 4\r\n"
+        b'Keep-Alive: timeout=5\r\nX-Lora-Router-Replica: forged\r\nETag: "a-1"'
+    )
+    out = client_response_head(raw, b"1", True, False, b"body")
+    assert out == (
+        b'HTTP/1.1 200 OK\r\nServer: nginx\r\nContent-Length: 4\r\nETag: "a-1"\r\n'
+        b"x-lora-router-replica: 1\r\nconnection: keep-alive\r\n\r\nbody"
+    )
+
+
 # -- end to end -----------------------------------------------------------------------------------
 
 

@@ -147,6 +147,39 @@ async def test_content_length_body_is_byte_exact_both_ways(
     assert replica.requests[before].target == b"/anything?x=1"
 
 
+NGINX_HEAD = (
+    b"HTTP/1.1 200 OK\r\nServer: nginx/1.22.1\r\nDate: Tue, 01 Dec 2026 19:35:22 GMT\r\n"
+    b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: keep-alive\r\n"
+    b'Keep-Alive: timeout=60\r\nETag: "692dbd84-1a0"\r\n\r\n'
+)
+
+
+@pytest.mark.parametrize("size", [0, 3_000, 4_096, 4_097, 40_000])
+async def test_an_answer_arriving_with_its_head_reaches_the_client_exact_less_its_hop_lines(
+    router, replica, clients, size
+):
+    # Small answers are joined behind the rewritten head, larger ones written beside it: both
+    # must give the client the same bytes, on a connection that stays open.
+    body = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+
+    async def respond(req: Received, conn: ReplicaConn) -> None:
+        await conn.write(NGINX_HEAD % size + body)
+
+    replica.responder = respond
+    client = await clients(router.url)
+    for _ in range(2):
+        await client.send(b"GET /a HTTP/1.1\r\nhost: r\r\n\r\n")
+        answer = await client.response()
+        assert answer.raw == (
+            b"HTTP/1.1 200 OK\r\nServer: nginx/1.22.1\r\nDate: Tue, 01 Dec 2026 19:35:22 GMT\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n"
+            b'ETag: "692dbd84-1a0"\r\nx-lora-router-replica: 0\r\nconnection: keep-alive\r\n\r\n'
+            % size
+            + body
+        )
+    assert len(replica.conns) == 1
+
+
 async def test_keep_alive_connections_are_reused_on_both_sides(router, replica, clients):
     client = await clients(router.url)
     for _ in range(5):
