@@ -33,7 +33,10 @@ Measured:
    `--table-only` runs this part alone and writes bench/results/table_memory.md.
 Then the issue-16 targets, each marked met or not.
 
-Contenders: direct (wrk to a replica), nginx proxy_pass (keep-alive upstreams), lora-router at
+Contenders: direct (wrk to a replica), nginx proxy_pass (keep-alive upstreams), the floor
+(bench/floor.py: the least a Python proxy on lora-router's runtime, uvloop + httptools, does per
+request: pooled keep-alive upstreams, round robin, the response relayed as raw bytes; no routing,
+JSON or metrics: what the runtime costs before any of lora-router's work), lora-router at
 its defaults (policy prefix), vllm-router at its default policy, cache_aware, with
 `--log-level warning` (its per-request INFO line costs it about a quarter of its throughput).
 sglang-router is not a contender: it rejects token-id prompts on /v1/completions.
@@ -111,7 +114,8 @@ STREAM_REPLICAS = 4
 TABLE_TOKENS = 1000
 TABLE_PROMPTS = (100_000, 300_000, 500_000)
 TABLE_LIMIT_S = 600  # per step: a router slower than this fails the run
-WINDOW_CONTENDERS = ("direct", "nginx", "lora-router", "vllm-router")
+WINDOW_CONTENDERS = ("direct", "nginx", "floor", "lora-router", "vllm-router")
+FLOOR = Path(__file__).resolve().parent / "floor.py"
 PROXIES = WINDOW_CONTENDERS[1:]
 BASE = "lora-router@base"  # --base-tree: lora-router from another source tree
 TRACES = {"fresh": 1, "siblings": GROUP}  # trace: requests per prompt
@@ -306,13 +310,24 @@ def starters(vllm_router: str, base_tree: str | None = None) -> dict[str, Start]
     def nginx(procs: Procs, port: int, replicas: Sequence[int]) -> subprocess.Popen[bytes]:
         return nginx_proxy(procs, port, replicas, PROXY_CPU)
 
+    def floor(procs: Procs, port: int, replicas: Sequence[int]) -> subprocess.Popen[bytes]:
+        argv = [
+            sys.executable,
+            str(FLOOR),
+            "--port",
+            str(port),
+            "--replicas",
+            ",".join(urls(replicas)),
+        ]
+        return procs.start(argv, cpus=PROXY_CPU)
+
     def vllm(procs: Procs, port: int, replicas: Sequence[int]) -> subprocess.Popen[bytes]:
         argv = [vllm_router, "--worker-urls", *urls(replicas), "--port", str(port)]
         argv += ["--host", "127.0.0.1", "--log-level", "warning"]
         argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         return procs.start(argv, cpus=PROXY_CPU)
 
-    out: dict[str, Start] = {"direct": direct, "nginx": nginx}
+    out: dict[str, Start] = {"direct": direct, "nginx": nginx, "floor": floor}
     out["lora-router"] = lora_router_from(None)
     out["vllm-router"] = vllm
     if base_tree:
@@ -998,6 +1013,29 @@ def targets(report: Report, fleets: Sequence[int]) -> list[dict[str, object]]:
     return out
 
 
+def floor_markdown(report: Report) -> list[str]:
+    """How the targets read against the floor (bench/floor.py): the runtime's own cost per
+    request, and lora-router's above it, per round in the same scenario."""
+    out = [
+        "## The floor: what the runtime costs before lora-router's work",
+        "",
+        "Per round, in the same scenario (2 replicas, siblings): CPU per request and added p50 "
+        "of one contender over another's.",
+        "",
+        "| figure | c=1 | c=64 |",
+        "| --- | ---: | ---: |",
+    ]
+    pairs = [("floor", "nginx"), ("lora-router", "floor"), ("lora-router", "nginx")]
+    for attr, label in (("cpu_us_per_req", "CPU µs/req"), ("added_p50_us", "added p50")):
+        for a, b in pairs:
+            cells = [
+                fmt(report.versus(f"2 replicas, siblings, c={c}", a, b, attr), ".2f")
+                for c in (1, 64)
+            ]
+            out.append(f"| {label}, {a} / {b} | " + " | ".join(cells) + " |")
+    return out
+
+
 def markdown(report: Report, fleets: Sequence[int], goals: list[dict[str, object]]) -> str:
     loads = ", ".join(f"{x:.2f}" for x in report.load_before_rounds)
     out = [
@@ -1018,6 +1056,7 @@ def markdown(report: Report, fleets: Sequence[int], goals: list[dict[str, object
         "| --- | --- | --- |",
     ]
     out += [f"| {g['target']} | {g['figure']} | {'yes' if g['met'] else '**no**'} |" for g in goals]
+    out += ["", *floor_markdown(report)]
     if BASE in report.contenders:
         out += ["", f"## A/B: lora-router over {BASE} (`{report.base_tree}`)", ""]
         out += [
