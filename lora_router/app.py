@@ -433,12 +433,16 @@ class RouterApp:
             return True
         fast = _Fast(self, job, replica, sink, tokens, started, upstream)
         head = self._request_head(request, replica)
-        self.fleet.started(replica, tokens)
-        conn.replica = replica.label
-        conn.on_lost = fast.lost
         fast.ex = replica.pool.send_now(
             upstream, head + request.body, sink, fast.ended, http11=request.http11
         )
+        # After the write, not before: none of this decides where the request goes or what it
+        # carries, and it now runs while the replica works, not in the request's latency. Its
+        # end cannot come first: the replica's answer and a client leaving are both told by
+        # later callbacks.
+        self.fleet.started(replica, tokens)
+        conn.replica = replica.label
+        conn.on_lost = fast.lost
         return True
 
     def _observe(self, request: Request, conn: ClientConnection, started: float, code: int) -> None:
