@@ -19,10 +19,10 @@ lora-router's own decision counts (`/metrics`) must show the trace it was given 
 `fresh` on the fresh trace; one in eight `fresh` on the siblings trace), or the run fails.
 
 Measured:
-1. Latency and CPU, 2 replicas, siblings, concurrency 1 and 64, all four contenders: req/s,
+1. Latency and CPU, 2 replicas, siblings, concurrency 1 and 64, all five contenders: req/s,
    p50/p99, p50 added over direct (same round), proxy CPU µs per request (/proc, the whole
    process tree, during the timed window only).
-2. Fleet sweep, 2/8/32/128 replicas, fresh and siblings, concurrency 64, the three proxies:
+2. Fleet sweep, 2/8/32/128 replicas, fresh and siblings, concurrency 64, the four proxies:
    CPU µs per request and req/s, and per round the ratio of 128 replicas to 2.
 3. RSS per open stream: 500, 1,000 and 2,000 SSE streams of 4,096-token prompts held open
    through each proxy to 4 replicas that send a head and a first chunk and then hold (a small
@@ -42,7 +42,7 @@ its defaults (policy prefix), vllm-router at its default policy, cache_aware, wi
 sglang-router is not a contender: it rejects token-id prompts on /v1/completions.
 
     pip install -e '.[bench]' && apt-get install nginx wrk
-    python bench/overhead.py            # the full run: 12 minutes on the loaded 2-core machine
+    python bench/overhead.py            # the full run (12 minutes before the floor joined)
     python bench/overhead.py --quick    # a smoke run, about 2 minutes (not for the record)
 
 An A/B of two revisions: `--base-tree DIR` adds `lora-router@base`, lora-router run from the
@@ -263,11 +263,22 @@ def json_reply() -> str:
     return json.dumps(reply, separators=(",", ":"))
 
 
+def distinct_free_ports(count: int) -> list[int]:
+    """`count` different free ports: a port freed by `free_port` can come back from the next
+    call (a duplicate among 128 is likely), and nginx refuses to listen twice on one."""
+    ports: dict[int, None] = {}
+    for _ in range(count * 10):  # bounded: a duplicate is rare per draw
+        ports[free_port()] = None
+        if len(ports) == count:
+            return list(ports)
+    raise BenchFailure(f"found only {len(ports)} distinct free ports of {count}")
+
+
 def start_fleet(procs: Procs, size: int) -> list[int]:
     """The instant replicas: one nginx on `size` free ports. A port found free can be taken
     before nginx binds it (by any outgoing connection on this busy machine): try again."""
     for attempt in range(3):
-        ports = [free_port() for _ in range(size)]
+        ports = distinct_free_ports(size)
         try:
             nginx_fleet(
                 procs, ports, MODEL, json_reply(), "application/json", LOAD_CPU, replica_metrics()
