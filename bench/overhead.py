@@ -19,10 +19,10 @@ lora-router's own decision counts (`/metrics`) must show the trace it was given 
 `fresh` on the fresh trace; one in eight `fresh` on the siblings trace), or the run fails.
 
 Measured:
-1. Latency and CPU, 2 replicas, siblings, concurrency 1 and 64, all four contenders: req/s,
+1. Latency and CPU, 2 replicas, siblings, concurrency 1 and 64, all five contenders: req/s,
    p50/p99, p50 added over direct (same round), proxy CPU µs per request (/proc, the whole
    process tree, during the timed window only).
-2. Fleet sweep, 2/8/32/128 replicas, fresh and siblings, concurrency 64, the three proxies:
+2. Fleet sweep, 2/8/32/128 replicas, fresh and siblings, concurrency 64, the four proxies:
    CPU µs per request and req/s, and per round the ratio of 128 replicas to 2.
 3. RSS per open stream: 500, 1,000 and 2,000 SSE streams of 4,096-token prompts held open
    through each proxy to 4 replicas that send a head and a first chunk and then hold (a small
@@ -33,13 +33,16 @@ Measured:
    `--table-only` runs this part alone and writes bench/results/table_memory.md.
 Then the issue-16 targets, each marked met or not.
 
-Contenders: direct (wrk to a replica), nginx proxy_pass (keep-alive upstreams), lora-router at
+Contenders: direct (wrk to a replica), nginx proxy_pass (keep-alive upstreams), the floor
+(bench/floor.py: the least a Python proxy on lora-router's runtime, uvloop + httptools, does per
+request: pooled keep-alive upstreams, round robin, the response relayed as raw bytes; no routing,
+JSON or metrics: what the runtime costs before any of lora-router's work), lora-router at
 its defaults (policy prefix), vllm-router at its default policy, cache_aware, with
 `--log-level warning` (its per-request INFO line costs it about a quarter of its throughput).
 sglang-router is not a contender: it rejects token-id prompts on /v1/completions.
 
     pip install -e '.[bench]' && apt-get install nginx wrk
-    python bench/overhead.py            # the full run: 12 minutes on the loaded 2-core machine
+    python bench/overhead.py            # the full run (12 minutes before the floor joined)
     python bench/overhead.py --quick    # a smoke run, about 2 minutes (not for the record)
 
 An A/B of two revisions: `--base-tree DIR` adds `lora-router@base`, lora-router run from the
@@ -111,7 +114,8 @@ STREAM_REPLICAS = 4
 TABLE_TOKENS = 1000
 TABLE_PROMPTS = (100_000, 300_000, 500_000)
 TABLE_LIMIT_S = 600  # per step: a router slower than this fails the run
-WINDOW_CONTENDERS = ("direct", "nginx", "lora-router", "vllm-router")
+WINDOW_CONTENDERS = ("direct", "nginx", "floor", "lora-router", "vllm-router")
+FLOOR = Path(__file__).resolve().parent / "floor.py"
 PROXIES = WINDOW_CONTENDERS[1:]
 BASE = "lora-router@base"  # --base-tree: lora-router from another source tree
 TRACES = {"fresh": 1, "siblings": GROUP}  # trace: requests per prompt
@@ -259,11 +263,22 @@ def json_reply() -> str:
     return json.dumps(reply, separators=(",", ":"))
 
 
+def distinct_free_ports(count: int) -> list[int]:
+    """`count` different free ports: a port freed by `free_port` can come back from the next
+    call (a duplicate among 128 is likely), and nginx refuses to listen twice on one."""
+    ports: dict[int, None] = {}
+    for _ in range(count * 10):  # bounded: a duplicate is rare per draw
+        ports[free_port()] = None
+        if len(ports) == count:
+            return list(ports)
+    raise BenchFailure(f"found only {len(ports)} distinct free ports of {count}")
+
+
 def start_fleet(procs: Procs, size: int) -> list[int]:
     """The instant replicas: one nginx on `size` free ports. A port found free can be taken
     before nginx binds it (by any outgoing connection on this busy machine): try again."""
     for attempt in range(3):
-        ports = [free_port() for _ in range(size)]
+        ports = distinct_free_ports(size)
         try:
             nginx_fleet(
                 procs, ports, MODEL, json_reply(), "application/json", LOAD_CPU, replica_metrics()
@@ -306,13 +321,24 @@ def starters(vllm_router: str, base_tree: str | None = None) -> dict[str, Start]
     def nginx(procs: Procs, port: int, replicas: Sequence[int]) -> subprocess.Popen[bytes]:
         return nginx_proxy(procs, port, replicas, PROXY_CPU)
 
+    def floor(procs: Procs, port: int, replicas: Sequence[int]) -> subprocess.Popen[bytes]:
+        argv = [
+            sys.executable,
+            str(FLOOR),
+            "--port",
+            str(port),
+            "--replicas",
+            ",".join(urls(replicas)),
+        ]
+        return procs.start(argv, cpus=PROXY_CPU)
+
     def vllm(procs: Procs, port: int, replicas: Sequence[int]) -> subprocess.Popen[bytes]:
         argv = [vllm_router, "--worker-urls", *urls(replicas), "--port", str(port)]
         argv += ["--host", "127.0.0.1", "--log-level", "warning"]
         argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         return procs.start(argv, cpus=PROXY_CPU)
 
-    out: dict[str, Start] = {"direct": direct, "nginx": nginx}
+    out: dict[str, Start] = {"direct": direct, "nginx": nginx, "floor": floor}
     out["lora-router"] = lora_router_from(None)
     out["vllm-router"] = vllm
     if base_tree:
@@ -998,6 +1024,35 @@ def targets(report: Report, fleets: Sequence[int]) -> list[dict[str, object]]:
     return out
 
 
+def floor_markdown(report: Report) -> list[str]:
+    """How the targets read against the floor (bench/floor.py): the runtime's own cost per
+    request, and lora-router's above it, per round in the same scenario."""
+    out = [
+        "## The floor: what the runtime costs before lora-router's work",
+        "",
+        "Per round, in the same scenario (2 replicas, siblings): CPU per request and added p50 "
+        "of one contender over another's. Added p50 only at c=1: at c=64 wrk and the replicas "
+        "share a core, and direct's own p50 there is no baseline.",
+        "",
+        "| figure | c=1 | c=64 |",
+        "| --- | ---: | ---: |",
+    ]
+    pairs = [("floor", "nginx"), ("lora-router", "floor"), ("lora-router", "nginx")]
+    for attr, label, levels in (
+        ("cpu_us_per_req", "CPU µs/req", (1, 64)),
+        ("added_p50_us", "added p50", (1,)),
+    ):
+        for a, b in pairs:
+            cells = [
+                fmt(report.versus(f"2 replicas, siblings, c={c}", a, b, attr), ".2f")
+                if c in levels
+                else "—"
+                for c in (1, 64)
+            ]
+            out.append(f"| {label}, {a} / {b} | " + " | ".join(cells) + " |")
+    return out
+
+
 def markdown(report: Report, fleets: Sequence[int], goals: list[dict[str, object]]) -> str:
     loads = ", ".join(f"{x:.2f}" for x in report.load_before_rounds)
     out = [
@@ -1018,6 +1073,7 @@ def markdown(report: Report, fleets: Sequence[int], goals: list[dict[str, object
         "| --- | --- | --- |",
     ]
     out += [f"| {g['target']} | {g['figure']} | {'yes' if g['met'] else '**no**'} |" for g in goals]
+    out += ["", *floor_markdown(report)]
     if BASE in report.contenders:
         out += ["", f"## A/B: lora-router over {BASE} (`{report.base_tree}`)", ""]
         out += [

@@ -340,6 +340,8 @@ class RouterApp:
         self._debug = log.isEnabledFor(logging.DEBUG)
         self.block_size = block_size  # of the replicas' KV cache: prompt keys use it
         self.lineages = Lineages(config.lineage_pattern)  # placement keys (routing/keys.py)
+        # Without a key every request passes (http/auth.py): the fast path skips the call.
+        self._keyed = bool(config.api_key)
         token = config.token.reveal()
         self._authorization = f"Bearer {token}".encode() if token else None
         # Request ids for requests that come without one: unique per process and cheap (a
@@ -407,7 +409,8 @@ class RouterApp:
         if chat is None or request.method != b"POST":
             return False
         try:
-            authenticate(request, self.config)
+            if self._keyed:
+                authenticate(request, self.config)
             fields = self.reader.read(request.body, chat=chat)
         except HTTPError:
             return False  # the general path gives the same answer
@@ -415,7 +418,7 @@ class RouterApp:
             return False
         started = self._loop.time()
         conn.replica = b"-"
-        job, key = self._admitted(request, conn, chat, fields)
+        job, key = self._admitted(request, conn, chat, fields, started)
         del fields
         try:
             replica, sink, tokens = self._pick(job, key)
@@ -430,12 +433,16 @@ class RouterApp:
             return True
         fast = _Fast(self, job, replica, sink, tokens, started, upstream)
         head = self._request_head(request, replica)
-        self.fleet.started(replica, tokens)
-        conn.replica = replica.label
-        conn.on_lost = fast.lost
         fast.ex = replica.pool.send_now(
             upstream, head + request.body, sink, fast.ended, http11=request.http11
         )
+        # After the write, not before: none of this decides where the request goes or what it
+        # carries, and it now runs while the replica works, not in the request's latency. Its
+        # end cannot come first: the replica's answer and a client leaving are both told by
+        # later callbacks.
+        self.fleet.started(replica, tokens)
+        conn.replica = replica.label
+        conn.on_lost = fast.lost
         return True
 
     def _observe(self, request: Request, conn: ClientConnection, started: float, code: int) -> None:
@@ -468,22 +475,22 @@ class RouterApp:
         if not self.fence.admits(model):
             assert model is not None
             await self.fence.wait(model)
-        job, key = self._admitted(request, conn, chat, fields)
+        job, key = self._admitted(request, conn, chat, fields, self._loop.time())
         del fields  # the key holds the prompt now, and only until a replica is chosen
         await self._attempts(job, key)
 
     def _admitted(
-        self, request: Request, conn: ClientConnection, chat: bool, fields: Completion
+        self, request: Request, conn: ClientConnection, chat: bool, fields: Completion, now: float
     ) -> tuple[_Job, RouteKey]:
-        """Past the fence: the request's routing key, counted by the retry budget and, for an
-        adapter, held at the fence."""
+        """Past the fence (at loop time `now`): the request's routing key, counted by the retry
+        budget and, for an adapter, held at the fence."""
         model = fields.model
         adapter = model is not None and model not in self.fleet.base_models
         # Placed by the adapter's lineage, not its version: a later turn under vN+1 follows
         # its conversation (routing/keys.py).
         seeds = self.lineages.seeds(model, adapter)
         key = completion_key(fields, seeds, self.block_size)
-        self.budget.request(self._loop.time())
+        self.budget.request(now)
         job = _Job(request, conn, chat, model, adapter, seeds)
         if job.held is not None:
             # Counted as admitted under its name until answered, in the same step as the fence

@@ -160,9 +160,10 @@ class ConnectionCount:
 
 
 class _Phase:
-    """Where the parser is in the client's byte stream (independent of answering)."""
+    """Where the parser is in the client's byte stream (independent of answering); NONE only
+    as `_armed`: no deadline is set."""
 
-    IDLE, HEADERS, BODY = range(3)
+    IDLE, HEADERS, BODY, NONE = range(4)
 
 
 class ClientConnection(asyncio.Protocol):
@@ -170,6 +171,7 @@ class ClientConnection(asyncio.Protocol):
 
     __slots__ = (
         "__weakref__",
+        "_armed",
         "_body",
         "_body_bytes",
         "_broken",
@@ -237,6 +239,7 @@ class ClientConnection(asyncio.Protocol):
         self._continue = False  # a `100 Continue` owed once the answer in front is complete
         self._timer = LazyTimer(self._loop, self._on_timer, self._header_timeout)
         self._deadline = math.inf
+        self._armed = _Phase.NONE  # the phase `_deadline` was set for (see `data_received`)
         self._queue: deque[Request] = deque()
         self._request: Request | None = None  # the one being answered
         self._busy = False  # a request is being answered (by a Task or the fast path)
@@ -273,7 +276,7 @@ class ClientConnection(asyncio.Protocol):
             self._close()
             return
         self._count.open.add(self)
-        self._arm(self._limits.keepalive_timeout)
+        self._rearm()  # idle: the keep-alive deadline
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
@@ -297,6 +300,13 @@ class ClientConnection(asyncio.Protocol):
             return
         try:
             self._parser.feed_data(data)
+            # A request still arriving gets the deadline of its phase here, once per read, not
+            # in the parser callbacks that enter each phase: a request read whole (the usual
+            # case) sets none, where it used to set two. The deadline starts microseconds
+            # later than from the callback, once this read is parsed. Only on a change of
+            # phase: more bytes of the same phase never move it (a fixed deadline).
+            if self._phase != self._armed and not (self._busy or self._closed):
+                self._rearm()
         except httptools.HttpParserUpgrade:
             # `Upgrade:` (or CONNECT) would turn this connection into a tunnel: never. A request
             # that was complete is answered without the upgrade, then the connection closes.
@@ -323,9 +333,7 @@ class ClientConnection(asyncio.Protocol):
     # -- httptools callbacks --------------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        self._phase = _Phase.HEADERS
-        if not self._busy:
-            self._arm(self._header_timeout)
+        self._phase = _Phase.HEADERS  # its deadline: `data_received`
         self._url = b""
         self._headers = []
         self._framing = []
@@ -355,9 +363,7 @@ class ClientConnection(asyncio.Protocol):
             self._framing.append((name, value))
 
     def on_headers_complete(self) -> None:
-        self._phase = _Phase.BODY
-        if not self._busy:
-            self._arm(self._limits.body_timeout)
+        self._phase = _Phase.BODY  # its deadline: `data_received`
         version = self._parser.get_http_version()
         if version not in ("1.1", "1.0"):
             self._raise(HTTPError(505, f"HTTP/{version} is not supported."))
@@ -427,18 +433,22 @@ class ClientConnection(asyncio.Protocol):
         self._body = []
         self._phase = _Phase.IDLE
         self._continue = False
-        self._queue.append(request)
         if not self._busy:
-            self._disarm()
-            self._start_next()
-        elif self.transport is not None:
-            # A pipelined request waits for the one in front; stop reading until then.
-            self.transport.pause_reading()
+            # Answering: no client deadline (the replica's apply); the timer, if any, wakes
+            # up to find nothing due.
+            self._deadline = math.inf
+            self._armed = _Phase.NONE
+            self._start(request)  # nothing queued: only a request behind a busy one waits
+        else:
+            self._queue.append(request)
+            if self.transport is not None:
+                # A pipelined request waits for the one in front; stop reading until then.
+                self.transport.pause_reading()
 
     # -- dispatch ---------------------------------------------------------------------------
 
-    def _start_next(self) -> None:
-        self._request = request = self._queue.popleft()
+    def _start(self, request: Request) -> None:
+        self._request = request
         self.response_started = False
         self.status = 0
         self.first_byte_at = 0.0
@@ -474,24 +484,13 @@ class ClientConnection(asyncio.Protocol):
         """The current request is answered (or its error sent): on to the next one."""
         self._request = self.on_lost = None
         self._busy = False
-        self._finish_response()
-
-    def hand_over(self, work: Awaitable[None]) -> None:
-        """The fast path passes the current request on to the general path: `work` runs in a
-        Task, as a handler would (its HTTPError is the answer; a client going away cancels it).
-        Only before `on_lost` was called: a fast path told the client is gone ends there."""
-        assert self._request is not None and not self._closed
-        self.on_lost = None
-        self._task = self._loop.create_task(self._run(self._request, work))
-
-    def _finish_response(self) -> None:
         if self._closed or self.transport is None:
             return
         if not self.keep_alive:
             self._close()
             return
         if self._queue:
-            self._start_next()
+            self._start(self._queue.popleft())
             if not self._queue:
                 self.transport.resume_reading()
             return
@@ -500,6 +499,14 @@ class ClientConnection(asyncio.Protocol):
             self._write_continue()
         self._continue = False
         self.transport.resume_reading()
+
+    def hand_over(self, work: Awaitable[None]) -> None:
+        """The fast path passes the current request on to the general path: `work` runs in a
+        Task, as a handler would (its HTTPError is the answer; a client going away cancels it).
+        Only before `on_lost` was called: a fast path told the client is gone ends there."""
+        assert self._request is not None and not self._closed
+        self.on_lost = None
+        self._task = self._loop.create_task(self._run(self._request, work))
 
     # -- writing answers ---------------------------------------------------------------------
 
@@ -607,27 +614,23 @@ class ClientConnection(asyncio.Protocol):
         transport.write_eof()
         self._loop.call_later(_LINGER, transport.abort)
 
-    def _rearm(self) -> None:
-        """Start the client's deadline for whatever the parser is in the middle of."""
-        limits = self._limits
-        if self._phase == _Phase.HEADERS:
-            self._arm(limits.header_timeout)
-        elif self._phase == _Phase.BODY:
-            self._arm(limits.body_timeout)
-        else:
-            self._arm(limits.keepalive_timeout)
-
     # `_deadline` says when the current phase times out (http/timer.py). The timer never
     # sleeps past `header_timeout`, so the next request's header deadline never needs it moved;
     # an idle connection wakes up to re-check itself every `header_timeout` seconds.
 
-    def _arm(self, seconds: float) -> None:
+    def _rearm(self) -> None:
+        """Start the client's deadline for whatever the parser is in the middle of."""
+        limits = self._limits
+        phase = self._armed = self._phase
+        if phase == _Phase.HEADERS:
+            seconds = limits.header_timeout
+        elif phase == _Phase.BODY:
+            seconds = limits.body_timeout
+        else:
+            seconds = limits.keepalive_timeout
         now = self._loop.time()
         self._deadline = now + seconds
         self._timer.arm(now, seconds)
-
-    def _disarm(self) -> None:
-        self._deadline = math.inf  # the timer, if any, wakes up to find nothing due
 
     def _on_timer(self) -> None:
         if self._closed or self._deadline == math.inf:

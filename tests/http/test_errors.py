@@ -196,6 +196,28 @@ async def test_a_body_too_slow_is_408(router_factory, replica, clients):
     assert replica.requests == []
 
 
+async def test_a_body_trickled_in_is_cut_off_at_its_deadline_from_the_head(
+    router_factory, replica, clients
+):
+    # Every read of the body is a new chunk of the same phase: none may push the deadline on.
+    router = await router_factory(replica.url, body_timeout=0.4)
+    client = await clients(router.url)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    await client.send(b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-length: 100\r\n\r\n")
+
+    async def one_byte_at_a_time() -> None:
+        for _ in range(99):  # never the whole body: 99 of 100 bytes, 0.05 s apart
+            await client.send(b" ")
+            await asyncio.sleep(0.05)
+
+    sender = asyncio.create_task(one_byte_at_a_time())
+    assert_vllm_error(await client.response(), 408)
+    assert 0.35 < loop.time() - start < 2.0
+    sender.cancel()
+    assert replica.requests == []
+
+
 async def test_an_idle_keep_alive_connection_is_closed(router_factory, replica, clients):
     router = await router_factory(replica.url, keepalive_timeout=0.3)
     client = await clients(router.url)
