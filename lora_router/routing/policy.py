@@ -339,7 +339,11 @@ class PrefixAffinity:
             known = self.table.sibling(wire)
             if known is not None:
                 home = routable.get(known[0])
-                if home is not None and home.in_flight < self.cap(routable):
+                # The cap is at least load_slack + 1 (the mean counting this request is at
+                # least 1), so a home at or below the slack has room without computing it.
+                if home is not None and (
+                    home.in_flight <= self.load_slack or home.in_flight < self.cap(routable)
+                ):
                     self.counts.sibling += 1
                     return Decision(home, "sibling", anchor_tokens(known))
             # Unknown, not routable or full: the whole policy decides (a full home spills).

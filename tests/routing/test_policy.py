@@ -10,7 +10,7 @@ from fractions import Fraction
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from routing_doubles import Pool, Rep, fleet, watch
 
@@ -657,6 +657,32 @@ def test_a_full_home_hands_the_sibling_back_to_the_whole_policy() -> None:
     builder = Unbuilt(key)
     known = policy.choose(RouteKey(builder, wire), reps)
     assert known.replica is home and builder.calls == 0  # a spill never moves the home
+
+
+@settings(max_examples=300, deadline=None)
+@example(slack=0, n=3, at_home=1, others=[])  # the cap is slack + 1: home at it is full
+@example(slack=2, n=4, at_home=3, others=[])
+@given(
+    slack=st.integers(0, 4),
+    n=fleet_sizes,
+    at_home=st.integers(0, 8),
+    others=st.lists(st.integers(0, 3), max_size=7),
+)
+def test_a_sibling_goes_home_by_its_wire_key_exactly_while_home_is_below_the_load_cap(
+    slack, n, at_home, others
+):
+    reps = fleet(n)
+    policy = prefix_policy(reps, load_slack=slack)
+    key, wire = prompt_key("m", [1, 2, 3]), wire_key("m", b"[1, 2, 3]")
+    home = policy.choose(route(key, wire), reps).replica
+    rest = [r for r in reps if r is not home]
+    for r, load in zip(rest, others, strict=False):
+        r.in_flight = load
+    home.in_flight = at_home
+    decision = policy.choose(route(key, wire), reps)
+    assert (decision.kind == "sibling" and decision.replica is home) == (
+        at_home < bound(reps, slack=slack)
+    )
 
 
 @settings(max_examples=10)

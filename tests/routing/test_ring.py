@@ -84,7 +84,25 @@ def test_an_empty_ring_walks_nothing():
 def test_first_of_is_the_first_of_those_names_the_walk_meets(members, key, data):
     ring = HashRing(members, vnodes=40)
     wanted = set(data.draw(st.lists(st.sampled_from(members), min_size=1, unique=True)))
-    # Few names (k * k <= n) are bisected in their own points, many are met walking the ring.
+    # Few names (k * k * 5 <= n) are bisected in their own points, many are met walking the ring.
+    assert ring.first_of(key, wanted) == next(n for n in ring.walk(key) if n in wanted)
+
+
+big_rings = st.lists(
+    st.integers(1, 65535).map(lambda port: f"http://10.0.0.2:{port}"),
+    min_size=20,
+    max_size=90,
+    unique=True,
+)
+
+
+@settings(max_examples=60)
+@given(big_rings, positions, st.data())
+def test_first_of_bisects_few_names_and_walks_many_with_the_walks_answer(members, key, data):
+    ring = HashRing(members, vnodes=40)
+    # 2 to 4 names are bisected (n >= 20 .. 80), more are walked: both ways answer alike.
+    size = data.draw(st.integers(2, len(members)))
+    wanted = set(data.draw(st.permutations(members))[:size])
     assert ring.first_of(key, wanted) == next(n for n in ring.walk(key) if n in wanted)
 
 
