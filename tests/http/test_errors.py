@@ -7,7 +7,7 @@ import os
 
 import orjson
 import pytest
-from http_harness import TOKEN, Received, ReplicaConn, completion, json_response, request
+from http_harness import TOKEN, RawClient, Received, ReplicaConn, completion, json_response, request
 
 
 def assert_vllm_error(r, status: int, type_: str | None = None) -> dict:
@@ -161,6 +161,13 @@ async def test_too_many_headers_are_431(router_factory, replica):
 # -- time limits -------------------------------------------------------------------------------
 
 
+async def _one_byte_at_a_time(conn: RawClient, data: bytes, *, gap: float) -> None:
+    """Send `data` a byte per write, `gap` seconds apart (the test cancels it when done)."""
+    for byte in data:
+        await conn.send(bytes([byte]))
+        await asyncio.sleep(gap)
+
+
 async def test_slowloris_headers_get_408_while_other_clients_are_served(
     router_factory, replica, clients
 ):
@@ -169,13 +176,7 @@ async def test_slowloris_headers_get_408_while_other_clients_are_served(
     loop = asyncio.get_running_loop()
     start = loop.time()
     trickle = b"GET /version HTTP/1.1\r\nhost: r\r\nx-pad: " + b"a" * 100
-
-    async def one_byte_at_a_time() -> None:
-        for byte in trickle:
-            await slow.send(bytes([byte]))
-            await asyncio.sleep(0.02)
-
-    sender = asyncio.create_task(one_byte_at_a_time())
+    sender = asyncio.create_task(_one_byte_at_a_time(slow, trickle, gap=0.02))
     served = 0
     while not sender.done() and loop.time() - start < 0.45:
         assert (await request(router.url)).status == 200  # others are not held up
@@ -205,13 +206,8 @@ async def test_a_body_trickled_in_is_cut_off_at_its_deadline_from_the_head(
     loop = asyncio.get_running_loop()
     start = loop.time()
     await client.send(b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-length: 100\r\n\r\n")
-
-    async def one_byte_at_a_time() -> None:
-        for _ in range(99):  # never the whole body: 99 of 100 bytes, 0.05 s apart
-            await client.send(b" ")
-            await asyncio.sleep(0.05)
-
-    sender = asyncio.create_task(one_byte_at_a_time())
+    # Never the whole body: 99 of its 100 bytes, 0.05 s apart.
+    sender = asyncio.create_task(_one_byte_at_a_time(client, b" " * 99, gap=0.05))
     assert_vllm_error(await client.response(), 408)
     assert 0.35 < loop.time() - start < 2.0
     sender.cancel()
