@@ -370,13 +370,18 @@ class ClientConnection(asyncio.Protocol):
         self._http11 = version == "1.1"
         framing = self._framing
         if len(framing) == 1 and framing[0][0] == b"content-length":
-            self._check_length(framing[0][1])  # the usual case
+            # The usual case, `_check_length` written out (it runs on every request with a body).
+            if int(framing[0][1]) > self._max_body_bytes:  # llhttp checked the digits
+                self._body_too_big()
         elif framing:
             self._check_framing(version)
 
     def _check_length(self, value: bytes) -> None:
         if int(value) > self._max_body_bytes:  # llhttp checked the digits
-            self._raise(HTTPError(413, f"Request body over {self._max_body_bytes} bytes."))
+            self._body_too_big()
+
+    def _body_too_big(self) -> None:
+        self._raise(HTTPError(413, f"Request body over {self._max_body_bytes} bytes."))
 
     def _check_framing(self, version: str) -> None:
         """Content-Length, Transfer-Encoding and Expect, the headers that frame the body."""
@@ -405,7 +410,7 @@ class ClientConnection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
         if self._body_bytes > self._max_body_bytes:
-            self._raise(HTTPError(413, f"Request body over {self._max_body_bytes} bytes."))
+            self._body_too_big()
         self._body.append(body)
 
     def on_message_complete(self) -> None:
