@@ -157,7 +157,7 @@ class _Job:
     body (`diverted` holds its status): nothing has reached the client, so the request can go
     to another replica. Any other head, and everything after it, goes straight to the client.
     The rule is asked only for a 404 or a 5xx head, so an answer that is passed on costs one
-    comparison. `_pick` resets `diverted` and `write` for each attempt.
+    comparison. `_pick` resets `diverted` and `write` after an attempt that diverted.
     """
 
     __slots__ = (
@@ -544,8 +544,9 @@ class RouterApp:
         tried.append(replica)
         job.replica = replica
         job.tokens = decision.tokens
-        job.diverted = 0
-        job.write = job.conn.write
+        if job.diverted:  # the last attempt's head was held back: this one's goes through
+            job.diverted = 0
+            job.write = job.conn.write
         return replica
 
     def _settled(self, job: _Job, replica: Replica, failure: UpstreamError | None) -> bool:

@@ -47,10 +47,10 @@ import math
 import re
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Protocol, cast
 
 import httptools
+import msgspec
 
 from lora_router.http.errors import REASONS, HTTPError, error_body
 from lora_router.http.headers import response_head
@@ -68,9 +68,9 @@ _CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"expect"})
 
 
-@dataclass(slots=True)
-class Request:
-    """One parsed client request; the body is complete.
+class Request(msgspec.Struct):
+    """One parsed client request; the body is complete. (A msgspec Struct rather than a
+    dataclass: built in C, with no Python `__init__` frame, once per request.)
 
     `body` becomes b"" once a response head for it reaches the client (`ClientConnection.head`):
     from then on nothing may send the request again (the retry rule, app.py).

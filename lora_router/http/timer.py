@@ -10,8 +10,8 @@ is still ahead, asks again. A steady stream of requests thus costs no timer call
 A timer whose owner, each time it is woken, either asks again (`due`) or closes stays pending
 from its first `arm` until the owner closes. Such an owner, once it armed the timer, never
 needs `arm` for a limit of at least the horizon (it would do nothing) and may skip the call:
-http/upstream.py's connection does, in the pool. (The client connection may not: it lets the
-timer lapse while a request is answered.)
+http/upstream.py's connections do, in and from the pool. (The client connection may not: it
+lets the timer lapse while a request is answered.)
 """
 
 from __future__ import annotations

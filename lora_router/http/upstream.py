@@ -332,7 +332,8 @@ class UpstreamConnection(asyncio.Protocol):
 
     # -- the exchange -------------------------------------------------------------------------
 
-    def start(self, ex: Exchange) -> None:
+    def start(self, ex: Exchange, pooled: bool) -> None:
+        """Send `ex` on this connection (`pooled`: it was taken from the pool, not new)."""
         assert self.transport is not None
         if ex.dechunk != self._dechunking:
             # Between two responses a parser holds no state: take the kind this client needs.
@@ -340,9 +341,13 @@ class UpstreamConnection(asyncio.Protocol):
             self._parser = httptools.HttpResponseParser(_Dechunking(self) if ex.dechunk else self)
         self._ex = ex
         self._last = self._loop.time()
-        # `_arm`, written out (once per request).
+        # `_arm`, written out (once per request), and the timer left alone when that is safe:
+        # a pooled connection's timer is pending and never sleeps past the pool's idle timeout
+        # (its horizon, http/timer.py), so a first-byte timeout at least that long would not
+        # move it.
         self._limit = limit = self._pool.first_byte_timeout
-        self._timer.arm(self._last, limit)
+        if not pooled or limit < self._pool.idle_timeout:
+            self._timer.arm(self._last, limit)
         ex.sink.on_upstream(self.transport)
         self.transport.write(ex.request)
 
@@ -520,7 +525,7 @@ class UpstreamPool:
         del data
         ex.then = then
         ex.pool = self
-        conn.start(ex)
+        conn.start(ex, pooled=True)
         return ex
 
     def abandon(self, conn: UpstreamConnection, ex: Exchange) -> None:
@@ -552,7 +557,7 @@ class UpstreamPool:
                 if conn is None:
                     conn = await self._connect()
                 ex.done = self.loop.create_future()
-                conn.start(ex)
+                conn.start(ex, pooled=not fresh)
                 try:
                     return await ex.done
                 except asyncio.CancelledError:
