@@ -28,7 +28,7 @@ run from the parser callback that completed the request, for the common case onl
 authenticated routed POST whose body reads without error, for a model the fence admits without
 waiting, sent to the chosen replica on an idle pooled connection with a free slot
 (`UpstreamPool.take_now`); the answer is relayed by protocol callbacks and the request ends in
-`_Fast.ended`, with no Task, coroutine or Future. Whenever a precondition does not hold it
+`_Job.ended`, with no Task, coroutine or Future. Whenever a precondition does not hold it
 declines before any side effect (the general path then does everything), or, once routed, hands
 the request over to the general path at the step it reached (`ClientConnection.hand_over`):
 the forward itself when the replica has no idle connection; and every end but a complete
@@ -46,8 +46,8 @@ client and one of these happened:
   purpose), and the retry budget allows it (retry_budget.py: 5xx retries of the last 10 s below
   `--retry-budget` of the routed requests of those 10 s, so a sick fleet is not hammered; the
   other two cases cost the replicas nothing and are not budgeted). The head and its body are
-  held back (`_RetrySink`) only when a retry will be made; otherwise they reach the client as
-  the replica sent them;
+  held back (by the request's `_Job`, its sink) only when a retry will be made; otherwise they
+  reach the client as the replica sent them;
 - the replica answered 404 for an adapter the fence says is live (it lost it: a restart);
   when no retry is left the router answers itself (`_lost_adapter_error`).
 Once a head has been passed on, nothing is retried: a stream that vLLM begins with a 200 and
@@ -69,6 +69,8 @@ Retries on the control plane (the whole rule; fleet/client.py and fleet/broadcas
 from __future__ import annotations
 
 import asyncio
+import functools
+import itertools
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -145,75 +147,42 @@ _LOOPBACK = (b"127.", b"::1", b"::ffff:127.")
 Route = Callable[[Request, ClientConnection], Awaitable[None]]
 
 
-class _RetrySink:
-    """The client connection, as the upstream side writes into it for a routed request.
+class _Job:
+    """One routed request from the fence to its end, in one object: what the retry loop
+    carries; the client connection as the current attempt's answer is written into it (the
+    retry rule's sink); and, on THE FAST PATH, its exchange, whose end the replica
+    connection's callbacks tell (`ended`) or the client's (`lost`).
 
-    A head the retry rule (module docstring) sends elsewhere is swallowed with its body
-    (`diverted` holds its status): nothing has reached the client, so the request can go to
-    another replica. Any other head, and everything after it, goes straight to the client. The
-    rule is asked only for a 404 or a 5xx head, so an answer that is passed on costs one
-    comparison.
+    As the sink: a head the retry rule (module docstring) sends elsewhere is swallowed with its
+    body (`diverted` holds its status): nothing has reached the client, so the request can go
+    to another replica. Any other head, and everything after it, goes straight to the client.
+    The rule is asked only for a 404 or a 5xx head, so an answer that is passed on costs one
+    comparison. `_pick` resets `diverted` and `write` after an attempt that diverted.
     """
 
     __slots__ = (
-        "_app",
-        "_conn",
-        "_model",
-        "_tried",
         "adapter",
+        "app",
+        "chat",
+        "conn",
         "diverted",
+        "ex",
         "held",
+        "model",
         "on_upstream",
+        "replica",
+        "request",
+        "seeds",
+        "started",
+        "tokens",
+        "tried",
+        "upstream",
         "write",
     )
 
     def __init__(
         self,
         app: RouterApp,
-        conn: ClientConnection,
-        model: str | None,
-        adapter: bool,
-        tried: list[Replica],
-        held: str | None,
-    ) -> None:
-        self._app = app
-        self._conn = conn
-        self._model = model
-        self._tried = tried
-        self.adapter = adapter
-        self.held = held  # the adapter it is counted under until its head passes (fence)
-        self.diverted = 0
-        self.on_upstream = conn.on_upstream
-        self.write: Callable[[bytes | memoryview], None] = conn.write
-
-    @property
-    def keep_alive(self) -> bool:
-        return self._conn.keep_alive
-
-    def head(self, status: int, data: bytes, body: memoryview | None = None) -> None:
-        if (status >= 500 or (status == 404 and self.adapter)) and self._app.diverts(
-            status, self._model, self.adapter, self._tried
-        ):
-            self.diverted = status
-            self.write = _drop
-            return
-        if self.held is not None:
-            self._app.fence.release(self.held)
-            self.held = None
-        self._conn.head(status, data, body)
-
-
-def _drop(data: bytes | memoryview) -> None:
-    pass
-
-
-class _Job:
-    """One routed request from the fence to its answer: what the retry loop carries."""
-
-    __slots__ = ("adapter", "chat", "conn", "held", "model", "request", "seeds", "sink", "tried")
-
-    def __init__(
-        self,
         request: Request,
         conn: ClientConnection,
         chat: bool,
@@ -221,6 +190,7 @@ class _Job:
         adapter: bool,
         seeds: Seeds,
     ) -> None:
+        self.app = app
         self.request = request
         self.conn = conn
         self.chat = chat
@@ -228,86 +198,104 @@ class _Job:
         self.adapter = adapter
         self.seeds = seeds
         self.tried: list[Replica] = []
-        self.sink: _RetrySink | None = None  # the last attempt's
-        # The adapter it is counted under at the fence until its head passes (fleet/fence.py).
+        # The adapter it is counted under at the fence until its head passes or it ends
+        # (fleet/fence.py).
         self.held = model if adapter else None
+        self.on_upstream = conn.on_upstream
+        # The current attempt, set by `_pick`: its replica, prompt tokens and sink state.
+        self.replica: Replica | None = None
+        self.tokens = 0
+        self.diverted = 0
+        self.write: Callable[[bytes | memoryview], None] = conn.write
+        # THE FAST PATH's, set by `handle_now`: its exchange, connection and start time.
+        self.ex: Exchange | None = None
+        self.upstream: UpstreamConnection | None = None
+        self.started = 0.0
+
+    @property
+    def keep_alive(self) -> bool:
+        return self.conn.keep_alive
+
+    def head(self, status: int, data: bytes, body: memoryview | None = None) -> None:
+        if (status >= 500 or (status == 404 and self.adapter)) and self.app.diverts(
+            status, self.model, self.adapter, self.tried
+        ):
+            self.diverted = status
+            self.write = _drop
+            return
+        if self.held is not None:
+            self.app.fence.release(self.held)
+            self.held = None
+        self.conn.head(status, data, body)
 
     def release(self, fence: AdapterFence) -> None:
         """The request ended: its fence count goes, unless a passed head released it."""
         held, self.held = self.held, None
-        if held is not None and (self.sink is None or self.sink.held is not None):
+        if held is not None:
             fence.release(held)
+
+    def ended(self, error: UpstreamError | None) -> None:
+        """THE FAST PATH's exchange is over: a complete answer passed on ends the request here,
+        anything else goes to the general path's outcome rule and retry loop."""
+        app, conn, replica, ex = self.app, self.conn, self.replica, self.ex
+        assert replica is not None and ex is not None
+        self.ex = None  # it refers back to this object (its sink): no cycle past the end
+        app.fleet.finished(replica, self.tokens)
+        how: How = error
+        if error is None:
+            conn.keep_alive = conn.keep_alive and ex.client_keep_alive
+            if not self.diverted:
+                app.health.report_status(replica, conn.status, self.model)
+                # `release` and `RouterApp._observe`, written out: this is every fast request's
+                # end.
+                held, self.held = self.held, None
+                if held is not None:
+                    app.fence.release(held)
+                app.stats.observe(
+                    _ROUTE_LABELS.get(self.request.path, "other"),
+                    conn.status,
+                    conn.replica,
+                    self.started,
+                    app._loop.time(),
+                    conn.first_byte_at,
+                )
+                conn.answered()
+                return
+        elif error.retryable:
+            how = ex  # nothing received on a reused connection: the pool's retry rule
+        work = app._attempts(self, None, how)
+        conn.hand_over(app._observed(self.request, conn, self.started, work))
+
+    def lost(self) -> None:
+        """The client went away while THE FAST PATH's exchange ran: stop the replica's work,
+        count the request as the general path's cancellation does (499)."""
+        app, ex, replica, upstream = self.app, self.ex, self.replica, self.upstream
+        if ex is not None:
+            assert replica is not None and upstream is not None
+            replica.pool.abandon(upstream, ex)
+            self.ex = None
+            app.fleet.finished(replica, self.tokens)
+            self.release(app.fence)
+            app._observe(self.request, self.conn, self.started, self.conn.status or 499)
+
+
+def _drop(data: bytes | memoryview) -> None:
+    pass
+
+
+class _Pick:
+    """An attempt yet to be chosen (`_PICK`): the retry loop picks a replica first."""
 
 
 class _Send:
-    """How a handed-over attempt goes on: not sent yet (`_SEND`)."""
+    """How a picked attempt goes on: not sent yet (`_SEND`)."""
 
 
+_PICK = _Pick()
 _SEND = _Send()
 # How an attempt went: answered (None, maybe held back by its sink), failed, or to be sent
 # (`_SEND`, or an Exchange to re-send on a fresh connection, the pool's retry rule).
 How = UpstreamError | Exchange | _Send | None
-Begun = tuple[Replica, _RetrySink, int, How]
-
-
-class _Fast:
-    """A routed request on THE FAST PATH (module docstring), from its write upstream to its end,
-    told by the replica connection's callbacks (`ended`) or the client's (`lost`)."""
-
-    __slots__ = ("app", "ex", "job", "replica", "sink", "started", "tokens", "upstream")
-
-    def __init__(
-        self,
-        app: RouterApp,
-        job: _Job,
-        replica: Replica,
-        sink: _RetrySink,
-        tokens: int,
-        started: float,
-        upstream: UpstreamConnection,
-    ) -> None:
-        self.app = app
-        self.job = job
-        self.replica = replica
-        self.sink = sink
-        self.tokens = tokens
-        self.started = started
-        self.upstream = upstream
-        self.ex: Exchange | None = None
-
-    def ended(self, error: UpstreamError | None) -> None:
-        """The exchange is over: a complete answer passed on ends the request here, anything
-        else goes to the general path's outcome rule and retry loop."""
-        app, job, replica, sink = self.app, self.job, self.replica, self.sink
-        conn = job.conn
-        app.fleet.finished(replica, self.tokens)
-        how: How = error
-        if error is None:
-            assert self.ex is not None
-            conn.keep_alive = conn.keep_alive and self.ex.client_keep_alive
-            if not sink.diverted:
-                app.health.report_status(replica, conn.status, job.model)
-                job.release(app.fence)
-                app._observe(job.request, conn, self.started, conn.status)
-                conn.answered()
-                return
-        elif error.retryable:
-            how = self.ex  # nothing received on a reused connection: the pool's retry rule
-        self.ex = None
-        begun: Begun = (replica, sink, self.tokens, how)
-        work = app._attempts(job, None, begun)
-        conn.hand_over(app._observed(job.request, conn, self.started, work))
-
-    def lost(self) -> None:
-        """The client went away: stop the replica's work, count the request as the general
-        path's cancellation does (499)."""
-        app, job, ex = self.app, self.job, self.ex
-        if ex is not None:
-            self.replica.pool.abandon(self.upstream, ex)
-            self.ex = None
-            app.fleet.finished(self.replica, self.tokens)
-            job.release(app.fence)
-            app._observe(job.request, job.conn, self.started, job.conn.status or 499)
 
 
 class RouterApp:
@@ -347,9 +335,16 @@ class RouterApp:
         # Request ids for requests that come without one: unique per process and cheap (a
         # counter behind a random prefix, not a uuid4 and its getrandom call per request).
         # 32 hex digits like a uuid4's: 16 random, then a 64-bit counter.
-        prefix = os.urandom(8).hex()
-        self._id_prefix = prefix.encode()
-        self._ids = 0
+        # A C-level callable: no Python frame per id.
+        ids = map((os.urandom(8).hex().encode() + b"%016x").__mod__, itertools.count(1))
+        new_request_id: Callable[[], bytes] = ids.__next__
+        # The replica's request head, but for the request's and replica's own parts (a
+        # partial, not a method that forwards: one call less per request).
+        self._upstream_head = functools.partial(
+            upstream_request_head,
+            authorization=self._authorization,
+            new_request_id=new_request_id,
+        )
         # (method, path) -> handler, for every route the router answers itself.
         self.routes: dict[tuple[bytes, bytes], Route] = {
             (b"POST", b"/v1/load_lora_adapter"): self.load_adapter,
@@ -421,34 +416,42 @@ class RouterApp:
         job, key = self._admitted(request, conn, chat, fields, started)
         del fields
         try:
-            replica, sink, tokens = self._pick(job, key)
+            replica = self._pick(job, key)
         except HTTPError:  # no replica for it: the general path answers (its 503)
             conn.hand_over(self._observed(request, conn, started, self._attempts(job, key)))
             return True
         del key
         upstream = replica.pool.take_now()
         if upstream is None:  # no idle connection: the general path connects or queues
-            begun: Begun = (replica, sink, tokens, _SEND)
-            conn.hand_over(self._observed(request, conn, started, self._attempts(job, None, begun)))
+            conn.hand_over(self._observed(request, conn, started, self._attempts(job, None, _SEND)))
             return True
-        fast = _Fast(self, job, replica, sink, tokens, started, upstream)
-        head = self._request_head(request, replica)
-        fast.ex = replica.pool.send_now(
-            upstream, head + request.body, sink, fast.ended, http11=request.http11
+        job.started = started
+        job.upstream = upstream
+        head = self._upstream_head(
+            request.method,
+            replica.target_prefix + request.target,
+            request.headers,
+            host=replica.host_header,
+            client_ip=request.client_ip,
+            body_length=len(request.body),
+        )
+        job.ex = replica.pool.send_now(
+            upstream, head + request.body, job, job.ended, http11=request.http11
         )
         # After the write, not before: none of this decides where the request goes or what it
         # carries, and it now runs while the replica works, not in the request's latency. Its
         # end cannot come first: the replica's answer and a client leaving are both told by
         # later callbacks.
-        self.fleet.started(replica, tokens)
+        self.fleet.started(replica, job.tokens)
         conn.replica = replica.label
-        conn.on_lost = fast.lost
+        conn.on_lost = job.lost
         return True
 
     def _observe(self, request: Request, conn: ClientConnection, started: float, code: int) -> None:
-        first_byte = conn.first_byte_at - started if conn.first_byte_at else None
         route = _ROUTE_LABELS.get(request.path, "other")
-        self.stats.observe(route, code, conn.replica, self._loop.time() - started, first_byte)
+        self.stats.observe(
+            route, code, conn.replica, started, self._loop.time(), conn.first_byte_at
+        )
 
     async def _dispatch(self, request: Request, conn: ClientConnection) -> None:
         route = self.routes.get((request.method, request.path))
@@ -460,10 +463,6 @@ class RouterApp:
             await self.remove_replica(request, conn)
         else:
             await self.forward_any(request, conn)
-
-    def _new_request_id(self) -> bytes:
-        self._ids += 1
-        return b"%s%016x" % (self._id_prefix, self._ids)
 
     # -- routed -----------------------------------------------------------------------------
 
@@ -491,40 +490,42 @@ class RouterApp:
         seeds = self.lineages.seeds(model, adapter)
         key = completion_key(fields, seeds, self.block_size)
         self.budget.request(now)
-        job = _Job(request, conn, chat, model, adapter, seeds)
+        job = _Job(self, request, conn, chat, model, adapter, seeds)
         if job.held is not None:
             # Counted as admitted under its name until answered, in the same step as the fence
             # let it through: an unload waits for it before it is broadcast (fleet/fence.py).
             self.fence.hold(job.held)
         return job, key
 
-    async def _attempts(self, job: _Job, key: RouteKey | None, begun: Begun | None = None) -> None:
-        """The retry loop (module docstring). `begun`: an attempt the fast path handed over,
-        with how it went (`How`)."""
+    async def _attempts(self, job: _Job, key: RouteKey | None, how: How | _Pick = _PICK) -> None:
+        """The retry loop (module docstring). `how`: how an attempt the fast path handed over
+        (on `job.replica`) went, `_PICK` if there is none."""
         try:
             while True:
-                if begun is None:
-                    replica, sink, tokens = self._pick(job, key)
+                if how is _PICK:
+                    replica = self._pick(job, key)
                     key = None
-                    how: How = _SEND
+                    how = _SEND
                 else:
-                    replica, sink, tokens, how = begun
-                    begun = None
+                    assert job.replica is not None
+                    replica = job.replica
                 if how is _SEND or isinstance(how, Exchange):
                     try:
                         resend = how if isinstance(how, Exchange) else None
-                        await self._forward(job.request, job.conn, replica, sink, tokens, resend)
+                        await self._forward(job.request, job.conn, replica, job, job.tokens, resend)
                         how = None
                     except UpstreamError as exc:
                         how = exc.with_traceback(None)  # its frames would hold `how`: a cycle
                 assert how is None or isinstance(how, UpstreamError)
-                if self._settled(job, replica, sink, how):
+                if self._settled(job, replica, how):
                     return
+                how = _PICK
         finally:
             job.release(self.fence)
 
-    def _pick(self, job: _Job, key: RouteKey | None) -> tuple[Replica, _RetrySink, int]:
-        """The next attempt's replica (raises the 503 when none can take it), and its sink."""
+    def _pick(self, job: _Job, key: RouteKey | None) -> Replica:
+        """The next attempt's replica (raises the 503 when none can take it), set on `job`
+        with the attempt's tokens and a fresh sink state."""
         model, tried = job.model, job.tried
         routable = self.fleet.routable(model, tried)
         if not routable:
@@ -541,12 +542,14 @@ class RouterApp:
             log.debug("%s -> replica %d (%s)", model or "base model", replica.rid, decision.kind)
         replica.breaker.begin()
         tried.append(replica)
-        job.sink = sink = _RetrySink(self, job.conn, model, job.adapter, tried, job.held)
-        return replica, sink, decision.tokens
+        job.replica = replica
+        job.tokens = decision.tokens
+        if job.diverted:  # the last attempt's head was held back: this one's goes through
+            job.diverted = 0
+            job.write = job.conn.write
+        return replica
 
-    def _settled(
-        self, job: _Job, replica: Replica, sink: _RetrySink, failure: UpstreamError | None
-    ) -> bool:
+    def _settled(self, job: _Job, replica: Replica, failure: UpstreamError | None) -> bool:
         """The outcome of one attempt, by the retry rule (module docstring): True when the
         request is answered, False for another attempt; raises the router's own answer."""
         if failure is not None:
@@ -554,11 +557,11 @@ class RouterApp:
             if not (failure.retryable and self._may_retry(job.tried, "transport")):
                 raise _upstream_http_error(replica, failure)
             return False
-        if not sink.diverted:
+        if not job.diverted:
             self.health.report_status(replica, job.conn.status, job.model)
             return True
-        if sink.diverted != 404:  # a 5xx held back: the rule granted the retry
-            self.health.report_status(replica, sink.diverted)
+        if job.diverted != 404:  # a 5xx held back: the rule granted the retry
+            self.health.report_status(replica, job.diverted)
             return False
         model = job.model
         assert model is not None
@@ -606,7 +609,7 @@ class RouterApp:
         request: Request,
         conn: ClientConnection,
         replica: Replica,
-        sink: ClientConnection | _RetrySink,
+        sink: ClientConnection | _Job,
         tokens: int = 0,
         resend: Exchange | None = None,
     ) -> None:
@@ -615,8 +618,16 @@ class RouterApp:
         if resend is None:
             # head + body as an expression: held by the exchange alone, until the first
             # response byte (http/upstream.py).
+            head = self._upstream_head(
+                request.method,
+                replica.target_prefix + request.target,
+                request.headers,
+                host=replica.host_header,
+                client_ip=request.client_ip,
+                body_length=len(request.body),
+            )
             forwarding = replica.pool.forward(
-                self._request_head(request, replica) + request.body,
+                head + request.body,
                 sink,
                 head_only=request.method == b"HEAD",
                 http11=request.http11,
@@ -630,18 +641,6 @@ class RouterApp:
         finally:
             self.fleet.finished(replica, tokens)
         conn.keep_alive = conn.keep_alive and keep_alive
-
-    def _request_head(self, request: Request, replica: Replica) -> bytes:
-        return upstream_request_head(
-            request.method,
-            replica.target_prefix + request.target,
-            request.headers,
-            host=replica.host_header,
-            authorization=self._authorization,
-            client_ip=request.client_ip,
-            new_request_id=self._new_request_id,
-            body_length=len(request.body),
-        )
 
     # -- broadcasts and read-only routes ----------------------------------------------------
 

@@ -31,7 +31,8 @@ import os
 import re
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
+from functools import partial
+from typing import Protocol
 
 import msgspec
 import orjson
@@ -58,9 +59,11 @@ _TOKEN_LIST_BYTES = b"0123456789 \t\r\n"
 _WHERE = re.compile(r"at `\$\.(\w+)")
 
 
-@dataclass(slots=True)
-class Completion:
-    """The routing-relevant fields of a /v1/completions or /v1/chat/completions body."""
+class Completion(msgspec.Struct):
+    """The routing-relevant fields of a /v1/completions or /v1/chat/completions body.
+
+    A msgspec Struct rather than a dataclass: built in C, with no Python `__init__` frame, once
+    per request."""
 
     model: str | None
     raw_tokens: bytes | None  # a flat token-id prompt, as the client wrote it (validated)
@@ -113,18 +116,21 @@ class _RecentPrompts:
             self._bytes -= len(gone)
 
 
+class _Read(Protocol):
+    def __call__(self, body: bytes, *, chat: bool) -> Completion: ...
+
+
 class CompletionReader:
     """`read_completion` with a memory of the token-id prompts it range-checked last (see the
     module docstring). Only prompts read without error are kept, so a bad one is judged afresh
     every time."""
 
     def __init__(self, max_prompt_tokens: int, entries: int = 256, max_bytes: int = 16 << 20):
-        self.max_prompt_tokens = max_prompt_tokens
         self._prompts = _RecentPrompts(entries, max_bytes)
-
-    def read(self, body: bytes, *, chat: bool) -> Completion:
-        return read_completion(
-            body, chat=chat, max_prompt_tokens=self.max_prompt_tokens, checked=self._prompts
+        # `read(body, chat=...)`: `read_completion` with this reader's limit and memory. A
+        # partial, not a method that forwards: one Python call less per request.
+        self.read: _Read = partial(
+            read_completion, max_prompt_tokens=max_prompt_tokens, checked=self._prompts
         )
 
 

@@ -60,8 +60,17 @@ class RequestStats:
     first_byte: dict[str, Histogram] = field(default_factory=dict)
 
     def observe(
-        self, route: str, status: int, replica: bytes, seconds: float, first_byte: float | None
+        self,
+        route: str,
+        status: int,
+        replica: bytes,
+        started: float,
+        now: float,
+        first_byte_at: float,
     ) -> None:
+        """A request that arrived at `started` answered by `now` (loop time), its first
+        response byte at `first_byte_at` (0.0: none reached the client)."""
+        seconds = now - started
         key = (route, status, replica)
         self.requests[key] = self.requests.get(key, 0) + 1
         # `Histogram.observe`, written out: this runs once per request, and a call per
@@ -71,7 +80,8 @@ class RequestStats:
             hist = self.latency[route] = Histogram()
         hist.counts[bisect_left(hist.bounds, seconds)] += 1
         hist.total += seconds
-        if first_byte is not None:
+        if first_byte_at:
+            first_byte = first_byte_at - started
             hist = self.first_byte.get(route)
             if hist is None:
                 hist = self.first_byte[route] = Histogram()

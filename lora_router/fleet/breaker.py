@@ -73,15 +73,20 @@ class CircuitBreaker:
             self.trial = False
         return not self.trial
 
+    # `begin` and `success` run once per routed request: they read `_state` rather than the
+    # property (a call each), and `success` goes through the setter only when the state
+    # changes (the setter announces only a change; closed -> closed is none).
+
     def begin(self) -> None:
         """A request is being sent; in half-open state it is the one trial."""
-        if self.state == HALF_OPEN:
+        if self._state == HALF_OPEN:
             self.trial = True
 
     def success(self) -> None:
         self.failures = 0
         self.trial = False
-        self.state = CLOSED
+        if self._state != CLOSED:
+            self.state = CLOSED
 
     def failure(self, now: float) -> None:
         self.failures += 1

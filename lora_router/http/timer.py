@@ -6,6 +6,12 @@ rest of a request's bookkeeping, so the owner keeps its deadline as a plain numb
 timer to wake it *by* some time: the timer moves only when that is earlier than its scheduled
 wake-up. When it fires, the owner compares the deadline current then with the clock and, if it
 is still ahead, asks again. A steady stream of requests thus costs no timer call at all.
+
+A timer whose owner, each time it is woken, either asks again (`due`) or closes stays pending
+from its first `arm` until the owner closes. Such an owner, once it armed the timer, never
+needs `arm` for a limit of at least the horizon (it would do nothing) and may skip the call:
+http/upstream.py's connections do, in and from the pool. (The client connection may not: it
+lets the timer lapse while a request is answered.)
 """
 
 from __future__ import annotations

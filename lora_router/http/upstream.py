@@ -130,8 +130,14 @@ class Exchange:
         done, then = self.done, self.then
         if then is not None:
             self.then = None  # it refers to the caller's state: not kept past the end
-            assert self.pool is not None
-            self.pool._release_slot()  # free before `then`, which may send the next request
+            pool = self.pool
+            assert pool is not None
+            # The slot is freed before `then`, which may send the next request. With nobody
+            # queued (the usual case) that is all `_release_slot` does: written out.
+            if pool._waiters:
+                pool._release_slot()
+            else:
+                pool._busy -= 1
             then(error)
         elif done is not None and not done.done():
             if error is None:
@@ -254,14 +260,24 @@ class UpstreamConnection(asyncio.Protocol):
             buf = buf[body_at:]
         # The usual case: one parse of everything received, then one write. Parsed before
         # anything is forwarded, so bytes past the end of the response (a second response,
-        # response splitting) fail the exchange before a byte reaches the client.
-        self._feed(buf)
+        # response splitting) fail the exchange before a byte reaches the client. `_feed`,
+        # written out: this runs once per request.
+        try:
+            self._parser.feed_data(buf)
+        except httptools.HttpParserError as exc:
+            self._malformed(exc)
+            return False
         if self._ex is not ex:
             return False
         ex.head_buf = b""
         ex.head_sent = True
         head = buf[:end]
-        keep_alive = self._client_keep_alive(ex, head)
+        if ex.complete:
+            # A whole answer in one read (the usual case) is framed, and `dechunk` is off here:
+            # `_client_keep_alive` comes down to the client's own (`close_delimited` stays off).
+            keep_alive = ex.client_keep_alive = ex.sink.keep_alive
+        else:
+            keep_alive = self._client_keep_alive(ex, head)
         if len(buf) - body_at <= _COALESCE:
             # A whole small answer (vLLM's non-streamed completions are a few KB): its body is
             # copied behind the rewritten head in the same join, and goes in one write.
@@ -316,7 +332,8 @@ class UpstreamConnection(asyncio.Protocol):
 
     # -- the exchange -------------------------------------------------------------------------
 
-    def start(self, ex: Exchange) -> None:
+    def start(self, ex: Exchange, pooled: bool) -> None:
+        """Send `ex` on this connection (`pooled`: it was taken from the pool, not new)."""
         assert self.transport is not None
         if ex.dechunk != self._dechunking:
             # Between two responses a parser holds no state: take the kind this client needs.
@@ -324,7 +341,13 @@ class UpstreamConnection(asyncio.Protocol):
             self._parser = httptools.HttpResponseParser(_Dechunking(self) if ex.dechunk else self)
         self._ex = ex
         self._last = self._loop.time()
-        self._arm(self._pool.first_byte_timeout)
+        # `_arm`, written out (once per request), and the timer left alone when that is safe:
+        # a pooled connection's timer is pending and never sleeps past the pool's idle timeout
+        # (its horizon, http/timer.py), so a first-byte timeout at least that long would not
+        # move it.
+        self._limit = limit = self._pool.first_byte_timeout
+        if not pooled or limit < self._pool.idle_timeout:
+            self._timer.arm(self._last, limit)
         ex.sink.on_upstream(self.transport)
         self.transport.write(ex.request)
 
@@ -347,7 +370,10 @@ class UpstreamConnection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail("protocol", f"the replica sent a malformed response ({exc})", True)
+            self._malformed(exc)
+
+    def _malformed(self, exc: httptools.HttpParserError) -> None:
+        self._fail("protocol", f"the replica sent a malformed response ({exc})", True)
 
     def _finish(self, keep: bool) -> None:
         ex = self._ex
@@ -361,8 +387,11 @@ class UpstreamConnection(asyncio.Protocol):
             # or it would neither see the replica close it nor answer its next request.
             assert self.transport is not None
             self.transport.resume_reading()
-            self._arm(self._pool.idle_timeout)  # closed if unused that long in the pool
-            self._pool.release(self)
+            # Closed if unused that long in the pool. Only the limit changes: the idle timeout
+            # is the timer's horizon, and the timer of an open connection that was armed once
+            # is pending, so `_arm` would not move it (http/timer.py).
+            self._limit = self._pool.idle_timeout
+            self._pool._idle[self] = None  # back in the pool
         else:
             self._abort()
         ex.end(None)
@@ -449,7 +478,8 @@ class UpstreamPool:
         self.first_byte_timeout = first_byte_timeout
         self.stream_idle_timeout = stream_idle_timeout
         self.idle_timeout = idle_timeout
-        # Idle connections, in the order they were released (a dict: `forget` is O(1)).
+        # Idle connections, in the order they were released (a dict: `forget` is O(1)); put
+        # back by `UpstreamConnection._finish`.
         self._idle: dict[UpstreamConnection, None] = {}
         self._all: set[UpstreamConnection] = set()
         self.max_connections = max_connections
@@ -474,10 +504,13 @@ class UpstreamPool:
         nothing taken."""
         if self._busy >= self.max_connections or self._waiters:
             return None
-        conn = self._take_idle()
-        if conn is not None:
-            self._busy += 1
-        return conn
+        idle = self._idle
+        while idle:  # `_take_idle`, written out (once per request)
+            conn, _ = idle.popitem()  # LIFO: the most recently used is least likely stale
+            if not conn.closed:
+                self._busy += 1
+                return conn
+        return None
 
     def send_now(
         self, conn: UpstreamConnection, data: bytes, sink: ResponseSink, then: Then, *, http11: bool
@@ -492,7 +525,7 @@ class UpstreamPool:
         del data
         ex.then = then
         ex.pool = self
-        conn.start(ex)
+        conn.start(ex, pooled=True)
         return ex
 
     def abandon(self, conn: UpstreamConnection, ex: Exchange) -> None:
@@ -524,7 +557,7 @@ class UpstreamPool:
                 if conn is None:
                     conn = await self._connect()
                 ex.done = self.loop.create_future()
-                conn.start(ex)
+                conn.start(ex, pooled=not fresh)
                 try:
                     return await ex.done
                 except asyncio.CancelledError:
@@ -591,10 +624,6 @@ class UpstreamPool:
             raise UpstreamError("connect", text, received=False) from None
         self._all.add(conn)
         return conn
-
-    def release(self, conn: UpstreamConnection) -> None:
-        """Back in the pool, its idle timeout armed (`UpstreamConnection._finish`)."""
-        self._idle[conn] = None
 
     def forget(self, conn: UpstreamConnection) -> None:
         """A connection that closed: nothing here may keep it alive."""

@@ -108,6 +108,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple, Protocol
 
+import msgspec
 from xxhash import xxh3_64_intdigest
 
 # Seed domains (ASCII tags): the same bytes keyed as tokens and as text never collide.
@@ -340,21 +341,20 @@ def text_key(
     return PromptKey(bytes(data), seed, block_bytes, size, size // TEXT_BYTES_PER_TOKEN)
 
 
-class RouteKey:
+class RouteKey(msgspec.Struct):
     """What a policy is given for one request (module docstring): the prompt's `wire` key, if
-    it has one, and its block `key`, built by `build` on first access, then cached.
+    it has one, and its block `key`, built by `_build` on first access, then cached.
 
     Building is deferred so that a request routed by its wire key alone (a sibling) never
     parses ids or packs blocks. The builder is dropped once it ran, so that what it read (the
-    completion) goes as soon as the key exists; the key goes with this object.
+    completion) goes as soon as the key exists; the key goes with this object. A msgspec
+    Struct rather than a plain class: built in C, with no Python `__init__` frame, once per
+    request (`RouteKey(build, wire)`; `_key` is never passed).
     """
 
-    __slots__ = ("_build", "_key", "wire")
-
-    def __init__(self, build: Callable[[], PromptKey | None], wire: int | None = None) -> None:
-        self.wire = wire  # `wire_key` of a token-id prompt's JSON text, or None
-        self._build: Callable[[], PromptKey | None] | None = build
-        self._key: PromptKey | None = None
+    _build: Callable[[], PromptKey | None] | None
+    wire: int | None = None  # `wire_key` of a token-id prompt's JSON text, or None
+    _key: PromptKey | None = None
 
     @property
     def key(self) -> PromptKey | None:
