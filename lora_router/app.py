@@ -69,7 +69,6 @@ Retries on the control plane (the whole rule; fleet/client.py and fleet/broadcas
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
 import os
@@ -337,14 +336,7 @@ class RouterApp:
         # 32 hex digits like a uuid4's: 16 random, then a 64-bit counter.
         # A C-level callable: no Python frame per id.
         ids = map((os.urandom(8).hex().encode() + b"%016x").__mod__, itertools.count(1))
-        new_request_id: Callable[[], bytes] = ids.__next__
-        # The replica's request head, but for the request's and replica's own parts (a
-        # partial, not a method that forwards: one call less per request).
-        self._upstream_head = functools.partial(
-            upstream_request_head,
-            authorization=self._authorization,
-            new_request_id=new_request_id,
-        )
+        self._new_request_id: Callable[[], bytes] = ids.__next__
         # (method, path) -> handler, for every route the router answers itself.
         self.routes: dict[tuple[bytes, bytes], Route] = {
             (b"POST", b"/v1/load_lora_adapter"): self.load_adapter,
@@ -427,14 +419,7 @@ class RouterApp:
             return True
         job.started = started
         job.upstream = upstream
-        head = self._upstream_head(
-            request.method,
-            replica.target_prefix + request.target,
-            request.headers,
-            host=replica.host_header,
-            client_ip=request.client_ip,
-            body_length=len(request.body),
-        )
+        head = self._request_head(request, replica)
         job.ex = replica.pool.send_now(
             upstream, head + request.body, job, job.ended, http11=request.http11
         )
@@ -451,6 +436,19 @@ class RouterApp:
         route = _ROUTE_LABELS.get(request.path, "other")
         self.stats.observe(
             route, code, conn.replica, started, self._loop.time(), conn.first_byte_at
+        )
+
+    def _request_head(self, request: Request, replica: Replica) -> bytes:
+        """The head `request` goes to `replica` with (http/headers.py), on either path."""
+        return upstream_request_head(
+            request.method,
+            replica.target_prefix + request.target,
+            request.headers,
+            host=replica.host_header,
+            client_ip=request.client_ip,
+            body_length=len(request.body),
+            authorization=self._authorization,
+            new_request_id=self._new_request_id,
         )
 
     async def _dispatch(self, request: Request, conn: ClientConnection) -> None:
@@ -618,14 +616,7 @@ class RouterApp:
         if resend is None:
             # head + body as an expression: held by the exchange alone, until the first
             # response byte (http/upstream.py).
-            head = self._upstream_head(
-                request.method,
-                replica.target_prefix + request.target,
-                request.headers,
-                host=replica.host_header,
-                client_ip=request.client_ip,
-                body_length=len(request.body),
-            )
+            head = self._request_head(request, replica)
             forwarding = replica.pool.forward(
                 head + request.body,
                 sink,
