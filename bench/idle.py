@@ -28,12 +28,10 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -57,6 +55,7 @@ from overhead import (
     launch,
     lora_router_from,
     rotated,
+    spread,
     starters,
 )
 
@@ -96,10 +95,6 @@ def parse_us(src: Path) -> float:
         check=True,
     )
     return float(out.stdout.strip())
-
-
-def spread(values: Sequence[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def main() -> None:
