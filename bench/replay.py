@@ -19,7 +19,8 @@ What is modelled, and from where:
   cached at the end, as `Engine._cache_output` does;
 - the routers: `prefix` is `lora_router.routing.policy.PrefixAffinity` with its defaults, fed
   the keys the router builds (`keys.completion_key` under base-model seeds) and the in-flight
-  counts and prompt tokens the fleet keeps (`Fleet.started` / `finished`), given any of
+  counts and prompt tokens the fleet keeps (`Fleet.started` / `finished`, with each decision's
+  `Decision.tokens`), given any of
   `PrefixAffinity`'s keyword arguments (`prefix:load_slack=8`; a candidate rule under test adds
   its own, e.g. bench/results/routing-spill/queue-spill.patch's `queue_tokens`); `oracle` is
   bench/routing.py's oracle (families dealt round robin in
@@ -146,7 +147,8 @@ def requests_of(trace: str, n: int, seed: int, timing: bench.Timing) -> list[Req
 class Router:
     """What the replay asks of a router: a replica for each request, told of load changes."""
 
-    def route(self, req: Request, routable: Candidates[SimReplica]) -> SimReplica:
+    def route(self, req: Request, routable: Candidates[SimReplica]) -> tuple[SimReplica, int]:
+        """The replica and the prompt tokens to count in its `in_flight_tokens`."""
         raise NotImplementedError
 
     def changed(self, replica: SimReplica) -> None:
@@ -165,12 +167,13 @@ class PrefixRouter(Router):
         self.block = bench.Timing().block_size
         self.started = False
 
-    def route(self, req: Request, routable: Candidates[SimReplica]) -> SimReplica:
+    def route(self, req: Request, routable: Candidates[SimReplica]) -> tuple[SimReplica, int]:
         if not self.started:
             self.policy.set_members(routable)
             self.started = True
         key = completion_key(Prompt(orjson.dumps(req.prompt), req.prompt), self.seeds, self.block)
-        return self.policy.choose(key, routable).replica
+        decision = self.policy.choose(key, routable)
+        return decision.replica, decision.tokens  # as the fleet counts it (`Fleet.started`)
 
     def changed(self, replica: SimReplica) -> None:
         self.policy.load_changed(replica)
@@ -185,8 +188,9 @@ class OracleRouter(Router):
     def __init__(self) -> None:
         self.homes: dict[int, int] = {}
 
-    def route(self, req: Request, routable: Candidates[SimReplica]) -> SimReplica:
-        return routable[self.homes.setdefault(req.family, len(self.homes) % len(routable))]
+    def route(self, req: Request, routable: Candidates[SimReplica]) -> tuple[SimReplica, int]:
+        home = self.homes.setdefault(req.family, len(self.homes) % len(routable))
+        return routable[home], len(req.prompt)
 
 
 def replay(
@@ -211,16 +215,17 @@ def replay(
             children.setdefault(r.parent, []).append(r.index)
     heapq.heapify(ready)
     placed = [-1] * len(reqs)
+    charged = [0] * len(reqs)  # the prompt tokens counted in its replica's in_flight_tokens
     intervals: list[tuple[float, float, int]] = []
     done: list[tuple[float, int]] = []  # (answer time, request) of requests in flight
     now = 0.0
     while ready or done:
         while ready and routable.in_flight < cap:
             req = reqs[heapq.heappop(ready)]
-            rep = router.route(req, routable)
+            rep, charged[req.index] = router.route(req, routable)
             placed[req.index] = int(rep.name.rsplit("-", 1)[1])
             rep.in_flight += 1
-            rep.in_flight_tokens += len(req.prompt)
+            rep.in_flight_tokens += charged[req.index]
             routable.in_flight += 1
             router.changed(rep)
             # FIFO, one sequence at a time: the prompt is looked up when its service starts,
@@ -245,7 +250,7 @@ def replay(
         now, index = heapq.heappop(done)
         rep = replicas[placed[index]]
         rep.in_flight -= 1
-        rep.in_flight_tokens -= len(reqs[index].prompt)
+        rep.in_flight_tokens -= charged[index]
         routable.in_flight -= 1
         router.changed(rep)
         for child in children.get(index, ()):
@@ -333,13 +338,13 @@ def table(outcomes: list[Outcome], names: Sequence[str]) -> list[str]:
 
             follows = [f for o in mine if (f := o.follow) is not None]
             inflight = [v for o in mine if (v := ratio(o, "oracle", "in_flight")) is not None]
+            # A single-turn trace has no later turns to follow.
+            follow = f"| {min(follows):.4f} " if follows else "| — "
             rows.append(
                 f"| {trace} | {n} | {name} "
                 f"| {min(o.of_oracle for o in mine):.4f} "
                 f"[{statistics.median(o.of_oracle for o in mine):.4f}] "
-                f"| {min(follows):.4f} "
-                * bool(follows)
-                + "| — " * (not follows)
+                + follow
                 + f"| {sum(o.spills for o in mine)} "
                 f"| {max(o.max_mean_requests for o in mine):.3f} "
                 + (

@@ -146,6 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(1+eps) times it: lets the G samples of a prompt meet on one replica when few "
         "requests are in flight",
     )
+    g.add_argument(
+        "--move-price",
+        type=int,
+        default=d.move_price,
+        help="a family's first later turn leaves its home for the next replica on the "
+        "family's ring path when the home holds more work (prompt tokens to compute, plus "
+        "800 per request in flight) by more than this many times the turn's prompt tokens, "
+        "plus 800 (0: later turns stay up to the follow cap)",
+    )
     g.add_argument("--vnodes", type=int, default=d.vnodes, help="virtual nodes per replica")
     g.add_argument(
         "--affinity-table-size",
@@ -419,6 +428,7 @@ DEMO_ROUTER_FLAGS = (
     "block_size",
     "load_factor",
     "load_slack",
+    "move_price",
     "vnodes",
     "affinity_table_size",
 )

@@ -24,6 +24,7 @@ from lora_router.routing.keys import DEFAULT_LINEAGE_PATTERN, Lineages
 from lora_router.routing.policy import (
     DEFAULT_LOAD_FACTOR,
     DEFAULT_LOAD_SLACK,
+    DEFAULT_MOVE_PRICE,
     DEFAULT_TABLE_SIZE,
     DEFAULT_VNODES,
     POLICIES,
@@ -119,6 +120,8 @@ class Config:
     # The policy's own defaults (routing/policy.py explains them).
     load_factor: float = DEFAULT_LOAD_FACTOR  # ε of consistent hashing with bounded loads
     load_slack: int = DEFAULT_LOAD_SLACK  # requests in flight a replica may take over the mean
+    # A first later turn leaves a home heavier by more than this many times its prompt (0: never).
+    move_price: int = DEFAULT_MOVE_PRICE
     vnodes: int = DEFAULT_VNODES
     affinity_table_size: int = DEFAULT_TABLE_SIZE
     # Adapter name -> lineage, the placement key's name (routing/keys.py): TRL's `{name}-v{N}`.
@@ -203,7 +206,7 @@ class Config:
                 raise ValueError(f"{_flag(name)} must be positive")
         if self.block_size is not None and self.block_size <= 0:
             raise ValueError("--block-size must be positive")
-        for name in ("load_slack", "max_staleness", "retries"):
+        for name in ("load_slack", "move_price", "max_staleness", "retries"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} must be 0 or more")
         if not (math.isfinite(self.load_factor) and self.load_factor > 0):

@@ -68,6 +68,7 @@ class RouterRuntime:
             vnodes=config.vnodes,
             table_size=config.affinity_table_size,
             load_slack=config.load_slack,
+            move_price=config.move_price,
         )
         policy.set_members(fleet.replicas)
         fleet.on_members = policy.set_members

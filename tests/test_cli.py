@@ -69,6 +69,12 @@ def test_a_good_command_line_builds_the_config() -> None:
     assert c.max_body_bytes == 1000 and c.header_timeout == 2.5 and c.port == 0
 
 
+def test_the_move_price_is_a_flag_and_zero_turns_moves_off() -> None:
+    assert config("--replicas", "http://a", "--no-token").move_price == 10
+    off = config("--replicas", "http://a", "--no-token", "--move-price", "0")
+    assert off.move_price == 0
+
+
 BAD = {
     "no replicas": ["--token-env", "HF_TOKEN"],
     "empty replicas": ["--replicas", "", "--token-env", "HF_TOKEN"],
@@ -88,6 +94,7 @@ BAD = {
     "nan timeout": ["--replicas", "http://a", "--no-token", "--idle-timeout", "nan"],
     "zero body limit": ["--replicas", "http://a", "--no-token", "--max-body-bytes", "0"],
     "port too big": ["--replicas", "http://a", "--no-token", "--port", "70000"],
+    "negative move price": ["--replicas", "http://a", "--no-token", "--move-price", "-1"],
 }
 
 

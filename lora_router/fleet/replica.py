@@ -64,7 +64,7 @@ class Replica:
         self.pool = pool
         self.breaker = breaker
         self.in_flight = 0
-        self.in_flight_tokens = 0  # prompt tokens of the requests in flight (fresh placement)
+        self.in_flight_tokens = 0  # prompt tokens its requests in flight must compute (placement)
         self.life = life  # its service state; only `life`'s own methods change it
         # Called when its acknowledged adapters change (the fleet's kept candidate sets).
         self.on_change: Callable[[], None] | None = None

@@ -60,15 +60,16 @@ MAX_STEM_CHECKS = 64
 # An anchor is (replica, meta, wire, full): the replica name (shared by every anchor on it), the
 # prompt's `wire` key (None if it has none), its `full`, and `meta`, one int packing what `find`
 # and a sibling by its wire key read of it (four int objects would cost 32-40 bytes each):
-#   bits 0-39 the prompt's tokens, 40-103 the stem hash, 104-143 its bytes, 144- the stem's
-#   tail bytes,
+#   bits 0-38 the prompt's tokens, bit 39 set on a new family's first prompt (`record`'s
+#   `first`), 40-103 the stem hash, 104-143 its bytes, 144- the stem's tail bytes,
 # so that `meta >> _ORDER` orders anchors as (stem tail, prompt bytes) do: longest stem first,
 # then the longer prompt. A body's size is capped far below 2**40 bytes (`--max-body-bytes`).
 # One anchor under a head is stored bare, several as a list (least recently used first): most
 # heads have one, and a bare tuple is the smaller record.
 Anchor = tuple[str, int, int | None, int]
 _HASH = (1 << 64) - 1
-_FIELD = (1 << 40) - 1
+_TOKENS = (1 << 39) - 1  # tokens are fewer than a token-id body's bytes / 2, below 2**39
+_FIRST = 1 << 39
 _STEM, _ORDER, _TAIL = 40, 104, 144
 
 
@@ -78,7 +79,13 @@ def _order(anchor: Anchor) -> int:
 
 def anchor_tokens(anchor: Anchor) -> int:
     """The prompt tokens of an anchor's prompt."""
-    return anchor[1] & _FIELD
+    return anchor[1] & _TOKENS
+
+
+def anchor_first(anchor: Anchor) -> bool:
+    """Whether the anchor's prompt was recorded as a new family's first prompt (`record`'s
+    `first`): a later prompt that extends it is a first later turn of that family."""
+    return bool(anchor[1] & _FIRST)
 
 
 class AffinityTable:
@@ -156,19 +163,19 @@ class AffinityTable:
             del wires[old]
         wires[wire] = head
 
-    def find(self, key: PromptKey) -> Iterator[tuple[str, bool]]:
-        """Replicas of earlier prompts whose stems `key` starts with, longest shared block
-        prefix first, as (replica, exact) pairs; `exact` means the earlier prompt is this very
-        prompt.
+    def find(self, key: PromptKey) -> Iterator[tuple[Anchor, bool]]:
+        """Anchors of earlier prompts whose stems `key` starts with, longest shared block
+        prefix first, as (anchor, exact) pairs (the replica is `anchor[0]`); `exact` means the
+        earlier prompt is this very prompt.
 
         The exact match comes first and costs no chain: a caller that stops there (a sibling
         placed on its home) never computes it."""
         full = key.full
         head = self._exact.get(full)
         if head is not None:
-            replica = self._touch(head, full)
-            if replica is not None:
-                yield replica, True
+            anchor = self._touch(head, full)
+            if anchor is not None:
+                yield anchor, True
         heads = self._heads
         chain = key.chain
         # Most levels of a prompt head no anchor; a set intersection (in C) finds the few that
@@ -190,14 +197,17 @@ class AffinityTable:
                     return
                 checks -= 1
                 if key.prefix_hash(level, tail) == meta >> _STEM & _HASH:
-                    replica = self._touch(head, anchored)
-                    if replica is not None:
-                        yield replica, False
+                    anchor = self._touch(head, anchored)
+                    if anchor is not None:
+                        yield anchor, False
 
-    def record(self, key: PromptKey, replica: str, *, replace: bool = False) -> None:
+    def record(
+        self, key: PromptKey, replica: str, *, replace: bool = False, first: bool = False
+    ) -> None:
         """Remember that `key` went to `replica`. An existing anchor is kept (the first
         placement of a prompt is its home) unless `replace`; either way its head is refreshed.
-        Only a new prompt needs the key's chain (for its head)."""
+        Only a new prompt needs the key's chain (for its head). `first` marks a new prompt as
+        a new family's first prompt (`anchor_first`)."""
         heads = self._heads
         exact = self._exact
         full = key.full
@@ -214,7 +224,9 @@ class AffinityTable:
             return
         level, tail, stem = key.stem()
         head = key.head(level)
-        meta = ((tail << 40 | len(key.data)) << 64 | stem) << 40 | key.tokens
+        meta = ((tail << 40 | len(key.data)) << 64 | stem) << 40 | key.tokens & _TOKENS
+        if first:
+            meta |= _FIRST
         anchor = (replica, meta, None, full)
         entry = heads.get(head)
         if entry is None:
@@ -253,8 +265,8 @@ class AffinityTable:
                 return a[2]
         raise AssertionError("an index names a head without its anchor")
 
-    def _touch(self, head: int, full: int) -> str | None:
-        """The replica of the anchor (head, full), marked as just used; None if absent."""
+    def _touch(self, head: int, full: int) -> Anchor | None:
+        """The anchor (head, full), marked as just used; None if absent."""
         entry = self._heads.get(head)
         if entry is None:
             return None
@@ -262,12 +274,12 @@ class AffinityTable:
             if entry[3] != full:
                 return None
             self._heads.move_to_end(head)
-            return entry[0]
+            return entry
         for i, anchor in enumerate(entry):
             if anchor[3] == full:
                 entry.append(entry.pop(i))
                 self._heads.move_to_end(head)
-                return anchor[0]
+                return anchor
         return None
 
 

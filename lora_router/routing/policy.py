@@ -16,7 +16,8 @@ its conversation sent under `-v7`:
    first of their replicas that is routable and has room takes it (room: below the load cap
    for a sibling, below the follow cap for a continuation, see below): the longest prefix's
    replica if it can, else the next longest (its KV is still there, which beats any other
-   replica). A new prompt is then remembered on that replica.
+   replica), unless it is a family's first later turn that moves (below). A new prompt is then
+   remembered on that replica.
 2. *Spill.* If prefixes were known but none of their replicas can take it, walk the ring from
    the prompt's key to the first routable replica with room. Siblings walk the same path, so
    they keep meeting on one replica while their home is full. A spill never moves the home of
@@ -24,8 +25,10 @@ its conversation sent under `-v7`:
    prompt is remembered where it went, because its KV now grows there.
 3. *Fresh prompt* (a new family: nothing known shares its stem). Among the routable replicas
    with room, the one that was dealt the fewest families so far, then the one holding the
-   least work now (fewest requests in flight, then fewest prompt tokens in flight,
-   `in_flight_tokens`, which the caller maintains next to `in_flight`), ties to the first in
+   least work now (fewest requests in flight, then fewest prompt tokens in flight that it must
+   compute, `in_flight_tokens`, which the caller maintains next to `in_flight` from
+   `Decision.tokens`: 0 for a sibling, a continuation's tokens beyond the earlier prompt it
+   extends, all of them otherwise), ties to the first in
    ring order from the prompt's key. Only new families count: a later turn, under whatever
    version of its lineage, is a continuation (1), so the count is the number of conversations
    a replica holds, which is what the oracle of bench/routing.py deals evenly. Placing new
@@ -88,6 +91,37 @@ rate (the load cap alone: 0.993-0.994 on long-tail at 3 and 8 replicas); the pri
 drain a spill used to even out: the modelled makespan on long-tail moved by -0.2 % to +2.8 %
 (medians over rounds and over trace seeds), +3.6 % on the worst of 10 seeds.
 
+*Moving a family's first later turn.* Dealing by count keeps every replica's share of
+conversations even, but on long-tailed completions their work is not: on bench/routing.py's
+long-tail trace the busiest replica's modelled work was 6-9 % above the mean at 3 replicas,
+which no fresh placement can see coming (a family's completion lengths are drawn when it runs).
+So a continuation whose longest match is a new family's first prompt (`AffinityTable.record`'s
+`first`: the first later turn of one of its conversations) leaves its home for the first
+replica other than the home on the ring path of the *family's* key, when that one is below the
+load cap and the home holds more work by more than the turn's price (`_lighter`):
+
+    W(home) - W(other) > move_price * t + D,   W(r) = in_flight_tokens(r) + D * in_flight(r)
+
+with t the turn's prompt tokens (its whole history, which the home may hold and the other
+recomputes: priced conservatively, since an appended turn's completion is cached at home),
+D = `MOVE_REQUEST_TOKENS` and `move_price` 10 (`--move-price`, 0 turns it off). It counts as a
+spill, and the conversation goes on there (its new prompt is recorded where it went). Two
+bounds keep the targets: at most one conversation moves into a replica per `MOVE_SHARE` (50)
+requests routed per replica, so request totals stay near the mean (each move carries the
+conversation's later turns), and all moves together are priced at most `MOVE_BUDGET` (3)
+prompt tokens per request routed, so what they cost the hit rate is a bounded share of the
+prompts routed whatever the fleet size (at 2 replicas the share alone let 11 moves cost 0.8 %).
+Only first later turns move: every first later turn of a family tries the same replica, so
+the family's shared prompt is recomputed there once, not per conversation moved, while a deeper
+turn's history is its own (moving turns 1 and 2 alike cost 1.1-1.6 % of the hit rate at 3
+replicas in the replay). Measured in the noise-free replay over 10 trace seeds
+(bench/results/routing-makespan/): long-tail makespan -1.9 % at 3 replicas, -2.9 % at 8, -0.4 %
+at 2 (medians, against the same policy with `move_price=0`), hit rate >= 0.9955 of the
+oracle's, max/mean requests <= 1.035; on the other traces a handful of moves, hit rate >=
+0.9988. The earlier continuation spill priced by request counts
+(bench/results/routing-spill/) gained 0.2 % at 3 replicas: counts barely differ between
+replicas whose work does.
+
 Prompts that share only a template never match each other in the table (neither starts with
 the other's stem, see `keys`), so
 they are placed by their own keys and spread like unrelated prompts. The reference proxy's rule
@@ -99,8 +133,9 @@ for a shared template.
 
 Cost per request, with n replicas (issue 16: it must not grow with the fleet): a sibling by
 its wire key and the load cap, O(1) (the candidates carry their in-flight total); a known
-prompt, O(blocks) for the chain and the table, then O(1) per earlier prompt's replica tried; a
-spill, O(1 + s), s the replicas the ring walk passes over because they cannot take it; a new
+prompt, O(blocks) for the chain and the table, then O(1) per earlier prompt's replica tried (a
+first later turn whose home is heavy enough: one more ring walk, O(1 + s)); a spill,
+O(1 + s), s the replicas the ring walk passes over because they cannot take it; a new
 family, O(log n) per rank passed over (ranks without room or without a candidate) plus
 O(min(k, n / k)) for k tied replicas, at most O(sqrt(n)); `load_changed`, O(log n). Only what
 by definition compares every replica is O(n): a request without a key (least loaded), the
@@ -128,7 +163,7 @@ from fractions import Fraction
 from heapq import heapify, heappop, heappush
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
-from .affinity import AffinityTable, anchor_tokens
+from .affinity import AffinityTable, anchor_first, anchor_tokens
 from .keys import PromptKey, RouteKey
 from .ring import DEFAULT_VNODES, HashRing
 
@@ -139,6 +174,19 @@ DEFAULT_TABLE_SIZE = 200_000
 # bench/routing.py measured 16 at the oracle's hit rate with max/mean 1.00 on every trace; 32
 # measured the same (a one-round run), so the smaller allowance stays.
 DEFAULT_LOAD_SLACK = 16
+# A first later turn leaves a heavier home when the work difference exceeds this many times its
+# prompt tokens (`PrefixAffinity._lighter`); 0 never moves one. Measured in the noise-free
+# replay (bench/results/routing-makespan/): 10 kept the hit rate >= 0.995 of the oracle's.
+DEFAULT_MOVE_PRICE = 10
+# What one request in flight weighs in the work compared, in prompt tokens: its decode and the
+# history its next turn will prefill, which the router cannot see when it routes.
+MOVE_REQUEST_TOKENS = 800
+# Moves into one replica, at most one per this many requests routed per replica: moved
+# conversations carry their later turns with them, so request totals stay near the mean.
+MOVE_SHARE = 50
+# Prompt tokens priced for all moves made (`tokens` of each), at most this many per request
+# routed: what the moves may cost the hit rate stays a bounded share of the prompts routed.
+MOVE_BUDGET = 3
 
 
 class Replica(Protocol):
@@ -152,7 +200,7 @@ class Replica(Protocol):
 
     @property
     def in_flight_tokens(self) -> int:
-        """Prompt tokens of the requests in flight (`Decision.tokens` of each)."""
+        """Prompt tokens the requests in flight must compute (`Decision.tokens` of each)."""
         ...
 
 
@@ -162,7 +210,10 @@ R = TypeVar("R", bound=Replica)
 class Decision(NamedTuple, Generic[R]):
     replica: R
     kind: str  # one of the fields of DecisionCounts
-    tokens: int = 0  # the prompt's tokens, which the caller counts in `in_flight_tokens`
+    # The prompt tokens the replica must compute as far as the table knows (a sibling: 0; a
+    # continuation: those beyond the earlier prompt it extends; else all), which the caller
+    # counts in `in_flight_tokens`.
+    tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -289,11 +340,15 @@ class PrefixAffinity:
         vnodes: int = DEFAULT_VNODES,
         table_size: int = DEFAULT_TABLE_SIZE,
         load_slack: int = DEFAULT_LOAD_SLACK,
+        move_price: int = DEFAULT_MOVE_PRICE,
     ) -> None:
         if load_factor < 0:
             raise ValueError("load_factor must be >= 0")
         if load_slack < 0:
             raise ValueError("load_slack must be >= 0")
+        if move_price < 0:
+            raise ValueError("move_price must be >= 0")
+        self.move_price = move_price
         # A decimal flag value such as 0.1 is meant as 1/10, not as its binary float.
         self.load_factor = Fraction(str(load_factor))
         num, self._den = self.load_factor.as_integer_ratio()
@@ -304,6 +359,8 @@ class PrefixAffinity:
         self.counts = DecisionCounts()
         self._turn = 0
         self._dealt: dict[str, int] = {}  # member -> families dealt to it
+        self._moved: dict[str, int] = {}  # member -> conversations moved into it (`_lighter`)
+        self._moved_tokens = 0  # prompt tokens priced for the moves made (`_lighter`)
         self._ranks = _Ranks()
 
     def set_members(self, members: Sequence[Replica]) -> None:
@@ -312,6 +369,7 @@ class PrefixAffinity:
         self.ring = HashRing(names, self.ring.vnodes)
         floor = min(self._dealt.values(), default=0)
         self._dealt = {name: self._dealt.get(name, floor) for name in names}
+        self._moved = {name: self._moved.get(name, 0) for name in names}
         self._ranks = _Ranks()
         for r in members:
             self._ranks.file(r.name, (self._dealt[r.name], r.in_flight, r.in_flight_tokens))
@@ -346,7 +404,7 @@ class PrefixAffinity:
                     home.in_flight <= self.load_slack or home.in_flight < self.cap(routable)
                 ):
                     self.counts.sibling += 1
-                    return Decision(home, "sibling", anchor_tokens(known))
+                    return Decision(home, "sibling")
             # Unknown, not routable or full: the whole policy decides (a full home spills).
         prompt = key.key
         if prompt is None:
@@ -356,7 +414,7 @@ class PrefixAffinity:
             # Filed with the prompt's anchor, whose replica is its home (a spill does not move
             # it), and forgotten with it.
             self.table.link(prompt, wire)
-        return decision._replace(tokens=prompt.tokens)
+        return decision
 
     def _nokey(self, routable: Candidates[R]) -> Decision[R]:
         """O(n): least loaded among all of them (only requests without a key: embeddings)."""
@@ -374,8 +432,9 @@ class PrefixAffinity:
         follow = self.follow_cap(routable)
         known = False
         home: str | None = None  # this exact prompt's recorded replica
-        for name, exact in self.table.find(key):
+        for anchor, exact in self.table.find(key):
             known = True
+            name = anchor[0]
             if exact:
                 home = name
             replica = routable.get(name)
@@ -386,9 +445,15 @@ class PrefixAffinity:
                     self.counts.sibling += 1
                     return Decision(replica, "sibling")
             elif replica.in_flight < follow:
+                if self.move_price and anchor_first(anchor):
+                    lighter = self._lighter(anchor[3], replica, routable, cap, key.tokens)
+                    if lighter is not None:
+                        self._remember(key, home, lighter.name)
+                        self.counts.spill += 1
+                        return Decision(lighter, "spill", key.tokens)
                 self._remember(key, home, name)
                 self.counts.continuation += 1
-                return Decision(replica, "continuation")
+                return Decision(replica, "continuation", max(0, key.tokens - anchor_tokens(anchor)))
 
         if known:
             replica = self._next_with_room(key.full, routable, cap)
@@ -398,15 +463,65 @@ class PrefixAffinity:
             replica = self._deal(key.full, routable, cap)
             self.counts.fresh += 1
             kind = "fresh"
-        self._remember(key, home, replica.name)
-        return Decision(replica, kind)
+        self._remember(key, home, replica.name, first=kind == "fresh")
+        return Decision(replica, kind, key.tokens)
 
-    def _remember(self, key: PromptKey, home: str | None, replica: str) -> None:
+    def _lighter(
+        self, family: int, home: R, routable: Candidates[R], cap: int, tokens: int
+    ) -> R | None:
+        """Where a family's first later turn (a continuation of the prompt `family` hashes)
+        goes instead of its home, if anywhere: the first routable replica other than the home
+        in ring order from the family's key that is below the load cap, taken only if
+
+            W(home) - W(it) > move_price * tokens + MOVE_REQUEST_TOKENS,
+            W(r) = r.in_flight_tokens + MOVE_REQUEST_TOKENS * r.in_flight
+
+        (the work held, in prompt tokens to compute; `tokens` prices the prompt's history,
+        all of which the home may hold and the other replica recomputes), and only while the
+        conversations moved into it stay at most one per MOVE_SHARE requests routed per
+        replica (request totals stay near the mean) and all moves' `tokens` at most
+        MOVE_BUDGET per request routed (what they recompute stays a bounded share of the
+        prompts routed). Every later turn of one family tries the
+        same replica first, so its shared first prompt is recomputed once, not per turn moved;
+        later turns of a moved conversation follow it there (a first later turn is a new
+        prompt, recorded where it went). Only first later turns move: a deeper turn's history
+        is its own, and recomputing it costs the hit rate (module docstring).
+
+        O(1) unless the home is heavy enough for any replica to pay; then one ring walk,
+        O(1 + s) steps, s the members passed over (the home, those without room)."""
+        price = self.move_price * tokens + MOVE_REQUEST_TOKENS
+        held = home.in_flight_tokens + MOVE_REQUEST_TOKENS * home.in_flight
+        if held <= price:
+            return None
+        target = None
+        for name in self.ring.walk(family):
+            replica = routable.get(name)
+            if replica is not None and replica is not home and replica.in_flight < cap:
+                target = replica
+                break
+        if target is None:
+            return None
+        if held - target.in_flight_tokens - MOVE_REQUEST_TOKENS * target.in_flight <= price:
+            return None
+        counts = self.counts
+        routed = counts.sibling + counts.continuation + counts.spill + counts.fresh
+        moved = self._moved
+        if (moved.get(target.name, 0) + 1) * MOVE_SHARE * len(routable) > routed:
+            return None
+        if self._moved_tokens + tokens > MOVE_BUDGET * routed:
+            return None
+        self._moved_tokens += tokens
+        moved[target.name] = moved.get(target.name, 0) + 1
+        return target
+
+    def _remember(
+        self, key: PromptKey, home: str | None, replica: str, *, first: bool = False
+    ) -> None:
         """Record where a prompt went, unless it already has a home (the first placement
         sticks) that is still in the fleet; a home that left for good is replaced, since the
-        prompt's KV now grows where it went."""
+        prompt's KV now grows where it went. `first`: a new family's first prompt."""
         if home is None:
-            self.table.record(key, replica)
+            self.table.record(key, replica, first=first)
         elif home not in self.ring:
             self.table.record(key, replica, replace=True)
 
@@ -536,11 +651,16 @@ def make_policy(
     vnodes: int = DEFAULT_VNODES,
     table_size: int = DEFAULT_TABLE_SIZE,
     load_slack: int = DEFAULT_LOAD_SLACK,
+    move_price: int = DEFAULT_MOVE_PRICE,
 ) -> Policy:
     """The policy called `name` (`--policy`), one of `POLICIES`."""
     if name == "prefix":
         return PrefixAffinity(
-            load_factor=load_factor, vnodes=vnodes, table_size=table_size, load_slack=load_slack
+            load_factor=load_factor,
+            vnodes=vnodes,
+            table_size=table_size,
+            load_slack=load_slack,
+            move_price=move_price,
         )
     if name == "round-robin":
         return RoundRobin()

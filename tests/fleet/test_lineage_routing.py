@@ -96,9 +96,11 @@ async def test_in_flight_prompt_tokens_are_held_only_while_requests_run(
     prompt = PROMPT
     slow = asyncio.create_task(turn(client, runtime.url, emus[0].config.model, prompt))
     await until(lambda: sum(r.in_flight_tokens for r in fleet.replicas) == len(prompt))
-    # A sibling on the fast path (its wire hash alone) counts its tokens too.
+    # A sibling on the fast path (its wire hash alone) is in flight with nothing to compute:
+    # its prompt is its home's already (`Decision.tokens`).
     sibling = asyncio.create_task(turn(client, runtime.url, emus[0].config.model, prompt))
-    await until(lambda: sum(r.in_flight_tokens for r in fleet.replicas) == 2 * len(prompt))
+    await until(lambda: sum(r.in_flight for r in fleet.replicas) == 2)
+    assert sum(r.in_flight_tokens for r in fleet.replicas) == len(prompt)
     await asyncio.gather(slow, sibling)
     assert [(r.in_flight, r.in_flight_tokens) for r in fleet.replicas] == [(0, 0), (0, 0)]
 

@@ -47,7 +47,7 @@ def assert_consistent(table: AffinityTable) -> None:
 def test_an_earlier_prompt_is_found_when_it_is_an_exact_prefix(earlier, extension, block):
     table = AffinityTable(100)
     table.record(prompt_key("m", earlier, block), "A")
-    found = list(table.find(prompt_key("m", earlier + extension, block)))
+    found = [(a[0], exact) for a, exact in table.find(prompt_key("m", earlier + extension, block))]
     assert found == [("A", not extension)]
 
 
@@ -63,7 +63,8 @@ def test_a_re_rendered_turn_is_found_by_the_prompt_it_starts_all_but_8_tokens_of
     table = AffinityTable(100)
     table.record(prompt_key("m", earlier, block), "A")
     later = history + continued + turn
-    assert ("A", later == earlier) in list(table.find(prompt_key("m", later, block)))
+    found = [(a[0], exact) for a, exact in table.find(prompt_key("m", later, block))]
+    assert ("A", later == earlier) in found
 
 
 @given(tokens, nonempty, tokens, block_sizes)
@@ -84,7 +85,9 @@ def test_the_longest_earlier_prompt_comes_first(first, second, third, block):
     table = AffinityTable(100)
     table.record(prompt_key("m", first, block), "short")
     table.record(prompt_key("m", first + second, block), "long")
-    found = list(table.find(prompt_key("m", first + second + third, block)))
+    found = [
+        (a[0], exact) for a, exact in table.find(prompt_key("m", first + second + third, block))
+    ]
     assert found == [("long", not third), ("short", False)]
 
 
@@ -95,7 +98,8 @@ def test_the_exact_prompt_is_found_or_replaced_without_its_chain(prompt, shorter
     table = AffinityTable(100)
     table.record(prompt_key("m", prompt + shorter, block), "A")
     sibling = chainless(prompt_key("m", prompt + shorter, block))
-    assert next(table.find(sibling)) == ("A", True)
+    anchor, exact = next(table.find(sibling))
+    assert (anchor[0], exact) == ("A", True)
     assert table.home(sibling) == "A"
     table.record(sibling, "B")
     table.record(sibling, "C", replace=True)
@@ -137,7 +141,8 @@ def test_the_table_never_holds_more_than_its_capacity(capacity, prompts, block):
         home = table.home(key)
         if home is not None:
             assert home in replicas
-            assert next(table.find(key)) == (home, True)
+            anchor, exact = next(table.find(key))
+            assert (anchor[0], exact) == (home, True)
 
 
 @given(st.lists(tokens, min_size=3, max_size=10))
