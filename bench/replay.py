@@ -305,11 +305,6 @@ def routers(spec: str) -> dict[str, Callable[[], Router]]:
     return out
 
 
-def seeds_of(text: str) -> list[int]:
-    low, _, high = text.partition("-")
-    return list(range(int(low), int(high or low) + 1))
-
-
 def table(outcomes: list[Outcome], names: Sequence[str]) -> list[str]:
     """One row per (trace, N, router): medians and worsts over the seeds."""
     rows = [
@@ -381,7 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     outcomes: list[Outcome] = []
     for trace in [t for t in args.traces.split(",") if t]:
         for n in [int(x) for x in args.replicas.split(",") if x]:
-            for seed in seeds_of(args.seeds):
+            for seed in bench.seeds_of(args.seeds):
                 reqs = requests_of(trace, n, seed, args.timing)
                 got = {
                     name: measure(name, trace, n, seed, reqs, make, args)

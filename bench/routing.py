@@ -83,6 +83,11 @@ every completion each emulator receives (it replaces the emulator's request log,
 `Emulator.requests`), so routers that add no header are measured like the others; lora-router's
 `x-lora-router-replica` header is checked against it (`header_mismatches`).
 
+Trace seeds: a trace is one draw of problems, samples and completion lengths, and with a
+router that places deterministically one draw decides how evenly the work falls (bench/replay.py
+moves the makespan by up to ±5 % between seeds). `--seeds 0-4` runs every contender on each
+seed (each repeated `--repeat` times), pools the figures and pairs the wall times run by run.
+
 Investigation aids: `--load-factor` and `--load-slack` are passed to lora-router; `--lr-source`
 runs lora-router from another source tree (the base commit's, to show a trace can fail);
 `--alt-source` runs the `lr-prefix-alt` and `lr-prefix-base-alt` contenders from another tree
@@ -102,6 +107,7 @@ import asyncio
 import contextlib
 import datetime
 import heapq
+import itertools
 import json
 import os
 import re
@@ -697,6 +703,7 @@ class RunResult:
     unexpected_outputs: int = 0
     header_mismatches: int | None = None
     round: int = 0  # which repeat this run was
+    seed: int = 0  # the trace seed (`--seeds`)
     # Filled in the summaries of repeated runs (`aggregate`): medians above, and these.
     repeats: int = 1
     wall_range_s: list[float] = field(default_factory=list)
@@ -704,6 +711,9 @@ class RunResult:
     worst_max_mean_requests: float = 0.0
     worst_in_flight_balance: float = 0.0
     worst_follow: float | None = None  # of later turns, spills excepted
+    # Every run's wall time by "seed:round", so two contenders' runs on the same trace seed
+    # and in the same interleaved round can be paired (`targets`).
+    wall_by_run: dict[str, float] = field(default_factory=dict)
 
     @property
     def makespan_s(self) -> float:
@@ -1030,21 +1040,22 @@ class Bench:
 
 
 def fill_oracle_fractions(results: list[RunResult]) -> None:
-    """Each run's hit rate over the oracle's (median over its repeats) on the same trace,
-    replica count and naming mode."""
-    oracle: dict[tuple[str, int, str], list[float]] = {}
+    """Each run's hit rate over the oracle's (median over its repeats) on the same trace, trace
+    seed, replica count and naming mode."""
+    oracle: dict[tuple[str, int, str, int], list[float]] = {}
     for r in results:
         if r.contender.startswith("oracle") and r.status == "ok":
-            oracle.setdefault((r.trace, r.replicas, r.mode), []).append(r.hit_rate)
+            oracle.setdefault((r.trace, r.replicas, r.mode, r.seed), []).append(r.hit_rate)
     for r in results:
-        rates = oracle.get((r.trace, r.replicas, r.mode))
+        rates = oracle.get((r.trace, r.replicas, r.mode, r.seed))
         if r.status == "ok" and rates:
             r.of_oracle = r.hit_rate / statistics.median(rates)
 
 
 def aggregate(results: list[RunResult]) -> list[RunResult]:
-    """One summary per (trace, replicas, contender): the run with the median wall time, with
-    the median hit rate and fraction of the oracle, and the worst of each across repeats."""
+    """One summary per (trace, replicas, contender), over its repeats and trace seeds: the run
+    with the median wall time, with the median hit rate and fraction of the oracle, and the
+    worst of each."""
     groups: dict[tuple[str, int, str], list[RunResult]] = {}
     for r in results:
         groups.setdefault((r.trace, r.replicas, r.contender), []).append(r)
@@ -1069,6 +1080,7 @@ def aggregate(results: list[RunResult]) -> list[RunResult]:
                 worst_max_mean_requests=max(r.max_mean_requests for r in ok),
                 worst_in_flight_balance=max(r.in_flight_balance for r in ok),
                 worst_follow=min(follows) if (follows := _follows(ok)) else None,
+                wall_by_run={f"{r.seed}:{r.round}": r.wall_s for r in ok},
             )
         )
     return summaries
@@ -1098,6 +1110,7 @@ TARGET_HEADER = [
     "in flight: ours / oracle's",
     "wall s, base",
     "best peer wall s",
+    "wall: ours / peer's, paired",
     "makespan s: ours / peer's",
     "met",
 ]
@@ -1109,6 +1122,21 @@ def _wall(r: RunResult) -> str:
     return f"{r.wall_s:.2f}"
 
 
+def paired_wall(ours: RunResult, peer: RunResult) -> list[float]:
+    """Our wall time over the peer's, run by run: the same trace seed, the same interleaved
+    round (so the same spell of the machine), which the medians of `_wall` do not pair."""
+    both = ours.wall_by_run.keys() & peer.wall_by_run.keys()
+    return sorted(ours.wall_by_run[k] / peer.wall_by_run[k] for k in both if peer.wall_by_run[k])
+
+
+def _ratios(ratios: list[float]) -> str:
+    if not ratios:
+        return "—"
+    if len(ratios) == 1:
+        return f"{ratios[0]:.3f}"
+    return f"{statistics.median(ratios):.3f} [{ratios[0]:.3f}-{ratios[-1]:.3f}]"
+
+
 def _ok(r: RunResult | None) -> RunResult | None:
     return r if r is not None and r.status == "ok" else None
 
@@ -1116,8 +1144,9 @@ def _ok(r: RunResult | None) -> RunResult | None:
 def targets(summaries: list[RunResult], traces: list[str], counts: list[int]) -> list[list[str]]:
     """One row per (trace, replicas): lora-router prefix against the issue's targets, both
     naming modes. Hit fractions, follow rates and balance are the worst over repeats, wall times
-    medians [range]; a wall time above the best peer's median but inside its range is a tie
-    within the noise (≈). In-flight balance is compared with the oracle's of the same mode."""
+    medians [range] over repeats and trace seeds; a wall time above the best peer's median but
+    inside its range is a tie within the noise (≈). Beside them, the paired ratios (`paired_wall`):
+    median [range]. In-flight balance is compared with the oracle's of the same mode."""
     by = _by(summaries)
     rows = []
     for trace in traces:
@@ -1170,6 +1199,7 @@ def targets(summaries: list[RunResult], traces: list[str], counts: list[int]) ->
                     " · ".join(f"{o:.2f} / {b:.2f}" for o, b in flights) or "—",
                     _wall(base) if base else "—",
                     f"{_wall(best)} ({best.label})" if best else "—",
+                    _ratios(paired_wall(base, best)) if base and best else "—",
                     makespan,
                     f"{hit}hits {fol}turns {bal}balance {fly}in-flight {wall}wall",
                 ]
@@ -1298,7 +1328,13 @@ def write_markdown(
         "`trl-policy-vN`, synced through the router as TRL does (pause keep, load, resume, "
         "unload v(N-5)); *base*: requests name the base model (the peers cannot load adapters). "
         f"Runs repeated {meta['repeat']} times (interleaved): "
-        f"{', '.join(meta['repeated']) or 'none'}; others once.",
+        f"{', '.join(meta['repeated']) or 'none'}; others once"
+        + (
+            f"; every contender on each of the trace seeds {meta['seeds'][0]}-{meta['seeds'][-1]}, "
+            "the figures pooled over them (the oracle's fraction taken per seed)."
+            if len(meta.get("seeds", [0])) > 1
+            else "."
+        ),
         "",
         "## lora-router (prefix) against the targets",
         "",
@@ -1308,7 +1344,8 @@ def write_markdown(
         f"max/mean requests per replica ≤ {TARGET_BALANCE:.2f} (worst); time-weighted in-flight "
         f"max/mean ≤ {TARGET_IN_FLIGHT:.2f} times the oracle's of the same mode (LoRA · base); "
         "wall time ≤ the best peer's (base-model runs, like for like; median [min-max] over "
-        "repeats, ≈: above the peer's median but inside its range). *Makespan* is the busiest "
+        "repeats, ≈: above the peer's median but inside its range; *paired*: ours over the "
+        "peer's run by run, same seed and round, median [min-max]). *Makespan* is the busiest "
         "replica's modeled service time, the part of the wall time that routing decides, free "
         "of the machine's noise.",
         "",
@@ -1430,6 +1467,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the routers --repeat applies to (default: those the wall-time target compares)",
     )
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument(
+        "--seeds",
+        default="0",
+        help="trace seeds, e.g. 0-4: every contender runs every seed (--repeat times for the "
+        "--repeat-routers), and the figures pool them",
+    )
     p.add_argument("--load-factor", type=float, default=None, help="lora-router --load-factor")
     p.add_argument(
         "--load-slack",
@@ -1507,6 +1550,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.replica_list = [int(n) for n in args.replicas.split(",") if n]
     args.router_list = [r for r in args.routers.split(",") if r]
     args.repeat_list = [r for r in args.repeat_routers.split(",") if r]
+    args.seed_list = seeds_of(args.seeds)
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
     unknown = set(args.trace_list) - set(TRACES)
@@ -1523,6 +1567,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             args.router_list.append(oracle)
     args.router_list = [c.key for c in CONTENDERS if c.key in args.router_list]
     return args
+
+
+def seeds_of(text: str) -> list[int]:
+    """`3` or a range `0-4` (inclusive)."""
+    low, _, high = text.partition("-")
+    return list(range(int(low), int(high or low) + 1))
 
 
 def one_line(r: RunResult) -> str:
@@ -1557,15 +1607,15 @@ async def bench_main(args: argparse.Namespace) -> int:
     results: list[RunResult] = []
     repeated = [c.key for c in contenders if c.key in args.repeat_list and args.repeat > 1]
     per_block = len(contenders) + (args.repeat - 1) * len(repeated)
-    total = len(args.replica_list) * len(args.trace_list) * per_block
+    total = len(args.replica_list) * len(args.trace_list) * len(args.seed_list) * per_block
     progress = tqdm(total=total, unit="run", dynamic_ncols=True)
     try:
         for n in args.replica_list:
             with open(workdir / f"replicas-{n}.log", "ab") as log:
                 host = await ReplicaHost.start(n, args.timing, log)
             try:
-                for trace in args.trace_list:
-                    spec = trace_spec(trace, n, args.scale)
+                for trace, seed in itertools.product(args.trace_list, args.seed_list):
+                    spec = trace_spec(trace, n, replace(args.scale, seed=seed))
                     workloads = {
                         base: build_workload(spec, base) for base in {c.base for c in contenders}
                     }
@@ -1575,12 +1625,14 @@ async def bench_main(args: argparse.Namespace) -> int:
                         for c in contenders:
                             if round_ and c.key not in repeated:
                                 continue
-                            progress.set_description(f"{trace} N={n} {c.key} #{round_ + 1}")
-                            result = await bench.run(host, c, trace, n, workloads[c.base])
-                            result.round = round_
-                            results.append(result)
                             tag = f"{c.key} #{round_ + 1}"
-                            progress.write(f"{trace:12} N={n} {tag:19} {one_line(result)}")
+                            if len(args.seed_list) > 1:
+                                tag += f" seed {seed}"
+                            progress.set_description(f"{trace} N={n} {tag}")
+                            result = await bench.run(host, c, trace, n, workloads[c.base])
+                            result.round, result.seed = round_, seed
+                            results.append(result)
+                            progress.write(f"{trace:12} N={n} {tag:26} {one_line(result)}")
                             progress.update()
             finally:
                 await host.close()
@@ -1613,6 +1665,7 @@ async def bench_main(args: argparse.Namespace) -> int:
         },
         "repeat": args.repeat,
         "repeated": repeated,
+        "seeds": args.seed_list,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {
