@@ -1439,10 +1439,33 @@ def write_plot(path: Path, results: list[RunResult], traces: list[str], counts: 
     plt.close(fig)
 
 
-def load_json(path: Path) -> tuple[dict[str, Any], list[RunResult]]:
-    """The meta and summaries of an earlier run's routing.json (for --from-json)."""
-    data = json.loads(path.read_text())
-    return data["meta"], [RunResult(**r) for r in data["summaries"]]
+def load_json(paths: Sequence[Path]) -> tuple[dict[str, Any], list[RunResult]]:
+    """The meta and summaries of earlier runs' routing.json files (for --from-json): their runs
+    pooled and summarized again, as if one run had made them all. Runs of one trace, replica
+    count, contender, trace seed and round in two files would be the same run twice: refused."""
+    metas, runs = [], []
+    for path in paths:
+        data = json.loads(path.read_text())
+        metas.append(data["meta"])
+        runs += [RunResult(**r) for r in data["runs"]]
+    seen = Counter((r.trace, r.replicas, r.contender, r.seed, r.round) for r in runs)
+    if twice := [key for key, count in seen.items() if count > 1]:
+        raise SystemExit(f"runs in more than one file: {twice[:3]} (run them on other --seeds)")
+    meta = metas[0]
+    if len(metas) > 1:
+        pooled = "python bench/routing.py --from-json " + " ".join(map(str, paths))
+        meta = {
+            **meta,
+            "date": max(m["date"] for m in metas),
+            "command": "; ".join(m["command"] for m in metas) + f"` pooled by `{pooled}",
+            "elapsed_s": sum(m["elapsed_s"] for m in metas),
+            "git": ", ".join(dict.fromkeys(m["git"] for m in metas)),
+            "repeat": max(m["repeat"] for m in metas),
+            "repeated": list(dict.fromkeys(c for m in metas for c in m["repeated"])),
+            "seeds": sorted({s for m in metas for s in m.get("seeds", [0])}),
+        }
+    fill_oracle_fractions(runs)
+    return meta, aggregate(runs)
 
 
 # --- main ----------------------------------------------------------------------------------
@@ -1521,8 +1544,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--from-json",
         type=Path,
+        nargs="+",
         default=None,
-        help="only rewrite routing.md and routing.png from this routing.json (no runs)",
+        help="only rewrite routing.md and routing.png from the runs of these routing.json files "
+        "(no runs; several: pooled, e.g. two runs on different --seeds)",
     )
     args = p.parse_args(argv)
     if args.out is None:
@@ -1557,7 +1582,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     unknown |= set(args.router_list) - {c.key for c in CONTENDERS}
     if unknown:
         p.error(f"unknown trace or router: {', '.join(sorted(unknown))}")
-    if args.alt_source is None and any(r.endswith("-alt") for r in args.router_list):
+    alt = any(r.endswith("-alt") for r in args.router_list)
+    if alt and args.alt_source is None and args.from_json is None:
         p.error("the -alt contenders need --alt-source")
     # Fractions of the oracle need the oracle of the same mode.
     wanted = {c.key: c for c in CONTENDERS if c.key in args.router_list}
@@ -1707,7 +1733,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         write_markdown(args.out / "routing.md", summaries, meta, traces, counts)
         write_plot(args.out / "routing.png", summaries, traces, counts)
-        print(f"routing.md and routing.png rewritten in {args.out} from {args.from_json}")
+        sources = ", ".join(map(str, args.from_json))
+        print(f"routing.md and routing.png rewritten in {args.out} from {sources}")
         return 0
     return asyncio.run(bench_main(args))
 
