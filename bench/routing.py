@@ -1151,6 +1151,8 @@ def targets(summaries: list[RunResult], traces: list[str], counts: list[int]) ->
     rows = []
     for trace in traces:
         for n in counts:
+            if not any(r.trace == trace and r.replicas == n for r in summaries):
+                continue  # a pooled or partial run that has no such cell
             lora, base = (
                 _ok(by.get((trace, n, "lr-prefix"))),
                 _ok(by.get((trace, n, "lr-prefix-base"))),
