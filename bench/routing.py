@@ -87,6 +87,9 @@ Trace seeds: a trace is one draw of problems, samples and completion lengths, an
 router that places deterministically one draw decides how evenly the work falls (bench/replay.py
 moves the makespan by up to ±5 % between seeds). `--seeds 0-4` runs every contender on each
 seed (each repeated `--repeat` times), pools the figures and pairs the wall times run by run.
+Read wall times at 8 replicas with care: there both cores are 65-80 % busy (the replica host on
+core 1; the router and this load generator on core 0), the wall time is about 2.5 times the
+makespan, and single runs of one router spread by ±10 %.
 
 Investigation aids: `--load-factor` and `--load-slack` are passed to lora-router; `--lr-source`
 runs lora-router from another source tree (the base commit's, to show a trace can fail);
