@@ -26,15 +26,19 @@ turns = st.lists(st.integers(0, 150_000), min_size=1, max_size=80)
 # so another first later turn of the family does not start with it.
 long_turns = st.lists(st.integers(0, 150_000), min_size=9, max_size=80)
 fleet_sizes = st.integers(2, 8)
+# The filler prompt's tokens: each filler request routed adds FILLER_TOKENS / MOVE_BUDGET
+# tokens to the moves' budget (about 3, room for the moves the tests below make).
+FILLER_TOKENS = 1_000
 
 
 def primed(n: int, routed: int, **options: int) -> tuple[PrefixAffinity, Pool]:
-    """A policy over n idle replicas that has routed `routed` requests (one filler prompt and
-    its siblings, by wire key), so that the share and budget bounds leave room for moves."""
+    """A policy over n idle replicas that has routed `routed` requests (one filler prompt of
+    FILLER_TOKENS and its siblings, by wire key), so that the share and budget bounds leave
+    room for moves."""
     reps = fleet(n)
     policy = PrefixAffinity(**options)
     watch(policy, reps)
-    filler = [7] * 8
+    filler = [7] * FILLER_TOKENS
     key = prompt_key("filler", filler)
     wire = wire_key("filler", str(filler).encode())
     for _ in range(routed):
@@ -166,17 +170,18 @@ def test_moves_stop_once_their_priced_tokens_reach_the_budget(prompt, n, routed,
 
 def budgeted(prompt: list[int], n: int, routed: int, count: int) -> None:
     policy, reps = primed(n, routed)
-    home = place(policy, prompt_key("m", prompt), reps)
+    family = prompt_key("m", prompt)
+    home = place(policy, family, reps)
     home.in_flight, home.in_flight_tokens = 1, 10**9
-    spent, decided, kinds, expected = 0, routed + 1, [], []
+    spent, seen, kinds, expected = 0, FILLER_TOKENS * routed + family.tokens, [], []
     for later in later_turns(prompt, count):
-        # The k-th move is allowed while all moves' prompt tokens stay within the budget of
-        # the requests routed before it.
-        fits = spent + later.tokens <= MOVE_BUDGET * decided
+        # The k-th move is allowed while all moves' prompt tokens stay within 1 / MOVE_BUDGET
+        # of the prompt tokens routed, its own included.
+        seen += later.tokens
+        fits = (spent + later.tokens) * MOVE_BUDGET <= seen
         expected.append("spill" if fits else "continuation")
         spent += later.tokens * fits
         kinds.append(policy.choose(RouteKey(lambda k=later: k, None), reps).kind)
-        decided += 1
     assert kinds == expected and "continuation" in kinds
 
 
