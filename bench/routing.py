@@ -1444,21 +1444,26 @@ def write_plot(path: Path, results: list[RunResult], traces: list[str], counts: 
     plt.close(fig)
 
 
-def load_json(paths: Sequence[Path]) -> tuple[dict[str, Any], list[RunResult]]:
-    """The meta and summaries of earlier runs' routing.json files (for --from-json): their runs
-    pooled and summarized again, as if one run had made them all. Runs of one trace, replica
-    count, contender, trace seed and round in two files would be the same run twice: refused."""
+def load_json(
+    paths: Sequence[Path], traces: Sequence[str], counts: Sequence[int], command: str
+) -> tuple[dict[str, Any], list[RunResult]]:
+    """The meta and runs of earlier runs' routing.json files (for --from-json, which `command`
+    is), those of `traces` at `counts` replicas: pooled, as if one run had made them all. Runs
+    of one trace, replica count, contender, trace seed and round in two files would be the same
+    run twice: refused."""
     metas, runs = [], []
     for path in paths:
         data = json.loads(path.read_text())
         metas.append(data["meta"])
-        runs += [RunResult(**r) for r in data["runs"]]
+        runs += [
+            RunResult(**r) for r in data["runs"] if r["trace"] in traces and r["replicas"] in counts
+        ]
     seen = Counter((r.trace, r.replicas, r.contender, r.seed, r.round) for r in runs)
     if twice := [key for key, count in seen.items() if count > 1]:
         raise SystemExit(f"runs in more than one file: {twice[:3]} (run them on other --seeds)")
     meta = metas[0]
     if len(metas) > 1:
-        pooled = "python bench/routing.py --from-json " + " ".join(map(str, paths))
+        pooled = command
         meta = {
             **meta,
             "date": max(m["date"] for m in metas),
@@ -1470,7 +1475,7 @@ def load_json(paths: Sequence[Path]) -> tuple[dict[str, Any], list[RunResult]]:
             "seeds": sorted({s for m in metas for s in m.get("seeds", [0])}),
         }
     fill_oracle_fractions(runs)
-    return meta, aggregate(runs)
+    return meta, runs
 
 
 # --- main ----------------------------------------------------------------------------------
@@ -1551,8 +1556,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=Path,
         nargs="+",
         default=None,
-        help="only rewrite routing.md and routing.png from the runs of these routing.json files "
-        "(no runs; several: pooled, e.g. two runs on different --seeds)",
+        help="only rewrite routing.md and routing.png from the runs of these routing.json files, "
+        "those of --traces and --replicas (no runs; several: pooled, e.g. runs on different "
+        "--seeds, and written to --out's routing.json too)",
     )
     args = p.parse_args(argv)
     if args.out is None:
@@ -1732,10 +1738,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(raw)
     args.argv = raw
     if args.from_json is not None:
-        meta, summaries = load_json(args.from_json)
+        command = "python bench/routing.py " + " ".join(shlex.quote(a) for a in raw)
+        meta, runs = load_json(args.from_json, args.trace_list, args.replica_list, command)
+        summaries = aggregate(runs)
         traces = [t for t in TRACES if any(r.trace == t for r in summaries)]
         counts = sorted({r.replicas for r in summaries})
         args.out.mkdir(parents=True, exist_ok=True)
+        out_json = args.out / "routing.json"
+        if out_json.resolve() not in {p.resolve() for p in args.from_json}:
+            payload = {
+                "meta": meta,
+                "summaries": [asdict(r) for r in summaries],
+                "runs": [asdict(r) for r in runs],
+            }
+            out_json.write_text(json.dumps(payload, indent=1) + "\n")
         write_markdown(args.out / "routing.md", summaries, meta, traces, counts)
         write_plot(args.out / "routing.png", summaries, traces, counts)
         sources = ", ".join(map(str, args.from_json))
