@@ -114,11 +114,14 @@ prompts routed whatever the fleet size (at 2 replicas the share alone let 11 mov
 Only first later turns move: every first later turn of a family tries the same replica, so
 the family's shared prompt is recomputed there once, not per conversation moved, while a deeper
 turn's history is its own (moving turns 1 and 2 alike cost 1.1-1.6 % of the hit rate at 3
-replicas in the replay). Measured in the noise-free replay over 10 trace seeds
-(bench/results/routing-makespan/): long-tail makespan -1.9 % at 3 replicas, -2.9 % at 8, -0.4 %
-at 2 (medians, against the same policy with `move_price=0`), hit rate >= 0.9955 of the
-oracle's, max/mean requests <= 1.035; on the other traces a handful of moves, hit rate >=
-0.9988. The earlier continuation spill priced by request counts
+replicas in the replay). Measured in the noise-free replay over 10 trace seeds, against the
+same policy with `move_price=0` (bench/results/routing-seeds/replay/): on long-tail the median
+makespan moves by -0.2 % at 2 and 3 replicas and 0.0 % at 8, the worst seed's by -1.7 % at 3 and
+-1.0 % at 8, the worst in-flight balance from 1.079 to 1.052 and from 1.081 to 1.057, for a hit
+rate >= 0.9975 of the oracle's and max/mean requests <= 1.035; on the other traces a handful of
+moves. (Under the earlier budget of 3 tokens per request routed the median gains were 1.9-2.9 %,
+bench/results/routing-makespan/, at the cost of the hit-rate target on one wall-clock run,
+bench/results/routing-seeds/.) The earlier continuation spill priced by request counts
 (bench/results/routing-spill/) gained 0.2 % at 3 replicas: counts barely differ between
 replicas whose work does.
 
