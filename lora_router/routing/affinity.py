@@ -68,7 +68,7 @@ MAX_STEM_CHECKS = 64
 # heads have one, and a bare tuple is the smaller record.
 Anchor = tuple[str, int, int | None, int]
 _HASH = (1 << 64) - 1
-ANCHOR_TOKENS = (1 << 39) - 1  # tokens are fewer than a token-id body's bytes / 2, below 2**39
+_TOKENS = (1 << 39) - 1  # tokens are fewer than a token-id body's bytes / 2, below 2**39
 _FIRST = 1 << 39
 _STEM, _ORDER, _TAIL = 40, 104, 144
 
@@ -79,7 +79,7 @@ def _order(anchor: Anchor) -> int:
 
 def anchor_tokens(anchor: Anchor) -> int:
     """The prompt tokens of an anchor's prompt."""
-    return anchor[1] & ANCHOR_TOKENS
+    return anchor[1] & _TOKENS
 
 
 def anchor_first(anchor: Anchor) -> bool:
@@ -224,7 +224,7 @@ class AffinityTable:
             return
         level, tail, stem = key.stem()
         head = key.head(level)
-        meta = ((tail << 40 | len(key.data)) << 64 | stem) << 40 | key.tokens & ANCHOR_TOKENS
+        meta = ((tail << 40 | len(key.data)) << 64 | stem) << 40 | key.tokens & _TOKENS
         if first:
             meta |= _FIRST
         anchor = (replica, meta, None, full)

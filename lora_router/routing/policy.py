@@ -166,7 +166,7 @@ from fractions import Fraction
 from heapq import heapify, heappop, heappush
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
-from .affinity import ANCHOR_TOKENS, AffinityTable, anchor_first, anchor_tokens
+from .affinity import AffinityTable, anchor_first, anchor_tokens
 from .keys import PromptKey, RouteKey
 from .ring import DEFAULT_VNODES, HashRing
 
@@ -411,7 +411,7 @@ class PrefixAffinity:
                     home.in_flight <= self.load_slack or home.in_flight < self.cap(routable)
                 ):
                     self.counts.sibling += 1
-                    self._routed_tokens += known[1] & ANCHOR_TOKENS
+                    self._routed_tokens += anchor_tokens(known)
                     return Decision(home, "sibling")
             # Unknown, not routable or full: the whole policy decides (a full home spills).
         prompt = key.key
