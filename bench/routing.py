@@ -1444,6 +1444,18 @@ def write_plot(path: Path, results: list[RunResult], traces: list[str], counts: 
     plt.close(fig)
 
 
+def write_json(
+    path: Path, meta: dict[str, Any], summaries: list[RunResult], runs: list[RunResult]
+) -> None:
+    """routing.json: the meta, the summaries and every run (what `load_json` reads back)."""
+    payload = {
+        "meta": meta,
+        "summaries": [asdict(r) for r in summaries],
+        "runs": [asdict(r) for r in runs],
+    }
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+
+
 def load_json(
     paths: Sequence[Path], traces: Sequence[str], counts: Sequence[int], command: str
 ) -> tuple[dict[str, Any], list[RunResult]]:
@@ -1463,11 +1475,10 @@ def load_json(
         raise SystemExit(f"runs in more than one file: {twice[:3]} (run them on other --seeds)")
     meta = metas[0]
     if len(metas) > 1:
-        pooled = command
         meta = {
             **meta,
             "date": max(m["date"] for m in metas),
-            "command": "; ".join(m["command"] for m in metas) + f"` pooled by `{pooled}",
+            "command": "; ".join(m["command"] for m in metas) + f"` pooled by `{command}",
             "elapsed_s": sum(m["elapsed_s"] for m in metas),
             "git": ", ".join(dict.fromkeys(m["git"] for m in metas)),
             "repeat": max(m["repeat"] for m in metas),
@@ -1705,12 +1716,7 @@ async def bench_main(args: argparse.Namespace) -> int:
         "seeds": args.seed_list,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "meta": meta,
-        "summaries": [asdict(r) for r in summaries],
-        "runs": [asdict(r) for r in results],
-    }
-    (args.out / "routing.json").write_text(json.dumps(payload, indent=1) + "\n")
+    write_json(args.out / "routing.json", meta, summaries, results)
     write_markdown(args.out / "routing.md", summaries, meta, args.trace_list, args.replica_list)
     write_plot(args.out / "routing.png", summaries, args.trace_list, args.replica_list)
 
@@ -1746,12 +1752,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         out_json = args.out / "routing.json"
         if out_json.resolve() not in {p.resolve() for p in args.from_json}:
-            payload = {
-                "meta": meta,
-                "summaries": [asdict(r) for r in summaries],
-                "runs": [asdict(r) for r in runs],
-            }
-            out_json.write_text(json.dumps(payload, indent=1) + "\n")
+            write_json(out_json, meta, summaries, runs)
         write_markdown(args.out / "routing.md", summaries, meta, traces, counts)
         write_plot(args.out / "routing.png", summaries, traces, counts)
         sources = ", ".join(map(str, args.from_json))
