@@ -28,21 +28,33 @@ its conversation sent under `-v7`:
    least work now (fewest requests in flight, then fewest prompt tokens in flight that it must
    compute, `in_flight_tokens`, which the caller maintains next to `in_flight` from
    `Decision.tokens`: 0 for a sibling, a continuation's tokens beyond the earlier prompt it
-   extends, all of them otherwise), ties to the first in
-   ring order from the prompt's key. Only new families count: a later turn, under whatever
-   version of its lineage, is a continuation (1), so the count is the number of conversations
-   a replica holds, which is what the oracle of bench/routing.py deals evenly. Placing new
-   families by the work held alone was measured too: it let request totals drift to
-   1.08-1.10 max/mean on multi-turn, re-rendered and long-tailed traces, where dealing by
-   count keeps 1.00-1.01 with in-flight balance as close to the oracle's
-   (bench/results/routing-work-held/ against bench/results/routing.md). Letting the work held
-   decide inside a window of 1.05 x the mean count was measured as well
-   (bench/results/routing-deal-window/): 0.4-1.5 % shorter makespans on single-turn and
-   system-300 at 8 replicas, request totals at 1.04, no wall-time gain; not kept. A replica
-   that joins starts at the fewest count. On an idle fleet every replica ties and placement is plain
-   consistent hashing, so two routers that saw the same requests agree. The ranks are kept,
-   not computed per request (`_Ranks`: grouped by equal rank, the distinct ranks in a heap,
-   re-filed on `load_changed`), and ties are settled by `HashRing.first_of`.
+   extends, all of them otherwise), ties to the first in ring order from the prompt's key.
+   Only new families count: a later turn, under whatever version of its lineage, is a
+   continuation (1), so the count is the number of conversations a replica holds, which is
+   what the oracle of bench/routing.py deals evenly.
+   *The deal window.* The replica so chosen gives the family up to the first replica by the
+   same rank among those dealt more families, if that one holds less work,
+
+       in_flight_tokens + DEAL_REQUEST_TOKENS * in_flight   (`_work`),
+
+   and its count stays at most `DEAL_WINDOW` (1.05) x the mean once the family is dealt
+   (floored), so request totals stay within 5 % of the mean. The count alone cannot see the
+   work a family brings (on single-turn prompts of 40-400 tokens, the prefill differs by up to
+   10 x between families); below 20 families per replica the window is the count itself,
+   so it only opens on fleets that have dealt many families (in bench/routing.py, the
+   single-turn and system-prompt traces; never the multi-turn ones). Measured in the noise-free
+   replay over 10 trace seeds (bench/results/routing-deal-work/): the median makespan on
+   single-turn -0.5, -0.9 and -2.2 % at 2, 3 and 8 replicas, on the system-prompt traces -0.1
+   to -2.0 % (the worst seed's makespan down to 1.019 of the oracle's from 1.056), request
+   totals at 1.04, placements on the multi-turn traces unchanged. Placing new families by the
+   work held alone let request totals drift to 1.08-1.10 max/mean on multi-turn,
+   re-rendered and long-tailed traces (bench/results/routing-work-held/); a window ranked by
+   requests in flight alone gained less (bench/results/routing-deal-window/).
+   A replica that joins starts at the fewest count. On an idle fleet every replica ties and
+   placement is plain consistent hashing, so two routers that saw the same requests agree. The
+   ranks are kept, not computed per request (`_Ranks`: grouped by equal rank, the distinct
+   ranks of each count in a heap, re-filed on `load_changed`), and ties are settled by
+   `HashRing.first_of`.
 4. *No key.* Least in flight, round robin among ties.
 
 What the replicas report of themselves (fleet/telemetry.py's `Replica.report`: running,
@@ -140,7 +152,9 @@ prompt, O(blocks) for the chain and the table, then O(1) per earlier prompt's re
 first later turn whose home is heavy enough: one more ring walk, O(1 + s)); a spill,
 O(1 + s), s the replicas the ring walk passes over because they cannot take it; a new
 family, O(log n) per rank passed over (ranks without room or without a candidate) plus
-O(min(k, n / k)) for k tied replicas, at most O(sqrt(n)); `load_changed`, O(log n). Only what
+O(min(k, n / k)) for k tied replicas, at most O(sqrt(n)), twice when the deal window is open,
+plus one step per count of families dealt passed over (the window keeps the counts within
+5 % of the mean); `load_changed`, O(log n). Only what
 by definition compares every replica is O(n): a request without a key (least loaded), the
 `LeastLoaded` comparison policy, `set_members`.
 
@@ -160,6 +174,7 @@ replicas.
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from fractions import Fraction
@@ -193,6 +208,14 @@ MOVE_SHARE = 50
 # tokens per request routed, measured on long-tailed prompts, let 4 moves on 330-token
 # multi-turn prompts cost 0.6 % of the hit rate, against the 0.5 % bench/routing.py allows.)
 MOVE_BUDGET = 300
+# A new family may go to a member dealt more families than the fewest, if it holds less work,
+# while that member's count stays at most this many times the mean (floored): request totals
+# stay within 5 % of the mean, the target bench/routing.py holds every router to.
+DEAL_WINDOW = Fraction(21, 20)
+# What one request in flight weighs in the work the deal window compares, in prompt tokens: one
+# completion's decode, in the time of prompt tokens (bench/routing.py's replicas: 80 tokens on
+# average at half a prompt token's cost each). A new family has no later turns to price.
+DEAL_REQUEST_TOKENS = 40
 
 
 class Replica(Protocol):
@@ -275,21 +298,24 @@ class Policy(Protocol):
 
 class _Ranks:
     """The members by dealing rank, (families dealt, requests in flight, prompt tokens in
-    flight), for the fresh-prompt step: names grouped by equal rank, and the distinct ranks in
-    a heap with lazy deletion (a rank whose group emptied stays in the heap until it surfaces
-    or the heap is compacted).
+    flight), for the fresh-prompt step: names grouped by equal rank, and per count of families
+    dealt a heap of that count's distinct ranks, with lazy deletion (a rank whose group emptied
+    stays in its heap until it surfaces or the heap is compacted); `counts` lists the counts
+    that have a heap, in order.
 
     `file` is O(log g), g the distinct ranks (at most the members), amortized with the
-    compaction, which runs when stale ranks outnumber live ones and costs O(g). Reading the
-    lowest ranks in order costs O(log g) per rank passed over (`PrefixAffinity._deal`)."""
+    compaction, which runs when a count's heap holds more than twice the live ranks and costs
+    O(g). Reading one count's lowest ranks in order costs O(log g) per rank passed over
+    (`PrefixAffinity._first_dealt`)."""
 
-    __slots__ = ("groups", "heap", "queued", "rank")
+    __slots__ = ("counts", "groups", "heaps", "queued", "rank")
 
     def __init__(self) -> None:
         self.rank: dict[str, tuple[int, int, int]] = {}  # member -> its rank now
         self.groups: dict[tuple[int, int, int], set[str]] = {}  # rank -> its members
-        self.heap: list[tuple[int, int, int]] = []  # distinct ranks, some stale
-        self.queued: set[tuple[int, int, int]] = set()  # the ranks in `heap`, once each
+        self.heaps: dict[int, list[tuple[int, int, int]]] = {}  # dealt -> ranks, some stale
+        self.counts: list[int] = []  # the keys of `heaps`, ascending
+        self.queued: set[tuple[int, int, int]] = set()  # the ranks in the heaps, once each
 
     def file(self, name: str, rank: tuple[int, int, int]) -> None:
         old = self.rank.get(name)
@@ -307,13 +333,25 @@ class _Ranks:
             joined.add(name)
             return
         groups[rank] = {name}
-        if rank not in self.queued:
-            self.queued.add(rank)
-            heappush(self.heap, rank)
-            if len(self.heap) > 2 * len(groups) + 32:
-                self.heap = list(groups)
-                heapify(self.heap)
-                self.queued = set(self.heap)
+        if rank in self.queued:
+            return
+        self.queued.add(rank)
+        heap = self.heaps.get(rank[0])
+        if heap is None:
+            heap = self.heaps[rank[0]] = []
+            insort(self.counts, rank[0])
+        heappush(heap, rank)
+        if len(heap) > 2 * len(groups) + 32:
+            for queued in heap:
+                if queued not in groups:
+                    self.queued.discard(queued)
+            heap[:] = [queued for queued in heap if queued in groups]
+            heapify(heap)
+
+    def drop_count(self, dealt: int) -> None:
+        """Forget the heap of `dealt`, found empty."""
+        del self.heaps[dealt]
+        self.counts.pop(bisect_left(self.counts, dealt))
 
 
 def _cap(total: int, n: int, grow: int, den: int, slack: int) -> int:
@@ -365,6 +403,7 @@ class PrefixAffinity:
         self.counts = DecisionCounts()
         self._turn = 0
         self._dealt: dict[str, int] = {}  # member -> families dealt to it
+        self._dealt_total = 0  # the sum of `_dealt` over the members
         self._moved: dict[str, int] = {}  # member -> conversations moved into it (`_lighter`)
         self._moved_tokens = 0  # prompt tokens priced for the moves made (`_lighter`)
         self._routed_tokens = 0  # prompt tokens of every request with a key routed (`choose`)
@@ -376,6 +415,7 @@ class PrefixAffinity:
         self.ring = HashRing(names, self.ring.vnodes)
         floor = min(self._dealt.values(), default=0)
         self._dealt = {name: self._dealt.get(name, floor) for name in names}
+        self._dealt_total = sum(self._dealt.values())
         self._moved = {name: self._moved.get(name, 0) for name in names}
         self._ranks = _Ranks()
         for r in members:
@@ -546,22 +586,70 @@ class PrefixAffinity:
         return self._unknown_to_the_ring(routable)
 
     def _deal(self, position: int, routable: Candidates[R], cap: int) -> R:
-        """A fresh prompt's replica: fewest families dealt, then fewest in flight, then fewest
-        prompt tokens in flight, among the routable members with room; ties to the first in
-        ring order from `position`.
+        """A fresh prompt's replica: among the routable members with room, the fewest families
+        dealt, then the fewest in flight, then the fewest prompt tokens in flight, ties to the
+        first in ring order from `position`; but a member dealt more families goes instead if
+        it holds less work (`_work`) and its count stays inside the deal window
+        (`DEAL_WINDOW`): the first such member by the same rank.
 
-        Read from the maintained ranks (`_Ranks`), lowest first: a rank is passed over only if
-        its members have no room (they share one in-flight count) or none of them is routable,
-        O(log n) each; among the k members of the winning rank, `HashRing.first_of` finds the
-        first in ring order in O(min(k, n / k)), at most O(sqrt(n)). On an idle fleet (every
-        member tied) that is about one ring point: plain consistent hashing."""
+        Read from the maintained ranks (`_Ranks`), one count of families dealt at a time from
+        the lowest: a rank is passed over only if its members have no room (they share one
+        in-flight count, and a count's later ranks have no room either) or none of them is
+        routable, O(log n) each; among the k members of the winning rank, `HashRing.first_of`
+        finds the first in ring order in O(min(k, n / k)), at most O(sqrt(n)). The window adds
+        the same read of the counts inside it, which it keeps within 5 % of the mean. On an
+        idle fleet (every member tied) that is about one ring point: plain consistent hashing."""
         ranks = self._ranks
-        heap, groups = ranks.heap, ranks.groups
         # Every member is a candidate when there are as many candidates as members (the fleet
         # routes only to members); a candidate outside the ring is caught by `get` below.
         everyone = len(routable) == len(ranks.rank)
-        passed: list[tuple[int, int, int]] = []
+        counts = ranks.counts
         best: R | None = None
+        i = 0
+        while i < len(counts) and best is None:
+            best = self._first_dealt(counts[i], position, routable, cap, everyone)
+            i = i + 1 if ranks.heaps[counts[i]] else self._drop(i)
+        if best is None:
+            best = self._unknown_to_the_ring(routable)
+        else:
+            # The most families a member may hold once this one is dealt.
+            members = len(ranks.rank)
+            limit = DEAL_WINDOW.numerator * (self._dealt_total + 1)
+            limit //= DEAL_WINDOW.denominator * members
+            while i < len(counts) and counts[i] < limit:
+                other = self._first_dealt(counts[i], position, routable, cap, everyone)
+                if other is not None:
+                    if self._work(other) < self._work(best):
+                        best = other
+                    break
+                i = i + 1 if ranks.heaps[counts[i]] else self._drop(i)
+        dealt = self._dealt[best.name] = self._dealt.get(best.name, 0) + 1
+        if best.name in ranks.rank:
+            self._dealt_total += 1
+            ranks.file(best.name, (dealt, best.in_flight, best.in_flight_tokens))
+        return best
+
+    def _drop(self, i: int) -> int:
+        """Forget the i-th count, whose heap the walk emptied; the next count is now i-th."""
+        self._ranks.drop_count(self._ranks.counts[i])
+        return i
+
+    @staticmethod
+    def _work(replica: Replica) -> int:
+        """The work a replica holds, in prompt tokens to compute: its prompt tokens in flight
+        and DEAL_REQUEST_TOKENS per request in flight."""
+        return replica.in_flight_tokens + DEAL_REQUEST_TOKENS * replica.in_flight
+
+    def _first_dealt(
+        self, dealt: int, position: int, routable: Candidates[R], cap: int, everyone: bool
+    ) -> R | None:
+        """The first routable member with room among those dealt `dealt` families, by rank,
+        then in ring order from `position`: the heap of that count is read in order, stale
+        ranks dropped, ranks whose members are not routable passed over and pushed back."""
+        ranks = self._ranks
+        heap, groups = ranks.heaps[dealt], ranks.groups
+        passed: list[tuple[int, int, int]] = []
+        found: R | None = None
         while heap:
             rank = heap[0]
             group = groups.get(rank)
@@ -569,19 +657,15 @@ class PrefixAffinity:
                 heappop(heap)
                 ranks.queued.discard(rank)
                 continue
-            if rank[1] < cap:
-                best = self._first_routable(position, group, routable, everyone)
-                if best is not None:
-                    break
+            if rank[1] >= cap:  # this count's later ranks have no room either
+                break
+            found = self._first_routable(position, group, routable, everyone)
+            if found is not None:
+                break
             passed.append(heappop(heap))
         for rank in passed:
             heappush(heap, rank)
-        if best is None:
-            best = self._unknown_to_the_ring(routable)
-        dealt = self._dealt[best.name] = self._dealt.get(best.name, 0) + 1
-        if best.name in ranks.rank:
-            ranks.file(best.name, (dealt, best.in_flight, best.in_flight_tokens))
-        return best
+        return found
 
     def _first_routable(
         self, position: int, group: set[str], routable: Candidates[R], everyone: bool
