@@ -44,7 +44,7 @@ its conversation sent under `-v7`:
    so it only opens on fleets that have dealt many families (in bench/routing.py, the
    single-turn and system-prompt traces; never the multi-turn ones). Measured in the noise-free
    replay over 10 trace seeds (bench/results/routing-deal-work/): the median makespan on
-   single-turn -0.5, -0.9 and -2.2 % at 2, 3 and 8 replicas, on the system-prompt traces -0.1
+   single-turn -0.5, -0.9 and -2.2 % at 2, 3 and 8 replicas, on the system-prompt traces 0.0
    to -2.0 % (the worst seed's makespan down to 1.019 of the oracle's from 1.056), request
    totals at 1.04, placements on the multi-turn traces unchanged. Placing new families by the
    work held alone let request totals drift to 1.08-1.10 max/mean on multi-turn,
