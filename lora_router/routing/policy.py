@@ -35,7 +35,7 @@ its conversation sent under `-v7`:
    *The deal window.* The replica so chosen gives the family up to the first replica by the
    same rank among those dealt more families, if that one holds less work,
 
-       in_flight_tokens + DEAL_REQUEST_TOKENS * in_flight   (`_work`),
+       in_flight_tokens + DEAL_REQUEST_TOKENS * in_flight   (`work_held`),
 
    and its count stays at most `DEAL_WINDOW` (1.05) x the mean once the family is dealt
    (floored), so request totals stay within 5 % of the mean. The count alone cannot see the
@@ -349,7 +349,7 @@ class _Ranks:
             heapify(heap)
 
     def drop_count(self, dealt: int) -> None:
-        """Forget the heap of `dealt`, found empty."""
+        """Forget the heap of `dealt`, found empty (`PrefixAffinity._first_dealt`)."""
         del self.heaps[dealt]
         self.counts.pop(bisect_left(self.counts, dealt))
 
@@ -363,6 +363,12 @@ def _cap(total: int, n: int, grow: int, den: int, slack: int) -> int:
     would let the cap drift by one.
     """
     return max(-(-grow * (total + 1) // (den * n)), -(-(total + 1) // n) + slack)
+
+
+def work_held(replica: Replica, per_request: int) -> int:
+    """The work a replica holds, in prompt tokens to compute: its prompt tokens in flight and
+    `per_request` for each request in flight (its decode, and what else the rule prices)."""
+    return replica.in_flight_tokens + per_request * replica.in_flight
 
 
 def least_loaded(routable: Sequence[R], turn: int) -> R:
@@ -539,7 +545,7 @@ class PrefixAffinity:
         O(1) unless the home is heavy enough for any replica to pay; then one ring walk,
         O(1 + s) steps, s the members passed over (the home, those without room)."""
         price = self.move_price * tokens + MOVE_REQUEST_TOKENS
-        held = home.in_flight_tokens + MOVE_REQUEST_TOKENS * home.in_flight
+        held = work_held(home, MOVE_REQUEST_TOKENS)
         if held <= price:
             return None
         target = None
@@ -550,7 +556,7 @@ class PrefixAffinity:
                 break
         if target is None:
             return None
-        if held - target.in_flight_tokens - MOVE_REQUEST_TOKENS * target.in_flight <= price:
+        if held - work_held(target, MOVE_REQUEST_TOKENS) <= price:
             return None
         counts = self.counts
         routed = counts.sibling + counts.continuation + counts.spill + counts.fresh
@@ -589,7 +595,7 @@ class PrefixAffinity:
         """A fresh prompt's replica: among the routable members with room, the fewest families
         dealt, then the fewest in flight, then the fewest prompt tokens in flight, ties to the
         first in ring order from `position`; but a member dealt more families goes instead if
-        it holds less work (`_work`) and its count stays inside the deal window
+        it holds less work (`work_held`) and its count stays inside the deal window
         (`DEAL_WINDOW`): the first such member by the same rank.
 
         Read from the maintained ranks (`_Ranks`), one count of families dealt at a time from
@@ -603,49 +609,40 @@ class PrefixAffinity:
         # Every member is a candidate when there are as many candidates as members (the fleet
         # routes only to members); a candidate outside the ring is caught by `get` below.
         everyone = len(routable) == len(ranks.rank)
-        counts = ranks.counts
+        # A snapshot: `_first_dealt` forgets a count whose heap it finds empty.
+        counts = iter(list(ranks.counts))
         best: R | None = None
-        i = 0
-        while i < len(counts) and best is None:
-            best = self._first_dealt(counts[i], position, routable, cap, everyone)
-            i = i + 1 if ranks.heaps[counts[i]] else self._drop(i)
+        for dealt in counts:
+            best = self._first_dealt(dealt, position, routable, cap, everyone)
+            if best is not None:
+                break
         if best is None:
             best = self._unknown_to_the_ring(routable)
         else:
             # The most families a member may hold once this one is dealt.
-            members = len(ranks.rank)
             limit = DEAL_WINDOW.numerator * (self._dealt_total + 1)
-            limit //= DEAL_WINDOW.denominator * members
-            while i < len(counts) and counts[i] < limit:
-                other = self._first_dealt(counts[i], position, routable, cap, everyone)
+            limit //= DEAL_WINDOW.denominator * len(ranks.rank)
+            for dealt in counts:  # the counts above the chosen one's
+                if dealt >= limit:
+                    break
+                other = self._first_dealt(dealt, position, routable, cap, everyone)
                 if other is not None:
-                    if self._work(other) < self._work(best):
+                    if work_held(other, DEAL_REQUEST_TOKENS) < work_held(best, DEAL_REQUEST_TOKENS):
                         best = other
                     break
-                i = i + 1 if ranks.heaps[counts[i]] else self._drop(i)
         dealt = self._dealt[best.name] = self._dealt.get(best.name, 0) + 1
         if best.name in ranks.rank:
             self._dealt_total += 1
             ranks.file(best.name, (dealt, best.in_flight, best.in_flight_tokens))
         return best
 
-    def _drop(self, i: int) -> int:
-        """Forget the i-th count, whose heap the walk emptied; the next count is now i-th."""
-        self._ranks.drop_count(self._ranks.counts[i])
-        return i
-
-    @staticmethod
-    def _work(replica: Replica) -> int:
-        """The work a replica holds, in prompt tokens to compute: its prompt tokens in flight
-        and DEAL_REQUEST_TOKENS per request in flight."""
-        return replica.in_flight_tokens + DEAL_REQUEST_TOKENS * replica.in_flight
-
     def _first_dealt(
         self, dealt: int, position: int, routable: Candidates[R], cap: int, everyone: bool
     ) -> R | None:
         """The first routable member with room among those dealt `dealt` families, by rank,
         then in ring order from `position`: the heap of that count is read in order, stale
-        ranks dropped, ranks whose members are not routable passed over and pushed back."""
+        ranks dropped, ranks whose members are not routable passed over and pushed back; a
+        heap left empty is forgotten with its count."""
         ranks = self._ranks
         heap, groups = ranks.heaps[dealt], ranks.groups
         passed: list[tuple[int, int, int]] = []
@@ -665,6 +662,8 @@ class PrefixAffinity:
             passed.append(heappop(heap))
         for rank in passed:
             heappush(heap, rank)
+        if not heap:
+            ranks.drop_count(dealt)
         return found
 
     def _first_routable(

@@ -61,7 +61,7 @@ def test_in_flight_balance_is_held_to_the_oracles_worst_over_the_same_seeds():
     # 10 % of the oracle's worst there (1.12), not of its run with the median wall time (1.04).
     routing = replay.bench
 
-    def run(contender: str, seed: int, wall: float, flight: float):
+    def result(contender: str, seed: int, wall: float, flight: float):
         return routing.RunResult(
             "t",
             2,
@@ -76,12 +76,12 @@ def test_in_flight_balance_is_held_to_the_oracles_worst_over_the_same_seeds():
         )
 
     runs = [
-        run("oracle-base", 0, 1.0, 1.12),
-        run("oracle-base", 1, 2.0, 1.04),
-        run("oracle-base", 2, 3.0, 1.04),
-        run("lr-prefix-base", 0, 1.0, 1.20),
-        run("lr-prefix-base", 1, 2.0, 1.05),
-        run("lr-prefix-base", 2, 3.0, 1.05),
+        result("oracle-base", 0, 1.0, 1.12),
+        result("oracle-base", 1, 2.0, 1.04),
+        result("oracle-base", 2, 3.0, 1.04),
+        result("lr-prefix-base", 0, 1.0, 1.20),
+        result("lr-prefix-base", 1, 2.0, 1.05),
+        result("lr-prefix-base", 2, 3.0, 1.05),
     ]
     routing.fill_oracle_fractions(runs)
     (row,) = routing.targets(routing.aggregate(runs), ["t"], [2])
