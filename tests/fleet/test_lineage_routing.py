@@ -118,3 +118,37 @@ async def test_a_request_retried_after_a_refused_connection_leaks_no_in_flight_t
     served, _ = await turn(client, runtime.url, emus[0].config.model, prompt)
     assert int(served) != home.rid
     assert [(r.in_flight, r.in_flight_tokens) for r in fleet.replicas] == [(0, 0), (0, 0)]
+
+
+async def test_a_new_family_goes_to_a_lighter_replica_dealt_one_more_inside_the_deal_window(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    # 41 families one after another on an idle fleet: 21 and 20, past the 20 a replica from
+    # which the window opens. The replica dealt fewer is then kept busy by a slow sibling of one
+    # of its own prompts, and the next family goes to the other one, dealt one more but idle
+    # (22 families, within floor(1.05 x 42 / 2) = 22). By count alone it would join the queue.
+    emus = await emulators(2, decode_s_per_token=0.002)
+    runtime = await router(emus)
+    model = emus[0].config.model
+    rnd = random.Random(17)
+
+    async def send(prompt: list[int], max_tokens: int = 1) -> str:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+        async with client.post(runtime.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            await resp.read()
+            return resp.headers["x-lora-router-replica"]
+
+    served: dict[str, list[list[int]]] = {}
+    for _ in range(41):
+        prompt = [rnd.randrange(1000, 100_000) for _ in range(40)]
+        served.setdefault(await send(prompt), []).append(prompt)
+    fewer, more = sorted(served, key=lambda name: len(served[name]))
+    assert (len(served[fewer]), len(served[more])) == (20, 21)
+    busy = asyncio.create_task(send(served[fewer][0], max_tokens=500))
+    assert runtime.fleet is not None
+    await until(lambda: any(r.in_flight for r in runtime.fleet.replicas))  # type: ignore[union-attr]
+    assert await send([rnd.randrange(1000, 100_000) for _ in range(40)]) == more
+    assert await busy == fewer
+    counts = runtime.app.policy.counts if runtime.app else None
+    assert counts is not None and counts.fresh == 42 and counts.sibling == 1
