@@ -11,13 +11,20 @@ with an adapter the other half lacks.
 
 - **Load** is all-or-nothing. A 404 "No adapter found" (the replica's mount has not caught up)
   is retried every `load_retry_interval` until `load_deadline`; past it the answer is **504,
-  never 404** (TRL reads 404 as "runtime LoRA updating is off"). A replica's "400 already
-  loaded" (the router's own resend, a replay, a load whose answer was lost) counts as present
-  when its `/v1/models` lists the name with the same `root`, and as a conflict otherwise
-  (explained, with `--unload-stale`). A *client* loading a name the fleet already serves gets
-  vLLM's own 400 "has already been loaded", as from a single server. Any real failure unloads
+  never 404** (TRL reads 404 as "runtime LoRA updating is off"). Any real failure unloads
   the adapter from the replicas that took it and answers with the first failure, naming the
   replica. Success answers vLLM's own body and headers (plain text, no Content-Type).
+- **A replica's copy counts only if this router loaded those files onto it** (`Replica.loaded`,
+  digests from adapter_files.py). A "400 already loaded" is a conflict when its `/v1/models`
+  shows the name at another `root` (explained, with `--unload-stale`); at the same root it is
+  present if the router loaded the same files there (its own resend, a replay), and otherwise
+  the copy is dropped (unload, prefix cache reset) and the files loaded again.
+- **A load of a live name** (the fence's reload, fence.py) reads the files first: the same
+  files the router loaded under it answer vLLM's success with nothing sent; other files, a
+  name found on the replicas at start, or files the router cannot read are reloaded on every
+  live replica behind the fence (logged as a warning): requests admitted under the old weights
+  drain as for an unload, then each replica unloads the name, resets its prefix cache (vLLM
+  keys KV blocks by name and path, so the old weights' blocks would be hit again) and loads it.
 - **A load that cannot succeed** (a mistyped path: "No adapter found" until the deadline) is
   logged when a replica's wait starts and every 30 s while it lasts, shown in
   `/router/status` and the metrics (`mount_waits`), and abandoned as soon as the client that
@@ -66,6 +73,7 @@ from typing import Any
 import orjson
 
 from lora_router.config import Config
+from lora_router.fleet.adapter_files import read_digest
 from lora_router.fleet.client import Answer as ReplicaAnswer
 from lora_router.fleet.client import ReplicaClient
 from lora_router.fleet.fence import AdapterEntry, AdapterFence, AdapterState
@@ -101,7 +109,7 @@ class Outcome:
     """What one replica did with one adapter load."""
 
     replica: Replica
-    kind: str  # loaded | present | conflict | failed | timeout | abandoned | down
+    kind: str  # loaded | present | conflict | failed | reset | timeout | abandoned | down
     answer: Answer | None = None
     detail: str = ""
 
@@ -143,6 +151,7 @@ class Broadcaster:
         self.counts: Counter[tuple[str, str]] = Counter()
         self.seconds: dict[tuple[str, str], float] = {}
         self.syncs = SyncClock()  # pause -> resume intervals, for status and metrics
+        self._unread = 0  # loads whose files the router could not read (each its own identity)
 
     async def close(self) -> None:
         """Cancel the broadcasts still running (the router is stopping)."""
@@ -208,14 +217,34 @@ class Broadcaster:
         ok, failure, outcome = False, "the router stopped", "error"
         try:
             async with self.lock:
+                files = await asyncio.to_thread(read_digest, path)
                 if entry.state is AdapterState.LIVE:
-                    # A client loading a live name again gets vLLM's refusal: answering success
-                    # would let a restarted trainer keep the previous run's weights under it.
-                    # (The router's own resends and replays reconcile in `load_on` instead.)
-                    outcome, failure = "already_loaded", "the name is already loaded"
-                    return Reply(400, already_loaded(name).body(), [_JSON])
-                reply = await self._broadcast_load(name, path, body, abandoned)
-                ok, outcome = True, "ok"
+                    # It joined a load that went live before its turn (or that a later unload
+                    # superseded, which then decides): the same files need nothing more.
+                    if (files is not None and files == entry.files) or not self.fence.current(
+                        entry
+                    ):
+                        ok, outcome = True, "same_files"
+                        return _loaded_reply(name, None, self._holders(name))
+                    self.fence.finish_load(entry, True)
+                    entry = self.fence.begin_load(name, path, body, False)  # a reload
+                if entry.replacing:
+                    if files is not None and files == entry.held:
+                        entry.files = files
+                        ok, outcome = True, "same_files"
+                        return _loaded_reply(name, None, self._holders(name))
+                    log.warning(
+                        "load %r: the fleet already serves this name, and %s: reloading it on "
+                        "every replica (completions under it wait until it is loaded everywhere)",
+                        name,
+                        _why_reload(entry, files, path),
+                    )
+                if files is None:
+                    self._unread += 1
+                    files = f"unread:{self._unread}"  # matches no other load's files
+                entry.files = files
+                reply = await self._broadcast_load(entry, name, path, body, abandoned)
+                ok, outcome = True, "reloaded" if entry.replacing else "ok"
                 return reply
         except HTTPError as exc:
             failure, outcome = exc.message, "failed"
@@ -224,10 +253,13 @@ class Broadcaster:
             self.fence.finish_load(entry, ok, failure)
             self._record("load", outcome, started, repr(name), "" if ok else failure)
 
+    def _holders(self, name: str) -> list[Replica]:
+        return [r for r in self.fleet.live() if name in r.adapters]
+
     async def _broadcast_load(
-        self, name: str, path: str, body: bytes, abandoned: asyncio.Event
+        self, entry: AdapterEntry, name: str, path: str, body: bytes, abandoned: asyncio.Event
     ) -> Reply:
-        fleet = self.fleet
+        fleet, digest, replace = self.fleet, entry.files, entry.replacing
         if self.config.down_replica_policy == "fail":
             down = [r for r in fleet.replicas if r.state in OUT or r.state is State.REPLAYING]
             if down:
@@ -240,6 +272,17 @@ class Broadcaster:
         targets = fleet.live()
         if not targets:
             raise HTTPError(503, f"Cannot load adapter '{name}': no replica is in service.")
+        if replace:
+            # As for an unload: requests admitted under the old weights are answered first.
+            left = await self.fence.drain(name, self.config.unload_wait)
+            if left:
+                log.warning(
+                    "reload %r: %d request(s) admitted under its previous files still "
+                    "unanswered after %g s (--unload-wait); reloading anyway",
+                    name,
+                    left,
+                    self.config.unload_wait,
+                )
         # The slowest replica decides when the name goes live, so its clock starts first:
         # requests go out in the order of the replicas' last load times, slowest first (with
         # eight replicas, the last one sent starts about a millisecond after the first).
@@ -247,14 +290,16 @@ class Broadcaster:
         # Replicas in the middle of a replay ride along, best effort: their answers never
         # decide the broadcast, but what they accept is theirs when their replay's final pass
         # runs (fleet/replay.py), so that pass does not load it again under the lock.
-        riders = [r for r in fleet.replicas if r.state is State.REPLAYING]
+        # A reload takes none: their replay's final pass finds their copy is not these files.
+        riders = [] if replace else [r for r in fleet.replicas if r.state is State.REPLAYING]
         deadline = asyncio.get_running_loop().time() + self.config.load_deadline
+        job = self._replace_on if replace else self.load_on
         outcomes, rides = await asyncio.gather(
             asyncio.gather(
-                *(self.load_on(r, name, path, body, deadline, abandoned) for r in targets)
+                *(job(r, name, path, body, digest, deadline, abandoned) for r in targets)
             ),
             asyncio.gather(
-                *(self.load_on(r, name, path, body, deadline, abandoned) for r in riders)
+                *(self.load_on(r, name, path, body, digest, deadline, abandoned) for r in riders)
             ),
         )
         carried = [o.replica for o in rides if o.kind in ("loaded", "present")]
@@ -262,7 +307,7 @@ class Broadcaster:
             if o.kind == "down":
                 o.replica.life.eject(f"unreachable during the load of '{name}': {o.detail}")
         accepted = [o for o in outcomes if o.kind in ("loaded", "present")]
-        failed = [o for o in outcomes if o.kind in ("conflict", "failed", "timeout", "abandoned")]
+        failed = [o for o in outcomes if o.kind in _FAILED]
         if self.config.down_replica_policy == "fail":
             failed += [o for o in outcomes if o.kind == "down"]
         if accepted and not failed:
@@ -273,13 +318,14 @@ class Broadcaster:
                 replica.adapters[name] = path
             first = next((o.answer for o in accepted if o.kind == "loaded"), None)
             return _loaded_reply(name, first, [o.replica for o in accepted])
-        # All or nothing: take it back from every replica that may hold it now. A replica that
-        # timed out may still finish its load later; that copy is read as "present" by the
-        # next load of the same name and path, or unloaded by a replay.
+        # All or nothing: take it back from every replica that may hold it now (after a failed
+        # reload, from all: none may keep the old weights under the name). A replica that
+        # timed out may still finish its load later; that copy is reloaded by the next load of
+        # the name (the router has no record of it), or unloaded by a replay.
+        may_hold = ("loaded", "present", "timeout", "abandoned")
         await self.unload_from(
             name,
-            [o.replica for o in outcomes if o.kind in ("loaded", "present", "timeout", "abandoned")]
-            + carried,
+            [o.replica for o in outcomes if replace or o.kind in may_hold] + carried,
         )
         if not failed:
             down = [o.replica for o in outcomes]
@@ -294,21 +340,26 @@ class Broadcaster:
         name: str,
         path: str,
         body: bytes,
+        digest: str | None,
         deadline: float,
         abandoned: asyncio.Event | None = None,
     ) -> Outcome:
         """Load on one replica, retrying mount lag until `deadline`, or until `abandoned` is
-        set (the client that asked has gone)."""
+        set (the client that asked has gone). `digest`: the files' (None: a name found at
+        start, or a load whose turn has not come; a copy already there then counts)."""
         loop = asyncio.get_running_loop()
         last = "no answer"
         started = loop.time()
         key = (replica.rid, name)
+        dropped = False  # a copy the router did not load was unloaded (once)
         try:
             async with asyncio.timeout_at(deadline):
                 while True:  # bounded by the deadline
                     answer = await self.call(replica, "POST", "/v1/load_lora_adapter", body=body)
                     if answer.status == 200:
                         replica.load_seconds = loop.time() - started
+                        if digest is not None:
+                            replica.loaded[name] = digest
                         return Outcome(replica, "loaded", answer)
                     if answer.status == 0:
                         return Outcome(replica, "down", answer, answer.error)
@@ -327,7 +378,23 @@ class Broadcaster:
                             return Outcome(replica, "abandoned", None, f"{waited:.1f} s ({last})")
                         continue
                     if answer.status == 400 and _ALREADY_LOADED in message:
-                        return await self._reconcile(replica, name, path, answer)
+                        found = await self._reconcile(replica, name, path, answer, digest)
+                        if found.kind != "stale":
+                            return found
+                        if dropped:  # it was unloaded a moment ago: someone else loads it
+                            return Outcome(replica, "failed", answer, message)
+                        dropped = True
+                        log.warning(
+                            "load %r: %s holds a copy of it that this router did not load "
+                            "(%s): unloading it and loading the files again",
+                            name,
+                            replica.describe(),
+                            found.detail,
+                        )
+                        gone = await self._drop_copy(replica, name)
+                        if gone is not None:
+                            return gone
+                        continue
                     return Outcome(replica, "failed", answer, message)
         except TimeoutError:
             return Outcome(replica, "timeout", None, last)
@@ -390,15 +457,68 @@ class Broadcaster:
                 max(deadline - now, 0.0),
             )
 
-    async def _reconcile(self, replica: Replica, name: str, path: str, answer: Answer) -> Outcome:
-        """ "Already loaded": present if the replica holds the name at the same path."""
+    async def _reconcile(
+        self, replica: Replica, name: str, path: str, answer: Answer, digest: str | None
+    ) -> Outcome:
+        """ "Already loaded": present if the replica holds the name at the same path with the
+        files this router loaded there; "stale" if at that path with unknown files."""
         held = await self.client.listing(replica)
         if held is None:
             return Outcome(replica, "failed", answer, answer.message())
         root = held.adapters.get(name)
-        if root == path:
+        if root != path:
+            return Outcome(replica, "conflict", answer, root or "")
+        recorded = replica.loaded.get(name)
+        if digest is None or recorded == digest:
             return Outcome(replica, "present", answer)
-        return Outcome(replica, "conflict", answer, root or "")
+        why = "other files" if recorded is not None else "put there by another process"
+        return Outcome(replica, "stale", answer, why)
+
+    async def _replace_on(
+        self,
+        replica: Replica,
+        name: str,
+        path: str,
+        body: bytes,
+        digest: str | None,
+        deadline: float,
+        abandoned: asyncio.Event | None = None,
+    ) -> Outcome:
+        """A reload on one replica: its copy dropped (`_drop_copy`), then the files loaded."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                gone = await self._drop_copy(replica, name)
+        except TimeoutError:
+            return Outcome(replica, "timeout", None, "its prefix cache could not be reset")
+        if gone is not None:
+            return gone
+        return await self.load_on(replica, name, path, body, digest, deadline, abandoned)
+
+    async def _drop_copy(self, replica: Replica, name: str) -> Outcome | None:
+        """Unload `name` from one replica and reset its prefix cache (its KV blocks computed
+        with those weights would be hit again under the name); None once done. Runs under its
+        caller's deadline: the reset is retried while the replica answers `success: false`."""
+        body = orjson.dumps({"lora_name": name})
+        answer = await self.call(replica, "POST", "/v1/unload_lora_adapter", body=body)
+        if answer.status == 0:
+            return Outcome(replica, "down", answer, answer.error)
+        if answer.status not in (200, 404):
+            return Outcome(replica, "failed", answer, answer.message())
+        _forget(replica, name)
+        while True:  # bounded by the caller's deadline
+            # reset_running_requests: vLLM preempts running requests (they are recomputed)
+            # instead of refusing while they hold blocks.
+            answer = await self.call(
+                replica, "POST", "/reset_prefix_cache", query="reset_running_requests=true"
+            )
+            if answer.status == 0:
+                return Outcome(replica, "down", answer, answer.error)
+            if answer.status != 200:
+                return Outcome(replica, "reset", answer, answer.summary())
+            doc = answer.parsed()
+            if isinstance(doc, dict) and doc.get("success") is True:
+                return None
+            await asyncio.sleep(self.config.load_retry_interval)
 
     async def unload_from(self, name: str, replicas: Sequence[Replica]) -> list[Answer]:
         body = orjson.dumps({"lora_name": name})
@@ -407,7 +527,7 @@ class Broadcaster:
         )
         for a in answers:
             if a.status in (200, 404):
-                a.replica.adapters.pop(name, None)
+                _forget(a.replica, name)
             else:
                 log.warning(
                     "could not unload adapter %r from %s: %s",
@@ -451,7 +571,7 @@ class Broadcaster:
                 )
                 for a in answers:
                     if a.status in (200, 404):
-                        a.replica.adapters.pop(name, None)
+                        _forget(a.replica, name)
                     elif a.status == 0:
                         # Its replay on return drops the name (it mirrors the fleet).
                         a.replica.life.eject(f"unreachable during an unload: {a.error}")
@@ -663,21 +783,29 @@ def _loaded_reply(name: str, answer: Answer | None, acked: Sequence[Replica]) ->
     return Reply(200, text.encode(), _copied_headers([], acked))
 
 
-def already_loaded(name: str) -> HTTPError:
-    """vLLM's answer to a second load of a name it serves (serving.py,
-    `_check_load_lora_adapter_request`), word for word."""
-    return HTTPError(
-        400,
-        f"The lora adapter '{name}' has already been loaded. If you want to load the adapter "
-        "in place, set 'load_inplace' to True.",
-        type="InvalidUserInput",
-    )
+_FAILED = ("conflict", "failed", "reset", "timeout", "abandoned")
 
 
 def _failure_rank(o: Outcome) -> tuple[int, int]:
     # A replica's own refusal explains more than a timeout, which explains more than silence.
-    order = {"conflict": 0, "failed": 0, "timeout": 1, "abandoned": 1, "down": 2}
+    order = {"conflict": 0, "failed": 0, "reset": 0, "timeout": 1, "abandoned": 1, "down": 2}
     return order[o.kind], o.replica.rid
+
+
+def _forget(replica: Replica, name: str) -> None:
+    """The replica no longer holds `name` (unloaded, or unknown to it)."""
+    replica.adapters.pop(name, None)
+    replica.loaded.pop(name, None)
+
+
+def _why_reload(entry: AdapterEntry, files: str | None, path: str) -> str:
+    if files is None:
+        return f"the router cannot read its files at {path}"
+    if entry.held is None:
+        return "it was on the replicas when this router started (its files are unknown)"
+    if entry.held.startswith("unread:"):
+        return "the router could not read its files when it loaded it"
+    return "its files differ from the ones the router loaded under it"
 
 
 def _load_failure(name: str, path: str, o: Outcome, config: Config) -> HTTPError:
@@ -696,6 +824,13 @@ def _load_failure(name: str, path: str, o: Outcome, config: Config) -> HTTPError
         )
     if o.kind == "down":
         return HTTPError(503, f"Cannot load adapter '{name}': {who} is unreachable: {o.detail}")
+    if o.kind == "reset":
+        return HTTPError(
+            502,
+            f"Cannot reload adapter '{name}': {who} did not reset its prefix cache "
+            f"({o.detail}); the router resets it so that no KV computed with the previous "
+            "weights is served. Start the replica with VLLM_SERVER_DEV_MODE=1.",
+        )
     if o.kind == "conflict":
         held = f"from '{o.detail}'" if o.detail else "(at a path its /v1/models does not show)"
         return HTTPError(

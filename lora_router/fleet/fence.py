@@ -33,14 +33,19 @@ Every request arriving for a name creates or joins an *entry*; the control plane
 operations in arrival order and reports each outcome back on the entry it was given, so a
 late outcome never overwrites a newer request's state (an unload that arrived after a load
 supersedes it even if the load finishes later). Loading the same name at two paths, or
-re-pointing a live name at new weights (`load_inplace`), is refused here: vLLM keys cached KV
-blocks by name, so a re-pointed name would serve stale KV, and replicas would disagree on its
+re-pointing a live name with `load_inplace`, is refused here: replicas would disagree on its
 weights while the broadcast runs.
+
+A load of a live name at its path is a **reload** (a trainer resumed from a checkpoint
+publishes its names again, with new weights): like any load it takes the name out of service
+when it arrives, as a new loading entry (`replacing`; `held`: the `files` digest of what the
+fleet serves, fleet/adapter_files.py, None for names found at start). In its turn the
+broadcaster finds the same files (live again, nothing sent) or reloads the name everywhere.
 
 Pure state and waiting: no I/O, and no HTTP. A refusal is one of the fence's own outcome types
 (`UnknownAdapter`, `StillLoading`, `LoadRefused`, all `FenceRefusal`s), which the HTTP layer
 renders as vLLM's answers (app.py, `fence_error`). It must never let a completion through for
-a name that is not live, and never refuse as unknown a name that is still loading.
+a name that is not live (a reloaded one included), nor refuse as unknown a name still loading.
 """
 
 from __future__ import annotations
@@ -101,7 +106,18 @@ class AdapterState(enum.Enum):
 class AdapterEntry:
     """One name's state as set by one run of requests (see the module docstring)."""
 
-    __slots__ = ("body", "failure", "name", "path", "pending", "settled", "state")
+    __slots__ = (
+        "body",
+        "failure",
+        "files",
+        "held",
+        "name",
+        "path",
+        "pending",
+        "replacing",
+        "settled",
+        "state",
+    )
 
     def __init__(self, name: str, state: AdapterState, path: str, body: bytes) -> None:
         self.name = name
@@ -111,6 +127,9 @@ class AdapterEntry:
         self.pending = 1  # control operations still to report on this entry
         self.settled = asyncio.Event()  # set when waiters should look again
         self.failure: str | None = None  # why its load failed, for the waiters' 404
+        self.files: str | None = None  # digest of the files behind it (module docstring)
+        self.replacing = False  # a reload: the fleet served the name when this load arrived
+        self.held: str | None = None  # for a reload: the `files` of the entry it replaced
 
 
 class AdapterFence:
@@ -221,7 +240,8 @@ class AdapterFence:
     # -- what the control plane reports -----------------------------------------------------
 
     def begin_load(self, name: str, path: str, body: bytes, inplace: bool) -> AdapterEntry:
-        """A load request arrived: from now on completions for `name` wait instead of 404."""
+        """A load request arrived: from now on completions for `name` wait (instead of 404,
+        or instead of passing, for a live name: a reload)."""
         current = self._entries.get(name)
         if current is not None and current.state is not AdapterState.UNLOADING:
             if inplace:
@@ -241,11 +261,15 @@ class AdapterFence:
                     "weights under a new name.",
                     in_place=False,
                 )
-            # The same load again: it joins the entry and, in its turn, finds it live
-            # (answered as vLLM's success) or, if the first attempt failed, tries itself.
-            current.pending += 1
-            return current
+            if current.state is AdapterState.LOADING:
+                # The same load again: it joins the entry and, in its turn, finds it live
+                # (its files are then compared again) or, if the first attempt failed,
+                # tries itself.
+                current.pending += 1
+                return current
         entry = AdapterEntry(name, AdapterState.LOADING, path, body)
+        if current is not None and current.state is AdapterState.LIVE:
+            entry.replacing, entry.held = True, current.files  # a reload (module docstring)
         self._replace(name, entry)
         return entry
 
@@ -298,6 +322,10 @@ class AdapterFence:
             old.settled.set()  # its waiters look again and find the new state
 
     # -- readers ----------------------------------------------------------------------------
+
+    def current(self, entry: AdapterEntry) -> bool:
+        """Whether `entry` is still its name's entry (no later request superseded it)."""
+        return self._entries.get(entry.name) is entry
 
     def state(self, name: str) -> AdapterState | None:
         entry = self._entries.get(name)

@@ -9,7 +9,8 @@
   adapters found on *every* answering replica at the same path (static `--lora-modules`).
   A replica that does not answer is ejected; health.py brings it in later with a replay.
 - `Replay.readmit` makes a replica mirror the fleet — every live adapter loaded (with the same
-  mount-lag retries as a broadcast, and the trainer's own load request), every other name
+  mount-lag retries as a broadcast, and the trainer's own load request; a copy it already holds
+  counts only if the router loaded the fleet's files there, broadcast.py), every other name
   unloaded, the fleet's pause intent applied — and reports the outcome to the replica's
   lifecycle, which alone admits it. The long part runs outside the broadcast lock, so a
   trainer's load never waits behind a replay; a final pass under the lock catches up with
@@ -165,6 +166,7 @@ class Replay:
                 )
             fleet.base_models.update(held.bases)
         replica.adapters = dict(held.adapters)
+        replica.loaded = {n: d for n, d in replica.loaded.items() if n in held.adapters}
         live = fence.live()
         # Names it holds that the fleet does not serve (or at another path) go: a replica
         # mirrors the fleet. Outside the lock, names with a broadcast under way are left to the
@@ -178,7 +180,14 @@ class Replay:
         for answers in unloads:
             if answers[0].status not in (200, 404):
                 raise ReplayError(f"unloading a stale adapter failed: {answers[0].message()}")
-        missing = [(n, e) for n, e in live.items() if replica.adapters.get(n) != e.path]
+        # Missing, too: a copy at the right path whose files this router did not load there
+        # (load_on drops it and loads the files again). Names found at start have no digest.
+        missing = [
+            (n, e)
+            for n, e in live.items()
+            if replica.adapters.get(n) != e.path
+            or (e.files is not None and replica.loaded.get(n) != e.files)
+        ]
         # Outside the lock, the loads a broadcast is carrying out (or has queued) join this
         # pass too, best effort: a replica that came back while a version was being broadcast
         # then holds it when the final pass runs, so its replay is one round of loads, not two.
@@ -191,8 +200,10 @@ class Replay:
             return
         deadline = asyncio.get_running_loop().time() + self.config.load_deadline
         outcomes = await asyncio.gather(
-            *(broadcaster.load_on(replica, n, e.path, e.body, deadline) for n, e in missing),
-            *(broadcaster.load_on(replica, n, e.path, e.body, deadline) for n, e in ahead),
+            *(
+                broadcaster.load_on(replica, n, e.path, e.body, e.files, deadline)
+                for n, e in missing + ahead
+            )
         )
         for i, ((name, entry), o) in enumerate(zip(missing + ahead, outcomes, strict=True)):
             if o.kind in ("loaded", "present"):

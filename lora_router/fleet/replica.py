@@ -1,10 +1,10 @@
 """One replica as the router sees it: where it is, how busy, whether it may serve, what it holds.
 
-State here is written by the control plane (adapters, load times), by the request path
-(`in_flight` and `in_flight_tokens`, the requests and their prompt tokens, added around every
-forwarded request in a try/finally so the counts are exact on every path: success, error,
-client disconnect, cancellation) and by the telemetry loop (`report`: what the replica's own
-`/metrics` said at the last scrape, its queue included, or None when unknown;
+State here is written by the control plane (adapters, the files it loaded, load times), by
+the request path (`in_flight` and `in_flight_tokens`, the requests and their prompt tokens,
+added around every forwarded request in a try/finally so the counts are exact on every path:
+success, error, client disconnect, cancellation) and by the telemetry loop (`report`: what the
+replica's own `/metrics` said at the last scrape, its queue included, or None when unknown;
 fleet/telemetry.py). It is read by the routing policy, which must never write it.
 
 Its service state (joining, replaying, serving, ejected, backing-off, draining, gone) is
@@ -38,6 +38,7 @@ class Replica:
         "label",
         "life",
         "load_seconds",
+        "loaded",
         "name",
         "on_change",
         "pool",
@@ -70,6 +71,10 @@ class Replica:
         self.on_change: Callable[[], None] | None = None
         self._adapters = _Adapters(self)  # adapter name -> lora_path, as acknowledged
         self.load_seconds = 0.0  # how long its last adapter load took (broadcast order)
+        # Adapter name -> digest of the files this router process loaded onto it under that
+        # name (fleet/adapter_files.py). A copy it holds without a record here was put there by
+        # someone else (an earlier router, a direct load): its weights are unknown.
+        self.loaded: dict[str, str] = {}
         # Its own /metrics at the last scrape (running, waiting, KV, ...); None: unknown, with
         # the reason in report_error. Never a reason to eject it.
         self.report: Report | None = None

@@ -123,21 +123,6 @@ async def test_a_real_failure_rolls_back_every_replica(
     assert monitor.checked == 0
 
 
-async def test_already_loaded_at_the_same_path_reads_as_present(
-    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
-) -> None:
-    emus = await emulators(3)
-    rt = await router(emus)
-    path = adapter("v1")
-    # Replica 0 got it outside the router (a load whose answer was lost, say).
-    status, _ = await load(client, emus[0].url, "v1", path)
-    assert status == 200
-    status, _ = await load(client, rt.url, "v1", path)
-    assert status == 200
-    assert all(emu.state.adapters == {"v1": path} for emu in emus)
-    assert (await complete(client, rt.url, "v1"))[0] == 200
-
-
 async def test_already_loaded_from_another_path_is_a_conflict_that_explains_itself(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
 ) -> None:
@@ -449,25 +434,6 @@ async def test_reloading_a_live_name_in_place_is_refused(
     body = {"lora_name": "v1", "lora_path": path, "load_inplace": True}
     status, data, _ = await call(client, "POST", rt.url + "/v1/load_lora_adapter", body)
     assert status == 400 and "in place" in orjson.loads(data)["error"]["message"]
-
-
-async def test_a_clients_second_load_of_a_live_name_is_refused_as_vllm_does(
-    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
-) -> None:
-    emus = await emulators(2)
-    rt = await router(emus)
-    path = adapter("trl-policy-v1")
-    assert (await load(client, rt.url, "trl-policy-v1", path))[0] == 200
-    # A trainer restarted with the same output_dir asks for the same name and path again.
-    status, data = await load(client, rt.url, "trl-policy-v1", path)
-    # What one vLLM server answers (the emulator's words are vLLM 0.32's serving.py).
-    direct_status, direct = await load(client, emus[0].url, "trl-policy-v1", path)
-    assert status == direct_status == 400
-    assert orjson.loads(data)["error"] == orjson.loads(direct)["error"]
-    assert orjson.loads(data)["error"]["type"] == "InvalidUserInput"
-    # Sent to no replica (each got the first load, plus the direct one above), still served.
-    assert paths_of(emus[1], "/v1/load_lora_adapter") == ["trl-policy-v1"]
-    assert (await complete(client, rt.url, "trl-policy-v1"))[0] == 200
 
 
 async def test_malformed_load_requests_are_refused_like_vllm(

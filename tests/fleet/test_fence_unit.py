@@ -129,6 +129,38 @@ async def test_a_live_name_cannot_be_repointed() -> None:
     assert fence.state("v1") is AdapterState.LIVE
 
 
+async def test_a_load_of_a_live_name_takes_it_out_of_service_until_the_load_settles() -> None:
+    """A reload: a new loading entry that remembers the files the fleet serves; completions
+    wait from its arrival and pass once it is live again."""
+    fence = AdapterFence(5.0)
+    first = fence.begin_load("v1", "/a/v1", b"{}", inplace=False)
+    first.files = "sha256:old"
+    fence.finish_load(first, ok=True)
+    reload = fence.begin_load("v1", "/a/v1", b"{}", inplace=False)
+    assert reload is not first and reload.replacing and reload.held == "sha256:old"
+    assert not fence.admits("v1") and fence.state("v1") is AdapterState.LOADING
+    assert not fence.current(first) and fence.current(reload)
+    waiter = asyncio.create_task(fence.wait("v1"))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    reload.files = "sha256:new"
+    fence.finish_load(reload, ok=True)
+    await asyncio.wait_for(waiter, 1.0)
+    assert fence.live()["v1"].files == "sha256:new"
+
+
+async def test_a_failed_reload_leaves_the_name_unknown_not_live_on_its_old_files() -> None:
+    fence = AdapterFence(5.0)
+    fence.mark_live("v1", "/a/v1", b"{}")
+    reload = fence.begin_load("v1", "/a/v1", b"{}", inplace=False)
+    assert reload.replacing and reload.held is None  # found at start: files unknown
+    fence.finish_load(reload, ok=False, failure="Replica 1 said no")
+    assert fence.state("v1") is None
+    with pytest.raises(FenceRefusal) as err:
+        await fence.wait("v1")
+    assert fence_error(err.value).status == 404
+
+
 async def test_live_lists_names_in_load_order() -> None:
     fence = AdapterFence(5.0)
     for name in ("v1", "v2", "v3"):
