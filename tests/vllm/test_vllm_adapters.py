@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
+from recipe import PROBE, probe, probe_fresh
+from tiny_model import adapter_dir
 from trl_client import LORA_NAME
 from vllm_harness import Answer, Replica, Router, wait_for
 
@@ -56,8 +59,9 @@ def test_load_waits_for_a_directory_renamed_into_place_later(
 def test_load_of_a_name_a_replica_already_holds_at_the_same_path_succeeds(
     fleet: list[Replica], router: Router, publish: Callable[..., str]
 ) -> None:
-    """Replica 0 already has the adapter (a load that reached it before); vLLM answers that
-    second load 400 "already loaded", which the router reads as present."""
+    """Replica 0 already has the adapter (a load that reached it before, not the router's);
+    vLLM answers that second load 400 "already loaded", and the router, not knowing which
+    files that copy was loaded from, replaces it: the load succeeds everywhere."""
     path = publish(V1, 0)
     direct = fleet[0].post("/v1/load_lora_adapter", load_body(V1, path))
     assert direct.status == 200, direct.text
@@ -67,6 +71,31 @@ def test_load_of_a_name_a_replica_already_holds_at_the_same_path_succeeds(
     answer = router.post("/v1/load_lora_adapter", load_body(V1, path))
     assert answer.status == 200, answer.text
     assert [r.adapters() for r in fleet] == [{V1: path}] * 2
+
+
+def test_a_name_published_again_is_reloaded_with_none_of_its_old_kv(
+    fleet: list[Replica], router: Router, publish: Callable[..., str], model: Path
+) -> None:
+    """trl-policy-v1 is loaded through the router and a prompt is cached under it on both
+    replicas. New weights are then published at the same path (TRL's rename) and loaded again
+    through the router, with no pause (a pause would clear the cache): on every replica the
+    name then answers exactly as a fresh load of that directory does, and the prompt finds
+    nothing cached (vLLM keys KV blocks by name and path: the router reset the cache)."""
+    path = publish(V1, 0)
+    assert router.post("/v1/load_lora_adapter", load_body(V1, path)).status == 200
+    old = [probe(r, V1, PROBE) for r in fleet]
+    assert [probe(r, V1, PROBE).cached for r in fleet] == [256, 256]  # the probe sees the cache
+    staging = Path(path).parent / f".{V1}.new"
+    shutil.copytree(adapter_dir(model, 1), staging)
+    shutil.rmtree(path)
+    staging.rename(path)
+    answer = router.post("/v1/load_lora_adapter", load_body(V1, path))
+    assert answer.status == 200, answer.text
+    for i, replica in enumerate(fleet):
+        new = probe(replica, V1, PROBE)
+        assert new.cached == 0, f"replica {i} served KV computed with the old weights"
+        assert new.tokens == probe_fresh(replica, "fresh-v1", path, PROBE).tokens
+        assert new.tokens != old[i].tokens  # the probe tells the two adapters apart
 
 
 def test_load_of_a_name_a_replica_holds_at_another_path_fails_on_every_replica(

@@ -108,15 +108,22 @@ def error_shape(answer: Answer) -> dict[str, Any]:
 
 
 # Response keys ("path:type") real vLLM 0.32 sends and the emulator does not, and the reverse.
-# None of them is read by TRL, the router or the openai SDK. The emulator keeps reporting
-# `prompt_tokens_details.cached_tokens` (a real server sends null there unless started with
-# --enable-prompt-tokens-details): the demo and the benches read their hit rates from it.
-_USAGE_REAL = {"usage.completion_tokens_details:None", "usage.prompt_tokens_details:None"}
-_USAGE_EMULATED = {"usage.prompt_tokens_details.cached_tokens:int"}
+# None of them is read by TRL, the router or the openai SDK. Both report
+# `prompt_tokens_details.cached_tokens` (the tier's replicas run with
+# --enable-prompt-tokens-details; the emulator always does: the demo and the benches read their
+# hit rates from it); a real server adds two fields beside it (chat counts the tokens it
+# cached; completions leave that null).
+_USAGE_REAL = {
+    "usage.completion_tokens_details:None",
+    "usage.prompt_tokens_details.multimodal_tokens:None",
+}
+_USAGE_EMULATED: set[str] = set()
 _NEW_FIELDS = {"ec_transfer_params:None", "metrics:None", "choices[].routed_experts:None"}
 KEY_DIFFERENCES = {
     "completion": (
-        _NEW_FIELDS | _USAGE_REAL | {"system_fingerprint:str"},
+        _NEW_FIELDS
+        | _USAGE_REAL
+        | {"system_fingerprint:str", "usage.prompt_tokens_details.created_cache_tokens:None"},
         _USAGE_EMULATED | {"system_fingerprint:None"},
     ),
     # Every chunk of a 0.32 stream carries token_ids/prompt_token_ids, null unless asked for.
@@ -126,6 +133,7 @@ KEY_DIFFERENCES = {
         | _USAGE_REAL
         | {
             "system_fingerprint:str",
+            "usage.prompt_tokens_details.created_cache_tokens:int",
             "choices[].message.reasoning:None",  # 0.33's name per the contract: reasoning_content
             "choices[].token_ids:None",
             "prompt_text:None",

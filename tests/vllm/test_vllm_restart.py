@@ -1,13 +1,17 @@
-"""A replica SIGKILLed and restarted empty is replayed before it serves: no client sees a 404."""
+"""A replica SIGKILLed and restarted empty is replayed before it serves: no client sees a 404,
+and the replica itself is never asked for an adapter it does not hold yet (its own access log:
+the router's retry of a 404 on another replica would hide an early admission from clients)."""
 
 from __future__ import annotations
 
 import asyncio
 import random
 import threading
+import time
 from collections.abc import Callable
 
 import aiohttp
+import replica_log
 from trl_client import LORA_NAME
 from vllm_harness import REPLICA_START_S, Replica, Router, wait_for
 
@@ -18,14 +22,19 @@ def test_restarted_replica_gets_its_adapters_back_before_it_serves(
     fleet: list[Replica], routers: Callable[..., Router], publish: Callable[..., str], base: str
 ) -> None:
     """TRL-shaped rollouts for trl-policy-v1 keep flowing while replica 1 is SIGKILLed and
-    started again on its port with no adapter. Every rollout answers 200 (none 404, none
-    refused), replica 1 holds v1 again, and it serves rollouts after its return."""
+    started again on its port with no adapter. Every rollout answered is a 200 (none 404,
+    none refused; only answers the kill itself cut short fail, as transport errors TRL
+    retries), replica 1 holds v1 again, it serves rollouts after its return, and it answered
+    none of them 404 (none reached it before its replay loaded v1)."""
     router = routers("--health-failures", "1", "--health-successes", "1")
     path = publish(V1, 0)
     assert router.post("/v1/load_lora_adapter", {"lora_name": V1, "lora_path": path}).status == 200
     victim = fleet[1]
     stop = threading.Event()
     statuses: list[tuple[int, str]] = []  # (status, replica header)
+    # Answers cut by the kill (the head was passed on, the body never came): a transport
+    # failure for the client, which TRL retries. (replica header, when)
+    cut: list[tuple[str, float]] = []
 
     async def rollouts() -> None:
         rng = random.Random(5)
@@ -43,8 +52,13 @@ def test_restarted_replica_gets_its_adapters_back_before_it_serves(
                         "seed": rng.getrandbits(63),
                     }
                     async with session.post(router.url + "/v1/completions", json=body) as r:
-                        await r.read()
-                        statuses.append((r.status, r.headers.get("x-lora-router-replica", "")))
+                        replica = r.headers.get("x-lora-router-replica", "")
+                        try:
+                            await r.read()
+                        except aiohttp.ClientPayloadError:
+                            cut.append((replica, time.monotonic()))
+                            continue
+                        statuses.append((r.status, replica))
 
             await asyncio.gather(*(worker() for _ in range(3)))
 
@@ -52,6 +66,7 @@ def test_restarted_replica_gets_its_adapters_back_before_it_serves(
     traffic.start()
     try:
         wait_for("rollouts on both replicas", lambda: {h for _, h in statuses} >= {"0", "1"}, 120)
+        killed = time.monotonic()
         victim.kill()
         wait_for(
             "the router ejects the killed replica",
@@ -59,7 +74,9 @@ def test_restarted_replica_gets_its_adapters_back_before_it_serves(
             30,
             [router.log],
         )
+        ejected = time.monotonic()
         served_while_down = len(statuses)
+        since_restart = victim.log_size()
         victim.start()
         victim.wait_healthy(REPLICA_START_S)
         wait_for(
@@ -80,3 +97,7 @@ def test_restarted_replica_gets_its_adapters_back_before_it_serves(
         traffic.join(timeout=120)
     assert not traffic.is_alive()
     assert statuses and {s for s, _ in statuses} == {200}, sorted({s for s, _ in statuses})
+    assert all(h == "1" and killed <= t <= ejected for h, t in cut), (cut, killed, ejected)
+    answered = replica_log.accesses(replica_log.text_since(victim.log, since_restart))
+    completions = [a.status for a in answered if a.path == "/v1/completions"]
+    assert completions and set(completions) == {200}, sorted(set(completions))

@@ -25,20 +25,28 @@ from pathlib import Path
 from typing import Any
 
 BIN = Path(sys.executable).parent
+HERE = Path(__file__).parent
 TOKEN = "vllm-tier-secret-token"  # the replicas' --api-key; the router reads it from TOKEN_ENV
 TOKEN_ENV = "LORA_ROUTER_TIER_TOKEN"
 REPLICA_START_S = 240.0  # a replica answers /health 25-40 s after start on an idle machine
 POLL_S = 0.1
 
-# vLLM's CPU build, as the issue's experiments ran it. The seed bug: a seeded request whose
-# prefill is split across steps kills the engine, so a step's token budget stays above any
-# batch's prompt tokens.
+# vLLM's CPU build, as the issue's experiments ran it, one thread each (two replicas share two
+# cores). The seed bug: a seeded request whose prefill is split across steps kills the engine,
+# so a step's token budget stays above any batch's prompt tokens.
+#
+# Their logs are the tests' evidence (replica_log.py): replica_logging.json stamps every line
+# (vLLM's and the access log) with the time in microseconds, and logs each request's adapter
+# and, at debug level, its first `--max-log-len` prompt tokens.
 REPLICA_ENV = {
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
     "VLLM_SERVER_DEV_MODE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
     "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_LOGGING_CONFIG_PATH": str(HERE / "replica_logging.json"),
+    "PYTHONUNBUFFERED": "1",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
 }
@@ -51,6 +59,10 @@ REPLICA_FLAGS = (
     "32768",
     "--max-model-len",
     "4096",
+    "--enable-log-requests",
+    "--max-log-len",
+    "100",
+    "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens
 )
 
 
@@ -220,6 +232,10 @@ class Replica:
     def post(self, path: str, body: Any = None) -> Answer:
         return http("POST", self.url + path, body, token=TOKEN)
 
+    def log_size(self) -> int:
+        """Where its log ends now: what a test reads from to see only its own time."""
+        return self.log.stat().st_size if self.log.exists() else 0
+
     def adapters(self) -> dict[str, str]:
         """Adapter name -> root (lora_path), from the replica's own /v1/models."""
         cards = self.get("/v1/models").json()["data"]
@@ -268,6 +284,12 @@ class Router:
         answer: list[dict[str, Any]] = self.get("/router/replicas").json()["replicas"]
         return answer
 
+    def kill(self) -> None:
+        """SIGKILL: the router dies with no chance to clean up (a preemption)."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -285,7 +307,18 @@ def router_command(replicas: Iterable[Replica], *flags: str) -> list[str]:
 
 def start_router(replicas: list[Replica], log: Path, *flags: str) -> Router:
     """`lora-router --replicas ... --token-env ... --port 0 FLAGS`, waited on until /health."""
-    command = router_command(replicas, "--port", "0", "--log-level", "info", *flags)
+    return _launch(router_command(replicas, "--port", "0", "--log-level", "info", *flags), log)
+
+
+def start_router_as_user(replicas: list[Replica], log: Path, port: int, *flags: str) -> Router:
+    """The command the guide gives, on a fixed port (a restarted router is found where the
+    trainer expects it): `python -m lora_router --replicas ... --token-env ... --port P`."""
+    urls = ",".join(r.url for r in replicas)
+    command = [sys.executable, "-m", "lora_router", "--replicas", urls, "--token-env", TOKEN_ENV]
+    return _launch([*command, "--port", str(port), *flags], log)
+
+
+def _launch(command: list[str], log: Path) -> Router:
     out = log.open("ab")
     process = subprocess.Popen(
         command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, TOKEN_ENV: TOKEN}
