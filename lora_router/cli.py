@@ -116,6 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="allow listening beyond loopback without --api-key-env",
     )
+    g.add_argument(
+        "--forward-path",
+        metavar="PATH",
+        action="append",
+        dest="forward_paths",
+        help="forward this path, any method, to one replica as it is (repeatable; e.g. "
+        "/v1/embeddings); not a path the router routes, broadcasts, refuses or answers itself "
+        "(default: none, only vLLM's read-only routes are forwarded)",
+    )
 
     g = p.add_argument_group("routing")
     g.add_argument(
@@ -398,13 +407,17 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config
     # Every other Config field is a flag of the same name.
     given = vars(args)
     flags = {f.name: given[f.name] for f in fields(Config) if f.name not in _DERIVED}
+    forward_paths = tuple(args.forward_paths or ())
     try:
-        return Config(replicas=replicas, token=token, api_key=api_key, **flags)
+        return Config(
+            replicas=replicas, token=token, api_key=api_key, forward_paths=forward_paths, **flags
+        )
     except ValueError as exc:  # Config validates itself; its message names the flag
         raise UsageError(str(exc)) from None
 
 
-_DERIVED = frozenset({"replicas", "token", "api_key"})  # parsed or read from the environment
+# Parsed or read from the environment, not taken as they are.
+_DERIVED = frozenset({"replicas", "token", "api_key", "forward_paths"})
 
 
 async def serve_until_signal(config: Config) -> None:

@@ -20,6 +20,7 @@ import ssl
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from lora_router.routes import forward_path_error
 from lora_router.routing.keys import DEFAULT_LINEAGE_PATTERN, Lineages
 from lora_router.routing.policy import (
     DEFAULT_LOAD_FACTOR,
@@ -113,6 +114,7 @@ class Config:
     port: int = 8000
     api_key: Secret = field(default_factory=lambda: Secret(""))
     insecure_listen: bool = False
+    forward_paths: tuple[str, ...] = ()  # paths opened to one replica (routes.py)
 
     # Routing
     policy: str = "prefix"  # prefix | round-robin | least-loaded
@@ -177,6 +179,10 @@ class Config:
         """Refuse a setting the router cannot run with (ValueError naming the flag)."""
         if len({r.name for r in self.replicas}) != len(self.replicas):
             raise ValueError("--replicas lists the same replica twice")
+        for path in self.forward_paths:
+            error = forward_path_error(path)
+            if error:
+                raise ValueError(error)
         if not _is_loopback(self.host) and not self.api_key and not self.insecure_listen:
             raise ValueError(
                 f"--host {self.host} is reachable beyond this machine: give --api-key-env NAME "

@@ -343,3 +343,17 @@ def test_a_config_listing_a_replica_twice_is_refused() -> None:
 def test_a_config_listening_beyond_loopback_without_an_api_key_is_refused() -> None:
     with pytest.raises(ValueError, match="reachable beyond this machine"):
         Config(replicas=(), host="0.0.0.0")
+
+
+# -- the trust boundary's flags (#27) -----------------------------------------------------------
+
+
+def test_forward_paths_are_repeatable_and_refuse_a_guarded_route() -> None:
+    c = config(
+        "--replicas", "http://a", "--no-token", "--forward-path", "/v1/embeddings",
+        "--forward-path", "/my/route",
+    )  # fmt: skip
+    assert c.forward_paths == ("/v1/embeddings", "/my/route")
+    for path in ("/pause", "/v1/completions", "/update_weights", "/health", "/x%2Fy", "/a//b"):
+        with pytest.raises(UsageError, match="--forward-path"):
+            config("--replicas", "http://a", "--no-token", "--forward-path", path)

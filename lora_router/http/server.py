@@ -423,6 +423,10 @@ class ClientConnection(asyncio.Protocol):
             # Absolute-form and authority-form targets would make a proxy talk to the host
             # they name; this router only ever talks to its replicas.
             self._raise(HTTPError(400, "Only origin-form request targets (`/path`) are accepted."))
+        if b"#" in url:
+            # A fragment is never part of a request target (RFC 9112 §3.2); servers on the way
+            # would drop it or read it (the path rule: http/target.py).
+            self._raise(HTTPError(400, "A request target must not contain `#`."))
         path, _, query = url.partition(b"?")
         request = Request(
             method=method,
@@ -552,7 +556,11 @@ class ClientConnection(asyncio.Protocol):
         self.status = status
         reason = REASONS.get(status, b"Unknown")
         head = response_head(status, reason, headers or _JSON, len(body), self.keep_alive)
-        self.transport.write(head + body)
+        request = self._request
+        if request is not None and request.method == b"HEAD":
+            self.transport.write(head)  # no body, and the Content-Length a GET would have
+        else:
+            self.transport.write(head + body)
 
     def send_error(self, error: HTTPError) -> None:
         if self.response_started:
@@ -560,7 +568,7 @@ class ClientConnection(asyncio.Protocol):
             self.keep_alive = False
             self._close()
             return
-        self.send(error.status, error.body())
+        self.send(error.status, error.body(), error.headers)
 
     def close_when_idle(self) -> None:
         """Finish the request in progress, if any, then close (graceful shutdown)."""
@@ -596,7 +604,7 @@ class ClientConnection(asyncio.Protocol):
         self.keep_alive = False
         self._queue.clear()
         if not self._busy:
-            self.send(error.status, error.body())
+            self.send(error.status, error.body(), error.headers)
             self._close()
         elif self.transport is not None:
             self.transport.pause_reading()
