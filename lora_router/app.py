@@ -18,7 +18,8 @@ spelling. Unknown paths answer 404, a known path with another method 405, as vLL
   serving replica, serialized, through the broadcaster (fleet/broadcast.py).
 - **Answered by the router**: `/health` and `/ping` (every live replica must be healthy),
   `/v1/models` (one replica's list, filtered by the fence), `/metrics`, `/router/status`, and
-  the operators' membership routes under `/router/replicas`.
+  the operators' membership routes under `/router/replicas` (a new replica's URL must be inside
+  `--replica-hosts`: `Config.replica_allowed`).
 - **Forwarded to one healthy replica**: the read-only routes (`/server_info`, `/tokenize`,
   `/version`, ...) and the operator's `--forward-path`s, like a single vLLM server answers them.
 - **Refused** (501, naming why): the calls that would change one engine's state or weights
@@ -699,9 +700,18 @@ class RouterApp:
             address = ReplicaAddress.parse(url)
         except ValueError as exc:
             raise bad_request(str(exc), param="url") from None
+        if not self.config.replica_allowed(address):
+            raise HTTPError(
+                403,
+                f"{address.name} is outside the hosts replicas may be added from (the token "
+                "goes to every replica): start the router with --replica-hosts naming it "
+                "(a host glob, host:port or network).",
+            )
         existing = self.fleet.by_name(address.name)
         if existing is not None:
             raise HTTPError(409, f"{existing.describe()} is already in the fleet.")
+        if self.config.cleartext_token(address):
+            log.warning("%s", cleartext_warning(address.name))
         replica = await self.health.add(address)
         status = 200 if replica.live else 202
         conn.send(status, orjson.dumps(replica_json(replica)), _JSON)
@@ -716,6 +726,14 @@ class RouterApp:
         drained = await self.health.remove(replica)
         payload = {**replica_json(replica), "drained": drained}
         conn.send(200, orjson.dumps(payload), _JSON)
+
+
+def cleartext_warning(name: str) -> str:
+    """The start-up and run-time warning for a token sent in the clear (never the token)."""
+    return (
+        f"the replicas' token goes to {name} over plain http:// beyond this machine, readable "
+        "on the way: give the replica an https:// URL, or reach it through a tunnel"
+    )
 
 
 def refusal(route: Route) -> HTTPError:

@@ -18,7 +18,7 @@ from dataclasses import fields
 from typing import NoReturn
 
 from lora_router import __version__
-from lora_router.config import Config, ReplicaAddress, Secret
+from lora_router.config import Config, ReplicaAddress, Secret, secret_from_env
 from lora_router.routing.policy import POLICIES
 
 log = logging.getLogger("lora_router")
@@ -99,6 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--ca-file",
         help="extra CA bundle to verify https replicas against (default: the system's CAs)",
+    )
+    g.add_argument(
+        "--replica-hosts",
+        metavar="PATTERNS",
+        type=_comma_list,
+        default=(),
+        help="where replicas may be added at run time (the token goes to them): "
+        "comma-separated host globs with an optional :PORT (*.hf.jobs, 10.0.0.5:8000) or "
+        "networks (10.0.0.0/8); names are not resolved (default: only the host:port of each "
+        "--replicas URL)",
     )
 
     g = p.add_argument_group("listening")
@@ -390,34 +400,33 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config
         raise UsageError(str(exc)) from None
     if not replicas:
         raise UsageError("--replicas is required: a comma-separated list of replica URLs")
-    token = Secret("")
+    token = api_key = Secret("")
     if args.token_env and args.no_token:
         raise UsageError("--token-env and --no-token contradict each other: give one of them")
-    if args.token_env:
-        if not environ.get(args.token_env):
-            raise UsageError(f"--token-env {args.token_env}: that variable is not set or empty")
-        token = Secret(environ[args.token_env])
-    elif not args.no_token:
-        raise UsageError("give --token-env NAME (the replicas' bearer token) or --no-token")
-    api_key = Secret("")
-    if args.api_key_env:
-        if not environ.get(args.api_key_env):
-            raise UsageError(f"--api-key-env {args.api_key_env}: that variable is not set or empty")
-        api_key = Secret(environ[args.api_key_env])
-    # Every other Config field is a flag of the same name.
-    given = vars(args)
-    flags = {f.name: given[f.name] for f in fields(Config) if f.name not in _DERIVED}
-    forward_paths = tuple(args.forward_paths or ())
     try:
+        if args.token_env:
+            token = secret_from_env("--token-env", args.token_env, environ)
+        elif not args.no_token:
+            raise UsageError("give --token-env NAME (the replicas' bearer token) or --no-token")
+        if args.api_key_env:
+            api_key = secret_from_env("--api-key-env", args.api_key_env, environ)
+        # Every other Config field is a flag of the same name.
+        given = vars(args)
+        flags = {f.name: given[f.name] for f in fields(Config) if f.name not in _DERIVED}
+        forward_paths = tuple(args.forward_paths or ())
         return Config(
             replicas=replicas, token=token, api_key=api_key, forward_paths=forward_paths, **flags
         )
-    except ValueError as exc:  # Config validates itself; its message names the flag
+    except ValueError as exc:  # each message names the flag
         raise UsageError(str(exc)) from None
 
 
 # Parsed or read from the environment, not taken as they are.
 _DERIVED = frozenset({"replicas", "token", "api_key", "forward_paths"})
+
+
+def _comma_list(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
 async def serve_until_signal(config: Config) -> None:
