@@ -269,10 +269,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-connections", type=int, default=d.max_connections, help="open client connections"
     )
     g.add_argument(
+        "--max-buffered-bytes",
+        type=int,
+        default=d.max_buffered_bytes,
+        help="request body bytes held at once over all client connections, until each "
+        "request's answer begins (503 with Retry-After beyond; at least --max-body-bytes)",
+    )
+    g.add_argument(
         "--max-prompt-tokens",
         type=int,
         default=d.max_prompt_tokens,
-        help="longest token-id prompt a completion may carry (400 beyond)",
+        help="longest token-id prompt a completion may carry (400 beyond); text and chat "
+        "prompts are routed on their first 4 bytes a token of it and forwarded whole",
     )
     g.add_argument(
         "--max-upstream-connections",

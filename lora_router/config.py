@@ -225,6 +225,8 @@ class Config:
     max_header_bytes: int = 64 * 1024
     max_headers: int = 100
     max_connections: int = 10_000
+    # Request body bytes buffered at once over every client connection (503 beyond).
+    max_buffered_bytes: int = 1 << 30
     max_prompt_tokens: int = 1_000_000
     max_upstream_connections: int = 1024  # per replica
     retries: int = 2  # other replicas tried when nothing was received yet
@@ -310,6 +312,10 @@ class Config:
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}")
+        if self.max_buffered_bytes < self.max_body_bytes:
+            raise ValueError(
+                "--max-buffered-bytes must be at least --max-body-bytes (one whole body)"
+            )
 
     def replica_allowed(self, address: ReplicaAddress) -> bool:
         """Whether the token may go to `address`: every replica joins through this check. With
@@ -361,6 +367,7 @@ _POSITIVE = (
     "max_header_bytes",
     "max_headers",
     "max_connections",
+    "max_buffered_bytes",
     "max_prompt_tokens",
     "max_upstream_connections",
     "health_failures",

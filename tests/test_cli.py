@@ -433,6 +433,19 @@ def test_replica_hosts_are_checked_and_must_cover_the_replicas() -> None:
         config("--replicas", "http://b:80", "--no-token", "--replica-hosts", "a")
 
 
+def test_the_buffer_budget_holds_at_least_one_whole_body() -> None:
+    with pytest.raises(UsageError, match="--max-buffered-bytes must be at least --max-body-bytes"):
+        config(
+            "--replicas",
+            "http://a",
+            "--no-token",
+            "--max-body-bytes",
+            "100",
+            "--max-buffered-bytes",
+            "99",
+        )
+
+
 def test_a_token_to_a_plain_http_replica_beyond_this_machine_is_cleartext() -> None:
     from lora_router.config import Secret
 

@@ -14,9 +14,13 @@ is complete.
 
 The request body is buffered (it is needed whole to route and, before the first response byte,
 to retry) and released when the response head is passed on (`head`): a stream that has begun
-does not keep its request. Response bodies are never buffered here: the upstream side writes
-them straight to `transport` and uses `pause_writing`/`resume_writing` below to slow the
-replica down when the client reads slowly.
+does not keep its request. The body bytes buffered at once over all connections of a listener
+are bounded (`ConnectionCount.buffered`, `max_buffered_bytes`): each body byte is counted as it
+arrives and uncounted when its request's answer begins or ends, or its connection is lost
+(whatever is still counted then), so the count is exact on every path; past the bound a
+request is answered 503 with `Retry-After` and its connection closed. Response bodies are never
+buffered here: the upstream side writes them straight to `transport` and uses
+`pause_writing`/`resume_writing` below to slow the replica down when the client reads slowly.
 
 End of input from the client while its request is in flight means the client is gone (as in
 nginx): the connection closes and the replica's connection with it, which makes vLLM abort the
@@ -105,6 +109,8 @@ class Limits(Protocol):
     @property
     def max_body_bytes(self) -> int: ...
     @property
+    def max_buffered_bytes(self) -> int: ...
+    @property
     def max_header_bytes(self) -> int: ...
     @property
     def max_headers(self) -> int: ...
@@ -133,14 +139,17 @@ FastHandler = Callable[[Request, "ClientConnection"], bool]
 
 
 class ConnectionCount:
-    """Open client connections, shared by every connection of one listening socket."""
+    """Open client connections and the request body bytes they buffer (module docstring),
+    shared by every connection of one listening socket."""
 
-    __slots__ = ("_drained", "limit", "open")
+    __slots__ = ("_drained", "buffered", "limit", "max_buffered", "open")
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, max_buffered: int) -> None:
         self.limit = limit
         self.open: set[ClientConnection] = set()
         self._drained: asyncio.Event | None = None
+        self.buffered = 0
+        self.max_buffered = max_buffered
 
     def discard(self, conn: ClientConnection) -> None:
         self.open.discard(conn)
@@ -188,6 +197,7 @@ class ClientConnection(asyncio.Protocol):
         "_header_bytes",
         "_header_timeout",
         "_headers",
+        "_held",
         "_http11",
         "_limits",
         "_loop",
@@ -262,6 +272,7 @@ class ClientConnection(asyncio.Protocol):
         self._header_bytes = 0
         self._body: list[bytes] = []
         self._body_bytes = 0
+        self._held = 0  # body bytes of this connection in `count.buffered`
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -279,7 +290,9 @@ class ClientConnection(asyncio.Protocol):
         self._rearm()  # idle: the keep-alive deadline
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._closed = True
+        self._closed = True  # from now on no request releases its body bytes: done here
+        self._count.buffered -= self._held
+        self._held = 0
         self._count.discard(self)
         self._timer.close()
         del self._parser  # it refers back to this connection (and takes no more input)
@@ -371,14 +384,27 @@ class ClientConnection(asyncio.Protocol):
         framing = self._framing
         if len(framing) == 1 and framing[0][0] == b"content-length":
             # The usual case, `_check_length` written out (it runs on every request with a body).
-            if int(framing[0][1]) > self._max_body_bytes:  # llhttp checked the digits
+            length = int(framing[0][1])  # llhttp checked the digits
+            if length > self._max_body_bytes:
                 self._body_too_big()
+            count = self._count
+            if count.buffered + length > count.max_buffered:
+                self._over_budget()  # refused before the body is sent, not after
         elif framing:
             self._check_framing(version)
 
     def _check_length(self, value: bytes) -> None:
         if int(value) > self._max_body_bytes:  # llhttp checked the digits
             self._body_too_big()
+
+    def _over_budget(self) -> None:
+        self._raise(
+            HTTPError(
+                503,
+                "The router holds as many request bodies as --max-buffered-bytes allows; retry.",
+                headers=[*_JSON, (b"retry-after", b"1")],
+            )
+        )
 
     def _body_too_big(self) -> None:
         self._raise(HTTPError(413, f"Request body over {self._max_body_bytes} bytes."))
@@ -408,10 +434,16 @@ class ClientConnection(asyncio.Protocol):
                     self._continue = True  # after the answer in front of it
 
     def on_body(self, body: bytes) -> None:
-        self._body_bytes += len(body)
+        size = len(body)
+        self._body_bytes += size
         if self._body_bytes > self._max_body_bytes:
             self._body_too_big()
+        count = self._count
+        count.buffered += size
+        self._held += size
         self._body.append(body)
+        if count.buffered > count.max_buffered:
+            self._over_budget()
 
     def on_message_complete(self) -> None:
         parser = self._parser
@@ -491,6 +523,9 @@ class ClientConnection(asyncio.Protocol):
 
     def answered(self) -> None:
         """The current request is answered (or its error sent): on to the next one."""
+        request = self._request
+        if request is not None and request.body and not self._closed:
+            self._release(request)  # answered before any head passed (the router's own answer)
         self._request = self.on_lost = None
         self._busy = False
         if self._closed or self.transport is None:
@@ -521,8 +556,13 @@ class ClientConnection(asyncio.Protocol):
 
     def head(self, status: int, data: bytes, body: memoryview | None = None) -> None:
         """A replica's response head, rewritten, and the first body bytes (one writev)."""
-        if self._request is not None:
-            self._request.body = b""  # the answer has begun: nothing will re-send the request
+        request = self._request
+        if request is not None:  # the answer has begun: nothing will re-send the request
+            if not self._closed:  # `_release`, written out: every forwarded answer runs it
+                size = len(request.body)
+                self._held -= size
+                self._count.buffered -= size
+            request.body = b""
         self.response_started = True
         self.status = status
         self.first_byte_at = self._loop.time()
@@ -582,6 +622,14 @@ class ClientConnection(asyncio.Protocol):
 
     # -- internals -------------------------------------------------------------------------
 
+    def _release(self, request: Request) -> None:
+        """`request`'s body leaves the buffer budget, once (open connections only: a lost one
+        releases all it holds at once)."""
+        size = len(request.body)
+        request.body = b""
+        self._held -= size
+        self._count.buffered -= size
+
     def _raise(self, error: HTTPError) -> None:
         # httptools replaces an exception raised in a callback by its own error; keep ours.
         self._error = error
@@ -602,6 +650,12 @@ class ClientConnection(asyncio.Protocol):
         """
         self._broken = True
         self.keep_alive = False
+        # What will never be answered leaves the buffer budget now, not when the connection
+        # goes (which may linger): the partial body and the requests queued.
+        dropped = sum(map(len, self._body)) + sum(len(r.body) for r in self._queue)
+        self._held -= dropped
+        self._count.buffered -= dropped
+        self._body = []
         self._queue.clear()
         if not self._busy:
             self.send(error.status, error.body(), error.headers)
@@ -675,7 +729,7 @@ async def serve(
     the fast path, see the module docstring). With `start_serving` False the socket is bound
     but accepts only after `start_serving()`."""
     loop = asyncio.get_running_loop()
-    count = ConnectionCount(max_connections)
+    count = ConnectionCount(max_connections, limits.max_buffered_bytes)
     server = await loop.create_server(
         lambda: ClientConnection(handler, limits, count, fast),
         host,

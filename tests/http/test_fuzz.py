@@ -1,7 +1,8 @@
 """Fuzzing the parser on a live router: hypothesis mutates valid request streams, splits them at
 random points with random delays, and checks that the router always answers with well-formed
-HTTP responses or closes, never hangs past its deadlines, keeps serving, and that the replica
-only ever sees well-formed requests the client really sent (under the path the router judged)."""
+HTTP responses or closes, never hangs past its deadlines, keeps serving, that the replica only
+ever sees well-formed requests the client really sent (under the path the router judged), and
+that every body byte buffered is released."""
 
 from __future__ import annotations
 
@@ -176,6 +177,10 @@ async def test_every_fuzzed_stream_ends_in_a_valid_answer_or_a_close_in_time(
     for got in replica.requests[before:]:
         assert (got.method, got.target, got.body) in sent
     assert replica.malformed == []
+    # every body byte the router buffered for it is released (the budget's count is exact)
+    async with asyncio.timeout(5):
+        while router.connections.buffered:
+            await asyncio.sleep(0.005)
     # and the router is still serving
     probe = await RawClient.connect(router.url)
     try:
