@@ -272,8 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-buffered-bytes",
         type=int,
         default=d.max_buffered_bytes,
-        help="request body bytes held at once over all client connections, until each "
-        "request's answer begins (503 with Retry-After beyond; at least --max-body-bytes)",
+        help="request body bytes held at once over all client connections, each body counted "
+        "from its head (its Content-Length) until its answer begins (503 with Retry-After "
+        "beyond; at least --max-body-bytes)",
     )
     g.add_argument(
         "--max-prompt-tokens",

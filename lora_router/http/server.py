@@ -15,8 +15,9 @@ is complete.
 The request body is buffered (it is needed whole to route and, before the first response byte,
 to retry) and released when the response head is passed on (`head`): a stream that has begun
 does not keep its request. The body bytes buffered at once over all connections of a listener
-are bounded (`ConnectionCount.buffered`, `max_buffered_bytes`): each body byte is counted as it
-arrives and uncounted when its request's answer begins or ends, or its connection is lost
+are bounded (`ConnectionCount.buffered`, `max_buffered_bytes`): a body is counted from its head
+(its Content-Length, reserved at once; a chunked body chunk by chunk) until its answer begins
+(`head`, or the router's own `send`), its input is refused (`_fail`) or its connection is lost
 (whatever is still counted then), so the count is exact on every path; past the bound a
 request is answered 503 with `Retry-After` and its connection closed. Response bodies are never
 buffered here: the upstream side writes them straight to `transport` and uses
@@ -185,6 +186,7 @@ class ClientConnection(asyncio.Protocol):
         "_body_bytes",
         "_broken",
         "_busy",
+        "_chunked",
         "_client_ip",
         "_closed",
         "_continue",
@@ -197,7 +199,6 @@ class ClientConnection(asyncio.Protocol):
         "_header_bytes",
         "_header_timeout",
         "_headers",
-        "_held",
         "_http11",
         "_limits",
         "_loop",
@@ -208,6 +209,7 @@ class ClientConnection(asyncio.Protocol):
         "_paused",
         "_phase",
         "_queue",
+        "_receiving",
         "_request",
         "_task",
         "_timer",
@@ -272,7 +274,10 @@ class ClientConnection(asyncio.Protocol):
         self._header_bytes = 0
         self._body: list[bytes] = []
         self._body_bytes = 0
-        self._held = 0  # body bytes of this connection in `count.buffered`
+        # In `count.buffered`: the body being received (`_receiving`, chunk by chunk when
+        # `_chunked`), then each request's `body` until released.
+        self._receiving = 0
+        self._chunked = False
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -290,9 +295,12 @@ class ClientConnection(asyncio.Protocol):
         self._rearm()  # idle: the keep-alive deadline
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._closed = True  # from now on no request releases its body bytes: done here
-        self._count.buffered -= self._held
-        self._held = 0
+        self._closed = True
+        self._drop_buffered()
+        request = self._request
+        if request is not None:  # released here, once: a later `head` finds nothing
+            self._count.buffered -= len(request.body)
+            request.body = b""
         self._count.discard(self)
         self._timer.close()
         del self._parser  # it refers back to this connection (and takes no more input)
@@ -387,15 +395,30 @@ class ClientConnection(asyncio.Protocol):
             length = int(framing[0][1])  # llhttp checked the digits
             if length > self._max_body_bytes:
                 self._body_too_big()
-            count = self._count
-            if count.buffered + length > count.max_buffered:
-                self._over_budget()  # refused before the body is sent, not after
+            count = self._count  # `_reserve`, written out too
+            buffered = count.buffered + length
+            if buffered > count.max_buffered:
+                self._over_budget()
+            count.buffered = buffered
+            self._receiving = length
+            self._chunked = False
         elif framing:
             self._check_framing(version)
 
     def _check_length(self, value: bytes) -> None:
-        if int(value) > self._max_body_bytes:  # llhttp checked the digits
+        length = int(value)  # llhttp checked the digits
+        if length > self._max_body_bytes:
             self._body_too_big()
+        self._reserve(length)
+
+    def _reserve(self, length: int) -> None:
+        """Count a body of `length` bytes in the buffer budget, before it is read."""
+        count = self._count
+        buffered = count.buffered + length
+        if buffered > count.max_buffered:
+            self._over_budget()  # refused before the body is sent, not after
+        count.buffered = buffered
+        self._receiving = length
 
     def _over_budget(self) -> None:
         self._raise(
@@ -421,6 +444,7 @@ class ClientConnection(asyncio.Protocol):
         ):
             # Only a plain `chunked` means the same to every parser on the way (RFC 9112 §6.1).
             self._raise(HTTPError(400, "Only `Transfer-Encoding: chunked` (HTTP/1.1) is accepted."))
+        self._chunked = bool(codings)
         if lengths:
             self._check_length(lengths[0])
         expect = [v.lower() for k, v in framing if k == b"expect"]
@@ -434,16 +458,19 @@ class ClientConnection(asyncio.Protocol):
                     self._continue = True  # after the answer in front of it
 
     def on_body(self, body: bytes) -> None:
-        size = len(body)
-        self._body_bytes += size
+        self._body_bytes += len(body)
         if self._body_bytes > self._max_body_bytes:
             self._body_too_big()
-        count = self._count
-        count.buffered += size
-        self._held += size
+        if self._chunked:  # no length to reserve ahead: counted as it arrives
+            self._reserve_chunk(len(body))
         self._body.append(body)
-        if count.buffered > count.max_buffered:
+
+    def _reserve_chunk(self, size: int) -> None:
+        count = self._count
+        if count.buffered + size > count.max_buffered:
             self._over_budget()
+        count.buffered += size
+        self._receiving += size
 
     def on_message_complete(self) -> None:
         parser = self._parser
@@ -472,6 +499,7 @@ class ClientConnection(asyncio.Protocol):
             client_ip=self._client_ip,
         )
         self._body = []
+        self._receiving = 0  # counted as the request's `body` from now on
         self._phase = _Phase.IDLE
         self._continue = False
         if not self._busy:
@@ -523,9 +551,6 @@ class ClientConnection(asyncio.Protocol):
 
     def answered(self) -> None:
         """The current request is answered (or its error sent): on to the next one."""
-        request = self._request
-        if request is not None and request.body and not self._closed:
-            self._release(request)  # answered before any head passed (the router's own answer)
         self._request = self.on_lost = None
         self._busy = False
         if self._closed or self.transport is None:
@@ -558,10 +583,7 @@ class ClientConnection(asyncio.Protocol):
         """A replica's response head, rewritten, and the first body bytes (one writev)."""
         request = self._request
         if request is not None:  # the answer has begun: nothing will re-send the request
-            if not self._closed:  # `_release`, written out: every forwarded answer runs it
-                size = len(request.body)
-                self._held -= size
-                self._count.buffered -= size
+            self._count.buffered -= len(request.body)
             request.body = b""
         self.response_started = True
         self.status = status
@@ -590,13 +612,16 @@ class ClientConnection(asyncio.Protocol):
         headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         """A whole response written by the router itself."""
+        request = self._request
+        if request is not None:  # the router's own answer: the body is no longer needed
+            self._count.buffered -= len(request.body)
+            request.body = b""
         if self.response_started or self.transport is None or self._closed:
             return
         self.response_started = True
         self.status = status
         reason = REASONS.get(status, b"Unknown")
         head = response_head(status, reason, headers or _JSON, len(body), self.keep_alive)
-        request = self._request
         if request is not None and request.method == b"HEAD":
             self.transport.write(head)  # no body, and the Content-Length a GET would have
         else:
@@ -622,13 +647,14 @@ class ClientConnection(asyncio.Protocol):
 
     # -- internals -------------------------------------------------------------------------
 
-    def _release(self, request: Request) -> None:
-        """`request`'s body leaves the buffer budget, once (open connections only: a lost one
-        releases all it holds at once)."""
-        size = len(request.body)
-        request.body = b""
-        self._held -= size
-        self._count.buffered -= size
+    def _drop_buffered(self) -> None:
+        """Input that will never be answered leaves the buffer budget: the body being received
+        and the requests queued (the current request's body goes with its answer)."""
+        queued = sum(len(r.body) for r in self._queue)
+        self._count.buffered -= self._receiving + queued
+        self._receiving = 0
+        self._body = []
+        self._queue.clear()
 
     def _raise(self, error: HTTPError) -> None:
         # httptools replaces an exception raised in a callback by its own error; keep ours.
@@ -650,13 +676,7 @@ class ClientConnection(asyncio.Protocol):
         """
         self._broken = True
         self.keep_alive = False
-        # What will never be answered leaves the buffer budget now, not when the connection
-        # goes (which may linger): the partial body and the requests queued.
-        dropped = sum(map(len, self._body)) + sum(len(r.body) for r in self._queue)
-        self._held -= dropped
-        self._count.buffered -= dropped
-        self._body = []
-        self._queue.clear()
+        self._drop_buffered()  # now, not when the connection goes (it may linger)
         if not self._busy:
             self.send(error.status, error.body(), error.headers)
             self._close()
