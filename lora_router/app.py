@@ -1,4 +1,9 @@
-"""The request dispatcher: which of the three kinds of route a request takes, and the proxy loop.
+"""The request dispatcher: what each route is (routes.py), and the proxy loop.
+
+A request's path is judged once (http/target.py) and matched against the route table
+(routes.py), whose entry says what happens; a path found there as written is not decoded at
+all. Whatever is forwarded carries the canonical path of the route applied, never the client's
+spelling. Unknown paths answer 404, a known path with another method 405, as vLLM does.
 
 - **Routed**: `POST /v1/completions` and `/v1/chat/completions`. The body is read and
   validated once for `model` and the prompt (body.py); the request waits at the adapter fence
@@ -9,18 +14,18 @@
   forms), and `completion` keeps only the retry loop below. `Fleet.started`/`finished` count
   the request around the exchange. The body goes out byte for byte and the answer streams
   back untouched.
-- **Broadcast**: `POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`, `/pause`, `/resume`,
-  `/reset_prefix_cache` — to every serving replica, serialized, through the broadcaster
-  (fleet/broadcast.py).
-- **Read-only and local**: `/health` and `/ping` (every live replica must be healthy),
-  `/v1/models` (one replica's list, filtered by the fence), and the operators' membership
-  routes under `/router/replicas`.
-- **Refused**: vLLM's merged-weight sync (`/init_weight_transfer_engine`,
-  `/start_weight_update`, `/update_weights`, `/finish_weight_update`), which TRL falls back to
-  without LoRA. Forwarded, it would update the one replica that received it while the others
-  kept serving the old weights; only an adapter load reaches every replica.
-Anything else (`/server_info`, `/tokenize`, `/version`, ...) is forwarded to one healthy
-replica, like a single vLLM server would answer it.
+- **Broadcast**: adapter loads and unloads, `/pause`, `/resume` and the cache resets — to every
+  serving replica, serialized, through the broadcaster (fleet/broadcast.py).
+- **Answered by the router**: `/health` and `/ping` (every live replica must be healthy),
+  `/v1/models` (one replica's list, filtered by the fence), `/metrics`, `/router/status`, and
+  the operators' membership routes under `/router/replicas` (a new replica's URL must be inside
+  `--replica-hosts`: `Config.replica_allowed`).
+- **Forwarded to one healthy replica**: the read-only routes (`/server_info`, `/tokenize`,
+  `/version`, ...) and the operator's `--forward-path`s, like a single vLLM server answers them.
+- **Refused** (501, naming why): the calls that would change one engine's state or weights
+  while the others keep theirs, such as vLLM's merged-weight sync, which TRL falls back to
+  without LoRA, `/sleep` or `/collective_rpc`; and the other generation APIs, which
+  `--forward-path` can open.
 
 Two paths for a routed completion, one rule. The general path is a Task (`handle`, then
 `completion` and its retry loop `_attempts`). THE FAST PATH (`handle_now`) is the same steps
@@ -73,6 +78,7 @@ import itertools
 import logging
 import os
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -93,12 +99,20 @@ from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
 from lora_router.fleet.replica import Replica
 from lora_router.http.auth import authenticate
-from lora_router.http.errors import HTTPError, bad_request, model_not_found
+from lora_router.http.errors import (
+    HTTPError,
+    bad_request,
+    method_not_allowed,
+    model_not_found,
+    not_found,
+)
 from lora_router.http.headers import upstream_request_head
 from lora_router.http.server import ClientConnection, Request
+from lora_router.http.target import canonical
 from lora_router.http.upstream import Exchange, UpstreamConnection, UpstreamError
 from lora_router.metrics import RequestStats
 from lora_router.retry_budget import RetryBudget
+from lora_router.routes import REFUSED_STATUS, REPLICA, Kind, Route, lookup, with_forward_paths
 from lora_router.routing.keys import Lineages, RouteKey, Seeds, completion_key
 from lora_router.routing.policy import Policy
 from lora_router.status import RouterState, replica_json, status
@@ -107,43 +121,10 @@ log = logging.getLogger(__name__)
 
 _ROUTED = {b"/v1/completions": False, b"/v1/chat/completions": True}
 _JSON = [(b"content-type", b"application/json")]
-# vLLM's merged-weight sync (an NCCL group between the trainer and one server): no route the
-# router could broadcast. TRL 1.16 falls back to it when `select_adapter_sync` says no
-# (trl/experimental/async_grpo/async_grpo_trainer.py).
-MERGED_WEIGHT_SYNC = frozenset(
-    {
-        b"/init_weight_transfer_engine",
-        b"/start_weight_update",
-        b"/update_weights",
-        b"/finish_weight_update",
-    }
-)
-# Paths that get their own `route` label in the metrics; everything else counts as "other", so a
-# client cannot grow the label set.
-_ROUTE_LABELS = {
-    path: path.decode()
-    for path in (
-        b"/v1/completions",
-        b"/v1/chat/completions",
-        b"/v1/load_lora_adapter",
-        b"/v1/unload_lora_adapter",
-        b"/pause",
-        b"/resume",
-        b"/reset_prefix_cache",
-        b"/health",
-        b"/ping",
-        b"/v1/models",
-        b"/server_info",
-        b"/metrics",
-        b"/router/status",
-        b"/router/replicas",
-        *sorted(MERGED_WEIGHT_SYNC),
-    )
-}
 _ADMIN = b"/router/replicas"
 _LOOPBACK = (b"127.", b"::1", b"::ffff:127.")
 
-Route = Callable[[Request, ClientConnection], Awaitable[None]]
+Handler = Callable[[Request, ClientConnection], Awaitable[None]]
 
 
 class _Job:
@@ -251,7 +232,7 @@ class _Job:
                 if held is not None:
                     app.fence.release(held)
                 app.stats.observe(
-                    _ROUTE_LABELS.get(self.request.path, "other"),
+                    app.labels.get(self.request.path, "other"),
                     conn.status,
                     conn.replica,
                     self.started,
@@ -337,22 +318,35 @@ class RouterApp:
         # A C-level callable: no Python frame per id.
         ids = map((os.urandom(8).hex().encode() + b"%016x").__mod__, itertools.count(1))
         self._new_request_id: Callable[[], bytes] = ids.__next__
-        # (method, path) -> handler, for every route the router answers itself.
-        self.routes: dict[tuple[bytes, bytes], Route] = {
-            (b"POST", b"/v1/load_lora_adapter"): self.load_adapter,
-            (b"POST", b"/v1/unload_lora_adapter"): self.unload_adapter,
-            (b"POST", b"/pause"): self.dev_broadcast,
-            (b"POST", b"/resume"): self.dev_broadcast,
-            (b"POST", b"/reset_prefix_cache"): self.dev_broadcast,
-            (b"GET", b"/health"): self.health_check,
-            (b"GET", b"/ping"): self.health_check,
-            (b"POST", b"/ping"): self.health_check,
-            (b"GET", b"/v1/models"): self.models,
-            (b"GET", b"/metrics"): self.metrics,
-            (b"GET", b"/router/status"): self.router_status,
-            (b"GET", _ADMIN): self.list_replicas,
-            (b"POST", _ADMIN): self.add_replica,
-        }
+        # The route table with the operator's --forward-paths, its metric labels, and one
+        # handler per path.
+        self.table = with_forward_paths(config.forward_paths)
+        self.labels = {path: route.label for path, route in self.table.items()}
+        self._handlers = {path: self._handler(route) for path, route in self.table.items()}
+        self._handlers[REPLICA.path] = self.remove_replica
+
+    def _handler(self, route: Route) -> Handler:
+        """What answers `route` (routes.py says which kind it is)."""
+        kind, path = route.kind, route.path
+        if kind is Kind.ROUTED:
+            return partial(self.completion, chat=_ROUTED[path])
+        if kind is Kind.FORWARD:
+            return self.forward_one
+        if kind is Kind.BROADCAST:
+            adapters = {b"/v1/load_lora_adapter": self.load_adapter}
+            adapters[b"/v1/unload_lora_adapter"] = self.unload_adapter
+            return adapters.get(path, self.dev_broadcast)
+        if kind is Kind.LOCAL:
+            local: dict[bytes, Handler] = {
+                b"/health": self.health_check,
+                b"/ping": self.health_check,
+                b"/v1/models": self.models,
+                b"/metrics": self.metrics,
+                b"/router/status": self.router_status,
+                _ADMIN: self.membership,
+            }
+            return local[path]  # a LOCAL route without a handler fails at start
+        return partial(self._refuse, route)
 
     def handle(self, request: Request, conn: ClientConnection) -> Awaitable[None]:
         """Answer one request and count it (route, status, replica, latency, first byte): the
@@ -361,12 +355,25 @@ class RouterApp:
         return self._observed(request, conn, self._loop.time(), self._route(request, conn))
 
     async def _route(self, request: Request, conn: ClientConnection) -> None:
+        route = self.table.get(request.path)  # found as written: canonical (routes.py)
+        if route is None:
+            route = self._judged(request)
         authenticate(request, self.config)
-        chat = _ROUTED.get(request.path)
-        if chat is not None and request.method == b"POST":
-            await self.completion(request, conn, chat)
-        else:
-            await self._dispatch(request, conn)
+        if route is None:
+            raise not_found()
+        if route.methods is not None and request.method not in route.methods:
+            raise method_not_allowed(route.methods)
+        await self._handlers[route.path](request, conn)
+
+    def _judged(self, request: Request) -> Route | None:
+        """The path rule (http/target.py) for a path not found as written: a 400, or the
+        route of its canonical form, which `request` carries from now on (so it is what a
+        replica receives and what auth and the metrics read)."""
+        path = canonical(request.path)
+        if path != request.path:
+            request.target = path + request.target[len(request.path) :]
+            request.path = path
+        return lookup(path, self.table)
 
     async def _observed(
         self, request: Request, conn: ClientConnection, started: float, work: Awaitable[None]
@@ -433,7 +440,7 @@ class RouterApp:
         return True
 
     def _observe(self, request: Request, conn: ClientConnection, started: float, code: int) -> None:
-        route = _ROUTE_LABELS.get(request.path, "other")
+        route = self.labels.get(request.path, "other")
         self.stats.observe(
             route, code, conn.replica, started, self._loop.time(), conn.first_byte_at
         )
@@ -450,17 +457,6 @@ class RouterApp:
             authorization=self._authorization,
             new_request_id=self._new_request_id,
         )
-
-    async def _dispatch(self, request: Request, conn: ClientConnection) -> None:
-        route = self.routes.get((request.method, request.path))
-        if route is not None:
-            await route(request, conn)
-        elif request.path in MERGED_WEIGHT_SYNC:
-            raise merged_weight_sync_refused(request.path)
-        elif request.method == b"DELETE" and request.path.startswith(_ADMIN + b"/"):
-            await self.remove_replica(request, conn)
-        else:
-            await self.forward_any(request, conn)
 
     # -- routed -----------------------------------------------------------------------------
 
@@ -591,8 +587,9 @@ class RouterApp:
         self.budget.unbudgeted(reason)
         return True
 
-    async def forward_any(self, request: Request, conn: ClientConnection) -> None:
-        """A path the router has no rule for: one replica answers, as a single server would."""
+    async def forward_one(self, request: Request, conn: ClientConnection) -> None:
+        """A read-only route (or a --forward-path): one replica answers, as a single server
+        would."""
         routable = self.fleet.routable(None)
         if not routable:
             raise HTTPError(503, "No replica is available.")
@@ -673,6 +670,15 @@ class RouterApp:
                 "router has an API key (--api-key-env).",
             )
 
+    async def _refuse(self, route: Route, request: Request, conn: ClientConnection) -> None:
+        raise refusal(route)  # a new error each time: a raised one keeps its traceback
+
+    async def membership(self, request: Request, conn: ClientConnection) -> None:
+        if request.method == b"POST":
+            await self.add_replica(request, conn)
+        else:
+            await self.list_replicas(request, conn)
+
     async def list_replicas(self, request: Request, conn: ClientConnection) -> None:
         self._admin_allowed(request)
         payload = {"replicas": [replica_json(r) for r in self.fleet.replicas]}
@@ -694,9 +700,18 @@ class RouterApp:
             address = ReplicaAddress.parse(url)
         except ValueError as exc:
             raise bad_request(str(exc), param="url") from None
+        if not self.config.replica_allowed(address):
+            raise HTTPError(
+                403,
+                f"{address.name} is outside the hosts replicas may be added from (the token "
+                "goes to every replica): start the router with --replica-hosts naming it "
+                "(a host glob, host:port or network).",
+            )
         existing = self.fleet.by_name(address.name)
         if existing is not None:
             raise HTTPError(409, f"{existing.describe()} is already in the fleet.")
+        if self.config.cleartext_token(address):
+            log.warning("%s", cleartext_warning(address.name))
         replica = await self.health.add(address)
         status = 200 if replica.live else 202
         conn.send(status, orjson.dumps(replica_json(replica)), _JSON)
@@ -713,17 +728,25 @@ class RouterApp:
         conn.send(200, orjson.dumps(payload), _JSON)
 
 
-def merged_weight_sync_refused(path: bytes) -> HTTPError:
-    """Why the router will not pass on a merged-weight sync call, and what to change."""
+def cleartext_warning(name: str) -> str:
+    """The start-up and run-time warning for a token sent in the clear (never the token)."""
+    return (
+        f"the replicas' token goes to {name} over plain http:// beyond this machine, readable "
+        "on the way: give the replica an https:// URL, or reach it through a tunnel"
+    )
+
+
+def refusal(route: Route) -> HTTPError:
+    """Why the router will not pass on a REFUSED or CLOSED route, and what to do instead."""
+    path = route.label
+    if route.kind is Kind.REFUSED:
+        return HTTPError(REFUSED_STATUS, f"lora-router does not forward {path}: {route.why}")
     return HTTPError(
-        501,
-        f"lora-router does not forward {path.decode('latin-1')}: merged-weight sync reaches "
-        "only the one replica that receives it, and the others would keep serving the old "
-        "weights. Only adapter-only sync (/v1/load_lora_adapter) can reach every replica. TRL "
-        "falls back to merged-weight sync when the replicas run without --enable-lora (or "
-        "with --data-parallel-size > 1) or when the trainer gets no peft_config: start every "
-        "replica with --enable-lora --max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, "
-        "and pass a peft LoraConfig as peft_config (lora-router --check shows what is off).",
+        REFUSED_STATUS,
+        f"lora-router does not forward {path}: it routes only /v1/completions and "
+        "/v1/chat/completions (by prefix affinity, behind the adapter fence), and this call "
+        f"would reach one replica with neither. Start the router with --forward-path {path} "
+        "to forward it to one replica as it is.",
     )
 
 

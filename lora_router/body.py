@@ -5,7 +5,11 @@ Validation covers only what the router itself relies on, and answers like vLLM w
 `type: "Bad Request"`): a body that is not a JSON object, a `model` that is not a string, a
 prompt of the wrong shape, token ids that are not non-negative 32-bit integers, more tokens
 than `max_prompt_tokens`, or JSON nested deeper than the decoders go. Everything else is the
-replica's to judge. All of it is judged here, in `read_completion`, before the request is
+replica's to judge. `max_prompt_tokens` bounds the routing work of every prompt shape: token
+ids beyond it are refused; text and chat prompts, which the router cannot count in tokens
+(it counts `TEXT_BYTES_PER_TOKEN` bytes a token, routing/keys.py), are keyed and counted on
+their first `max_prompt_tokens` * that many bytes and forwarded whole, for the replica to
+judge their length. All of it is judged here, in `read_completion`, before the request is
 routed: nothing the router does with a `Completion` afterwards can fail on its content, so no
 body can earn the router's own 500.
 
@@ -39,6 +43,7 @@ import orjson
 from xxhash import xxh3_64_intdigest
 
 from lora_router.http.errors import bad_request
+from lora_router.routing.keys import TEXT_BYTES_PER_TOKEN
 
 
 class _Body(msgspec.Struct):
@@ -157,7 +162,8 @@ def read_completion(
         raise bad_request(f"The request body is not valid JSON: {exc}.") from None
     model, stream = data.model, bool(data.stream)
     if chat:
-        messages = _messages_text(_loads(data.messages) if data.messages else None)
+        limit = max_prompt_tokens * TEXT_BYTES_PER_TOKEN
+        messages = _messages_text(_loads(data.messages) if data.messages else None, limit)
         return Completion(model, None, None, messages, stream)
     raw = bytes(data.prompt)
     if (not raw or raw == b"null") and data.prompt_embeds:
@@ -183,6 +189,8 @@ def read_completion(
             checked.add(key, raw)
         return Completion(model, raw, tokens, None, stream)
     batch_tokens, text = _prompt(_loads(raw) if raw else None, max_prompt_tokens)
+    if text is not None:
+        text = text[: max_prompt_tokens * TEXT_BYTES_PER_TOKEN]  # the keyed prefix (above)
     return Completion(model, None, batch_tokens, text, stream)
 
 
@@ -249,14 +257,22 @@ def _bad_token_ids() -> Exception:
     return bad_request("Token ids must be integers between 0 and 4294967295.", param="prompt")
 
 
-def _messages_text(messages: object) -> bytes:
+def _messages_text(messages: object, limit: int) -> bytes:
     """Chat messages, each serialised on its own and concatenated: a later turn's encoding
-    starts with an earlier turn's, so conversations keep their affinity."""
+    starts with an earlier turn's, so conversations keep their affinity. Only the first `limit`
+    bytes are kept (the messages after them are not serialised)."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("`messages` must be a non-empty list of objects.", param="messages")
     if not all(isinstance(m, dict) for m in messages):
         raise bad_request("Every message must be a JSON object.", param="messages")
+    parts: list[bytes] = []
+    size = 0
     try:
-        return b"".join(orjson.dumps(m, option=orjson.OPT_SORT_KEYS) for m in messages)
+        for m in messages:
+            if size >= limit:
+                break
+            parts.append(orjson.dumps(m, option=orjson.OPT_SORT_KEYS))
+            size += len(parts[-1])
     except orjson.JSONEncodeError:  # nested deeper than the encoder goes (255 levels)
         raise _too_deep() from None
+    return b"".join(parts)[:limit]

@@ -177,7 +177,7 @@ async def _ask(
     body: bytes | None = None,
 ) -> Answer[ReplicaAddress]:
     answer = await client.call(address, method, path, query=query, body=body, timeout=PROBE_TIMEOUT)
-    if answer.status == 0:
+    if answer.status == 0 or 300 <= answer.status < 400:  # a redirect is never followed
         raise Unreachable(answer.error)
     if answer.status in (401, 403):
         raise Unauthorized(f"HTTP {answer.status} on {path}: the token was rejected")

@@ -18,7 +18,7 @@ from dataclasses import fields
 from typing import NoReturn
 
 from lora_router import __version__
-from lora_router.config import Config, ReplicaAddress, Secret
+from lora_router.config import Config, ReplicaAddress, Secret, secret_from_env
 from lora_router.routing.policy import POLICIES
 
 log = logging.getLogger("lora_router")
@@ -100,6 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--ca-file",
         help="extra CA bundle to verify https replicas against (default: the system's CAs)",
     )
+    g.add_argument(
+        "--replica-hosts",
+        metavar="PATTERNS",
+        type=_comma_list,
+        default=(),
+        help="where replicas may be added at run time (the token goes to them): "
+        "comma-separated host globs with an optional :PORT (*.hf.jobs, 10.0.0.5:8000) or "
+        "networks (10.0.0.0/8); names are not resolved (default: only the host:port of each "
+        "--replicas URL)",
+    )
 
     g = p.add_argument_group("listening")
     g.add_argument("--host", default=d.host, help="address to listen on")
@@ -115,6 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--insecure-listen",
         action="store_true",
         help="allow listening beyond loopback without --api-key-env",
+    )
+    g.add_argument(
+        "--forward-path",
+        metavar="PATH",
+        action="append",
+        dest="forward_paths",
+        help="forward this path, any method, to one replica as it is (repeatable; e.g. "
+        "/v1/embeddings); not a path the router routes, broadcasts, refuses or answers itself "
+        "(default: none, only vLLM's read-only routes are forwarded)",
     )
 
     g = p.add_argument_group("routing")
@@ -250,10 +269,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-connections", type=int, default=d.max_connections, help="open client connections"
     )
     g.add_argument(
+        "--max-buffered-bytes",
+        type=int,
+        default=d.max_buffered_bytes,
+        help="request body bytes held at once over all client connections, each body counted "
+        "from its head (its Content-Length) until its answer begins (503 with Retry-After "
+        "beyond; at least --max-body-bytes)",
+    )
+    g.add_argument(
         "--max-prompt-tokens",
         type=int,
         default=d.max_prompt_tokens,
-        help="longest token-id prompt a completion may carry (400 beyond)",
+        help="longest token-id prompt a completion may carry (400 beyond); text and chat "
+        "prompts are routed on their first 4 bytes a token of it and forwarded whole",
     )
     g.add_argument(
         "--max-upstream-connections",
@@ -381,30 +409,33 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config
         raise UsageError(str(exc)) from None
     if not replicas:
         raise UsageError("--replicas is required: a comma-separated list of replica URLs")
-    token = Secret("")
+    token = api_key = Secret("")
     if args.token_env and args.no_token:
         raise UsageError("--token-env and --no-token contradict each other: give one of them")
-    if args.token_env:
-        if not environ.get(args.token_env):
-            raise UsageError(f"--token-env {args.token_env}: that variable is not set or empty")
-        token = Secret(environ[args.token_env])
-    elif not args.no_token:
-        raise UsageError("give --token-env NAME (the replicas' bearer token) or --no-token")
-    api_key = Secret("")
-    if args.api_key_env:
-        if not environ.get(args.api_key_env):
-            raise UsageError(f"--api-key-env {args.api_key_env}: that variable is not set or empty")
-        api_key = Secret(environ[args.api_key_env])
-    # Every other Config field is a flag of the same name.
-    given = vars(args)
-    flags = {f.name: given[f.name] for f in fields(Config) if f.name not in _DERIVED}
     try:
-        return Config(replicas=replicas, token=token, api_key=api_key, **flags)
-    except ValueError as exc:  # Config validates itself; its message names the flag
+        if args.token_env:
+            token = secret_from_env("--token-env", args.token_env, environ)
+        elif not args.no_token:
+            raise UsageError("give --token-env NAME (the replicas' bearer token) or --no-token")
+        if args.api_key_env:
+            api_key = secret_from_env("--api-key-env", args.api_key_env, environ)
+        # Every other Config field is a flag of the same name.
+        given = vars(args)
+        flags = {f.name: given[f.name] for f in fields(Config) if f.name not in _DERIVED}
+        forward_paths = tuple(args.forward_paths or ())
+        return Config(
+            replicas=replicas, token=token, api_key=api_key, forward_paths=forward_paths, **flags
+        )
+    except ValueError as exc:  # each message names the flag
         raise UsageError(str(exc)) from None
 
 
-_DERIVED = frozenset({"replicas", "token", "api_key"})  # parsed or read from the environment
+# Parsed or read from the environment, not taken as they are.
+_DERIVED = frozenset({"replicas", "token", "api_key", "forward_paths"})
+
+
+def _comma_list(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
 async def serve_until_signal(config: Config) -> None:

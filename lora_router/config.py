@@ -9,17 +9,26 @@ the demo) is held to the same rules as one built from flags; each error is a Val
 message names the flag, which `cli.py` turns into its one-line usage message.
 
 The replica token is held as a `Secret`, whose `repr` never shows the value, so a `Config`
-can be logged or printed in a traceback without leaking it.
+can be logged or printed in a traceback without leaking it. The token goes only to replicas
+inside the allow-list (`replica_allowed`: `--replica-hosts`, by default the `--replicas`
+themselves), which every way a replica joins (the command line, `POST /router/replicas`)
+passes through; `secret_from_env` reads a secret from a variable NAME and never echoes a value
+given in its place.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import ipaddress
 import math
 import os
+import re
 import ssl
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from lora_router.routes import forward_path_error
 from lora_router.routing.keys import DEFAULT_LINEAGE_PATTERN, Lineages
 from lora_router.routing.policy import (
     DEFAULT_LOAD_FACTOR,
@@ -99,6 +108,76 @@ class ReplicaAddress:
         return cls(name=name, scheme=parts.scheme, host=host, port=port, path_prefix=prefix)
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SHOWN_NAME = re.compile(r"[A-Z_][A-Z0-9_]{0,63}")  # HF_TOKEN, not hf_AbC...: shown in errors
+
+
+def secret_from_env(flag: str, name: str, environ: Mapping[str, str]) -> Secret:
+    """The secret in the environment variable `name`, given as `flag`; ValueError if there is
+    none. A `name` that is not a variable name, or does not look like a conventional one, is
+    never echoed: it may be the secret itself, pasted in its place."""
+    if not _ENV_NAME.fullmatch(name):
+        raise ValueError(
+            f"{flag} takes the NAME of an environment variable (such as HF_TOKEN), and what was "
+            "given is not one (not shown: it may be the secret itself)"
+        )
+    if not environ.get(name):
+        shown = name if _SHOWN_NAME.fullmatch(name) else "(the name given; not shown)"
+        raise ValueError(f"{flag} {shown}: that variable is not set or empty")
+    return Secret(environ[name])
+
+
+@dataclass(frozen=True, slots=True)
+class HostPattern:
+    """One `--replica-hosts` entry: a host glob (`*.hf.jobs`), a host (`10.0.0.5`), or an IP
+    network (`10.0.0.0/8`), the first two optionally with `:PORT`. Names are matched as
+    written, never resolved: a network admits IP literals only."""
+
+    text: str
+    network: ipaddress.IPv4Network | ipaddress.IPv6Network | None = None
+    port: int | None = None
+
+    @classmethod
+    def parse(cls, entry: str) -> HostPattern:
+        text = entry.strip().lower()
+        bad = ValueError(
+            f"--replica-hosts {entry.strip()!r}: expected a host glob (*.hf.jobs), a host with "
+            "an optional :PORT (10.0.0.5:8000, [fd00::5]:8000) or a network (10.0.0.0/8)"
+        )
+        if "/" in text:
+            try:
+                return cls(text, network=ipaddress.ip_network(text, strict=False))
+            except ValueError:
+                raise bad from None
+        host, port = text, None
+        if text.startswith("["):
+            host, _, rest = text[1:].partition("]")
+            if rest and not (rest.startswith(":") and rest[1:].isdigit()):
+                raise bad
+            port = int(rest[1:]) if rest else None
+        elif text.count(":") == 1:
+            host, _, digits = text.partition(":")
+            if not digits.isdigit():
+                raise bad
+            port = int(digits)
+        if not host or (port is not None and not 0 < port < 65536):
+            raise bad
+        try:  # an IP literal is compared as an address (::1 and 0::1 are one host)
+            return cls(host, network=ipaddress.ip_network(host), port=port)
+        except ValueError:
+            return cls(host, port=port)
+
+    def matches(self, address: ReplicaAddress) -> bool:
+        if self.port is not None and self.port != address.port:
+            return False
+        if self.network is None:
+            return fnmatch.fnmatchcase(address.host.lower(), self.text)
+        try:
+            return ipaddress.ip_address(address.host) in self.network
+        except ValueError:
+            return False  # a name: never resolved here
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     """Every setting of a router process, grouped as in `lora-router --help`."""
@@ -107,12 +186,15 @@ class Config:
     replicas: tuple[ReplicaAddress, ...]
     token: Secret = field(default_factory=lambda: Secret(""))
     ca_file: str | None = None
+    # Where a replica may be added (HostPattern entries); empty: the --replicas' own host:port.
+    replica_hosts: tuple[str, ...] = ()
 
     # Listening
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: Secret = field(default_factory=lambda: Secret(""))
     insecure_listen: bool = False
+    forward_paths: tuple[str, ...] = ()  # paths opened to one replica (routes.py)
 
     # Routing
     policy: str = "prefix"  # prefix | round-robin | least-loaded
@@ -143,6 +225,8 @@ class Config:
     max_header_bytes: int = 64 * 1024
     max_headers: int = 100
     max_connections: int = 10_000
+    # Request body bytes buffered at once over every client connection (503 beyond).
+    max_buffered_bytes: int = 1 << 30
     max_prompt_tokens: int = 1_000_000
     max_upstream_connections: int = 1024  # per replica
     retries: int = 2  # other replicas tried when nothing was received yet
@@ -177,6 +261,14 @@ class Config:
         """Refuse a setting the router cannot run with (ValueError naming the flag)."""
         if len({r.name for r in self.replicas}) != len(self.replicas):
             raise ValueError("--replicas lists the same replica twice")
+        patterns = [HostPattern.parse(p) for p in self.replica_hosts]
+        outside = [r.name for r in self.replicas if patterns and not self.replica_allowed(r)]
+        if outside:
+            raise ValueError(f"--replicas {outside[0]} is outside --replica-hosts")
+        for path in self.forward_paths:
+            error = forward_path_error(path)
+            if error:
+                raise ValueError(error)
         if not _is_loopback(self.host) and not self.api_key and not self.insecure_listen:
             raise ValueError(
                 f"--host {self.host} is reachable beyond this machine: give --api-key-env NAME "
@@ -220,6 +312,22 @@ class Config:
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}")
+        if self.max_buffered_bytes < self.max_body_bytes:
+            raise ValueError(
+                "--max-buffered-bytes must be at least --max-body-bytes (one whole body)"
+            )
+
+    def replica_allowed(self, address: ReplicaAddress) -> bool:
+        """Whether the token may go to `address`: every replica joins through this check. With
+        `--replica-hosts`, its patterns decide; without, only the `--replicas` themselves (host
+        and port: any local process can listen on another port of a loopback replica's host)."""
+        if not self.replica_hosts:
+            return any((r.host, r.port) == (address.host, address.port) for r in self.replicas)
+        return any(HostPattern.parse(p).matches(address) for p in self.replica_hosts)
+
+    def cleartext_token(self, address: ReplicaAddress) -> bool:
+        """Whether the token would cross a network in the clear to reach `address`."""
+        return bool(self.token) and not address.tls and not _is_loopback(address.host)
 
     def ssl_context(self) -> ssl.SSLContext | None:
         """The client TLS context for https replicas (system store, plus --ca-file)."""
@@ -259,6 +367,7 @@ _POSITIVE = (
     "max_header_bytes",
     "max_headers",
     "max_connections",
+    "max_buffered_bytes",
     "max_prompt_tokens",
     "max_upstream_connections",
     "health_failures",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from lora_router.app import RouterApp
+from lora_router.app import RouterApp, cleartext_warning
 from lora_router.config import Config
 from lora_router.fleet.broadcast import Broadcaster
 from lora_router.fleet.client import ReplicaClient
@@ -61,6 +61,9 @@ class RouterRuntime:
 
     async def start(self) -> None:
         config = self.config
+        for address in config.replicas:
+            if config.cleartext_token(address):
+                log.warning("%s", cleartext_warning(address.name))
         self.fleet = fleet = Fleet(config, config.ssl_context())
         policy = make_policy(
             config.policy,

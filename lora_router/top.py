@@ -50,6 +50,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from lora_router.config import secret_from_env
+
 PAUSED_TRAINER_BOUND = 0.25
 BUSY_INFERENCE_BOUND = 0.90
 BUSY_TRAINER_BOUND = 0.50
@@ -273,9 +275,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     api_key = ""
     if args.api_key_env:
-        api_key = os.environ.get(args.api_key_env, "")
-        if not api_key:
-            print(f"lora-router top: error: ${args.api_key_env} is not set", file=sys.stderr)
+        try:
+            api_key = secret_from_env("--api-key-env", args.api_key_env, os.environ).reveal()
+        except ValueError as exc:  # never echoes a key pasted in place of the name
+            print(f"lora-router top: error: {exc}", file=sys.stderr)
             return 2
     if args.once:
         try:

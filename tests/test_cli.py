@@ -343,3 +343,114 @@ def test_a_config_listing_a_replica_twice_is_refused() -> None:
 def test_a_config_listening_beyond_loopback_without_an_api_key_is_refused() -> None:
     with pytest.raises(ValueError, match="reachable beyond this machine"):
         Config(replicas=(), host="0.0.0.0")
+
+
+# -- the trust boundary's flags (#27) -----------------------------------------------------------
+
+PASTED = [
+    "hf_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789",  # a valid variable name, but not a set one
+    "ghp_" + "aB3" * 12,
+    "sk-proj-AbC123_dEf",  # not a variable name at all
+    "hf_AbC def",
+    "Bearer hf_AbC",
+]
+
+
+@pytest.mark.parametrize("value", PASTED)
+@pytest.mark.parametrize("flag", ["--token-env", "--api-key-env"])
+def test_a_secret_pasted_in_place_of_a_variable_name_is_refused_and_never_echoed(
+    flag: str, value: str
+) -> None:
+    token = [] if flag == "--token-env" else ["--no-token"]
+    result = run("--replicas", "http://a", *token, flag, value)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"lora-router: error: {flag}")
+    assert value not in result.stderr + result.stdout
+    assert not any(len(part) > 3 and part in result.stderr for part in value.split())
+
+
+def test_top_does_not_echo_a_key_pasted_in_place_of_its_variable_name(capsys) -> None:
+    from lora_router.top import main as top
+
+    assert top(["--api-key-env", PASTED[0], "--once"]) == 2
+    assert PASTED[0] not in capsys.readouterr().err
+
+
+def test_a_conventional_variable_name_that_is_unset_is_named() -> None:
+    with pytest.raises(UsageError, match="--token-env HF_TOKEM: that variable is not set"):
+        config("--replicas", "http://a", "--token-env", "HF_TOKEM")
+
+
+def test_forward_paths_are_repeatable_and_refuse_a_guarded_route() -> None:
+    c = config(
+        "--replicas", "http://a", "--no-token", "--forward-path", "/v1/embeddings",
+        "--forward-path", "/my/route",
+    )  # fmt: skip
+    assert c.forward_paths == ("/v1/embeddings", "/my/route")
+    for path in ("/pause", "/v1/completions", "/update_weights", "/health", "/x%2Fy", "/a//b"):
+        with pytest.raises(UsageError, match="--forward-path"):
+            config("--replicas", "http://a", "--no-token", "--forward-path", path)
+
+
+@pytest.mark.parametrize(
+    ("patterns", "url", "allowed"),
+    [
+        ((), "http://a:8000", True),  # the --replicas themselves
+        ((), "http://a:8001", False),  # not another port of their host
+        ((), "http://b:8000", False),
+        (("*.hf.jobs",), "https://x--8000.hf.jobs", True),
+        (("*.hf.jobs",), "https://X--8000.HF.JOBS", True),
+        (("*.hf.jobs",), "https://hf.jobs.evil.example", False),
+        (("*.hf.jobs:443",), "http://x.hf.jobs:80", False),
+        (("10.0.0.0/8",), "http://10.1.2.3:8000", True),
+        (("10.0.0.0/8",), "http://11.1.2.3:8000", False),
+        (("10.0.0.0/8",), "http://ten.example:8000", False),  # names are never resolved
+        (("10.0.0.5:8000",), "http://10.0.0.5:8000", True),
+        (("10.0.0.5:8000",), "http://10.0.0.5:8001", False),
+        (("[fd00::5]:8000",), "http://[fd00:0::5]:8000", True),
+        (("fd00::/16",), "http://[fd00::9]:1", True),
+    ],
+)
+def test_replica_hosts_decide_where_a_replica_may_be_added(
+    patterns: tuple[str, ...], url: str, allowed: bool
+) -> None:
+    replicas = (ReplicaAddress.parse("http://a:8000"),)
+    everywhere = (*patterns, "a:8000") if patterns else ()
+    c = Config(replicas=replicas, replica_hosts=everywhere)
+    assert c.replica_allowed(ReplicaAddress.parse(url)) is allowed
+
+
+def test_replica_hosts_are_checked_and_must_cover_the_replicas() -> None:
+    ok = config(
+        "--replicas", "https://a.hf.jobs", "--no-token", "--replica-hosts", "*.hf.jobs, 10.0.0.0/8"
+    )
+    assert ok.replica_hosts == ("*.hf.jobs", "10.0.0.0/8")
+    for bad in ("10.0.0.0/33", "a:port", "[::1", "a:99999"):
+        with pytest.raises(UsageError, match="--replica-hosts"):
+            config("--replicas", "http://a", "--no-token", "--replica-hosts", bad)
+    with pytest.raises(UsageError, match="outside --replica-hosts"):
+        config("--replicas", "http://b:80", "--no-token", "--replica-hosts", "a")
+
+
+def test_the_buffer_budget_holds_at_least_one_whole_body() -> None:
+    with pytest.raises(UsageError, match="--max-buffered-bytes must be at least --max-body-bytes"):
+        config(
+            "--replicas",
+            "http://a",
+            "--no-token",
+            "--max-body-bytes",
+            "100",
+            "--max-buffered-bytes",
+            "99",
+        )
+
+
+def test_a_token_to_a_plain_http_replica_beyond_this_machine_is_cleartext() -> None:
+    from lora_router.config import Secret
+
+    c = Config(replicas=(), token=Secret("t"))
+    assert c.cleartext_token(ReplicaAddress.parse("http://10.0.0.5:8000"))
+    for url in ("https://10.0.0.5", "http://127.0.0.1:9", "http://[::1]:9", "http://localhost"):
+        assert not c.cleartext_token(ReplicaAddress.parse(url))
+    assert not Config(replicas=()).cleartext_token(ReplicaAddress.parse("http://10.0.0.5"))

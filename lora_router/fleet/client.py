@@ -12,12 +12,17 @@ Health checks, broadcasts, replays and the `/metrics` scrapes (telemetry.py) all
 rule is stated beside the data plane's, in app.py's module docstring; `call`'s own part of it
 is the one resend of a request that met a pooled connection the replica had closed while idle.
 
+Redirects are never followed: the token goes only to the replica's own URL. A 3xx is an
+answer like any other non-200 (a failed check, a failed broadcast, a `--check` finding) whose
+`error` names the host it pointed to; that host is never contacted.
+
 This module knows HTTP and nothing of the fleet's state: it must never change a replica's
 state, and the token must never appear in a message or a log line.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -28,6 +33,8 @@ import orjson
 from yarl import URL
 
 from lora_router.config import Config
+
+log = logging.getLogger(__name__)
 
 _JSON_REQUEST = {"Content-Type": "application/json"}
 
@@ -59,11 +66,11 @@ class Answer(Generic[T]):
     status: int
     body: bytes = b""
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    error: str = ""  # the transport failure when status is 0
+    error: str = ""  # the transport failure when status is 0; where a 3xx pointed
 
     def summary(self) -> str:
         """What went wrong in a few words: the transport failure, or the status."""
-        return self.error if self.status == 0 else f"HTTP {self.status}"
+        return self.error or f"HTTP {self.status}"
 
     def parsed(self) -> Any:
         try:
@@ -73,7 +80,7 @@ class Answer(Generic[T]):
 
     def message(self) -> str:
         """The error text, whichever of vLLM's shapes it came in."""
-        if self.status == 0:
+        if self.error:
             return self.error
         doc = self.parsed()
         if isinstance(doc, dict):
@@ -169,6 +176,7 @@ class ReplicaClient:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.session: aiohttp.ClientSession | None = None
+        self._redirects: set[tuple[str, str]] = set()  # (replica, redirect) pairs logged
 
     async def open(self) -> None:
         config = self.config
@@ -220,10 +228,21 @@ class ReplicaClient:
         for attempt in (0, 1):
             try:
                 async with self.session.request(
-                    method, url, data=body, headers=headers, timeout=client_timeout
+                    method,
+                    url,
+                    data=body,
+                    headers=headers,
+                    timeout=client_timeout,
+                    allow_redirects=False,
                 ) as resp:
                     data = await resp.read()
-                    return Answer(replica, resp.status, data, list(resp.raw_headers))
+                    answer = Answer(replica, resp.status, data, list(resp.raw_headers))
+                    if 300 <= resp.status < 400:
+                        answer.error = _redirected(url, resp.headers.get("Location"), resp.status)
+                        if (replica.name, answer.error) not in self._redirects:  # once each
+                            self._redirects.add((replica.name, answer.error))
+                            log.warning("%s%s answered %s", replica.name, path, answer.error)
+                    return answer
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 if attempt or isinstance(exc, aiohttp.ClientConnectorError):
                     return Answer(replica, 0, error=transport_error(exc))
@@ -248,6 +267,19 @@ class ReplicaClient:
             timeout=max(self.config.health_timeout, 1.0),
         )
         return parse_server_info(answer.parsed(), listed) if answer.status == 200 else None
+
+
+def _redirected(url: URL, location: str | None, status: int) -> str:
+    """A 3xx in words: where it pointed (scheme, host and port only), never followed."""
+    try:
+        target = url.join(URL(location)) if location else None
+    except ValueError:
+        target = None
+    where = f"{target.scheme}://{target.host_port_subcomponent}" if target and target.host else "?"
+    return (
+        f"HTTP {status}, a redirect to {where} (not followed: the token goes only to the "
+        "replica's own URL; give the URL it redirects to as the replica's)"
+    )
 
 
 def transport_error(exc: BaseException, timeout: float | None = None) -> str:

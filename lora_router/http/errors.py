@@ -1,8 +1,10 @@
 """Error answers in vLLM's shape, so a client cannot tell the router's errors from a replica's.
 
 vLLM answers `{"error": {"message", "type", "param", "code"}}` with HTTP status = `code`
-(vLLM 0.32: vllm/entrypoints/serve/exception_handling/error_response.py). Messages may name a
-replica by index or URL, never a credential: nothing in this module ever sees the token.
+(vLLM 0.32: vllm/entrypoints/serve/exception_handling/error_response.py). A path it has no
+route for, or a route asked with another method, gets FastAPI's own `{"detail": ...}` instead
+(`not_found`, `method_not_allowed`). Messages may name a replica by index or URL, never a
+credential: nothing in this module ever sees the token.
 """
 
 from __future__ import annotations
@@ -36,19 +38,45 @@ REASONS = {s.value: s.phrase.encode() for s in HTTPStatus} | {413: b"Payload Too
 
 
 class HTTPError(Exception):
-    """An answer the router gives itself, raised anywhere below a request handler."""
+    """An answer the router gives itself, raised anywhere below a request handler; `headers`
+    replace the default `content-type: application/json`."""
 
     def __init__(
-        self, status: int, message: str, *, type: str | None = None, param: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str | None = None,
+        param: str | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type or _TYPES.get(status, "Error")
         self.param = param
+        self.headers = headers
 
     def body(self) -> bytes:
         return error_body(self.status, self.message, type=self.type, param=self.param)
+
+
+class _FastAPIError(HTTPError):
+    """FastAPI's `{"detail": message}`, as vLLM's server sends it for routing failures."""
+
+    def body(self) -> bytes:
+        return orjson.dumps({"detail": self.message})
+
+
+def not_found() -> HTTPError:
+    """What vLLM answers for a path it has no route for."""
+    return _FastAPIError(404, "Not Found")
+
+
+def method_not_allowed(methods: frozenset[bytes]) -> HTTPError:
+    """What vLLM answers for a known path asked with another method."""
+    headers = [(b"content-type", b"application/json"), (b"allow", b", ".join(sorted(methods)))]
+    return _FastAPIError(405, "Method Not Allowed", headers=headers)
 
 
 def error_body(

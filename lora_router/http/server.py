@@ -14,9 +14,14 @@ is complete.
 
 The request body is buffered (it is needed whole to route and, before the first response byte,
 to retry) and released when the response head is passed on (`head`): a stream that has begun
-does not keep its request. Response bodies are never buffered here: the upstream side writes
-them straight to `transport` and uses `pause_writing`/`resume_writing` below to slow the
-replica down when the client reads slowly.
+does not keep its request. The body bytes buffered at once over all connections of a listener
+are bounded (`ConnectionCount.buffered`, `max_buffered_bytes`): a body is counted from its head
+(its Content-Length, reserved at once; a chunked body chunk by chunk) until its answer begins
+(`head`, or the router's own `send`), its input is refused (`_fail`) or its connection is lost
+(whatever is still counted then), so the count is exact on every path; past the bound a
+request is answered 503 with `Retry-After` and its connection closed. Response bodies are never
+buffered here: the upstream side writes them straight to `transport` and uses
+`pause_writing`/`resume_writing` below to slow the replica down when the client reads slowly.
 
 End of input from the client while its request is in flight means the client is gone (as in
 nginx): the connection closes and the replica's connection with it, which makes vLLM abort the
@@ -105,6 +110,8 @@ class Limits(Protocol):
     @property
     def max_body_bytes(self) -> int: ...
     @property
+    def max_buffered_bytes(self) -> int: ...
+    @property
     def max_header_bytes(self) -> int: ...
     @property
     def max_headers(self) -> int: ...
@@ -133,14 +140,17 @@ FastHandler = Callable[[Request, "ClientConnection"], bool]
 
 
 class ConnectionCount:
-    """Open client connections, shared by every connection of one listening socket."""
+    """Open client connections and the request body bytes they buffer (module docstring),
+    shared by every connection of one listening socket."""
 
-    __slots__ = ("_drained", "limit", "open")
+    __slots__ = ("_drained", "buffered", "limit", "max_buffered", "open")
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, max_buffered: int) -> None:
         self.limit = limit
         self.open: set[ClientConnection] = set()
         self._drained: asyncio.Event | None = None
+        self.buffered = 0
+        self.max_buffered = max_buffered
 
     def discard(self, conn: ClientConnection) -> None:
         self.open.discard(conn)
@@ -176,6 +186,7 @@ class ClientConnection(asyncio.Protocol):
         "_body_bytes",
         "_broken",
         "_busy",
+        "_chunked",
         "_client_ip",
         "_closed",
         "_continue",
@@ -198,6 +209,7 @@ class ClientConnection(asyncio.Protocol):
         "_paused",
         "_phase",
         "_queue",
+        "_receiving",
         "_request",
         "_task",
         "_timer",
@@ -262,6 +274,10 @@ class ClientConnection(asyncio.Protocol):
         self._header_bytes = 0
         self._body: list[bytes] = []
         self._body_bytes = 0
+        # In `count.buffered`: the body being received (`_receiving`, chunk by chunk when
+        # `_chunked`), then each request's `body` until released.
+        self._receiving = 0
+        self._chunked = False
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -280,6 +296,11 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
+        self._drop_buffered()
+        request = self._request
+        if request is not None:  # released here, once: a later `head` finds nothing
+            self._count.buffered -= len(request.body)
+            request.body = b""
         self._count.discard(self)
         self._timer.close()
         del self._parser  # it refers back to this connection (and takes no more input)
@@ -371,14 +392,42 @@ class ClientConnection(asyncio.Protocol):
         framing = self._framing
         if len(framing) == 1 and framing[0][0] == b"content-length":
             # The usual case, `_check_length` written out (it runs on every request with a body).
-            if int(framing[0][1]) > self._max_body_bytes:  # llhttp checked the digits
+            length = int(framing[0][1])  # llhttp checked the digits
+            if length > self._max_body_bytes:
                 self._body_too_big()
+            count = self._count  # `_reserve`, written out too
+            buffered = count.buffered + length
+            if buffered > count.max_buffered:
+                self._over_budget()
+            count.buffered = buffered
+            self._receiving = length
+            self._chunked = False
         elif framing:
             self._check_framing(version)
 
     def _check_length(self, value: bytes) -> None:
-        if int(value) > self._max_body_bytes:  # llhttp checked the digits
+        length = int(value)  # llhttp checked the digits
+        if length > self._max_body_bytes:
             self._body_too_big()
+        self._reserve(length)
+
+    def _reserve(self, length: int) -> None:
+        """Count a body of `length` bytes in the buffer budget, before it is read."""
+        count = self._count
+        buffered = count.buffered + length
+        if buffered > count.max_buffered:
+            self._over_budget()  # refused before the body is sent, not after
+        count.buffered = buffered
+        self._receiving = length
+
+    def _over_budget(self) -> None:
+        self._raise(
+            HTTPError(
+                503,
+                "The router holds as many request bodies as --max-buffered-bytes allows; retry.",
+                headers=[*_JSON, (b"retry-after", b"1")],
+            )
+        )
 
     def _body_too_big(self) -> None:
         self._raise(HTTPError(413, f"Request body over {self._max_body_bytes} bytes."))
@@ -395,6 +444,7 @@ class ClientConnection(asyncio.Protocol):
         ):
             # Only a plain `chunked` means the same to every parser on the way (RFC 9112 §6.1).
             self._raise(HTTPError(400, "Only `Transfer-Encoding: chunked` (HTTP/1.1) is accepted."))
+        self._chunked = bool(codings)
         if lengths:
             self._check_length(lengths[0])
         expect = [v.lower() for k, v in framing if k == b"expect"]
@@ -411,7 +461,16 @@ class ClientConnection(asyncio.Protocol):
         self._body_bytes += len(body)
         if self._body_bytes > self._max_body_bytes:
             self._body_too_big()
+        if self._chunked:  # no length to reserve ahead: counted as it arrives
+            self._reserve_chunk(len(body))
         self._body.append(body)
+
+    def _reserve_chunk(self, size: int) -> None:
+        count = self._count
+        if count.buffered + size > count.max_buffered:
+            self._over_budget()
+        count.buffered += size
+        self._receiving += size
 
     def on_message_complete(self) -> None:
         parser = self._parser
@@ -423,6 +482,10 @@ class ClientConnection(asyncio.Protocol):
             # Absolute-form and authority-form targets would make a proxy talk to the host
             # they name; this router only ever talks to its replicas.
             self._raise(HTTPError(400, "Only origin-form request targets (`/path`) are accepted."))
+        if b"#" in url:
+            # A fragment is never part of a request target (RFC 9112 §3.2); servers on the way
+            # would drop it or read it (the path rule: http/target.py).
+            self._raise(HTTPError(400, "A request target must not contain `#`."))
         path, _, query = url.partition(b"?")
         request = Request(
             method=method,
@@ -436,6 +499,7 @@ class ClientConnection(asyncio.Protocol):
             client_ip=self._client_ip,
         )
         self._body = []
+        self._receiving = 0  # counted as the request's `body` from now on
         self._phase = _Phase.IDLE
         self._continue = False
         if not self._busy:
@@ -517,8 +581,10 @@ class ClientConnection(asyncio.Protocol):
 
     def head(self, status: int, data: bytes, body: memoryview | None = None) -> None:
         """A replica's response head, rewritten, and the first body bytes (one writev)."""
-        if self._request is not None:
-            self._request.body = b""  # the answer has begun: nothing will re-send the request
+        request = self._request
+        if request is not None:  # the answer has begun: nothing will re-send the request
+            self._count.buffered -= len(request.body)
+            request.body = b""
         self.response_started = True
         self.status = status
         self.first_byte_at = self._loop.time()
@@ -546,13 +612,20 @@ class ClientConnection(asyncio.Protocol):
         headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         """A whole response written by the router itself."""
+        request = self._request
+        if request is not None:  # the router's own answer: the body is no longer needed
+            self._count.buffered -= len(request.body)
+            request.body = b""
         if self.response_started or self.transport is None or self._closed:
             return
         self.response_started = True
         self.status = status
         reason = REASONS.get(status, b"Unknown")
         head = response_head(status, reason, headers or _JSON, len(body), self.keep_alive)
-        self.transport.write(head + body)
+        if request is not None and request.method == b"HEAD":
+            self.transport.write(head)  # no body, and the Content-Length a GET would have
+        else:
+            self.transport.write(head + body)
 
     def send_error(self, error: HTTPError) -> None:
         if self.response_started:
@@ -560,7 +633,7 @@ class ClientConnection(asyncio.Protocol):
             self.keep_alive = False
             self._close()
             return
-        self.send(error.status, error.body())
+        self.send(error.status, error.body(), error.headers)
 
     def close_when_idle(self) -> None:
         """Finish the request in progress, if any, then close (graceful shutdown)."""
@@ -573,6 +646,15 @@ class ClientConnection(asyncio.Protocol):
             self.transport.abort()
 
     # -- internals -------------------------------------------------------------------------
+
+    def _drop_buffered(self) -> None:
+        """Input that will never be answered leaves the buffer budget: the body being received
+        and the requests queued (the current request's body goes with its answer)."""
+        queued = sum(len(r.body) for r in self._queue)
+        self._count.buffered -= self._receiving + queued
+        self._receiving = 0
+        self._body = []
+        self._queue.clear()
 
     def _raise(self, error: HTTPError) -> None:
         # httptools replaces an exception raised in a callback by its own error; keep ours.
@@ -594,9 +676,9 @@ class ClientConnection(asyncio.Protocol):
         """
         self._broken = True
         self.keep_alive = False
-        self._queue.clear()
+        self._drop_buffered()  # now, not when the connection goes (it may linger)
         if not self._busy:
-            self.send(error.status, error.body())
+            self.send(error.status, error.body(), error.headers)
             self._close()
         elif self.transport is not None:
             self.transport.pause_reading()
@@ -667,7 +749,7 @@ async def serve(
     the fast path, see the module docstring). With `start_serving` False the socket is bound
     but accepts only after `start_serving()`."""
     loop = asyncio.get_running_loop()
-    count = ConnectionCount(max_connections)
+    count = ConnectionCount(max_connections, limits.max_buffered_bytes)
     server = await loop.create_server(
         lambda: ClientConnection(handler, limits, count, fast),
         host,

@@ -291,7 +291,7 @@ async def test_an_added_replica_is_replayed_then_serves(
     emus = await emulators(2)
     extra = (await emulators(1))[0]
     extra.faults.mount_lag = 2  # the new machine's mount is behind too
-    rt = await router(emus)
+    rt = await router(emus, replica_hosts=("127.0.0.1",))
     assert rt.app is not None and rt.fleet is not None
     for name in ("v1", "v2"):
         await load(client, rt.url, name, adapter(name))
@@ -317,7 +317,7 @@ async def test_an_added_replica_that_does_not_answer_stays_out_of_service(
     router: StartRouter, emulators: StartEmulators, client: aiohttp.ClientSession
 ) -> None:
     emus = await emulators(1)
-    rt = await router(emus)
+    rt = await router(emus, replica_hosts=("127.0.0.1",))
     gone = (await emulators(1))[0]
     await gone.crash()
     status, data, _ = await call(client, "POST", rt.url + "/router/replicas", {"url": gone.url})

@@ -221,6 +221,10 @@ class FakeReplica:
 
 # -- routers ----------------------------------------------------------------------------------
 
+FORWARDED_NAMES = (
+    *("", "a", "alive", "anything", "b", "big", "c", "d", "e", "fast", "first", "hidden"),
+    *("last", "next", "one", "second", "slow", "stream", "two", "x"),
+)
 # Short deadlines so every timeout path finishes within a test's budget.
 TEST_CONFIG = dict(
     token=Secret(TOKEN),
@@ -236,6 +240,10 @@ TEST_CONFIG = dict(
     health_interval=3600.0,
     status_interval=0.0,
     policy="round-robin",
+    # The paths these tests send through the forwarding path (any method, one replica), opened
+    # as an operator would with --forward-path: vLLM has no such routes, so unopened they
+    # answer 404 (tests/http/test_routes.py).
+    forward_paths=tuple(f"/{name}" for name in FORWARDED_NAMES),
 )
 
 

@@ -131,3 +131,30 @@ def test_the_reader_stays_bounded() -> None:
     for i in range(8):
         reader.read(b'{"prompt": [%d, 1, 2, 3]}' % (1000 + i), chat=False)
     assert prompts._bytes <= 64 and prompts._bytes == sum(map(len, prompts._items.values()))
+
+
+def test_a_text_prompt_is_keyed_on_its_first_4_bytes_a_token_of_the_limit() -> None:
+    import orjson
+
+    from lora_router.routing.keys import Seeds, completion_key
+
+    shared = "é" * 300  # 600 bytes of UTF-8: past the 400 the limit of 100 tokens allows
+    one, other = (read(orjson.dumps({"prompt": shared + tail})) for tail in ("a", "b" * 10**5))
+    assert one.text == other.text == shared.encode()[:400]
+    batch = read(orjson.dumps({"prompt": [shared + "a", "x"]}))
+    assert batch.text == one.text
+    seeds = Seeds(0, 0, 0)
+    keys = [completion_key(c, seeds, 16).key for c in (one, other)]
+    assert keys[0] == keys[1] and keys[0] is not None and keys[0].tokens == 100
+
+
+def test_chat_messages_are_keyed_on_a_bounded_prefix_and_later_messages_not_encoded() -> None:
+    import orjson
+
+    first = {"role": "user", "content": "q" * 500}
+    deep = b"[" * 300 + b'"x"' + b"]" * 300  # deeper than the encoder goes: never encoded
+    body = b'{"messages": [%s, {"role": "assistant", "content": %s}]}' % (orjson.dumps(first), deep)
+    chat = read(body, chat=True)
+    assert chat.text == orjson.dumps(first, option=orjson.OPT_SORT_KEYS)[:400]
+    short = read(orjson.dumps({"messages": [{"role": "user", "content": "hi"}]}), chat=True)
+    assert short.text == b'{"content":"hi","role":"user"}'
