@@ -174,15 +174,15 @@ replicas.
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from fractions import Fraction
-from heapq import heapify, heappop, heappush
+from functools import partial
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
 from .affinity import AffinityTable, anchor_first, anchor_tokens
 from .keys import PromptKey, RouteKey
+from .ranks import Ranks
 from .ring import DEFAULT_VNODES, HashRing
 
 DEFAULT_LOAD_FACTOR = 0.25
@@ -296,64 +296,6 @@ class Policy(Protocol):
         ...
 
 
-class _Ranks:
-    """The members by dealing rank, (families dealt, requests in flight, prompt tokens in
-    flight), for the fresh-prompt step: names grouped by equal rank, and per count of families
-    dealt a heap of that count's distinct ranks, with lazy deletion (a rank whose group emptied
-    stays in its heap until it surfaces or the heap is compacted); `counts` lists the counts
-    that have a heap, in order.
-
-    `file` is O(log g), g the distinct ranks (at most the members), amortized with the
-    compaction, which runs when a count's heap holds more than twice the live ranks and costs
-    O(g). Reading one count's lowest ranks in order costs O(log g) per rank passed over
-    (`PrefixAffinity._first_dealt`)."""
-
-    __slots__ = ("counts", "groups", "heaps", "queued", "rank")
-
-    def __init__(self) -> None:
-        self.rank: dict[str, tuple[int, int, int]] = {}  # member -> its rank now
-        self.groups: dict[tuple[int, int, int], set[str]] = {}  # rank -> its members
-        self.heaps: dict[int, list[tuple[int, int, int]]] = {}  # dealt -> ranks, some stale
-        self.counts: list[int] = []  # the keys of `heaps`, ascending
-        self.queued: set[tuple[int, int, int]] = set()  # the ranks in the heaps, once each
-
-    def file(self, name: str, rank: tuple[int, int, int]) -> None:
-        old = self.rank.get(name)
-        if old == rank:
-            return
-        groups = self.groups
-        if old is not None:
-            group = groups[old]
-            group.discard(name)
-            if not group:
-                del groups[old]
-        self.rank[name] = rank
-        joined = groups.get(rank)
-        if joined is not None:
-            joined.add(name)
-            return
-        groups[rank] = {name}
-        if rank in self.queued:
-            return
-        self.queued.add(rank)
-        heap = self.heaps.get(rank[0])
-        if heap is None:
-            heap = self.heaps[rank[0]] = []
-            insort(self.counts, rank[0])
-        heappush(heap, rank)
-        if len(heap) > 2 * len(groups) + 32:
-            for queued in heap:
-                if queued not in groups:
-                    self.queued.discard(queued)
-            heap[:] = [queued for queued in heap if queued in groups]
-            heapify(heap)
-
-    def drop_count(self, dealt: int) -> None:
-        """Forget the heap of `dealt`, found empty (`PrefixAffinity._first_dealt`)."""
-        del self.heaps[dealt]
-        self.counts.pop(bisect_left(self.counts, dealt))
-
-
 def _cap(total: int, n: int, grow: int, den: int, slack: int) -> int:
     """The most requests a replica may have in flight after taking one more request:
     `ceil(max((1 + load_factor) * m, m + slack))` with `m = (total + 1) / n`, the mean load
@@ -413,7 +355,7 @@ class PrefixAffinity:
         self._moved: dict[str, int] = {}  # member -> conversations moved into it (`_lighter`)
         self._moved_tokens = 0  # prompt tokens priced for the moves made (`_lighter`)
         self._routed_tokens = 0  # prompt tokens of every request with a key routed (`choose`)
-        self._ranks = _Ranks()
+        self._ranks = Ranks()
 
     def set_members(self, members: Sequence[Replica]) -> None:
         """O(n * vnodes log) for the ring; membership changes are rare."""
@@ -423,12 +365,12 @@ class PrefixAffinity:
         self._dealt = {name: self._dealt.get(name, floor) for name in names}
         self._dealt_total = sum(self._dealt.values())
         self._moved = {name: self._moved.get(name, 0) for name in names}
-        self._ranks = _Ranks()
+        self._ranks = Ranks()
         for r in members:
             self._ranks.file(r.name, (self._dealt[r.name], r.in_flight, r.in_flight_tokens))
 
     def load_changed(self, replica: Replica) -> None:
-        """Re-file a member under its new load: O(log n) (`_Ranks.file`)."""
+        """Re-file a member under its new load: O(log n) (`Ranks.file`)."""
         name = replica.name
         rank = self._ranks.rank.get(name)
         if rank is not None:
@@ -598,7 +540,7 @@ class PrefixAffinity:
         it holds less work (`work_held`) and its count stays inside the deal window
         (`DEAL_WINDOW`): the first such member by the same rank.
 
-        Read from the maintained ranks (`_Ranks`), one count of families dealt at a time from
+        Read from the maintained ranks (`ranks.Ranks`), one count of families dealt at a time from
         the lowest: a rank is passed over only if its members have no room (they share one
         in-flight count, and a count's later ranks have no room either) or none of them is
         routable, O(log n) each; among the k members of the winning rank, `HashRing.first_of`
@@ -609,11 +551,12 @@ class PrefixAffinity:
         # Every member is a candidate when there are as many candidates as members (the fleet
         # routes only to members); a candidate outside the ring is caught by `get` below.
         everyone = len(routable) == len(ranks.rank)
-        # A snapshot: `_first_dealt` forgets a count whose heap it finds empty.
+        pick = partial(self._first_routable, position, routable, everyone)
+        # A snapshot: `Ranks.first` forgets a count whose heap it finds empty.
         counts = iter(list(ranks.counts))
         best: R | None = None
         for dealt in counts:
-            best = self._first_dealt(dealt, position, routable, cap, everyone)
+            best = ranks.first(dealt, cap, pick)
             if best is not None:
                 break
         if best is None:
@@ -625,7 +568,7 @@ class PrefixAffinity:
             for dealt in counts:  # the counts above the chosen one's
                 if dealt >= limit:
                     break
-                other = self._first_dealt(dealt, position, routable, cap, everyone)
+                other = ranks.first(dealt, cap, pick)
                 if other is not None:
                     if work_held(other, DEAL_REQUEST_TOKENS) < work_held(best, DEAL_REQUEST_TOKENS):
                         best = other
@@ -636,38 +579,8 @@ class PrefixAffinity:
             ranks.file(best.name, (dealt, best.in_flight, best.in_flight_tokens))
         return best
 
-    def _first_dealt(
-        self, dealt: int, position: int, routable: Candidates[R], cap: int, everyone: bool
-    ) -> R | None:
-        """The first routable member with room among those dealt `dealt` families, by rank,
-        then in ring order from `position`: the heap of that count is read in order, stale
-        ranks dropped, ranks whose members are not routable passed over and pushed back; a
-        heap left empty is forgotten with its count."""
-        ranks = self._ranks
-        heap, groups = ranks.heaps[dealt], ranks.groups
-        passed: list[tuple[int, int, int]] = []
-        found: R | None = None
-        while heap:
-            rank = heap[0]
-            group = groups.get(rank)
-            if group is None:  # stale: its members moved on
-                heappop(heap)
-                ranks.queued.discard(rank)
-                continue
-            if rank[1] >= cap:  # this count's later ranks have no room either
-                break
-            found = self._first_routable(position, group, routable, everyone)
-            if found is not None:
-                break
-            passed.append(heappop(heap))
-        for rank in passed:
-            heappush(heap, rank)
-        if not heap:
-            ranks.drop_count(dealt)
-        return found
-
     def _first_routable(
-        self, position: int, group: set[str], routable: Candidates[R], everyone: bool
+        self, position: int, routable: Candidates[R], everyone: bool, group: set[str]
     ) -> R | None:
         """The first routable member of `group` in ring order from `position`. With `everyone`
         the group is tried whole (its members are the candidates), and filtered only if the
