@@ -31,7 +31,7 @@ def test_the_oracle_serves_every_request_once_with_every_later_turn_on_its_paren
 
 
 def test_the_replayed_oracle_reproduces_the_benchs_modelled_makespan():
-    # bench/results/routing-spill/: 6.396 s in every wall run of long-tail at 3 replicas.
+    # bench/results/archive/routing-spill/: 6.396 s in every wall run of long-tail at 3 replicas.
     _, out = run("long-tail", 3, replay.OracleRouter)
     assert round(out.makespan, 3) == 6.396
 
