@@ -37,9 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(lora_router.__file__).resolve().is_relative_to(tree):
         sys.exit(f"lora_router comes from {lora_router.__file__}: set PYTHONPATH={tree}")
     replay: Any = importlib.import_module("replay")
-    bench = replay.bench
-    timing = bench.Timing()
-    for trace in bench.TRACES:
+    traces = getattr(replay, "traces", None) or replay.bench  # bench/routing.py before #29
+    timing = traces.Timing()
+    for trace in traces.TRACES:
         for n in (2, 3, 8):
             for seed in range(args.seeds):
                 reqs = replay.requests_of(trace, n, seed, timing)
