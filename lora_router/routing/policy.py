@@ -69,8 +69,7 @@ MOVE_SHARE = 50
 # All moves' prompt tokens at most 1 / MOVE_BUDGET of the prompt tokens routed: what moves
 # recompute stays that share of the hit rate's own denominator.
 MOVE_BUDGET = 300
-# The deal window: a member dealt more families may take a new one while its count stays at
-# most this times the mean (floored), so request totals stay within 5 % of the mean.
+# The deal window's bound on a member's families, in means (floored): request totals within 5 %.
 DEAL_WINDOW = Fraction(21, 20)
 # One request in flight in the work the deal window compares, in prompt tokens: one
 # completion's decode (a new family has no later turns to price).
