@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import source_tree
+from lib.procs import source_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "trl-policy-v1"

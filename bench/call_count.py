@@ -43,8 +43,9 @@ if ARGS.tree:
 sys.path.insert(1, str(Path(__file__).resolve().parent))
 
 import uvloop  # noqa: E402
-from common import Procs, free_port, nginx_fleet  # noqa: E402
-from overhead import GROUP, MODEL, Payload, json_reply, replica_metrics  # noqa: E402
+from lib.nginx import nginx_fleet  # noqa: E402
+from lib.overhead_setup import GROUP, MODEL, Payload, json_reply, replica_metrics  # noqa: E402
+from lib.procs import Procs, free_port  # noqa: E402
 
 import lora_router  # noqa: E402
 from lora_router.cli import build_config, build_parser  # noqa: E402

@@ -41,7 +41,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import Procs, free_port, wait_port
+from lib.procs import Procs, free_port, wait_port
 
 from lora_router.emulator import write_adapter
 

@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     requests = list(generate(spec))
     tokens = sum(len(r.tokens) for r in requests)
     models = sorted({r.model for r in requests}, key=lambda m: (len(m), m))
-    spans = {}
+    spans: dict[tuple[int, int], set[str]] = {}
     for r in requests:
         spans.setdefault((r.family, r.sample), set()).add(r.model)
     straddling = sum(len(s) > 1 for s in spans.values())

@@ -36,16 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (
-    Procs,
-    find_binary,
-    free_port,
-    git_revision,
-    nginx_fleet,
-    pinned,
-    source_tree,
-)
-from overhead import (
+from lib.nginx import nginx_fleet
+from lib.overhead_setup import (
     LOAD_CPU,
     MODEL,
     PROXY_CPU,
@@ -54,9 +46,18 @@ from overhead import (
     json_reply,
     launch,
     lora_router_from,
-    rotated,
     spread,
     starters,
+)
+from lib.overhead_windows import rotated
+from lib.procs import (
+    Procs,
+    find_binary,
+    free_port,
+    git_revision,
+    pinned,
+    precise_cpu_seconds,
+    source_tree,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,18 +71,6 @@ parse_report(page, 0.0)
 n = 200
 print(min(timeit.repeat(lambda: parse_report(page, 0.0), number=n, repeat=5)) / n * 1e6)
 """
-
-
-def cpu_seconds(pid: int) -> float:
-    """CPU time of every thread of a process, to the nanosecond (schedstat): /proc/stat's
-    10 ms ticks are too coarse for an idle router's milliseconds per second."""
-    return (
-        sum(
-            int(stat.read_text().split()[0])
-            for stat in Path(f"/proc/{pid}/task").glob("*/schedstat")
-        )
-        / 1e9
-    )
 
 
 def parse_us(src: Path) -> float:
@@ -141,9 +130,9 @@ def main() -> None:
                     inst = launch(procs, contenders[name], name, ports[:n])
                     assert inst.proc is not None and inst.pid is not None
                     time.sleep(args.settle)
-                    cpu = cpu_seconds(inst.pid)
+                    cpu = precise_cpu_seconds(inst.pid)
                     time.sleep(args.window)
-                    got[name] = (cpu_seconds(inst.pid) - cpu) * 1e3 / args.window
+                    got[name] = (precise_cpu_seconds(inst.pid) - cpu) * 1e3 / args.window
                     procs.stop(inst.proc)
                     print(
                         f"  r{rnd} {n:4d} replicas {name:22} {got[name]:7.2f} ms CPU/s", flush=True

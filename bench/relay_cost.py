@@ -89,7 +89,7 @@ class _Sink:
 
 async def _child(exchanges: int) -> dict[str, float]:
     sys.path.insert(0, str(BODY_PATH))
-    from overhead import json_reply
+    from lib.overhead_setup import json_reply
 
     from lora_router.config import ReplicaAddress
     from lora_router.http.upstream import UpstreamConnection, UpstreamPool

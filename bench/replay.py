@@ -22,9 +22,9 @@ What is modelled, and from where:
   counts and prompt tokens the fleet keeps (`Fleet.started` / `finished`, with each decision's
   `Decision.tokens`), given any of
   `PrefixAffinity`'s keyword arguments (`prefix:load_slack=8`; a candidate rule under test adds
-  its own, e.g. bench/results/routing-spill/queue-spill.patch's `queue_tokens`); `oracle` is
-  bench/routing.py's oracle (families dealt round robin in
-  arrival order, pinned). The peers are not modelled: an approximation of vllm-router's
+  its own, e.g. `queue_tokens` of bench/results/archive/routing-spill/queue-spill.patch);
+  `oracle` is bench/routing.py's oracle (families dealt round robin in arrival order, pinned).
+  The peers are not modelled: an approximation of vllm-router's
   cache_aware (its balance thresholds, a block set per replica for its tree) reached 0.959 of
   the oracle's hit rate where the real one reaches 0.995-0.997, so its figures would mislead;
   compare with peers on the wall-clock bench.
@@ -44,6 +44,7 @@ import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,8 @@ import orjson
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import routing as bench  # noqa: E402
+from lib import routing_traces as traces  # noqa: E402
+from lib.routing_runs import in_flight_balance, max_mean  # noqa: E402
 
 from lora_router.emulator.prefix_cache import PrefixCache, block_hashes  # noqa: E402
 from lora_router.routing.keys import Lineages, completion_key  # noqa: E402
@@ -63,7 +65,7 @@ class SimReplica:
 
     __slots__ = ("busy", "cache", "free_at", "in_flight", "in_flight_tokens", "name", "served")
 
-    def __init__(self, name: str, timing: bench.Timing) -> None:
+    def __init__(self, name: str, timing: traces.Timing) -> None:
         self.name = name
         self.in_flight = 0
         self.in_flight_tokens = 0
@@ -123,10 +125,10 @@ class Outcome:
         return (self.later - elsewhere + min(self.spills, elsewhere)) / self.later
 
 
-def requests_of(trace: str, n: int, seed: int, timing: bench.Timing) -> list[Request]:
-    spec = bench.trace_spec(trace, n, bench.Scale(seed=seed))
+def requests_of(trace: str, n: int, seed: int, timing: traces.Timing) -> list[Request]:
+    spec = traces.trace_spec(trace, n, traces.Scale(seed=seed))
     out = []
-    for item in bench.build_workload(spec, base=True):
+    for item in traces.build_workload(spec, base=True):
         body = orjson.loads(item.body)
         prompt = body["prompt"]
         out.append(
@@ -163,8 +165,8 @@ class PrefixRouter(Router):
 
     def __init__(self, **options: Any) -> None:
         self.policy = PrefixAffinity(**options)
-        self.seeds = Lineages().seeds(bench.MODEL, False)
-        self.block = bench.Timing().block_size
+        self.seeds = Lineages().seeds(traces.MODEL, False)
+        self.block = traces.Timing().block_size
         self.started = False
 
     def route(self, req: Request, routable: Candidates[SimReplica]) -> tuple[SimReplica, int]:
@@ -197,7 +199,7 @@ def replay(
     reqs: list[Request],
     n: int,
     router: Router,
-    timing: bench.Timing,
+    timing: traces.Timing,
     overhead_s: float,
     decode_scale: float,
 ) -> tuple[list[int], list[SimReplica], list[tuple[float, float, int]], float]:
@@ -205,7 +207,7 @@ def replay(
     the replicas, the (sent, answered, replica) intervals and the end time."""
     replicas = [SimReplica(f"replica-{i}", timing) for i in range(n)]
     routable: Candidates[SimReplica] = Candidates(replicas)
-    cap = bench.Scale().in_flight_per_replica * n
+    cap = traces.Scale().in_flight_per_replica * n
     children: dict[int, list[int]] = {}
     ready: list[int] = []
     for r in reqs:
@@ -280,8 +282,8 @@ def measure(
             out.followed += placed[r.index] == placed[r.parent]
     out.spills = router.spills()
     out.per_replica = [r.served for r in replicas]
-    out.max_mean_requests = bench.max_mean(out.per_replica)
-    out.in_flight = bench.in_flight_balance(intervals, n)
+    out.max_mean_requests = max_mean(out.per_replica)
+    out.in_flight = in_flight_balance(intervals, n)
     out.makespan = max(r.busy for r in replicas)
     out.end = end
     return out
@@ -299,7 +301,7 @@ def routers(spec: str) -> dict[str, Callable[[], Router]]:
         if name == "oracle":
             out[part] = OracleRouter
         elif name == "prefix":
-            out[part] = lambda o=options: PrefixRouter(**o)
+            out[part] = partial(PrefixRouter, **options)
         else:
             raise SystemExit(f"unknown router {name!r}")
     return out
@@ -355,7 +357,7 @@ def table(outcomes: list[Outcome], names: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--traces", default=",".join(bench.TRACES))
+    p.add_argument("--traces", default=",".join(traces.TRACES))
     p.add_argument("--replicas", default="2,3,8")
     p.add_argument(
         "--routers",
@@ -368,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--decode-scale", type=float, default=1.3, help="decode time x the model")
     p.add_argument("--out", type=Path, default=None, help="write the table here (markdown)")
     args = p.parse_args(argv)
-    args.timing = bench.Timing()
+    args.timing = traces.Timing()
     names = list(routers(args.routers))
     makers = routers(args.routers)
     if "oracle" not in makers:
@@ -376,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     outcomes: list[Outcome] = []
     for trace in [t for t in args.traces.split(",") if t]:
         for n in [int(x) for x in args.replicas.split(",") if x]:
-            for seed in bench.seeds_of(args.seeds):
+            for seed in traces.seeds_of(args.seeds):
                 reqs = requests_of(trace, n, seed, args.timing)
                 got = {
                     name: measure(name, trace, n, seed, reqs, make, args)

@@ -1,12 +1,23 @@
-"""Suite-wide settings: Hypothesis examples have no time limit.
+"""Suite-wide settings: the Hypothesis profile (tests/hypothesis_profiles.py: `dev` by default,
+`ci` with HYPOTHESIS_PROFILE=ci or CI set), applied to every collected property test.
 
-The suite runs on small shared machines. Hypothesis's default 200 ms deadline per example is a
-timed assertion, and on a loaded 2-core machine (load average 14) it failed property tests whose
-logic held (`DeadlineExceeded` in tests/routing) on a fresh clone. Speed is shown in bench/,
-never asserted by timed tests; every test stays bounded by pytest-timeout.
+Every test stays bounded by pytest-timeout; no example has a time limit.
 """
 
-from hypothesis import settings
+from __future__ import annotations
 
-settings.register_profile("suite", deadline=None)
-settings.load_profile("suite")
+import pytest
+from hypothesis import settings
+from hypothesis_profiles import PROFILE, scaled
+
+settings.load_profile(PROFILE)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Hypothesis reads a test's settings from this attribute when it runs the test (its own
+    # decorators set it the same way); tests that are not property tests have none.
+    for item in items:
+        test = getattr(getattr(item, "obj", None), "__func__", getattr(item, "obj", None))
+        given = getattr(test, "_hypothesis_internal_use_settings", None)
+        if isinstance(given, settings):
+            test._hypothesis_internal_use_settings = scaled(given)  # type: ignore[union-attr]

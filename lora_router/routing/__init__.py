@@ -6,8 +6,11 @@
 - `ring`: a consistent-hash ring of replica names with virtual nodes.
 - `affinity`: a bounded LRU table of where recent prompts went, answering "which earlier
   prompts does this one start with?" at any length.
+- `ranks`: the members kept in dealing order, for a new family's replica.
 - `policy`: the policies behind `--policy`: `prefix` (exact-prefix affinity + consistent
   hashing with bounded loads), `round-robin`, `least-loaded`; `make_policy` builds one.
+
+The rules, and the measurements that chose them: docs/design/routing.md.
 
 The HTTP layer turns a validated completion into one `RouteKey` (`completion_key`: the wire
 hash at once, the block key only if the policy asks for it), asks `policy.choose(key,

@@ -31,15 +31,8 @@ index holds one entry per anchor, the wire index one per anchor with a wire key 
 JSON text of a token-id prompt, by which `sibling` finds it without a key), and every eviction
 removes from all three. Nothing here knows about load or health.
 
-What an anchor costs (CPython 3.11, 64-bit; `python bench/anchor_bytes.py`,
-bench/results/anchor_bytes.md): about 240 bytes of objects (its 4-tuple, and the ints of its
-head, `meta`, `full` and wire key) plus its share of the three indexes' hash tables (the heads'
-OrderedDict, the exact and the wire dicts): about 210 bytes while the table fills and 390 once
-it evicts, because a dict that deletes as it inserts is resized to three times its live
-entries, which doubles each table once, about 150,000 evictions after the table is full; it is
-flat from then on. In all, about 510 bytes per anchor at capacity and 710 from then on (the
-default 200,000 anchors: 97, then 135 MiB), where the anchor, the exact index and the policy's
-separate wire map took 695 and 895.
+An anchor costs about 510 bytes at capacity and 710 once the table evicts, flat from then on
+(docs/design/routing.md#stems).
 
 Must never: do I/O, log, hold more than `capacity` anchors, hash anything itself (all hashing is
 defined in `keys`: `PromptKey.full`, `.chain`, `.prefix_hash` and `.stem`).

@@ -1,101 +1,39 @@
 """Routing keys: what a prompt looks like to the prefix caches of the replicas, and to placement.
 
-**Two keys, two names.** vLLM keys a replica's KV blocks by the *full* adapter name: the blocks
-`trl-policy-v7` computed are useless to `trl-policy-v8`. Placement must not work that way: TRL's
-rollout worker names the *current* policy version on every request (`_request_model` re-reads
-the shared version for every turn), so a multi-turn rollout that straddles a weight sync sends
-turn k under `trl-policy-v7` and turn k+1 under `trl-policy-v8`, and that turn belongs on its
-conversation's replica (its siblings' turns share the problem's prefix under v8 there too).
+Rules (docs/design/routing.md#lineage-keys and #stems give the reasons):
+- *Two keys, two names.* Where a request goes is keyed by the model's **lineage** (`Lineages`:
+  `--lineage-pattern`, default TRL's `{lora_name}-v{N}`, so `trl-policy-v7` -> `trl-policy`; a
+  name it does not match is its own lineage); what a replica's cache can reuse, by the full
+  name, as vLLM keys it (`model_seed` of the name). Base names (`model_seed`) and lineages
+  (`LINEAGE_TAG`) are seeded in separate domains: the base model is never an adapter's lineage.
+- *A key* (`PromptKey`, xxh3-64 under one `seed`): `full`, the whole packed prompt in one C
+  call, is all a sibling needs and the prompt's ring position; `chain[i] = xxh3(block i,
+  chain[i - 1])` identifies its first `i + 1` blocks, as vLLM's prefix-cache keys do, and is
+  lazy (computed on first access, cached); `prefix_hash(level, nbytes)` is the `full` of any
+  prefix, so "does it start with that much of an earlier prompt?" is answered at any length.
+- *The stem*: a prompt without its last `RERENDER_BYTES` (8 tokens), never less than its first
+  block (`stem`); a later prompt continues an earlier one when it starts with that stem.
+- *One object per request*: `completion_key` makes a `RouteKey` of a validated completion: its
+  `wire` (one xxh3 of a token-id prompt's JSON text, at once) and its block `key`, built on first
+  access only. The caller drops it once a replica is chosen; a retry builds a new one.
+- *How each kind is keyed* (body.py extracts and validates; this module only hashes): token ids
+  packed as little-endian uint32 in blocks of `block_size` tokens (`prompt_key`); text as its
+  UTF-8 in 64-byte blocks (`text_key`; a text prompt and the same prompt as ids are different
+  keys); chat `messages` as the concatenation of each message serialized compactly with sorted
+  keys (so a later turn's key extends the earlier one's); a batch by its first prompt (one
+  upstream request, forwarded byte for byte); anything else (`prompt_embeds`) has no key.
 
-- *Where a request goes* (the affinity table, the ring, dealing) is keyed by the model's
-  **lineage**: an adapter's name with its version stripped by `Lineages` (the pattern is
-  `--lineage-pattern`; the default `(?P<lineage>.+)-v\\d+` matches TRL's `{lora_name}-v{N}`, so
-  `trl-policy-v7` -> `trl-policy`). A name the pattern does not match is its own lineage. The
-  base model is never an adapter's lineage: base names are seeded in their own domain
-  (`model_seed`), lineages in another (`LINEAGE_TAG`), so a base model called `trl-policy` and
-  the adapters `trl-policy-vN` never share a key, and two lineages never do either (different
-  seeds: their placements meet only where their prompts' hashes do, about 2**-64).
-- *What a replica's cache can reuse* is keyed by the full name, as vLLM keys it: `model_seed`
-  of the name, the key `prompt_key(model, ...)` builds when given no seed. The router's policy
-  places by lineage only and has no other use for the full-name key; the property tests compare
-  the two (a version bump changes the cache key, never the placement key).
+Invariants: every hash is xxh3-64 with fixed seeds, never Python's salted `hash()`, so two
+router processes compute the same keys and agree on placements without talking; token, text
+and wire keys have separate seed domains and cannot alias; `full` does not depend on the block
+size; a version bump changes the cache key, never the placement key.
 
-**A key.** A replica's vLLM caches the KV of a prompt in whole blocks of `block_size` tokens,
-each block identified by a hash chained over every block before it and over the adapter that
-computed it. A `PromptKey` mirrors that with two kinds of hash, both xxh3-64 under one `seed`
-(the lineage's, for placement):
-
-- `full = xxh3(data, seed)`, the whole packed prompt, partial last block included: one C call,
-  computed when the key is built. It is all a *sibling* needs (the G samples of a GRPO prompt
-  are G identical requests; the affinity table finds an exact prompt by `full` alone), and it
-  is the prompt's position on the hash ring. `prefix_hash(level, nbytes)` is the `full` the
-  prompt's first `level` blocks plus `nbytes` bytes would have, so "does this prompt start with
-  that much of an earlier one?" is answered at any length, not only at block boundaries.
-- `chain[i] = xxh3(block i, chain[i - 1])` (`chain[-1]` read as `seed`) identifies the first
-  `(i + 1) * block_size` units, so two prompts share `chain[i]` exactly when they share their
-  first `i + 1` blocks. It costs one Python-level xxh3 call per block, most of what routing a
-  long prompt costs, so it is lazy: computed on first access and cached, and a request routed
-  as a sibling never computes it.
-
-**Re-rendered turns and the stem.** TRL re-tokenizes the whole conversation through the chat
-template on every turn (`_generate_one`, and the OpenEnv harness's `_sample_turn`). The next
-prompt then starts with the previous one's messages, but not always with the previous prompt:
-the generation prompt at its end may render differently once the assistant message exists
-(Qwen3's empty `<think>` stub is dropped from history), and the completion's ids re-tokenize
-differently after it. So a conversation is followed through its earlier prompts' *stems*: a
-prompt's stem is the prompt without its last `RERENDER_BYTES` bytes (8 tokens), but never less
-than its first block (`stem_bytes`), and a later prompt continues an earlier one when it
-starts with that stem (`stem`; the affinity table files anchors by it). Among the earlier prompts
-whose stems a prompt starts with, the longest shared block prefix wins: the deepest level of its
-chain holding such an anchor. Why not "the longest shared block prefix" with any earlier prompt:
-prompts of different problems share a chat template or a system prompt of any length (1,000
-tokens in bench/routing.py's `system-1000`), and following that prefix would pile every new
-problem onto the template's first replica. A stem is whole but for 8 tokens, so two problems
-are conflated only when their prompts differ in nothing but their last 8 tokens (then both go
-to one replica, a cache win at worst a family out of balance).
-
-**Bounded cost.** Keying is one C-level xxh3 of the prompt (`full`) plus, only when the table
-must be scanned (a prompt that is not a known sibling), one xxh3 per full block (`chain`: 250
-calls for 4,000 tokens). The scan (affinity.py) intersects the chain with the table's heads in
-C (one set operation, no Python loop over blocks), then hashes at most `PER_HEAD` stems per
-matching level and at most `MAX_STEM_CHECKS` in all before it gives up: O(blocks) hashing plus
-a constant. tests/routing/test_keys_lineage.py counts the hash calls on 4,000-token prompts.
-
-**One object per request.** `completion_key` turns a validated completion (`body.Completion`,
-read through the `Prompt` protocol) into a `RouteKey`, the one thing a policy's `choose` is
-given: its `wire` (one xxh3 of a token-id prompt's JSON text, computed at once: all a sibling
-needs) and its `key`, the block `PromptKey`, built on first access only (parsing the ids if
-validation did not). A policy that stops at the wire key never builds it. The caller drops the
-`RouteKey` once a replica is chosen, which frees the prompt's parsed forms (ids, packed bytes,
-chain); a retry builds a new one from the request.
-
-How each kind of request is keyed (the HTTP layer, `lora_router/body.py`, extracts the prompt
-and validates it; this module only hashes):
-
-- token ids (`prompt: [int, ...]`, TRL's case): packed as little-endian uint32 and cut into
-  blocks of `block_size` tokens (`prompt_key`; an `array('I')` from validation is used as is);
-- text (`prompt: "..."`): its UTF-8 bytes cut into blocks of 64 bytes, about 16 tokens
-  (`text_key`); the router does not tokenize, so a text prompt and the same prompt as token ids
-  are different keys;
-- chat (`messages: [...]`): each message serialized compactly by orjson with sorted keys, the
-  results concatenated (body.py does it while validating) and keyed as text. A later turn of
-  a conversation repeats the earlier messages byte for byte, so its key extends the earlier
-  one; serializing the list as a whole would not (the closing bracket moves);
-- a batch (`prompt: [[int, ...], ...]` or `["...", ...]`): one upstream request, forwarded byte
-  for byte, so it is routed as a whole and keyed by its first prompt (the samples of a GRPO
-  batch share a prompt; splitting would mean rewriting bodies and merging responses);
-- anything else (e.g. `prompt_embeds`): no key; the policy then balances by load alone.
-
-Every hash is xxh3-64 with fixed seeds, never Python's `hash()` (salted per process): two router
-processes compute the same keys, which is what lets them agree on placements without talking.
-Token keys, text keys and wire keys have separate seed domains and cannot alias each other.
-`full` does not depend on the block size: keys compared with each other (one router's, one
-affinity table's) all use the same one.
-
-This module must never do I/O, log, or validate requests (the HTTP layer validates; a key is a
-pure function of its inputs). It is on the hot path: no per-token Python work beyond packing,
-no per-block Python work until the chain is asked for, and a model's seeds are one dict lookup
+Cost: one C-level xxh3 of the prompt (`full`), plus one per full block only when the affinity
+table must be scanned (250 calls for 4,000 tokens; tests/routing/test_keys_lineage.py counts
+them); no per-token Python work beyond packing; a model's seeds are one dict lookup
 (`Lineages.seeds`, cached per name).
+
+Never: I/O, logging, validating requests (a key is a pure function of its inputs).
 """
 
 from __future__ import annotations

@@ -1,220 +1,78 @@
 """Routing policies: given a prompt's key and the replicas that may take it, pick one.
 
-`PrefixAffinity` (`--policy prefix`, the default) is consistent hashing with bounded loads
-plus an affinity table of earlier prompts (`affinity`). Keys are placement keys (`keys`: seeded
-by the adapter's lineage, not its version), so a turn sent under `trl-policy-v8` finds the turns
-its conversation sent under `-v7`:
+`PrefixAffinity` (`--policy prefix`, the default): consistent hashing with bounded loads plus an
+affinity table of earlier prompts (`affinity`), on placement keys (`keys`: lineage, not version).
+The rules, each stated in full with its measurements in docs/design/routing.md:
 
-0. *Sibling by its wire key.* A token-id prompt whose JSON text was seen before (`RouteKey.wire`,
-   filed with that exact prompt's anchor in the table, `AffinityTable.link`, which holds its
-   home and token count) goes to that home if it is routable and has room, and its block key is
-   never built: the G - 1 later samples of a GRPO prompt cost one hash. Otherwise the block key
-   is built and the steps below run.
-1. *Known prompt.* The table finds the earlier prompts whose stems this one starts with, longest
-   shared block prefix first (itself, if it was seen: a *sibling*; a shorter one: a
-   *continuation*, e.g. the previous turn of a conversation, appended to or re-rendered). The
-   first of their replicas that is routable and has room takes it (room: below the load cap
-   for a sibling, below the follow cap for a continuation, see below): the longest prefix's
-   replica if it can, else the next longest (its KV is still there, which beats any other
-   replica), unless it is a family's first later turn that moves (below). A new prompt is then
-   remembered on that replica.
-2. *Spill.* If prefixes were known but none of their replicas can take it, walk the ring from
-   the prompt's key to the first routable replica with room. Siblings walk the same path, so
-   they keep meeting on one replica while their home is full. A spill never moves the home of
-   a prompt that has one (the first placement sticks, unless its replica left the ring); a new
-   prompt is remembered where it went, because its KV now grows there.
-3. *Fresh prompt* (a new family: nothing known shares its stem). Among the routable replicas
-   with room, the one that was dealt the fewest families so far, then the one holding the
-   least work now (fewest requests in flight, then fewest prompt tokens in flight that it must
-   compute, `in_flight_tokens`, which the caller maintains next to `in_flight` from
-   `Decision.tokens`: 0 for a sibling, a continuation's tokens beyond the earlier prompt it
-   extends, all of them otherwise), ties to the first in ring order from the prompt's key.
-   Only new families count: a later turn, under whatever version of its lineage, is a
-   continuation (1), so the count is the number of conversations a replica holds, which is
-   what the oracle of bench/routing.py deals evenly.
-   *The deal window.* The replica so chosen gives the family up to the first replica by the
-   same rank among those dealt more families, if that one holds less work,
+0. *Sibling by its wire key*: a token-id prompt whose JSON text was seen goes to that prompt's
+   home if it is routable and below the load cap, and its block key is never built.
+1. *Known prompt*: of the earlier prompts whose stems it starts with, longest block prefix
+   first, the first whose replica is routable and has room (the load cap for a sibling, the
+   *follow cap*, twice the slack, for a continuation); a family's first later turn *moves*
+   instead to the next replica on the family's ring path when the home holds more work by
+   `move_price` times its tokens, within `MOVE_SHARE` and `MOVE_BUDGET` (`_lighter`).
+2. *Spill*: known, but none of its replicas can take it: the first routable replica with room
+   in ring order from its key. A spill never moves the home of a prompt that has one.
+3. *Fresh* (a new family): *the deal*, fewest families dealt, then fewest requests and prompt
+   tokens in flight, ties in ring order from its key; inside the *deal window* (`DEAL_WINDOW`
+   x the mean count) a replica dealt more that holds less work (`work_held`) takes it.
+4. *No key*: least in flight, round robin among ties.
+The load cap is `ceil(max((1 + load_factor) * m, m + load_slack))`, m = (in flight + 1) / n.
 
-       in_flight_tokens + DEAL_REQUEST_TOKENS * in_flight   (`work_held`),
+Invariants: some replica always has room under either cap, so every walk ends; a prompt's first
+placement sticks unless its replica left the ring; a decision is always one of `routable`.
 
-   and its count stays at most `DEAL_WINDOW` (1.05) x the mean once the family is dealt
-   (floored), so request totals stay within 5 % of the mean. The count alone cannot see the
-   work a family brings (on single-turn prompts of 40-400 tokens, the prefill differs by up to
-   10 x between families); below 20 families per replica the window is the count itself,
-   so it only opens on fleets that have dealt many families (in bench/routing.py, the
-   single-turn and system-prompt traces; never the multi-turn ones). Measured in the noise-free
-   replay over 10 trace seeds (bench/results/routing-deal-work/): the median makespan on
-   single-turn -0.5, -0.9 and -2.2 % at 2, 3 and 8 replicas, on the system-prompt traces 0.0
-   to -2.0 % (the worst seed's makespan down to 1.019 of the oracle's from 1.056), request
-   totals at 1.04, placements on the multi-turn traces unchanged. Placing new families by the
-   work held alone let request totals drift to 1.08-1.10 max/mean on multi-turn,
-   re-rendered and long-tailed traces (bench/results/routing-work-held/); a window ranked by
-   requests in flight alone gained less (bench/results/routing-deal-window/).
-   A replica that joins starts at the fewest count. On an idle fleet every replica ties and
-   placement is plain consistent hashing, so two routers that saw the same requests agree. The
-   ranks are kept, not computed per request (`_Ranks`: grouped by equal rank, the distinct
-   ranks of each count in a heap, re-filed on `load_changed`), and ties are settled by
-   `HashRing.first_of`.
-4. *No key.* Least in flight, round robin among ties.
+Cost per request, n replicas (it must not grow with the fleet): a sibling by its wire key O(1);
+a known prompt O(blocks), then O(1) per replica tried (a move: one ring walk, O(1 + s)); a
+spill O(1 + s), s the members the walk passes over; a new family O(log n) per rank passed over
+(`ranks`) plus O(min(k, n / k)) for k tied members, at most O(sqrt(n)), twice with the window
+open; `load_changed` O(log n). O(n) only without a key, in `LeastLoaded` and in `set_members`.
 
-What the replicas report of themselves (fleet/telemetry.py's `Replica.report`: running,
-waiting, KV use, up to one health interval old) is not read here. Dealing fresh families on
-the reported waiting queue was measured on the long-tail, multi-turn-sync and single-turn
-traces at 2, 3 and 8 replicas, 3 rounds (bench/results/routing-reported/, with the exact
-rules): as a rank component between families dealt and in flight, and additionally as a spill
-signal (a replica whose reported queue is at or above the bounded-loads bound of the mean
-reported queue is not dealt a family while another is below it). Neither improved in-flight
-balance; on long-tail at 8 replicas both lengthened the modeled makespan by 3-4 % in every
-round and cost load-cap spills; only single-turn's makespan at 2 and 3 replicas gained (2-5 %,
-spill rule), and wall times moved by less than the machine's noise. With one router in front,
-a replica's queue is the router's own in-flight count there minus what it runs, which the
-router knows exactly and now; the report is that number up to 2 s old, and it counts requests,
-not the tokens left to generate. The reports serve people instead: `/router/status`, the
-router's `/metrics`, `lora-router top` and the Grafana dashboard.
+Contract with the caller: one `choose(key, routable)` per attempt, `key` the request's
+`RouteKey` or None, dropped once decided (a retry builds a new one); `routable` a non-empty,
+filtered `Candidates`, its `in_flight` the sum over its replicas. `choose` never changes
+`in_flight` or `in_flight_tokens`: the caller adds 1 and `Decision.tokens` for the request it
+sends, takes them off on every exit and calls `load_changed` after each change; `set_members`
+gets the full membership at start and on every change. Not thread-safe.
 
-A replica has room while its in-flight count is below the load cap
-
-    cap = ceil(max((1 + load_factor) * m, m + load_slack)),  m = (total + 1) / n
-
-with `total` the requests in flight over the `n` routable replicas. With `load_slack = 0` this
-is consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam; HAProxy's
-`hash-balance-factor`). Some replica always has room, so every walk ends. The slack is for few
-requests in flight: a GRPO trainer sends a group of G identical prompts at once, and when the
-mean is a handful, `(1 + e) * m` is below one group, so the textbook bound scatters the group
-over replicas that each recompute its prompt. An allowance of `load_slack` requests above the
-mean lets a group meet on its home; once the mean exceeds `load_slack / load_factor` (64 by
-default) the multiplicative bound is the larger and applies unchanged.
-
-A continuation (step 1, a known prompt that extends an earlier one) may take its replica up to
-the *follow cap*, the same bound with twice the slack (`follow_cap`); siblings, spill targets
-and fresh families keep the load cap. A trainer sends a conversation's next turn only once its
-previous turn has answered, and that turn left the replica the continuation now joins, so
-following a conversation does not add to a replica's load: what the load cap spilled instead
-was the drain at the end of a burst, when the mean falls with the requests in flight and a
-replica still works through the long conversations it holds (bench/routing.py, long-tail at 3
-replicas: the conversation's home at 31 in flight, the other two at 8 and 3, the cap 31). Such a
-spilled turn recomputes its whole history elsewhere (up to two long-tailed completions), so a
-few spills cost 0.2-0.8 % of the hit rate. The allowance stays bounded: once the mean exceeds
-`2 * load_slack / load_factor` (128 by default) the multiplicative bound applies to
-continuations unchanged, so prompts extending one shared prompt (an open-loop client) cannot
-pile up on one replica. Measured (bench/results/routing-follow/): with the follow cap no trace
-spilled, every later turn followed its conversation and every cell reached the oracle's hit
-rate (the load cap alone: 0.993-0.994 on long-tail at 3 and 8 replicas); the price is the
-drain a spill used to even out: the modelled makespan on long-tail moved by -0.2 % to +2.8 %
-(medians over rounds and over trace seeds), +3.6 % on the worst of 10 seeds.
-
-*Moving a family's first later turn.* Dealing by count keeps every replica's share of
-conversations even, but on long-tailed completions their work is not: on bench/routing.py's
-long-tail trace the busiest replica's modelled work was 6-9 % above the mean at 3 replicas,
-which no fresh placement can see coming (a family's completion lengths are drawn when it runs).
-So a continuation whose longest match is a new family's first prompt (`AffinityTable.record`'s
-`first`: the first later turn of one of its conversations) leaves its home for the first
-replica other than the home on the ring path of the *family's* key, when that one is below the
-load cap and the home holds more work by more than the turn's price (`_lighter`):
-
-    W(home) - W(other) > move_price * t + D,   W(r) = in_flight_tokens(r) + D * in_flight(r)
-
-with t the turn's prompt tokens (its whole history, which the home may hold and the other
-recomputes: priced conservatively, since an appended turn's completion is cached at home),
-D = `MOVE_REQUEST_TOKENS` and `move_price` 10 (`--move-price`, 0 turns it off). It counts as a
-spill, and the conversation goes on there (its new prompt is recorded where it went). Two
-bounds keep the targets: at most one conversation moves into a replica per `MOVE_SHARE` (50)
-requests routed per replica, so request totals stay near the mean (each move carries the
-conversation's later turns), and all moves together are priced at most 1 / `MOVE_BUDGET` (1/300)
-of the prompt tokens routed, so what they cost the hit rate is a bounded share of the
-prompts routed whatever the fleet size (at 2 replicas the share alone let 11 moves cost 0.8 %).
-Only first later turns move: every first later turn of a family tries the same replica, so
-the family's shared prompt is recomputed there once, not per conversation moved, while a deeper
-turn's history is its own (moving turns 1 and 2 alike cost 1.1-1.6 % of the hit rate at 3
-replicas in the replay). Measured in the noise-free replay over 10 trace seeds, against the
-same policy with `move_price=0` (bench/results/routing-seeds/replay/): on long-tail the median
-makespan moves by -0.2 % at 2 and 3 replicas and 0.0 % at 8, the worst seed's by -1.7 % at 3 and
--1.0 % at 8, the worst in-flight balance from 1.079 to 1.052 and from 1.081 to 1.057, for a hit
-rate >= 0.9975 of the oracle's and max/mean requests <= 1.035; on the other traces a handful of
-moves. (Under the earlier budget of 3 tokens per request routed the median gains were 1.9-2.9 %,
-bench/results/routing-makespan/, at the cost of the hit-rate target on one wall-clock run,
-bench/results/routing-seeds/.) The earlier continuation spill priced by request counts
-(bench/results/routing-spill/) gained 0.2 % at 3 replicas: counts barely differ between
-replicas whose work does.
-
-Prompts that share only a template never match each other in the table (neither starts with
-the other's stem, see `keys`), so
-they are placed by their own keys and spread like unrelated prompts. The reference proxy's rule
-("a block with two or more successors is common") is deliberately not used: the samples of a
-multi-turn rollout branch after every turn, and that rule then takes their own conversation
-for a shared template.
-
-`RoundRobin` and `LeastLoaded` ignore keys; they are there for comparison.
-
-Cost per request, with n replicas (issue 16: it must not grow with the fleet): a sibling by
-its wire key and the load cap, O(1) (the candidates carry their in-flight total); a known
-prompt, O(blocks) for the chain and the table, then O(1) per earlier prompt's replica tried (a
-first later turn whose home is heavy enough: one more ring walk, O(1 + s)); a spill,
-O(1 + s), s the replicas the ring walk passes over because they cannot take it; a new
-family, O(log n) per rank passed over (ranks without room or without a candidate) plus
-O(min(k, n / k)) for k tied replicas, at most O(sqrt(n)), twice when the deal window is open,
-plus one step per count of families dealt passed over (the window keeps the counts within
-5 % of the mean); `load_changed`, O(log n). Only what
-by definition compares every replica is O(n): a request without a key (least loaded), the
-`LeastLoaded` comparison policy, `set_members`.
-
-Contract with the caller (the HTTP layer): one `choose(key, routable)` per attempt, `key` the
-request's `RouteKey` (`keys.completion_key`) or None, which the caller drops once it has the
-decision (a retry builds a new one); `routable` is a `Candidates` (fleet/fleet.py keeps one
-per model), already filtered (healthy, adapter loaded, breaker closed, not excluded by a
-retry), never empty, its `in_flight` the sum over its replicas; `choose` reads `in_flight` and
-`in_flight_tokens` but never changes them — the caller adds 1 and `Decision.tokens` for the
-request it sends and takes them off on every exit path, and calls `load_changed` after each
-change. `set_members` gets the full membership (the ring) with their loads, at start and on
-every add or remove. Policies are not thread-safe; the router calls them from its event loop.
-
-Never: I/O, clocks, randomness, logging (the caller logs decisions at debug level), mutating
-replicas.
+Never: I/O, clocks, randomness, logging (the caller logs decisions), mutating replicas, reading
+what replicas report of themselves (their telemetry).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from fractions import Fraction
-from heapq import heapify, heappop, heappush
+from functools import partial
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
 from .affinity import AffinityTable, anchor_first, anchor_tokens
 from .keys import PromptKey, RouteKey
+from .ranks import Ranks
 from .ring import DEFAULT_VNODES, HashRing
 
+# The rules' constants; docs/design/routing.md gives the measurements that chose each value.
 DEFAULT_LOAD_FACTOR = 0.25
 DEFAULT_TABLE_SIZE = 200_000
-# Two groups of TRL's default 8 samples: with few requests in flight the multiplicative bound
-# alone is below one group, and a group scattered over replicas recomputes its prompt on each.
-# bench/routing.py measured 16 at the oracle's hit rate with max/mean 1.00 on every trace; 32
-# measured the same (a one-round run), so the smaller allowance stays.
+# Two groups of TRL's default 8 samples: below it a group scatters and recomputes its prompt.
 DEFAULT_LOAD_SLACK = 16
-# A first later turn leaves a heavier home when the work difference exceeds this many times its
-# prompt tokens (`PrefixAffinity._lighter`); 0 never moves one. Measured in the noise-free
-# replay (bench/results/routing-makespan/): 10 kept the hit rate >= 0.995 of the oracle's.
+# A first later turn moves when the work difference exceeds this many times its prompt tokens
+# (`PrefixAffinity._lighter`); 0 never moves one.
 DEFAULT_MOVE_PRICE = 10
-# What one request in flight weighs in the work compared, in prompt tokens: its decode and the
-# history its next turn will prefill, which the router cannot see when it routes.
+# One request in flight in the work a move compares, in prompt tokens: its decode and the history
+# its next turn will prefill, which the router cannot see when it routes.
 MOVE_REQUEST_TOKENS = 800
-# Moves into one replica, at most one per this many requests routed per replica: moved
-# conversations carry their later turns with them, so request totals stay near the mean.
+# At most one move into a replica per this many requests routed per replica (moved
+# conversations carry their later turns: request totals stay near the mean).
 MOVE_SHARE = 50
-# Prompt tokens priced for all moves made (`tokens` of each), at most 1 / MOVE_BUDGET of the
-# prompt tokens routed: what the moves recompute stays that share of the tokens the replicas
-# are asked for, the hit rate's own denominator, whatever the prompts' lengths. (A budget of 3
-# tokens per request routed, measured on long-tailed prompts, let 4 moves on 330-token
-# multi-turn prompts cost 0.6 % of the hit rate, against the 0.5 % bench/routing.py allows.)
+# All moves' prompt tokens at most 1 / MOVE_BUDGET of the prompt tokens routed: what moves
+# recompute stays that share of the hit rate's own denominator.
 MOVE_BUDGET = 300
-# A new family may go to a member dealt more families than the fewest, if it holds less work,
-# while that member's count stays at most this many times the mean (floored): request totals
-# stay within 5 % of the mean, the target bench/routing.py holds every router to.
+# The deal window's bound on a member's families, in means (floored): request totals within 5 %.
 DEAL_WINDOW = Fraction(21, 20)
-# What one request in flight weighs in the work the deal window compares, in prompt tokens: one
-# completion's decode, in the time of prompt tokens (bench/routing.py's replicas: 80 tokens on
-# average at half a prompt token's cost each). A new family has no later turns to price.
+# One request in flight in the work the deal window compares, in prompt tokens: one
+# completion's decode (a new family has no later turns to price).
 DEAL_REQUEST_TOKENS = 40
 
 
@@ -296,64 +154,6 @@ class Policy(Protocol):
         ...
 
 
-class _Ranks:
-    """The members by dealing rank, (families dealt, requests in flight, prompt tokens in
-    flight), for the fresh-prompt step: names grouped by equal rank, and per count of families
-    dealt a heap of that count's distinct ranks, with lazy deletion (a rank whose group emptied
-    stays in its heap until it surfaces or the heap is compacted); `counts` lists the counts
-    that have a heap, in order.
-
-    `file` is O(log g), g the distinct ranks (at most the members), amortized with the
-    compaction, which runs when a count's heap holds more than twice the live ranks and costs
-    O(g). Reading one count's lowest ranks in order costs O(log g) per rank passed over
-    (`PrefixAffinity._first_dealt`)."""
-
-    __slots__ = ("counts", "groups", "heaps", "queued", "rank")
-
-    def __init__(self) -> None:
-        self.rank: dict[str, tuple[int, int, int]] = {}  # member -> its rank now
-        self.groups: dict[tuple[int, int, int], set[str]] = {}  # rank -> its members
-        self.heaps: dict[int, list[tuple[int, int, int]]] = {}  # dealt -> ranks, some stale
-        self.counts: list[int] = []  # the keys of `heaps`, ascending
-        self.queued: set[tuple[int, int, int]] = set()  # the ranks in the heaps, once each
-
-    def file(self, name: str, rank: tuple[int, int, int]) -> None:
-        old = self.rank.get(name)
-        if old == rank:
-            return
-        groups = self.groups
-        if old is not None:
-            group = groups[old]
-            group.discard(name)
-            if not group:
-                del groups[old]
-        self.rank[name] = rank
-        joined = groups.get(rank)
-        if joined is not None:
-            joined.add(name)
-            return
-        groups[rank] = {name}
-        if rank in self.queued:
-            return
-        self.queued.add(rank)
-        heap = self.heaps.get(rank[0])
-        if heap is None:
-            heap = self.heaps[rank[0]] = []
-            insort(self.counts, rank[0])
-        heappush(heap, rank)
-        if len(heap) > 2 * len(groups) + 32:
-            for queued in heap:
-                if queued not in groups:
-                    self.queued.discard(queued)
-            heap[:] = [queued for queued in heap if queued in groups]
-            heapify(heap)
-
-    def drop_count(self, dealt: int) -> None:
-        """Forget the heap of `dealt`, found empty (`PrefixAffinity._first_dealt`)."""
-        del self.heaps[dealt]
-        self.counts.pop(bisect_left(self.counts, dealt))
-
-
 def _cap(total: int, n: int, grow: int, den: int, slack: int) -> int:
     """The most requests a replica may have in flight after taking one more request:
     `ceil(max((1 + load_factor) * m, m + slack))` with `m = (total + 1) / n`, the mean load
@@ -413,7 +213,7 @@ class PrefixAffinity:
         self._moved: dict[str, int] = {}  # member -> conversations moved into it (`_lighter`)
         self._moved_tokens = 0  # prompt tokens priced for the moves made (`_lighter`)
         self._routed_tokens = 0  # prompt tokens of every request with a key routed (`choose`)
-        self._ranks = _Ranks()
+        self._ranks = Ranks()
 
     def set_members(self, members: Sequence[Replica]) -> None:
         """O(n * vnodes log) for the ring; membership changes are rare."""
@@ -423,12 +223,12 @@ class PrefixAffinity:
         self._dealt = {name: self._dealt.get(name, floor) for name in names}
         self._dealt_total = sum(self._dealt.values())
         self._moved = {name: self._moved.get(name, 0) for name in names}
-        self._ranks = _Ranks()
+        self._ranks = Ranks()
         for r in members:
             self._ranks.file(r.name, (self._dealt[r.name], r.in_flight, r.in_flight_tokens))
 
     def load_changed(self, replica: Replica) -> None:
-        """Re-file a member under its new load: O(log n) (`_Ranks.file`)."""
+        """Re-file a member under its new load: O(log n) (`Ranks.file`)."""
         name = replica.name
         rank = self._ranks.rank.get(name)
         if rank is not None:
@@ -525,22 +325,11 @@ class PrefixAffinity:
         self, family: int, home: R, routable: Candidates[R], cap: int, tokens: int
     ) -> R | None:
         """Where a family's first later turn (a continuation of the prompt `family` hashes)
-        goes instead of its home, if anywhere: the first routable replica other than the home
-        in ring order from the family's key that is below the load cap, taken only if
-
-            W(home) - W(it) > move_price * tokens + MOVE_REQUEST_TOKENS,
-            W(r) = r.in_flight_tokens + MOVE_REQUEST_TOKENS * r.in_flight
-
-        (the work held, in prompt tokens to compute; `tokens` prices the prompt's history,
-        all of which the home may hold and the other replica recomputes), and only while the
-        conversations moved into it stay at most one per MOVE_SHARE requests routed per
-        replica (request totals stay near the mean) and all moves' `tokens` at most
-        1 / MOVE_BUDGET of the prompt tokens routed (what they recompute stays that share of
-        the prompts routed). Every later turn of one family tries the
-        same replica first, so its shared first prompt is recomputed once, not per turn moved;
-        later turns of a moved conversation follow it there (a first later turn is a new
-        prompt, recorded where it went). Only first later turns move: a deeper turn's history
-        is its own, and recomputing it costs the hit rate (module docstring).
+        moves instead of its home, if anywhere (the move rule, module docstring): the first
+        routable replica other than the home in ring order from the family's key, below the
+        load cap, if the home's `work_held` exceeds its by more than the turn's price and both
+        bounds (MOVE_SHARE, MOVE_BUDGET) allow one more move. Every first later turn of one
+        family tries the same replica, so the family's shared prompt is recomputed there once.
 
         O(1) unless the home is heavy enough for any replica to pay; then one ring walk,
         O(1 + s) steps, s the members passed over (the home, those without room)."""
@@ -592,28 +381,24 @@ class PrefixAffinity:
         return self._unknown_to_the_ring(routable)
 
     def _deal(self, position: int, routable: Candidates[R], cap: int) -> R:
-        """A fresh prompt's replica: among the routable members with room, the fewest families
-        dealt, then the fewest in flight, then the fewest prompt tokens in flight, ties to the
-        first in ring order from `position`; but a member dealt more families goes instead if
-        it holds less work (`work_held`) and its count stays inside the deal window
-        (`DEAL_WINDOW`): the first such member by the same rank.
+        """A fresh prompt's replica: the deal, then the deal window (module docstring).
 
-        Read from the maintained ranks (`_Ranks`), one count of families dealt at a time from
-        the lowest: a rank is passed over only if its members have no room (they share one
-        in-flight count, and a count's later ranks have no room either) or none of them is
-        routable, O(log n) each; among the k members of the winning rank, `HashRing.first_of`
-        finds the first in ring order in O(min(k, n / k)), at most O(sqrt(n)). The window adds
-        the same read of the counts inside it, which it keeps within 5 % of the mean. On an
-        idle fleet (every member tied) that is about one ring point: plain consistent hashing."""
+        Read from the kept ranks (`ranks.Ranks.first`), one count of families dealt at a time
+        from the lowest: a rank is passed over only if its members have no room or none is
+        routable, O(log n) each; among the k members of the winning rank `HashRing.first_of`
+        finds the first in ring order in O(min(k, n / k)), at most O(sqrt(n)). The window reads
+        the counts above the chosen one's the same way, up to its limit. On an idle fleet
+        (every member tied) that is about one ring point: plain consistent hashing."""
         ranks = self._ranks
         # Every member is a candidate when there are as many candidates as members (the fleet
         # routes only to members); a candidate outside the ring is caught by `get` below.
         everyone = len(routable) == len(ranks.rank)
-        # A snapshot: `_first_dealt` forgets a count whose heap it finds empty.
+        pick = partial(self._first_routable, position, routable, everyone)
+        # A snapshot: `Ranks.first` forgets a count whose heap it finds empty.
         counts = iter(list(ranks.counts))
         best: R | None = None
         for dealt in counts:
-            best = self._first_dealt(dealt, position, routable, cap, everyone)
+            best = ranks.first(dealt, cap, pick)
             if best is not None:
                 break
         if best is None:
@@ -625,7 +410,7 @@ class PrefixAffinity:
             for dealt in counts:  # the counts above the chosen one's
                 if dealt >= limit:
                     break
-                other = self._first_dealt(dealt, position, routable, cap, everyone)
+                other = ranks.first(dealt, cap, pick)
                 if other is not None:
                     if work_held(other, DEAL_REQUEST_TOKENS) < work_held(best, DEAL_REQUEST_TOKENS):
                         best = other
@@ -636,38 +421,8 @@ class PrefixAffinity:
             ranks.file(best.name, (dealt, best.in_flight, best.in_flight_tokens))
         return best
 
-    def _first_dealt(
-        self, dealt: int, position: int, routable: Candidates[R], cap: int, everyone: bool
-    ) -> R | None:
-        """The first routable member with room among those dealt `dealt` families, by rank,
-        then in ring order from `position`: the heap of that count is read in order, stale
-        ranks dropped, ranks whose members are not routable passed over and pushed back; a
-        heap left empty is forgotten with its count."""
-        ranks = self._ranks
-        heap, groups = ranks.heaps[dealt], ranks.groups
-        passed: list[tuple[int, int, int]] = []
-        found: R | None = None
-        while heap:
-            rank = heap[0]
-            group = groups.get(rank)
-            if group is None:  # stale: its members moved on
-                heappop(heap)
-                ranks.queued.discard(rank)
-                continue
-            if rank[1] >= cap:  # this count's later ranks have no room either
-                break
-            found = self._first_routable(position, group, routable, everyone)
-            if found is not None:
-                break
-            passed.append(heappop(heap))
-        for rank in passed:
-            heappush(heap, rank)
-        if not heap:
-            ranks.drop_count(dealt)
-        return found
-
     def _first_routable(
-        self, position: int, group: set[str], routable: Candidates[R], everyone: bool
+        self, position: int, routable: Candidates[R], everyone: bool, group: set[str]
     ) -> R | None:
         """The first routable member of `group` in ring order from `position`. With `everyone`
         the group is tried whole (its members are the candidates), and filtered only if the

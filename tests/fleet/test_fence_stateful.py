@@ -36,6 +36,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from hypothesis_profiles import scaled
 
 from lora_router.emulator import Emulator, EmulatorConfig, start_emulator, write_adapter
 from lora_router.runtime import RouterRuntime
@@ -281,11 +282,13 @@ def test_the_fence_holds_under_random_interleavings(monitor: FenceMonitor) -> No
     try:
         run_state_machine_as_test(
             FleetMachine,
-            settings=settings(
-                max_examples=30,
-                stateful_step_count=24,
-                deadline=None,
-                suppress_health_check=list(HealthCheck),
+            settings=scaled(  # the suite's profile (a run of its own: no collected settings)
+                settings(
+                    max_examples=30,
+                    stateful_step_count=24,
+                    deadline=None,
+                    suppress_health_check=list(HealthCheck),
+                )
             ),
         )
     finally:

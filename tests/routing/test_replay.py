@@ -14,8 +14,9 @@ assert _spec is not None and _spec.loader is not None
 replay = importlib.util.module_from_spec(_spec)
 sys.modules["bench_replay"] = replay  # dataclasses look their module up by name
 _spec.loader.exec_module(replay)
+from lib import routing_report, routing_runs  # noqa: E402
 
-ARGS = argparse.Namespace(timing=replay.bench.Timing(), overhead_ms=3.0, decode_scale=1.3)
+ARGS = argparse.Namespace(timing=replay.traces.Timing(), overhead_ms=3.0, decode_scale=1.3)
 
 
 def run(trace: str, n: int, make):
@@ -31,7 +32,7 @@ def test_the_oracle_serves_every_request_once_with_every_later_turn_on_its_paren
 
 
 def test_the_replayed_oracle_reproduces_the_benchs_modelled_makespan():
-    # bench/results/routing-spill/: 6.396 s in every wall run of long-tail at 3 replicas.
+    # bench/results/archive/routing-spill/: 6.396 s in every wall run of long-tail at 3 replicas.
     _, out = run("long-tail", 3, replay.OracleRouter)
     assert round(out.makespan, 3) == 6.396
 
@@ -46,12 +47,11 @@ def test_the_policy_reaches_the_oracles_hit_rate_on_the_multi_turn_trace():
 def test_a_summary_shows_the_median_makespan_of_its_runs_not_the_middle_walls():
     # The trace seed decides how evenly the work falls, so the run with the median wall time
     # may have any makespan of the group; the summary reports the median of the makespans.
-    routing = replay.bench
     runs = [
-        routing.RunResult("t", 2, "c", "c", "base", seed=s, wall_s=w, per_replica_busy_s=b)
+        routing_runs.RunResult("t", 2, "c", "c", "base", seed=s, wall_s=w, per_replica_busy_s=b)
         for s, w, b in [(0, 3.0, [1.0, 1.9]), (1, 2.0, [1.5, 1.4]), (2, 1.0, [1.6, 1.7])]
     ]
-    (summary,) = routing.aggregate(runs)
+    (summary,) = routing_report.aggregate(runs)
     assert summary.wall_s == 2.0  # the middle run by wall time: makespan 1.5
     assert summary.makespan_s == 1.7
 
@@ -59,10 +59,8 @@ def test_a_summary_shows_the_median_makespan_of_its_runs_not_the_middle_walls():
 def test_in_flight_balance_is_held_to_the_oracles_worst_over_the_same_seeds():
     # Seed 0 spreads the work unevenly for every router: our worst (1.20, on seed 0) is within
     # 10 % of the oracle's worst there (1.12), not of its run with the median wall time (1.04).
-    routing = replay.bench
-
     def result(contender: str, seed: int, wall: float, flight: float):
-        return routing.RunResult(
+        return routing_runs.RunResult(
             "t",
             2,
             contender,
@@ -83,9 +81,9 @@ def test_in_flight_balance_is_held_to_the_oracles_worst_over_the_same_seeds():
         result("lr-prefix-base", 1, 2.0, 1.05),
         result("lr-prefix-base", 2, 3.0, 1.05),
     ]
-    routing.fill_oracle_fractions(runs)
-    (row,) = routing.targets(routing.aggregate(runs), ["t"], [2])
+    routing_report.fill_oracle_fractions(runs)
+    (row,) = routing_report.targets(routing_report.aggregate(runs), ["t"], [2])
     assert "1.20 / 1.12" in row and "✓in-flight" in row[-1]
     runs[3].in_flight_balance = 1.24  # above 1.1 x 1.12
-    (row,) = routing.targets(routing.aggregate(runs), ["t"], [2])
+    (row,) = routing_report.targets(routing_report.aggregate(runs), ["t"], [2])
     assert "✗in-flight" in row[-1]

@@ -4,7 +4,7 @@ The setup of bench/overhead.py (its nginx replicas, TRL payload and wrk script, 
 pinned to core 0): 2 s of warm-up, then `perf record -F 1999 -g` of the router's process for
 4 s of a 5 s wrk window. Then, e.g.:
 
-    python bench/results/compiled/perf_profile.py /tmp/compiled-c /tmp/compiled.data
+    python bench/results/archive/compiled/perf_profile.py /tmp/compiled-c /tmp/compiled.data
     perf report -i /tmp/compiled.data --no-children --sort dso -g none
 """
 
@@ -15,9 +15,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench/
-import overhead
-from common import Procs, free_port, wait_port, wrk
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # bench/
+from lib import overhead_setup as overhead
+from lib.nginx import wrk
+from lib.procs import Procs, free_port, wait_port
 
 
 def main(tree: str, out: str) -> None:

@@ -1,21 +1,16 @@
-"""Process plumbing shared by the benchmarks: instant nginx replicas, wrk runs, /proc readings.
-
-Everything here talks only to 127.0.0.1. Processes are started with `start()` and always
-stopped by `Procs.close()`, so a benchmark that fails half-way leaves nothing running.
+"""Instant replicas and the C baseline for the benchmarks: nginx as a vLLM fleet, nginx
+`proxy_pass`, and wrk closed loops. Everything listens on 127.0.0.1 only.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import socket
 import subprocess
-import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from .procs import Procs, pinned, wait_port
 
 WRK_REPORT = r"""
 done = function(summary, latency, requests)
@@ -28,127 +23,6 @@ done = function(summary, latency, requests)
     latency:percentile(50), latency:percentile(90), latency:percentile(99), summary.bytes))
 end
 """
-
-
-def pinned(argv: Sequence[str], cpus: str | None) -> list[str]:
-    """`argv` run on the given CPUs (taskset), where taskset exists."""
-    if cpus and shutil.which("taskset"):
-        return ["taskset", "-c", cpus, *argv]
-    return list(argv)
-
-
-def find_binary(name: str, peers_bin: Path) -> str | None:
-    """A peer router's executable: in `peers_bin`, else on PATH (`pip install .[bench]`)."""
-    local = peers_bin / name
-    return str(local) if local.exists() else shutil.which(name)
-
-
-def source_tree(rev: str, into: Path) -> Path:
-    """`git archive REV` of this repository, unpacked into the new directory `into`: an older
-    revision to run beside this checkout (with PYTHONPATH on it) in one bench run."""
-    root = Path(__file__).resolve().parent.parent  # `git archive` in bench/ archives bench/ only
-    archive = subprocess.run(
-        ["git", "-C", str(root), "archive", rev], capture_output=True, check=True
-    ).stdout
-    into.mkdir()
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    if not (into / "lora_router" / "cli.py").exists():
-        raise RuntimeError(f"{rev} has no lora_router/cli.py")
-    return into
-
-
-def git_revision() -> str:
-    """`git describe` of this checkout, for the results' provenance ("?" without git)."""
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(Path(__file__).resolve().parent), "describe", "--always", "--dirty"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return "?"
-    return out.stdout.strip() or "?"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_port(port: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process, its threads and its live children (nginx workers)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return ticks / os.sysconf("SC_CLK_TCK") + sum(cpu_seconds(int(c)) for c in children)
-
-
-def rss_kib(pid: int) -> int:
-    """Resident memory of a process and its live children (nginx workers), in KiB."""
-    kib = 0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            kib = int(line.split()[1])
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return kib + sum(rss_kib(int(c)) for c in children)
-
-
-class Procs:
-    """Child processes of one benchmark run."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.logs: dict[int, str] = {}
-        self._started = 0
-        self.tmp = Path(tempfile.mkdtemp(prefix="lora-router-bench-"))
-        self.tmp.chmod(0o755)  # nginx workers drop root and must read the reply files
-
-    def start(
-        self, argv: Sequence[str], cpus: str | None = None, **kw: object
-    ) -> subprocess.Popen[bytes]:
-        argv = pinned(argv, cpus)
-        self._started += 1  # a log name per process ever started: a restart never reuses one
-        log = open(self.tmp / f"proc-{self._started}.log", "wb")  # noqa: SIM115
-        proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, **kw)  # type: ignore[call-overload]
-        log.close()
-        self.procs.append(proc)
-        self.logs[proc.pid] = log.name
-        return proc
-
-    def log_tail(self, pid: int, lines: int = 20) -> str:
-        path = self.logs.get(pid)
-        return (
-            "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:]) if path else ""
-        )
-
-    def stop(self, proc: subprocess.Popen[bytes]) -> None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if proc in self.procs:
-            self.procs.remove(proc)
-
-    def close(self) -> None:
-        for proc in list(self.procs):
-            self.stop(proc)
-        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def _start_nginx(procs: Procs, root: Path, http_body: str, cpus: str) -> subprocess.Popen[bytes]:

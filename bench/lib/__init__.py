@@ -1,0 +1,1 @@
+"""Code shared by the bench/ scripts, which run with bench/ on sys.path: `from lib import ...`."""
