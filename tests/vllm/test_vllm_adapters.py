@@ -145,7 +145,9 @@ async def _stream(
     body = {
         "model": name,
         "prompt": list(range(20, 40)),
-        "max_tokens": 160,
+        # Long enough to outlast the wait for all four to start plus the unload on a fast CPU
+        # (160 tokens once all finished first in CI, leaving nothing tested).
+        "max_tokens": 1500,
         "ignore_eos": True,
         "stream": True,
         "seed": 7,
