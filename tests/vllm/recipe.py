@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import random
 import signal
@@ -126,10 +127,27 @@ PROBE = [(7 * i) % 470 + 5 for i in range(PROMPT_TOKENS)]
 
 @dataclass(frozen=True, slots=True)
 class Probe:
-    """A greedy completion on one replica: its tokens, and the prompt tokens it found cached."""
+    """A greedy completion on one replica: its tokens with their logprobs, and the prompt tokens
+    it found cached. Two probes agree when their tokens are equal and their logprobs are within
+    LOGPROB_TOLERANCE: a tiny adapter's greedy tokens can be the same under two sets of weights,
+    the logprobs tell them apart."""
 
     tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
     cached: int
+
+    def distance(self, other: Probe) -> float:
+        """How far apart two probes are: infinite when their tokens differ, else the largest
+        difference of a token's logprob."""
+        if self.tokens != other.tokens:
+            return math.inf
+        return max(abs(a - b) for a, b in zip(self.logprobs, other.logprobs, strict=True))
+
+    def agrees(self, other: Probe) -> bool:
+        return self.distance(other) <= LOGPROB_TOLERANCE
+
+
+LOGPROB_TOLERANCE = 1e-4  # a replica computes one prompt under one adapter the same each time
 
 
 def probe(replica: Replica, model: str, prompt: list[int]) -> Probe:
@@ -142,13 +160,19 @@ def probe(replica: Replica, model: str, prompt: list[int]) -> Probe:
             "max_tokens": 8,
             "temperature": 0,
             "return_token_ids": True,
+            "logprobs": 1,
         },
         token=TOKEN,
     )
     assert answer.status == 200, answer.text
     doc = answer.json()
+    choice = doc["choices"][0]
     details = doc["usage"].get("prompt_tokens_details") or {}
-    return Probe(tuple(doc["choices"][0]["token_ids"]), int(details.get("cached_tokens") or 0))
+    return Probe(
+        tuple(choice["token_ids"]),
+        tuple(float(x) for x in choice["logprobs"]["token_logprobs"]),
+        int(details.get("cached_tokens") or 0),
+    )
 
 
 def probe_fresh(replica: Replica, name: str, path: Path | str, prompt: list[int]) -> Probe:
