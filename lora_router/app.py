@@ -712,7 +712,7 @@ class RouterApp:
             raise HTTPError(409, f"{existing.describe()} is already in the fleet.")
         if self.config.cleartext_token(address):
             log.warning("%s", cleartext_warning(address.name))
-        replica = await self.health.add(address)
+        replica = await self.health.add(address, "admin")
         status = 200 if replica.live else 202
         conn.send(status, orjson.dumps(replica_json(replica)), _JSON)
 

@@ -15,7 +15,7 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from lora_router import __version__
 from lora_router.config import Config, ReplicaAddress, Secret, secret_from_env
@@ -109,6 +109,50 @@ def build_parser() -> argparse.ArgumentParser:
         "comma-separated host globs with an optional :PORT (*.hf.jobs, 10.0.0.5:8000) or "
         "networks (10.0.0.0/8); names are not resolved (default: only the host:port of each "
         "--replicas URL)",
+    )
+
+    g = p.add_argument_group(
+        "discovery (members join and leave at run time; needs --replica-hosts)"
+    )
+    g.add_argument(
+        "--replicas-file",
+        dest="replicas_files",
+        metavar="PATH",
+        action="append",
+        default=[],
+        help="a file of replica URLs, one a line (# comments), re-read when it changes",
+    )
+    g.add_argument(
+        "--replicas-dns",
+        metavar="NAME:PORT",
+        action="append",
+        default=[],
+        help="a DNS name whose A/AAAA records are replicas on PORT (a headless Service)",
+    )
+    g.add_argument(
+        "--replicas-srv",
+        metavar="NAME",
+        action="append",
+        default=[],
+        help="a DNS name whose SRV records give the replicas' hosts and ports",
+    )
+    g.add_argument(
+        "--dns-server",
+        metavar="HOST:PORT",
+        default=d.dns_server,
+        help="the resolver to ask (default: the system's)",
+    )
+    g.add_argument(
+        "--dns-interval",
+        type=float,
+        default=d.dns_interval,
+        help="seconds between resolutions of --replicas-dns/--replicas-srv",
+    )
+    g.add_argument(
+        "--discovery-grace",
+        type=float,
+        default=d.discovery_grace,
+        help="seconds a member may be missing from every source before it drains and leaves",
     )
 
     g = p.add_argument_group("listening")
@@ -401,14 +445,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config:
     """Turn parsed flags into a Config, or raise UsageError with the line the user sees."""
-    if not args.replicas or not args.replicas.strip(","):
-        raise UsageError("--replicas is required: a comma-separated list of replica URLs")
     try:
-        replicas = tuple(ReplicaAddress.parse(u) for u in args.replicas.split(",") if u.strip())
+        urls = (args.replicas or "").split(",")
+        replicas = tuple(ReplicaAddress.parse(u) for u in urls if u.strip())
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if not replicas:
-        raise UsageError("--replicas is required: a comma-separated list of replica URLs")
     token = api_key = Secret("")
     if args.token_env and args.no_token:
         raise UsageError("--token-env and --no-token contradict each other: give one of them")
@@ -422,16 +463,21 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config
         # Every other Config field is a flag of the same name.
         given = vars(args)
         flags = {f.name: given[f.name] for f in fields(Config) if f.name not in _DERIVED}
-        forward_paths = tuple(args.forward_paths or ())
-        return Config(
-            replicas=replicas, token=token, api_key=api_key, forward_paths=forward_paths, **flags
-        )
+        lists: dict[str, Any] = {name: tuple(given[name] or ()) for name in _LISTS}
+        config = Config(replicas=replicas, token=token, api_key=api_key, **lists, **flags)
     except ValueError as exc:  # each message names the flag
         raise UsageError(str(exc)) from None
+    if not replicas and not config.discovering:
+        raise UsageError(
+            "--replicas is required: a comma-separated list of replica URLs (or name a "
+            "--replicas-file, --replicas-dns or --replicas-srv)"
+        )
+    return config
 
 
 # Parsed or read from the environment, not taken as they are.
-_DERIVED = frozenset({"replicas", "token", "api_key", "forward_paths"})
+_LISTS = ("forward_paths", "replicas_files", "replicas_dns", "replicas_srv")  # repeatable flags
+_DERIVED = frozenset({"replicas", "token", "api_key", *_LISTS})
 
 
 def _comma_list(text: str) -> tuple[str, ...]:

@@ -189,6 +189,14 @@ class Config:
     # Where a replica may be added (HostPattern entries); empty: the --replicas' own host:port.
     replica_hosts: tuple[str, ...] = ()
 
+    # Discovery (fleet/discovery.py): more members from files, A/AAAA and SRV records.
+    replicas_files: tuple[str, ...] = ()
+    replicas_dns: tuple[str, ...] = ()  # NAME:PORT
+    replicas_srv: tuple[str, ...] = ()  # _service._proto.name
+    dns_server: str | None = None  # HOST:PORT; None: the system's resolvers
+    dns_interval: float = 5.0
+    discovery_grace: float = 30.0  # how long a member may be missing before it drains
+
     # Listening
     host: str = "127.0.0.1"
     port: int = 8000
@@ -261,6 +269,17 @@ class Config:
         """Refuse a setting the router cannot run with (ValueError naming the flag)."""
         if len({r.name for r in self.replicas}) != len(self.replicas):
             raise ValueError("--replicas lists the same replica twice")
+        if self.discovering and not self.replica_hosts:
+            raise ValueError(
+                "discovery (--replicas-file/-dns/-srv) needs --replica-hosts: every member it "
+                "finds gets the replicas' token, so name where they may be (such as 10.0.0.0/8 "
+                "or *.cluster.local)"
+            )
+        for spec in self.replicas_dns:
+            if not _host_port(spec):
+                raise ValueError(f"--replicas-dns {spec!r}: expected NAME:PORT")
+        if self.dns_server is not None and not _host_port(self.dns_server):
+            raise ValueError(f"--dns-server {self.dns_server!r}: expected HOST:PORT")
         patterns = [HostPattern.parse(p) for p in self.replica_hosts]
         outside = [r.name for r in self.replicas if patterns and not self.replica_allowed(r)]
         if outside:
@@ -317,6 +336,11 @@ class Config:
                 "--max-buffered-bytes must be at least --max-body-bytes (one whole body)"
             )
 
+    @property
+    def discovering(self) -> bool:
+        """Whether members also come from discovery sources (fleet/discovery.py)."""
+        return bool(self.replicas_files or self.replicas_dns or self.replicas_srv)
+
     def replica_allowed(self, address: ReplicaAddress) -> bool:
         """Whether the token may go to `address`: every replica joins through this check. With
         `--replica-hosts`, its patterns decide; without, only the `--replicas` themselves (host
@@ -345,6 +369,7 @@ class Config:
 
 
 _SECONDS = (
+    "dns_interval",
     "connect_timeout",
     "first_byte_timeout",
     "idle_timeout",
@@ -359,7 +384,7 @@ _SECONDS = (
     "health_timeout",
     "breaker_cooldown",
 )
-_SECONDS_OR_ZERO = ("shutdown_grace", "status_interval", "unload_wait")
+_SECONDS_OR_ZERO = ("shutdown_grace", "status_interval", "unload_wait", "discovery_grace")
 _POSITIVE = (
     "vnodes",
     "affinity_table_size",
@@ -384,6 +409,11 @@ _CHOICES = {
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _host_port(spec: str) -> bool:
+    host, _, port = spec.rpartition(":")
+    return bool(host.strip("[]")) and port.isdigit() and 0 < int(port) < 65536
 
 
 def _is_loopback(host: str) -> bool:

@@ -18,6 +18,7 @@ from lora_router.app import RouterApp, cleartext_warning
 from lora_router.config import Config
 from lora_router.fleet.broadcast import Broadcaster
 from lora_router.fleet.client import ReplicaClient
+from lora_router.fleet.discovery import Discovery, make_sources
 from lora_router.fleet.fence import AdapterFence
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
@@ -47,6 +48,7 @@ class RouterRuntime:
         self.broadcaster: Broadcaster | None = None
         self.health: HealthMonitor | None = None
         self.telemetry: Telemetry | None = None
+        self.discovery: Discovery | None = None
         self.app: RouterApp | None = None
         self._summary: asyncio.Task[None] | None = None
 
@@ -90,6 +92,8 @@ class RouterRuntime:
         )
         self.telemetry = telemetry = Telemetry(config, client, fleet)
         app.state.telemetry = telemetry
+        self.discovery = discovery = Discovery(config, fleet, health, make_sources(config))
+        app.state.discovery = discovery
         collector.add_source(lambda: metric_families(app.state))
         try:
             self.server, self.connections = await serve(
@@ -116,6 +120,7 @@ class RouterRuntime:
         await self.server.start_serving()
         health.start()
         telemetry.start()
+        discovery.start()
         if config.status_interval > 0:
             self._summary = asyncio.get_running_loop().create_task(self._log_summaries())
         log.info(
@@ -141,6 +146,8 @@ class RouterRuntime:
             self._summary.cancel()
         if self.server is not None:
             self.server.close()
+        if self.discovery is not None:
+            await self.discovery.stop()
         if self.health is not None:
             await self.health.stop()
         if self.telemetry is not None:

@@ -16,6 +16,7 @@ from prometheus_client.core import HistogramMetricFamily, Metric
 
 from lora_router.fleet.breaker import CLOSED
 from lora_router.fleet.broadcast import Broadcaster
+from lora_router.fleet.discovery import Discovery
 from lora_router.fleet.fence import AdapterFence
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
@@ -39,6 +40,7 @@ class RouterState:
     stats: RequestStats
     budget: RetryBudget
     telemetry: Telemetry | None = None  # set by the runtime once its loop runs
+    discovery: Discovery | None = None  # set by the runtime
 
 
 def report_json(r: Replica, busy_share: float | None = None) -> dict[str, object]:
@@ -73,6 +75,7 @@ def replica_json(r: Replica, busy_share: float | None = None) -> dict[str, objec
     return {
         "id": r.rid,
         "url": r.name,
+        "origin": r.origin,
         "state": r.state.value,
         # The three flags of earlier releases, read off the state, for clients that read them.
         "healthy": r.state in (State.SERVING, State.REPLAYING),
@@ -105,6 +108,7 @@ def status(state: RouterState) -> dict[str, object]:
     return {
         "replicas": [replica_json(r, busy[r.rid]) for r in replicas],
         "fleet": fleet_json(state),
+        "discovery": [s.json() for s in state.discovery.states] if state.discovery else [],
         "syncs": syncs_json(control),
         "base_models": sorted(state.fleet.base_models),
         "adapters": adapters,
@@ -258,6 +262,25 @@ def metric_families(state: RouterState) -> Iterator[Metric]:
         "doubles the wait before the next re-admission.",
         replica,
         per_replica(lambda r: flaps.get(r.rid, 0)),
+    )
+    sources = state.discovery.states if state.discovery else []
+    yield gauge(
+        "lora_router_discovery_members",
+        "Members in each discovery source's last good answer.",
+        ["source"],
+        [([s.label], len(s.members)) for s in sources],
+    )
+    yield gauge(
+        "lora_router_discovery_source_ok",
+        "1 when the discovery source's last read succeeded, 0 when its last good set is kept.",
+        ["source"],
+        [([s.label], float(not s.error)) for s in sources],
+    )
+    yield counter(
+        "lora_router_discovery_read_errors",
+        "Failed reads of each discovery source.",
+        ["source"],
+        [([s.label], s.errors) for s in sources],
     )
     budget = state.budget
     yield counter(

@@ -433,6 +433,41 @@ def test_replica_hosts_are_checked_and_must_cover_the_replicas() -> None:
         config("--replicas", "http://b:80", "--no-token", "--replica-hosts", "a")
 
 
+def test_discovery_flags_replace_replicas_and_need_the_allow_list() -> None:
+    found = config(
+        "--replicas-file",
+        "/etc/replicas",
+        "--replicas-dns",
+        "vllm.ns.svc:8000",
+        "--replicas-srv",
+        "_vllm._tcp.ns.svc",
+        "--replica-hosts",
+        "10.0.0.0/8",
+        "--no-token",
+    )
+    assert found.replicas == () and found.discovering
+    assert found.replicas_files == ("/etc/replicas",)
+    assert found.replicas_dns == ("vllm.ns.svc:8000",)
+    assert found.replicas_srv == ("_vllm._tcp.ns.svc",)
+    with pytest.raises(UsageError, match="needs --replica-hosts"):
+        config("--replicas-file", "/etc/replicas", "--no-token")
+    with pytest.raises(UsageError, match="--replicas is required"):
+        config("--no-token")
+    for bad in ("vllm.ns.svc", "vllm:http", ":8000"):
+        with pytest.raises(UsageError, match="expected NAME:PORT"):
+            config("--replicas-dns", bad, "--replica-hosts", "10.0.0.0/8", "--no-token")
+    with pytest.raises(UsageError, match="--dns-server"):
+        config(
+            "--replicas-srv",
+            "_x._tcp.y",
+            "--replica-hosts",
+            "a",
+            "--no-token",
+            "--dns-server",
+            "127.0.0.1",
+        )
+
+
 def test_the_buffer_budget_holds_at_least_one_whole_body() -> None:
     with pytest.raises(UsageError, match="--max-buffered-bytes must be at least --max-body-bytes"):
         config(

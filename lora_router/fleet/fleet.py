@@ -75,9 +75,10 @@ class Fleet:
         for address in config.replicas:
             self.add(address)
 
-    def add(self, address: ReplicaAddress, *, joining: bool = False) -> Replica:
-        """A replica in the fleet: serving (the configured ones, read by discovery before the
-        router accepts a request) or, `joining`, out of service until its replay."""
+    def add(self, address: ReplicaAddress, origin: str = "replicas") -> Replica:
+        """A replica in the fleet: serving (the `--replicas`, read before the router accepts a
+        request) or, from any other `origin` (`admin`, a discovery source), out of service
+        until its replay."""
         config = self._config
         if address.tls and self._ssl is None:
             self._ssl = config.tls_context()  # a first https replica added at run time
@@ -96,10 +97,10 @@ class Fleet:
         life = Lifecycle(
             f"Replica {rid} ({address.name})",
             config.health_interval,
-            State.JOINING if joining else State.SERVING,
+            State.SERVING if origin == "replicas" else State.JOINING,
         )
         breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown)
-        replica = Replica(rid, address, pool, breaker, life)
+        replica = Replica(rid, address, pool, breaker, life, origin)
         life.on_change = breaker.on_change = replica.on_change = self._changed
         self.replicas.append(replica)
         self._members_changed()

@@ -399,9 +399,10 @@ class HealthMonitor:
 
     # -- membership -------------------------------------------------------------------------
 
-    async def add(self, address: ReplicaAddress) -> Replica:
-        """A replica added at run time: watched at once, serving after its replay."""
-        replica = self.fleet.add(address, joining=True)
+    async def add(self, address: ReplicaAddress, origin: str) -> Replica:
+        """A replica added at run time (by `origin`): watched at once, serving after its
+        replay."""
+        replica = self.fleet.add(address, origin)
         self._watch(replica)
         answer = await self.client.call(
             replica, "GET", "/health", timeout=self.config.health_timeout

@@ -41,6 +41,7 @@ class Replica:
         "loaded",
         "name",
         "on_change",
+        "origin",
         "pool",
         "report",
         "report_error",
@@ -55,8 +56,10 @@ class Replica:
         pool: UpstreamPool,
         breaker: CircuitBreaker,
         life: Lifecycle,
+        origin: str = "replicas",
     ) -> None:
         self.rid = rid
+        self.origin = origin  # how it joined: replicas, admin, or a discovery source's label
         self.name = address.name  # ring identity: the same URLs give the same placements
         self.label = str(rid).encode()  # what clients see in x-lora-router-replica
         # The request line's path prefix and the Host header, as they go on the wire.

@@ -48,7 +48,7 @@ async def test_membership_changes_are_announced_with_every_member() -> None:
     fleet = fleet_of(2)
     seen: list[list[str]] = []
     fleet.on_members = lambda members: seen.append([r.name for r in members])
-    added = fleet.add(ReplicaAddress.parse("http://127.0.0.1:9100"), joining=True)
+    added = fleet.add(ReplicaAddress.parse("http://127.0.0.1:9100"), "admin")
     assert added.rid == 2 and not added.live
     fleet.remove(fleet.replicas[0])
     assert seen == [
@@ -84,7 +84,7 @@ async def test_membership_changes_reach_the_kept_sets() -> None:
     assert fleet.routable(None) == [a, b]
     c = fleet.add(ReplicaAddress.parse("http://127.0.0.1:9100"))
     assert fleet.routable(None) == [a, b, c]
-    joining = fleet.add(ReplicaAddress.parse("http://127.0.0.1:9101"), joining=True)
+    joining = fleet.add(ReplicaAddress.parse("http://127.0.0.1:9101"), "admin")
     assert joining not in fleet.routable(None)
     fleet.remove(a)
     assert fleet.routable(None) == [b, c]
