@@ -52,6 +52,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from lora_router import leftovers
 from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.client import (
     AGREEMENT,
@@ -61,8 +62,6 @@ from lora_router.fleet.client import (
     parse_models,
     parse_server_info,
 )
-from lora_router.leftovers import Leftovers
-from lora_router.routing.keys import DEFAULT_LINEAGE_PATTERN
 from lora_router.table import render_table
 
 PROBE_TIMEOUT = 10.0  # seconds for one probe's whole answer
@@ -78,10 +77,11 @@ class Unreachable(Exception):
 
 @dataclass(slots=True)
 class ReplicaFacts:
-    """What one replica told us. `None` means "could not tell" (an earlier probe failed)."""
+    """What one replica told us. `None` means "could not tell" (an earlier probe failed).
+    An `answer` of "wrong path": no vLLM server under the URL's path (`detail` says why)."""
 
     name: str
-    answer: str = "ok"  # ok | unreachable | unauthorized | dead | wrong path
+    answer: str = "ok"  # ok | unreachable | unauthorized | dead
     detail: str = ""  # why, when `answer` is not ok
     version: str | None = None
     base_model: str | None = None
@@ -226,13 +226,14 @@ def judge(
     *,
     max_staleness: int,
     unload_stale: str | None = None,
-    lineage_pattern: str = DEFAULT_LINEAGE_PATTERN,
+    lineage_pattern: str | None = None,
 ) -> list[Problem]:
-    """Every problem that would break (or notably slow) a TRL run on this fleet."""
-    leftovers = Leftovers.of([f.adapters for f in fleet], lineage_pattern, unload_stale)
+    """Every problem that would break (or notably slow) a TRL run on this fleet.
+    `lineage_pattern`: how the trainer names its versions (None: TRL's, routing/keys.py)."""
+    stale = leftovers.Leftovers.of([f.adapters for f in fleet], unload_stale, lineage_pattern)
     problems: list[Problem] = []
     for f in fleet:
-        problems += _judge_replica(f, max_staleness=max_staleness, leftovers=leftovers)
+        problems += _judge_replica(f, max_staleness=max_staleness, stale=stale)
     live = [f for f in fleet if f.answer in ("ok", "dead")]
     for attr, label in AGREEMENT:
         problems += _disagreement(live, attr, label)
@@ -252,19 +253,21 @@ def _root_url(name: str) -> str:
     return address.name.removesuffix(address.path_prefix)
 
 
-def _judge_replica(f: ReplicaFacts, *, max_staleness: int, leftovers: Leftovers) -> list[Problem]:
-    need = _loras_needed(max_staleness)
-    out: list[Problem] = []
-    name = f.name
+def _judge_replica(
+    f: ReplicaFacts, *, max_staleness: int, stale: leftovers.Leftovers
+) -> list[Problem]:
     if f.answer == "wrong path":
         return [
             Problem(
-                name,
+                f.name,
                 f"no vLLM server at this URL's path: {f.detail} (a replica URL is the server's "
                 "root, not the OpenAI base URL ending in /v1)",
-                f"give the server's root URL: {_root_url(name)}",
+                f"give the server's root URL: {_root_url(f.name)}",
             )
         ]
+    need = _loras_needed(max_staleness)
+    out: list[Problem] = []
+    name = f.name
     if f.answer == "unreachable":
         return [
             Problem(
@@ -330,7 +333,7 @@ def _judge_replica(f: ReplicaFacts, *, max_staleness: int, leftovers: Leftovers)
                 "in --replicas",
             )
         )
-    out += [Problem(name, *found) for found in leftovers.judge(f.adapters)]
+    out += [Problem(name, *found) for found in stale.judge(f.adapters)]
     if f.relisted is not None:
         first = ", ".join(f.adapters) or "no adapter"
         second = ", ".join(f.relisted) or "no adapter"

@@ -70,10 +70,11 @@ class Leftovers:
 
     @classmethod
     def of(
-        cls, held: Sequence[Sequence[str]], lineage_pattern: str, stale: str | None
+        cls, held: Sequence[Sequence[str]], stale: str | None, lineage_pattern: str | None
     ) -> Leftovers:
-        """The judge for a fleet whose replicas hold the adapters `held` (one list each)."""
-        lineages = Lineages(lineage_pattern)
+        """The judge for a fleet whose replicas hold the adapters `held` (one list each), given
+        `--unload-stale` `stale` and `--lineage-pattern` (None: TRL's naming)."""
+        lineages = Lineages() if lineage_pattern is None else Lineages(lineage_pattern)
         names = sorted({a for adapters in held for a in adapters})
         must = [a for a in names if lineages.versioned(a) or _covered(a, stale)]
         return cls(stale, lineages, stale_glob(must), stale_glob(names))
