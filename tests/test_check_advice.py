@@ -8,8 +8,8 @@ use the URL it printed, ...), runs `--check` again and requires the problem gone
 one. The advice is parsed, never assumed, so advice that does not work fails here; advice this
 module does not know how to follow fails too, so that new advice gets a test.
 
-Not followed here, as the emulator cannot show the problem: data_parallel_size > 1 and a load
-balancer behind one URL (its fault is not a command-line flag).
+Not followed here: data_parallel_size > 1 and a load balancer behind one URL, which the
+emulator's flags cannot show, and a TLS failure (test_check.py gives the --ca-file it advises).
 """
 
 from __future__ import annotations
