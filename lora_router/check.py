@@ -27,8 +27,15 @@ base model everywhere, so this shows only once something is loaded; --check load
 
 Then the fleet as a whole: replicas must agree on base model, `max_lora_rank`, `max_loras` and
 block size; `max_loras` must be at least `--max-staleness + 2` (TRL raises otherwise);
-`data_parallel_size` must be 1. Leftover adapters are a problem unless `--unload-stale` matches
-every one of them (the router clears those at start).
+`data_parallel_size` must be 1.
+
+A URL with a path (`http://host:8000/v1`, the OpenAI base-URL habit) under which `/health` and
+`/v1/models` both answer 404 is that one problem ("give the server's root URL"), not the
+missing routes it would otherwise look like.
+
+Leftover adapters (listed after the base card) are judged by name, by leftovers.py: fatal only
+when the trainer may load the same name again (`--lineage-pattern`), and fine once
+`--unload-stale` matches them; its advice names the glob, built from the leftovers found.
 
 Probing is I/O (`probe_replica`), over the router's own replica client and its parser of
 `/v1/models` and `/server_info` (fleet/client.py), so `--check` reads a replica exactly as the
@@ -40,12 +47,12 @@ module must never change a replica's state: no load, no unload, no pause.
 from __future__ import annotations
 
 import asyncio
-import fnmatch
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from lora_router import leftovers
 from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.client import (
     AGREEMENT,
@@ -70,7 +77,8 @@ class Unreachable(Exception):
 
 @dataclass(slots=True)
 class ReplicaFacts:
-    """What one replica told us. `None` means "could not tell" (an earlier probe failed)."""
+    """What one replica told us. `None` means "could not tell" (an earlier probe failed).
+    An `answer` of "wrong path": no vLLM server under the URL's path (`detail` says why)."""
 
     name: str
     answer: str = "ok"  # ok | unreachable | unauthorized | dead
@@ -113,12 +121,16 @@ async def probe_fleet(config: Config) -> list[ReplicaFacts]:
 async def probe_replica(client: ReplicaClient, address: ReplicaAddress) -> ReplicaFacts:
     facts = ReplicaFacts(name=address.name)
     try:
-        answer = await _ask(client, address, "GET", "/health")
-        if answer.status == 503:
-            facts.answer, facts.detail = "dead", "/health answers 503: the engine is dead"
-        elif answer.status != 200:
-            facts.oddities.append(f"/health answered {answer.status}")
+        health = await _ask(client, address, "GET", "/health")
         answer = await _ask(client, address, "GET", "/v1/models")
+        if address.path_prefix and health.status == answer.status == 404:
+            facts.answer = "wrong path"
+            facts.detail = f"/health and /v1/models answer 404 under {address.path_prefix}"
+            return facts
+        if health.status == 503:
+            facts.answer, facts.detail = "dead", "/health answers 503: the engine is dead"
+        elif health.status != 200:
+            facts.oddities.append(f"/health answered {health.status}")
         listed = parse_models(answer.parsed()) if answer.status == 200 else None
         if answer.status != 200:
             facts.oddities.append(f"/v1/models answered {answer.status}")
@@ -210,12 +222,18 @@ def _read_server_info(facts: ReplicaFacts, info: Facts) -> None:
 
 
 def judge(
-    fleet: Sequence[ReplicaFacts], *, max_staleness: int, unload_stale: str | None = None
+    fleet: Sequence[ReplicaFacts],
+    *,
+    max_staleness: int,
+    unload_stale: str | None = None,
+    lineage_pattern: str | None = None,
 ) -> list[Problem]:
-    """Every problem that would break (or notably slow) a TRL run on this fleet."""
+    """Every problem that would break (or notably slow) a TRL run on this fleet.
+    `lineage_pattern`: how the trainer names its versions (None: TRL's, routing/keys.py)."""
+    stale = leftovers.Leftovers.of([f.adapters for f in fleet], unload_stale, lineage_pattern)
     problems: list[Problem] = []
     for f in fleet:
-        problems += _judge_replica(f, max_staleness=max_staleness, stale=unload_stale)
+        problems += _judge_replica(f, max_staleness=max_staleness, stale=stale)
     live = [f for f in fleet if f.answer in ("ok", "dead")]
     for attr, label in AGREEMENT:
         problems += _disagreement(live, attr, label)
@@ -229,7 +247,24 @@ def _loras_needed(max_staleness: int) -> int:
     return max_staleness + 2
 
 
-def _judge_replica(f: ReplicaFacts, *, max_staleness: int, stale: str | None) -> list[Problem]:
+def _root_url(name: str) -> str:
+    """The URL of a replica without its path: scheme, host and port."""
+    address = ReplicaAddress.parse(name)
+    return address.name.removesuffix(address.path_prefix)
+
+
+def _judge_replica(
+    f: ReplicaFacts, *, max_staleness: int, stale: leftovers.Leftovers
+) -> list[Problem]:
+    if f.answer == "wrong path":
+        return [
+            Problem(
+                f.name,
+                f"no vLLM server at this URL's path: {f.detail} (a replica URL is the server's "
+                "root, not the OpenAI base URL ending in /v1)",
+                f"give the server's root URL: {_root_url(f.name)}",
+            )
+        ]
     need = _loras_needed(max_staleness)
     out: list[Problem] = []
     name = f.name
@@ -259,7 +294,9 @@ def _judge_replica(f: ReplicaFacts, *, max_staleness: int, stale: str | None) ->
                 "(R: your LoraConfig's r rounded up to 1, 8, 16, 32, 64, ...)",
             )
         )
-    if f.runtime_loading is False:
+    # Without LoRA, vLLM has no adapter routes whatever VLLM_ALLOW_RUNTIME_LORA_UPDATING says:
+    # the missing route is then the LoRA problem above, not this one.
+    if f.runtime_loading is False and f.lora is not False:
         out.append(
             Problem(
                 name,
@@ -296,27 +333,7 @@ def _judge_replica(f: ReplicaFacts, *, max_staleness: int, stale: str | None) ->
                 "in --replicas",
             )
         )
-    if f.adapters:
-        shown = ", ".join(f.adapters[:4]) + (", ..." if len(f.adapters) > 4 else "")
-        if stale and all(fnmatch.fnmatchcase(a, stale) for a in f.adapters):
-            out.append(
-                Problem(
-                    name,
-                    f"{len(f.adapters)} leftover adapter(s) ({shown}) will be unloaded at start "
-                    f"(--unload-stale {stale!r})",
-                    note=True,
-                )
-            )
-        else:
-            out.append(
-                Problem(
-                    name,
-                    f"{len(f.adapters)} leftover adapter(s) from an earlier run: {shown} "
-                    "(a second load of trl-policy-v1 is answered 400, fatal for TRL)",
-                    "give --unload-stale 'trl-policy-*' (the router unloads them at start), "
-                    "or restart the replica",
-                )
-            )
+    out += [Problem(name, *found) for found in stale.judge(f.adapters)]
     if f.relisted is not None:
         first = ", ".join(f.adapters) or "no adapter"
         second = ", ".join(f.relisted) or "no adapter"
@@ -427,6 +444,8 @@ def report(fleet: Sequence[ReplicaFacts], problems: Sequence[Problem], max_stale
             lines.append(f"     fix: {p.fix}")
     for p in notes:
         lines.append(f"  note: {p.replica or 'fleet'}: {p.what}")
+        if p.fix:
+            lines.append(f"     fix: {p.fix}")
     if errors or notes:
         lines.append("")
     if errors:
@@ -447,7 +466,12 @@ def report(fleet: Sequence[ReplicaFacts], problems: Sequence[Problem], max_stale
 async def check(config: Config) -> tuple[list[ReplicaFacts], list[Problem]]:
     """Probe the fleet of `config` and judge it."""
     fleet = await probe_fleet(config)
-    problems = judge(fleet, max_staleness=config.max_staleness, unload_stale=config.unload_stale)
+    problems = judge(
+        fleet,
+        max_staleness=config.max_staleness,
+        unload_stale=config.unload_stale,
+        lineage_pattern=config.lineage_pattern,
+    )
     return fleet, problems
 
 

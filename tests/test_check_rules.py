@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import replace
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from lora_router.check import ReplicaFacts, judge, report
+from lora_router.leftovers import stale_glob
 
 
 def ready(name: str = "http://a:8000", **changes: object) -> ReplicaFacts:
@@ -75,3 +80,53 @@ def test_the_report_ends_with_the_verdict() -> None:
     assert text.splitlines()[-1].startswith("NOT READY: 1 problem")
     good = [ready()]
     assert report(good, [], max_staleness=4).splitlines()[-1].startswith("READY")
+
+
+def fixes(fleet: list[ReplicaFacts], **kwargs: object) -> list[tuple[bool, str]]:
+    kwargs.setdefault("max_staleness", 4)
+    return [(p.note, p.fix) for p in judge(fleet, **kwargs)]  # type: ignore[arg-type]
+
+
+def test_only_a_name_the_trainer_may_load_is_fatal() -> None:
+    assert errors([ready(adapters=["my-adapter", "base-sft"])]) == []
+    (what,) = errors([ready(adapters=["my-adapter", "trl-policy-v3"])])
+    assert "trl-policy-v3" in what and "my-adapter" not in what
+    # --lineage-pattern says how the trainer names its versions.
+    custom = {"lineage_pattern": r"(?P<lineage>.+)@\d+"}
+    assert errors([ready(adapters=["trl-policy-v3"])], **custom) == []
+    (what,) = errors([ready(adapters=["policy@3"])], **custom)
+    assert "policy@3" in what
+
+
+def test_the_unload_stale_advice_is_one_glob_for_the_whole_fleet() -> None:
+    fleet = [ready("http://a:1", adapters=["trl-policy-v1"]), ready("http://b:1")]
+    fleet.append(ready("http://c:1", adapters=["trl-policy-v12", "my-adapter"]))
+    advice = fixes(fleet)
+    fatal = {fix for note, fix in advice if not note}
+    assert fatal == {
+        "give --unload-stale 'trl-policy-v1*' (the router unloads them at start), "
+        "or restart the replica"
+    }
+    (note,) = [fix for note, fix in advice if note]
+    assert note.startswith("to clear them, give --unload-stale '*'")
+
+
+@given(st.lists(st.text(min_size=1, max_size=12), min_size=1, max_size=5))
+def test_the_glob_matches_every_name_it_was_built_from(names: list[str]) -> None:
+    glob = stale_glob(names)
+    assert all(fnmatch.fnmatchcase(name, glob) for name in names)
+    if len(set(names)) == 1:  # one name: that name only
+        assert not fnmatch.fnmatchcase(names[0] + "x", glob)
+
+
+def test_a_url_path_that_is_not_a_server_is_the_one_problem() -> None:
+    lost = ReplicaFacts(name="http://a:8000/v1", answer="wrong path", detail="404 under /v1")
+    (problem,) = judge([lost], max_staleness=4)
+    assert not problem.note and problem.fix == "give the server's root URL: http://a:8000"
+
+
+def test_without_lora_the_missing_load_route_is_the_lora_problem() -> None:
+    (what,) = errors([ready(lora=False, max_lora_rank=None, max_loras=None, runtime_loading=False)])
+    assert what.startswith("LoRA is disabled")
+    (what,) = errors([ready(runtime_loading=False)])
+    assert what.startswith("runtime adapter loading is off")

@@ -186,6 +186,10 @@ class Lineages:
         self._regex = regex
         self._seeds: dict[tuple[str | None, bool], Seeds] = {}
 
+    def versioned(self, model: str) -> bool:
+        """Whether the pattern matches `model` (a name the trainer may give a version)."""
+        return self._regex.fullmatch(model) is not None
+
     def lineage(self, model: str) -> str:
         """An adapter name's lineage: the pattern's group, or the name itself."""
         found = self._regex.fullmatch(model)
