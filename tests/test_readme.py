@@ -133,3 +133,33 @@ def test_a_figure_not_in_the_linked_file_is_caught(tmp_path: Path) -> None:
         "README.md:6: '0.997' is not in bench/results/routing.png",
         "README.md:9: '1.16 s' is not in bench/results/faults.md",
     ]
+
+
+def fenced_commands(markdown: str, heading: str) -> list[str]:
+    """The commands of the first bash block under `heading`: `&&` chains split, comments cut."""
+    section = markdown.split(f"\n{heading}\n", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, re.S)
+    assert block, f"no bash block under {heading}"
+    lines = [line.split("  #")[0].strip() for line in block.group(1).splitlines()]
+    return [command.strip() for line in lines for command in line.split(" && ") if line]
+
+
+def ci_stages() -> list[str]:
+    """What .ci/run runs, each command as its `stage MINUTES` line gives it."""
+    text = (ROOT / ".ci" / "run").read_text()
+    return [m.split("  #")[0].strip() for m in re.findall(r"^stage \d+ (.+)$", text, re.M)]
+
+
+def test_ci_runs_the_readme_s_test_and_development_commands() -> None:
+    text = README.read_text()
+    commands = fenced_commands(text, "## Development") + [
+        c for c in fenced_commands("\n## first\n" + text, "## first") if "pytest" in c
+    ]
+    stages = ci_stages()
+    # ci installs with --quiet; everything else it runs as the README prints it (it may add flags).
+    missing = [
+        c
+        for c in commands
+        if not c.startswith("pip install") and not any(f"{s} ".startswith(f"{c} ") for s in stages)
+    ]
+    assert not missing, f"{missing} not in .ci/run's stages {stages}"
