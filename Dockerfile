@@ -4,7 +4,7 @@
 #     --replicas https://a--8000.hf.jobs,https://b--8000.hf.jobs --token-env HF_TOKEN
 # It must share the trainer's network (the host's, or the pod's as a sidecar) and listen on
 # loopback: TRL sends no Authorization header, so a router on 0.0.0.0 with --api-key-env
-# answers TRL 401. See the README's "Docker".
+# answers TRL 401. See docs/architecture.md, "Docker".
 FROM python:3.11-slim AS build
 WORKDIR /src
 COPY setup.cfg pyproject.toml README.md ./
