@@ -76,6 +76,7 @@ from lora_router.config import Config
 from lora_router.fleet.adapter_files import read_digest
 from lora_router.fleet.client import Answer as ReplicaAnswer
 from lora_router.fleet.client import ReplicaClient
+from lora_router.fleet.failure import Failure
 from lora_router.fleet.fence import AdapterEntry, AdapterFence, AdapterState
 from lora_router.fleet.fleet import Fleet, PauseIntent
 from lora_router.fleet.lifecycle import OUT, State
@@ -463,7 +464,7 @@ class Broadcaster:
         """ "Already loaded": present if the replica holds the name at the same path with the
         files this router loaded there; "stale" if at that path with unknown files."""
         held = await self.client.listing(replica)
-        if held is None:
+        if isinstance(held, Failure):
             return Outcome(replica, "failed", answer, answer.message())
         root = held.adapters.get(name)
         if root != path:
@@ -681,7 +682,7 @@ class Broadcaster:
         )
         bad = next((a for a in answers if a.status != 200), None)
         if bad is not None:
-            raise HTTPError(503, f"{bad.replica.describe()} is not healthy: {bad.summary()}.")
+            raise HTTPError(503, f"{bad.replica.describe()} is not healthy: {bad.failure(path)}.")
         return Reply(200, b"", _copied_headers([], _replicas(answers)))
 
     async def models(self) -> Reply:
