@@ -1,0 +1,146 @@
+"""A replica's failure is named by its cause, with its fix, wherever the router reports it.
+
+Each replica below fails in one of a new user's first ways: the router's token does not match
+its `--api-key`, nothing listens on its port, its certificate comes from a CA the router does
+not trust, its URL ends in `/v1` (the OpenAI base-URL habit), or it is not a vLLM server. The
+router's log, `/router/replicas`, `/router/status` and `/health` name the cause and the fix
+(fleet/failure.py) from the start, and still do after a health check has come and gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from aiohttp import ClientSession, web
+
+from lora_router.config import Secret
+
+from .conftest import StartEmulators, StartRouter, until
+
+pytestmark = pytest.mark.timeout(30)
+
+INTERVAL = 0.2  # the health interval of these routers, in seconds
+
+# A replica that fails: its URL and the router's settings for it.
+Failing = tuple[str, dict[str, Any]]
+MakeFailing = Callable[[], Awaitable[Failing]]
+
+
+@pytest.fixture
+async def plain_server() -> AsyncIterator[str]:
+    """An HTTP server that is not vLLM: every path answers 200 with a web page."""
+
+    async def page(request: web.Request) -> web.Response:
+        return web.Response(text="<html>It works!</html>", content_type="text/html")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", page)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        site = web.SockSite(runner, s)
+        await site.start()
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
+        await runner.cleanup()
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # closed again at once: nothing listens there
+
+
+@pytest.fixture
+def failing(emulators: StartEmulators, plain_server: str, tmp_path: Path) -> dict[str, MakeFailing]:
+    """Each failing replica by name."""
+    trustme = pytest.importorskip("trustme")
+
+    async def wrong_token() -> Failing:
+        (emu,) = await emulators(1, api_key="right")
+        return emu.url, {"token": Secret("wrong")}
+
+    async def refused() -> Failing:
+        return f"http://127.0.0.1:{closed_port()}", {}
+
+    async def untrusted_tls() -> Failing:
+        server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        trustme.CA().issue_cert("127.0.0.1").configure_cert(server_ctx)
+        (emu,) = await emulators(1, ssl=server_ctx)
+        return emu.url, {}
+
+    async def v1_path() -> Failing:
+        (emu,) = await emulators(1)
+        return emu.url + "/v1", {}
+
+    async def not_vllm() -> Failing:
+        return plain_server, {}
+
+    return {
+        "wrong-token": wrong_token,
+        "refused": refused,
+        "untrusted-tls": untrusted_tls,
+        "v1-path": v1_path,
+        "not-vllm": not_vllm,
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "cause", "fix"),
+    [
+        ("wrong-token", "HTTP 401 on /v1/models: the token was rejected", "--token-env NAME"),
+        ("refused", "cannot connect (Connection refused)", "`vllm serve` is running there"),
+        ("untrusted-tls", "TLS certificate not trusted (", "give --ca-file"),
+        ("v1-path", "/v1 is not a vLLM server's root URL", "give the server's root URL"),
+        ("not-vllm", "/v1/models answered no model list", "the URL `vllm serve` listens on"),
+    ],
+)
+async def test_a_failing_replica_is_named_by_its_cause_in_the_log_and_the_status_routes(
+    name: str,
+    cause: str,
+    fix: str,
+    failing: dict[str, MakeFailing],
+    router: StartRouter,
+    client: ClientSession,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    url, settings = await failing[name]()
+    with caplog.at_level(logging.WARNING, logger="lora_router"):
+        rt = await router(
+            [SimpleNamespace(url=url)], health_interval=INTERVAL, health_failures=1, **settings
+        )
+        assert rt.health is not None
+        named = [await _reports(client, rt.url)]
+        # A health check has come and gone (the second one began: the first one ended),
+        # within one interval of the start; what it found is named the same way.
+        await until(lambda: rt.health is not None and rt.health.checks >= 2, 2 * INTERVAL + 1)
+        named.append(await _reports(client, rt.url))
+    logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any(cause in line and fix in line for line in logged), logged
+    for replicas, status, health in named:
+        (replica,) = replicas["replicas"]
+        assert cause in replica["last_error"] and fix in replica["last_error"], replica
+        assert status["replicas"][0]["last_error"] == replica["last_error"]
+        assert cause in health and fix in health, health
+    everything = "\n".join([*logged, *(str(n) for n in named)])
+    assert "right" not in everything and "wrong" not in everything  # the token never shows
+
+
+async def _reports(client: ClientSession, url: str) -> tuple[Any, Any, str]:
+    """`/router/replicas`, `/router/status` and `/health`'s 503 message."""
+    async with client.get(url + "/router/replicas") as r:
+        replicas = await r.json()
+    async with client.get(url + "/router/status") as r:
+        status = await r.json()
+    async with client.get(url + "/health") as r:
+        assert r.status == 503
+        health = (await r.json())["error"]["message"]
+    return replicas, status, health
