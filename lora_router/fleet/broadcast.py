@@ -306,7 +306,9 @@ class Broadcaster:
         carried = [o.replica for o in rides if o.kind in ("loaded", "present")]
         for o in outcomes:
             if o.kind == "down":
-                o.replica.life.eject(f"unreachable during the load of '{name}': {o.detail}")
+                assert o.answer is not None  # a "down" outcome carries its answer (status 0)
+                failure = o.answer.failure("/v1/load_lora_adapter")
+                o.replica.life.eject(f"unreachable during the load of '{name}': {failure}")
         accepted = [o for o in outcomes if o.kind in ("loaded", "present")]
         failed = [o for o in outcomes if o.kind in _FAILED]
         if self.config.down_replica_policy == "fail":
@@ -575,7 +577,8 @@ class Broadcaster:
                         _forget(a.replica, name)
                     elif a.status == 0:
                         # Its replay on return drops the name (it mirrors the fleet).
-                        a.replica.life.eject(f"unreachable during an unload: {a.error}")
+                        failure = a.failure("/v1/unload_lora_adapter")
+                        a.replica.life.eject(f"unreachable during an unload: {failure}")
                 failed = [a for a in answers if a.status not in (200, 404, 0)]
                 if failed:
                     raise _replica_failure(failed[0], f"Cannot unload adapter '{name}'")
@@ -639,7 +642,7 @@ class Broadcaster:
                 )
                 for a in answers:
                     if a.status == 0:
-                        a.replica.life.eject(f"unreachable during /{op}: {a.error}")
+                        a.replica.life.eject(f"unreachable during /{op}: {a.failure(path)}")
                 failed = [a for a in answers if a.status not in (200, 0)]
                 if failed:
                     raise _replica_failure(failed[0], f"/{op} failed")

@@ -99,7 +99,7 @@ def classify(
     `route_missing`: the body is FastAPI's `{"detail": "Not Found"}`; `model_list`: a 200 on
     `/v1/models` was one."""
     if status == 0:
-        return named(transport or Cause.REFUSED, f"{path}: {error or 'no answer'}")
+        return named(transport or Cause.REFUSED, error or "no answer")  # whatever the path
     if 300 <= status < 400:  # never followed (client.py): `error` says where it pointed
         return Failure(
             Cause.PATH, f"{path}: {error or f'HTTP {status}'}", "give the URL it redirects to"
