@@ -3,8 +3,9 @@
 Each replica below fails in one of a new user's first ways: the router's token does not match
 its `--api-key`, nothing listens on its port, its certificate comes from a CA the router does
 not trust, its URL ends in `/v1` (the OpenAI base-URL habit), or it is not a vLLM server. The
-router's log, `/router/replicas`, `/router/status` and `/health` name the cause and the fix
-(fleet/failure.py) from the start, and still do after a health check has come and gone.
+router's log, `/router/replicas`, `/router/status`, `/health` and `lora-router top` name the
+cause and the fix (fleet/failure.py) from the start, and still do after a health check has come
+and gone.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from aiohttp import ClientSession, web
 from lora_router.config import Secret
 
 from .conftest import StartEmulators, StartRouter, until
+from .test_top import run_top
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -144,3 +146,16 @@ async def _reports(client: ClientSession, url: str) -> tuple[Any, Any, str]:
         assert r.status == 503
         health = (await r.json())["error"]["message"]
     return replicas, status, health
+
+
+async def test_top_shows_why_a_replica_is_out_of_service_and_the_fix(
+    failing: dict[str, MakeFailing], router: StartRouter
+) -> None:
+    url, settings = await failing["wrong-token"]()
+    rt = await router([SimpleNamespace(url=url)], **settings)
+    code, out, err = await run_top("--once", "--url", rt.url)
+    assert code == 0, err
+    assert (
+        "replica 0 ejected: at start: HTTP 401 on /v1/models: the token was rejected; "
+        "fix: give --token-env NAME holding its token"
+    ) in " ".join(out.split())  # however the terminal's width wrapped it
