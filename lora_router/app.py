@@ -12,7 +12,10 @@ spelling. Unknown paths answer 404, a known path with another method 405, as vLL
   (routing/keys.py) and the fleet's kept candidates for the model (`Fleet.routable`), and its
   policy picks one; the key is dropped at once (a stream holds no copy of the prompt's parsed
   forms), and `completion` keeps only the retry loop below. `Fleet.started`/`finished` count
-  the request around the exchange. The body goes out byte for byte and the answer streams
+  the request around the exchange. With no replica to take it, the answer is 503 with
+  `Retry-After`, naming why the replicas are out (never vLLM's 404: a name the fleet served,
+  the base model or a live adapter, still exists; and before any replica has listed its
+  models, whether a name exists is unknown). The body goes out byte for byte and the answer streams
   back untouched.
 - **Broadcast**: adapter loads and unloads, `/pause`, `/resume` and the cache resets — to every
   serving replica, serialized, through the broadcaster (fleet/broadcast.py).
@@ -86,7 +89,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from lora_router.body import Completion, CompletionReader
 from lora_router.config import Config, ReplicaAddress
-from lora_router.fleet.broadcast import Broadcaster, Reply
+from lora_router.fleet.broadcast import Broadcaster, Reply, no_replica_in_service
 from lora_router.fleet.fence import (
     AdapterFence,
     AdapterState,
@@ -105,6 +108,7 @@ from lora_router.http.errors import (
     method_not_allowed,
     model_not_found,
     not_found,
+    unavailable,
 )
 from lora_router.http.headers import upstream_request_head
 from lora_router.http.server import ClientConnection, Request
@@ -467,6 +471,10 @@ class RouterApp:
         # adapter's load is being broadcast; raises vLLM's 404 for unknown names.
         if not self.fence.admits(model):
             assert model is not None
+            if not self.fleet.base_models and not self.fleet.live():
+                # No replica has listed what it serves yet: the name may well be the base
+                # model; whether it exists is unknown, so not vLLM's 404 but "not now".
+                raise no_replica_in_service(self.fleet, self.config)
             await self.fence.wait(model)
         job, key = self._admitted(request, conn, chat, fields, self._loop.time())
         del fields  # the key holds the prompt now, and only until a replica is chosen
@@ -523,7 +531,9 @@ class RouterApp:
         model, tried = job.model, job.tried
         routable = self.fleet.routable(model, tried)
         if not routable:
-            raise HTTPError(503, _no_replica(model, tried))
+            if not tried and not self.fleet.live():
+                raise no_replica_in_service(self.fleet, self.config)
+            raise unavailable(_no_replica(model, tried), self.config.health_interval)
         if key is None:  # a retry: the body is still here, its prompt was validated
             fields = self.reader.read(job.request.body, chat=job.chat)
             key = completion_key(fields, job.seeds, self.block_size)
@@ -592,7 +602,9 @@ class RouterApp:
         would."""
         routable = self.fleet.routable(None)
         if not routable:
-            raise HTTPError(503, "No replica is available.")
+            if not self.fleet.live():
+                raise no_replica_in_service(self.fleet, self.config)
+            raise unavailable("No replica is available.", self.config.health_interval)
         replica = min(routable, key=lambda r: r.in_flight)
         try:
             await self._forward(request, conn, replica, conn)

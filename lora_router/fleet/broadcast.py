@@ -82,7 +82,7 @@ from lora_router.fleet.fleet import Fleet, PauseIntent
 from lora_router.fleet.lifecycle import OUT, State
 from lora_router.fleet.replica import Replica
 from lora_router.fleet.telemetry import SyncClock
-from lora_router.http.errors import HTTPError, bad_request
+from lora_router.http.errors import HTTPError, bad_request, unavailable
 from lora_router.http.headers import HOP_BY_HOP, REPLICA_HEADER
 
 log = logging.getLogger(__name__)
@@ -677,9 +677,7 @@ class Broadcaster:
         """`/health`, `/ping`: 200 only when every live replica answers 200."""
         targets = self.fleet.live()
         if not targets:
-            out = [r for r in self.fleet.replicas if r.life.member]
-            why = f" ({_named(out)} out of service{_reason(out[0])})" if out else ""
-            raise HTTPError(503, f"No replica is in service{why}.")
+            raise no_replica_in_service(self.fleet, self.config)
         answers = await asyncio.gather(
             *(self.call(r, "GET", path, timeout=self.config.health_timeout) for r in targets)
         )
@@ -863,6 +861,14 @@ def _replica_failure(answer: Answer, what: str) -> HTTPError:
     return HTTPError(
         status, f"{what}: {who} answered: {answer.message()}", type=answer.error_type()
     )
+
+
+def no_replica_in_service(fleet: Fleet, config: Config) -> HTTPError:
+    """The 503 when no replica serves, naming why the first one is out (with its fix), and
+    `Retry-After` one health interval: the soonest a health check can bring one back."""
+    out = [r for r in fleet.replicas if r.life.member]
+    why = f" ({_named(out)} out of service{_reason(out[0])})" if out else ""
+    return unavailable(f"No replica is in service{why}.", config.health_interval)
 
 
 def _named(replicas: Sequence[Replica]) -> str:
