@@ -77,7 +77,13 @@ from lora_router.fleet.adapter_files import read_digest
 from lora_router.fleet.client import Answer as ReplicaAnswer
 from lora_router.fleet.client import ReplicaClient
 from lora_router.fleet.failure import Failure
-from lora_router.fleet.fence import AdapterEntry, AdapterFence, AdapterState
+from lora_router.fleet.fence import (
+    RESTARTED_TRAINER_FIX,
+    AdapterEntry,
+    AdapterFence,
+    AdapterState,
+    LoadRefused,
+)
 from lora_router.fleet.fleet import Fleet, PauseIntent
 from lora_router.fleet.lifecycle import OUT, State
 from lora_router.fleet.replica import Replica
@@ -206,7 +212,11 @@ class Broadcaster:
         """`POST /v1/load_lora_adapter`, all-or-nothing on the live replicas."""
         name, path, inplace = _load_fields(body)
         # At arrival, not in its turn: completions naming it from now on wait at the fence.
-        entry = self.fence.begin_load(name, path, body, inplace)
+        try:
+            entry = self.fence.begin_load(name, path, body, inplace)
+        except LoadRefused as refusal:
+            log.warning("load %r: refused: %s", name, refusal.message)
+            raise
         self._note_queue(f"load {name!r}")
         abandoned = asyncio.Event()
         return await self._queue(self._load_op(entry, name, path, body, abandoned), abandoned)
@@ -834,12 +844,12 @@ def _load_failure(name: str, path: str, o: Outcome, config: Config) -> HTTPError
             "weights is served. Start the replica with VLLM_SERVER_DEV_MODE=1.",
         )
     if o.kind == "conflict":
-        held = f"from '{o.detail}'" if o.detail else "(at a path its /v1/models does not show)"
+        assert o.answer is not None  # vLLM's 400 "already loaded"
+        held = f"from '{o.detail}'" if o.detail else "at a path its /v1/models does not show"
         return HTTPError(
             400,
-            f"{who} already holds adapter '{name}' loaded {held}, not from '{path}'. Adapters "
-            "left on reused replicas by an earlier run can be cleared at start with "
-            "--unload-stale PATTERN (e.g. 'trl-policy-*'), or unloaded first.",
+            f"{who} answered: {o.answer.message()} It holds it {held}, not '{path}'. "
+            f"{RESTARTED_TRAINER_FIX}",
             type="InvalidUserInput",
         )
     assert o.answer is not None
