@@ -100,6 +100,7 @@ Answer = ReplicaAnswer[Replica]
 _NOT_COPIED = HOP_BY_HOP | {b"content-length", REPLICA_HEADER}
 _MOUNT_LAG = "No adapter found"
 _ALREADY_LOADED = "already been loaded"
+_LOAD = "/v1/load_lora_adapter"
 
 
 @dataclass(slots=True)
@@ -317,7 +318,7 @@ class Broadcaster:
         for o in outcomes:
             if o.kind == "down":
                 assert o.answer is not None  # a "down" outcome carries its answer (status 0)
-                failure = o.answer.failure("/v1/load_lora_adapter")
+                failure = o.answer.failure(_LOAD)
                 o.replica.life.eject(f"unreachable during the load of '{name}': {failure}")
         accepted = [o for o in outcomes if o.kind in ("loaded", "present")]
         failed = [o for o in outcomes if o.kind in _FAILED]
@@ -368,7 +369,7 @@ class Broadcaster:
         try:
             async with asyncio.timeout_at(deadline):
                 while True:  # bounded by the deadline
-                    answer = await self.call(replica, "POST", "/v1/load_lora_adapter", body=body)
+                    answer = await self.call(replica, "POST", _LOAD, body=body)
                     if answer.status == 200:
                         replica.load_seconds = loop.time() - started
                         if digest is not None:
@@ -853,12 +854,8 @@ def _load_failure(name: str, path: str, o: Outcome, config: Config) -> HTTPError
             type="InvalidUserInput",
         )
     assert o.answer is not None
-    if o.answer.status == 404:
-        return HTTPError(
-            404,
-            f"{who} has no adapter routes ({o.detail}): start it with "
-            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1.",
-        )
+    if o.answer.status == 404:  # never "No adapter found" (retried, then 504)
+        return HTTPError(404, f"Cannot load adapter '{name}': {who}: {o.answer.failure(_LOAD)}.")
     return _replica_failure(o.answer, f"Cannot load adapter '{name}'")
 
 

@@ -278,8 +278,8 @@ class ReplicaClient:
         listed = parse_models(answer.parsed()) if answer.status == 200 else None
         return listed if listed is not None else answer.failure("/v1/models")
 
-    async def server_info(self, replica: T, listed: Facts | None = None) -> Facts | None:
-        """`listed` completed with the replica's `/server_info`, or None without one."""
+    async def server_info(self, replica: T, listed: Facts | None = None) -> Facts | Failure:
+        """`listed` completed with the replica's `/server_info`, or why there is none."""
         answer = await self.call(
             replica,
             "GET",
@@ -287,7 +287,8 @@ class ReplicaClient:
             query="config_format=json",
             timeout=max(self.config.health_timeout, 1.0),
         )
-        return parse_server_info(answer.parsed(), listed) if answer.status == 200 else None
+        info = parse_server_info(answer.parsed(), listed) if answer.status == 200 else None
+        return info if info is not None else answer.failure("/server_info")
 
 
 def _redirected(url: URL, location: str | None, status: int) -> str:

@@ -103,7 +103,12 @@ class Replay:
             return None, f"at start: {held}"
         replica.adapters = dict(held.adapters)
         self.fleet.base_models.update(held.bases)
-        return await self.client.server_info(replica, held) or held, ""
+        info = await self.client.server_info(replica, held)
+        if isinstance(info, Failure):
+            # It serves, but TRL's first sync will fail: its /pause needs dev mode.
+            log.warning("%s: %s", replica.describe(), info)
+            return held, ""
+        return info, ""
 
     async def _unload_stale(self, replicas: Sequence[Replica], pattern: str) -> None:
         jobs = [(r, n) for r in replicas for n in r.adapters if fnmatch.fnmatchcase(n, pattern)]
@@ -213,6 +218,9 @@ class Replay:
                 pass  # one a broadcast is carrying: the final pass settles it
             elif o.kind == "conflict" and not o.detail:
                 raise UnlistedError(name)
+            elif o.answer is not None and o.kind in ("down", "failed"):  # the replica's answer
+                failure = o.answer.failure("/v1/load_lora_adapter")
+                raise ReplayError(f"replaying adapter '{name}' failed: {failure}")
             else:
                 raise ReplayError(f"replaying adapter '{name}' failed ({o.kind}): {o.detail}")
 

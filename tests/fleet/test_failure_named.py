@@ -18,12 +18,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import orjson
 import pytest
 from aiohttp import ClientSession, web
 
 from lora_router.config import Secret
 
-from .conftest import StartEmulators, StartRouter, until
+from .conftest import Adapter, StartEmulators, StartRouter, load, until
 from .test_top import run_top
 
 pytestmark = pytest.mark.timeout(30)
@@ -159,3 +160,45 @@ async def test_top_shows_why_a_replica_is_out_of_service_and_the_fix(
         "replica 0 ejected: at start: HTTP 401 on /v1/models: the token was rejected; "
         "fix: give --token-env NAME holding its token"
     ) in " ".join(out.split())  # however the terminal's width wrapped it
+
+
+async def test_a_replica_without_dev_mode_is_named_at_start(
+    emulators: StartEmulators, router: StartRouter, caplog: pytest.LogCaptureFixture
+) -> None:
+    emus = await emulators(1, dev_mode=False)
+    with caplog.at_level(logging.WARNING, logger="lora_router"):
+        await router(emus)
+    assert (
+        "dev mode is off: /server_info does not exist; fix: start it with VLLM_SERVER_DEV_MODE=1"
+    ) in caplog.text
+
+
+async def test_a_load_on_a_replica_without_runtime_loading_names_the_fix(
+    emulators: StartEmulators, router: StartRouter, client: ClientSession, adapter: Adapter
+) -> None:
+    emus = await emulators(1, runtime_lora_updating=False)
+    rt = await router(emus)
+    status, data = await load(client, rt.url, "trl-policy-v1", adapter("trl-policy-v1"))
+    assert status == 404  # what TRL reads as "runtime loading is off": here it is
+    message = orjson.loads(data)["error"]["message"]
+    assert "runtime adapter loading is off: /v1/load_lora_adapter does not exist" in message
+    assert "fix: start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1" in message
+
+
+async def test_a_replica_back_without_runtime_loading_is_kept_out_with_the_fix(
+    emulators: StartEmulators, router: StartRouter, client: ClientSession, adapter: Adapter
+) -> None:
+    emus = await emulators(2)
+    rt = await router(emus, health_interval=INTERVAL, health_failures=1)
+    assert (await load(client, rt.url, "trl-policy-v1", adapter("trl-policy-v1")))[0] == 200
+    emus[1].config.runtime_lora_updating = False  # restarted without the variable
+    await emus[1].restart()
+    assert rt.fleet is not None
+    back = rt.fleet.replicas[1].life
+    await until(lambda: "replaying adapter" in back.last_error, 5.0)
+    assert back.last_error == (
+        "replay failed: replaying adapter 'trl-policy-v1' failed: runtime adapter loading is "
+        "off: /v1/load_lora_adapter does not exist; fix: start it with "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
+    )
+    assert not back.serving
