@@ -57,7 +57,7 @@ client and one of these happened:
   held back (by the request's `_Job`, its sink) only when a retry will be made; otherwise they
   reach the client as the replica sent them;
 - the replica answered 404 for an adapter the fence says is live (it lost it: a restart);
-  when no retry is left the router answers itself (`_lost_adapter_error`).
+  when no retry is left the router answers itself (`replica_errors.lost_adapter`).
 Once a head has been passed on, nothing is retried: a stream that vLLM begins with a 200 and
 then fails in error frames is the client's to retry. Every routed outcome is reported to the
 health monitor (fleet/health.py): failures and 5xx count against the replica's circuit breaker
@@ -89,10 +89,9 @@ from prometheus_client.registry import CollectorRegistry
 
 from lora_router.body import Completion, CompletionReader
 from lora_router.config import Config, ReplicaAddress
-from lora_router.fleet.broadcast import Broadcaster, Reply, no_replica_in_service
+from lora_router.fleet.broadcast import Broadcaster, Reply
 from lora_router.fleet.fence import (
     AdapterFence,
-    AdapterState,
     FenceRefusal,
     LoadRefused,
     StillLoading,
@@ -101,14 +100,18 @@ from lora_router.fleet.fence import (
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
 from lora_router.fleet.replica import Replica
+from lora_router.fleet.replica_errors import (
+    exchange_failed,
+    lost_adapter,
+    no_replica_for,
+    no_replica_in_service,
+)
 from lora_router.http.auth import authenticate
 from lora_router.http.errors import (
     HTTPError,
     bad_request,
     method_not_allowed,
-    model_not_found,
     not_found,
-    unavailable,
 )
 from lora_router.http.headers import upstream_request_head
 from lora_router.http.server import ClientConnection, Request
@@ -531,9 +534,7 @@ class RouterApp:
         model, tried = job.model, job.tried
         routable = self.fleet.routable(model, tried)
         if not routable:
-            if not tried and not self.fleet.live():
-                raise no_replica_in_service(self.fleet, self.config)
-            raise unavailable(_no_replica(model, tried), self.config.health_interval)
+            raise no_replica_for(self.fleet, model, tried, self.config)
         if key is None:  # a retry: the body is still here, its prompt was validated
             fields = self.reader.read(job.request.body, chat=job.chat)
             key = completion_key(fields, job.seeds, self.block_size)
@@ -559,7 +560,7 @@ class RouterApp:
         if failure is not None:
             self.health.report_failure(replica)
             if not (failure.retryable and self._may_retry(job.tried, "transport")):
-                raise _upstream_http_error(replica, failure)
+                raise exchange_failed(replica, failure)
             return False
         if not job.diverted:
             self.health.report_status(replica, job.conn.status, job.model)
@@ -571,7 +572,7 @@ class RouterApp:
         assert model is not None
         self.health.report_missing_adapter(replica, model)
         if not self._may_retry(job.tried, "missing_adapter"):
-            raise _lost_adapter_error(model, job.tried, self.fence.state(model))
+            raise lost_adapter(model, job.tried, self.fence.state(model))
         return False
 
     def diverts(self, status: int, model: str | None, adapter: bool, tried: list[Replica]) -> bool:
@@ -602,14 +603,12 @@ class RouterApp:
         would."""
         routable = self.fleet.routable(None)
         if not routable:
-            if not self.fleet.live():
-                raise no_replica_in_service(self.fleet, self.config)
-            raise unavailable("No replica is available.", self.config.health_interval)
+            raise no_replica_for(self.fleet, None, (), self.config)
         replica = min(routable, key=lambda r: r.in_flight)
         try:
             await self._forward(request, conn, replica, conn)
         except UpstreamError as exc:
-            raise _upstream_http_error(replica, exc) from None
+            raise exchange_failed(replica, exc) from None
 
     async def _forward(
         self,
@@ -775,23 +774,3 @@ def fence_error(refusal: FenceRefusal) -> HTTPError:
 
 def _send(conn: ClientConnection, reply: Reply) -> None:
     conn.send(reply.status, reply.body, reply.headers)
-
-
-def _no_replica(model: str | None, tried: list[Replica]) -> str:
-    if tried:
-        names = ", ".join(str(r.rid) for r in tried)
-        return f"No replica could take the request (tried replicas {names})."
-    return f"No replica is available for model `{model}`." if model else "No replica is available."
-
-
-def _lost_adapter_error(model: str, tried: list[Replica], state: AdapterState | None) -> HTTPError:
-    if state is not AdapterState.LIVE:
-        # Unloaded while this request was on its way: what vLLM answers for a gone name.
-        return model_not_found(model)
-    names = ", ".join(r.describe() for r in tried)
-    return HTTPError(502, f"The adapter `{model}` was missing on {names}; they are being replayed.")
-
-
-def _upstream_http_error(replica: Replica, exc: UpstreamError) -> HTTPError:
-    status = 504 if exc.kind == "timeout" else 502
-    return HTTPError(status, f"{replica.describe()}: {exc}.")

@@ -87,8 +87,9 @@ from lora_router.fleet.fence import (
 from lora_router.fleet.fleet import Fleet, PauseIntent
 from lora_router.fleet.lifecycle import OUT, State
 from lora_router.fleet.replica import Replica
+from lora_router.fleet.replica_errors import named, no_replica_in_service, reason, replica_failure
 from lora_router.fleet.telemetry import SyncClock
-from lora_router.http.errors import HTTPError, bad_request, unavailable
+from lora_router.http.errors import HTTPError, bad_request
 from lora_router.http.headers import HOP_BY_HOP, REPLICA_HEADER
 
 log = logging.getLogger(__name__)
@@ -277,9 +278,9 @@ class Broadcaster:
             if down:
                 raise HTTPError(
                     503,
-                    f"Cannot load adapter '{name}': {_named(down)} "
+                    f"Cannot load adapter '{name}': {named(down)} "
                     f"{'is' if len(down) == 1 else 'are'} out of service"
-                    f"{_reason(down[0])} and --down-replica-policy is 'fail'.",
+                    f"{reason(down[0])} and --down-replica-policy is 'fail'.",
                 )
         targets = fleet.live()
         if not targets:
@@ -344,7 +345,7 @@ class Broadcaster:
         if not failed:
             down = [o.replica for o in outcomes]
             raise HTTPError(
-                503, f"Cannot load adapter '{name}': {_named(down)} could not be reached."
+                503, f"Cannot load adapter '{name}': {named(down)} could not be reached."
             )
         raise _load_failure(name, path, min(failed, key=_failure_rank), self.config)
 
@@ -592,7 +593,7 @@ class Broadcaster:
                         a.replica.life.eject(f"unreachable during an unload: {failure}")
                 failed = [a for a in answers if a.status not in (200, 404, 0)]
                 if failed:
-                    raise _replica_failure(failed[0], f"Cannot unload adapter '{name}'")
+                    raise replica_failure(failed[0], f"Cannot unload adapter '{name}'")
                 done = [a for a in answers if a.status == 200]
                 if not done and not known:
                     # Nobody knew it: the answer a single vLLM gives for an unknown name.
@@ -656,10 +657,10 @@ class Broadcaster:
                         a.replica.life.eject(f"unreachable during /{op}: {a.failure(path)}")
                 failed = [a for a in answers if a.status not in (200, 0)]
                 if failed:
-                    raise _replica_failure(failed[0], f"/{op} failed")
+                    raise replica_failure(failed[0], f"/{op} failed")
                 done = [a for a in answers if a.status == 200]
                 if not done:
-                    raise HTTPError(503, f"Cannot {op}: {_named(targets)} could not be reached.")
+                    raise HTTPError(503, f"Cannot {op}: {named(targets)} could not be reached.")
                 outcome = "ok"
                 payload = done[0].body
                 if op == "reset_prefix_cache":
@@ -713,7 +714,7 @@ class Broadcaster:
                 return Reply(200, orjson.dumps(doc), headers)
             last = answer
         assert last is not None
-        raise _replica_failure(last, "Cannot list models")
+        raise replica_failure(last, "Cannot list models")
 
     def _fenced_cards(self, cards: list[dict[str, Any]]) -> list[dict[str, Any]]:
         base = [c for c in cards if not c.get("parent")]
@@ -856,31 +857,4 @@ def _load_failure(name: str, path: str, o: Outcome, config: Config) -> HTTPError
     assert o.answer is not None
     if o.answer.status == 404:  # never "No adapter found" (retried, then 504)
         return HTTPError(404, f"Cannot load adapter '{name}': {who}: {o.answer.failure(_LOAD)}.")
-    return _replica_failure(o.answer, f"Cannot load adapter '{name}'")
-
-
-def _replica_failure(answer: Answer, what: str) -> HTTPError:
-    """A replica's refusal, passed on with its status and type and the replica named."""
-    who = answer.replica.describe()
-    if answer.status == 0:
-        return HTTPError(503, f"{what}: {who} is unreachable: {answer.error}")
-    status = answer.status if answer.status >= 400 else 502
-    return HTTPError(
-        status, f"{what}: {who} answered: {answer.message()}", type=answer.error_type()
-    )
-
-
-def no_replica_in_service(fleet: Fleet, config: Config) -> HTTPError:
-    """The 503 when no replica serves, naming why the first one is out (with its fix), and
-    `Retry-After` one health interval: the soonest a health check can bring one back."""
-    out = [r for r in fleet.replicas if r.life.member]
-    why = f" ({_named(out)} out of service{_reason(out[0])})" if out else ""
-    return unavailable(f"No replica is in service{why}.", config.health_interval)
-
-
-def _named(replicas: Sequence[Replica]) -> str:
-    return ", ".join(r.describe() for r in replicas)
-
-
-def _reason(replica: Replica) -> str:
-    return f": {replica.life.last_error}" if replica.life.last_error else ""
+    return replica_failure(o.answer, f"Cannot load adapter '{name}'")
