@@ -105,7 +105,8 @@ class Replay:
         self.fleet.base_models.update(held.bases)
         info = await self.client.server_info(replica, held)
         if isinstance(info, Failure):
-            # It serves, but TRL's first sync will fail: its /pause needs dev mode.
+            # It serves, but its LoRA limits are unknown; without dev mode (the usual cause),
+            # TRL's first weight sync fails at /pause.
             log.warning("%s: %s", replica.describe(), info)
             return held, ""
         return info, ""
