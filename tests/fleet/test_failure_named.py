@@ -2,7 +2,8 @@
 
 Each replica below fails in one of a new user's first ways: the router's token does not match
 its `--api-key`, nothing listens on its port, its certificate comes from a CA the router does
-not trust, its URL ends in `/v1` (the OpenAI base-URL habit), or it is not a vLLM server. The
+not trust, its URL ends in `/v1` (the OpenAI base-URL habit), it is not a vLLM server, or it
+never answers. The
 router's log, `/router/replicas`, `/router/status`, `/health` and `lora-router top` name the
 cause and the fix (fleet/failure.py) from the start, and still do after a health check has come
 and gone.
@@ -10,11 +11,11 @@ and gone.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -56,6 +57,22 @@ async def plain_server() -> AsyncIterator[str]:
         await runner.cleanup()
 
 
+@pytest.fixture
+async def stalled_server() -> AsyncIterator[str]:
+    """A server that takes connections and never answers."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    for writer in held:
+        writer.close()
+    server.close()
+    await server.wait_closed()
+
+
 def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -63,7 +80,9 @@ def closed_port() -> int:
 
 
 @pytest.fixture
-def failing(emulators: StartEmulators, plain_server: str, tmp_path: Path) -> dict[str, MakeFailing]:
+def failing(
+    emulators: StartEmulators, plain_server: str, stalled_server: str
+) -> dict[str, MakeFailing]:
     """Each failing replica by name."""
     trustme = pytest.importorskip("trustme")
 
@@ -87,12 +106,16 @@ def failing(emulators: StartEmulators, plain_server: str, tmp_path: Path) -> dic
     async def not_vllm() -> Failing:
         return plain_server, {}
 
+    async def stalled() -> Failing:
+        return stalled_server, {"health_timeout": 0.3}
+
     return {
         "wrong-token": wrong_token,
         "refused": refused,
         "untrusted-tls": untrusted_tls,
         "v1-path": v1_path,
         "not-vllm": not_vllm,
+        "timeout": stalled,
     }
 
 
@@ -104,6 +127,7 @@ def failing(emulators: StartEmulators, plain_server: str, tmp_path: Path) -> dic
         ("untrusted-tls", "TLS certificate not trusted (", "give --ca-file"),
         ("v1-path", "/v1 is not a vLLM server's root URL", "give the server's root URL"),
         ("not-vllm", "/v1/models answered no model list", "the URL `vllm serve` listens on"),
+        ("timeout", "no answer within ", "is not stuck or overloaded (--health-timeout"),
     ],
 )
 async def test_a_failing_replica_is_named_by_its_cause_in_the_log_and_the_status_routes(
@@ -124,7 +148,7 @@ async def test_a_failing_replica_is_named_by_its_cause_in_the_log_and_the_status
         named = [await _reports(client, rt.url)]
         # A health check has come and gone (the second one began: the first one ended),
         # within one interval of the start; what it found is named the same way.
-        await until(lambda: rt.health is not None and rt.health.checks >= 2, 2 * INTERVAL + 1)
+        await until(lambda: rt.health is not None and rt.health.checks >= 2, 5.0)
         named.append(await _reports(client, rt.url))
     logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert any(cause in line and fix in line for line in logged), logged
