@@ -12,7 +12,10 @@ spelling. Unknown paths answer 404, a known path with another method 405, as vLL
   (routing/keys.py) and the fleet's kept candidates for the model (`Fleet.routable`), and its
   policy picks one; the key is dropped at once (a stream holds no copy of the prompt's parsed
   forms), and `completion` keeps only the retry loop below. `Fleet.started`/`finished` count
-  the request around the exchange. The body goes out byte for byte and the answer streams
+  the request around the exchange. With no replica to take it, the answer is 503 with
+  `Retry-After`, naming why the replicas are out (never vLLM's 404: a name the fleet served,
+  the base model or a live adapter, still exists; and before any replica has listed its
+  models, whether a name exists is unknown). The body goes out byte for byte and the answer streams
   back untouched.
 - **Broadcast**: adapter loads and unloads, `/pause`, `/resume` and the cache resets — to every
   serving replica, serialized, through the broadcaster (fleet/broadcast.py).
@@ -54,7 +57,7 @@ client and one of these happened:
   held back (by the request's `_Job`, its sink) only when a retry will be made; otherwise they
   reach the client as the replica sent them;
 - the replica answered 404 for an adapter the fence says is live (it lost it: a restart);
-  when no retry is left the router answers itself (`_lost_adapter_error`).
+  when no retry is left the router answers itself (`replica_errors.lost_adapter`).
 Once a head has been passed on, nothing is retried: a stream that vLLM begins with a 200 and
 then fails in error frames is the client's to retry. Every routed outcome is reported to the
 health monitor (fleet/health.py): failures and 5xx count against the replica's circuit breaker
@@ -89,7 +92,6 @@ from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.broadcast import Broadcaster, Reply
 from lora_router.fleet.fence import (
     AdapterFence,
-    AdapterState,
     FenceRefusal,
     LoadRefused,
     StillLoading,
@@ -98,12 +100,17 @@ from lora_router.fleet.fence import (
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
 from lora_router.fleet.replica import Replica
+from lora_router.fleet.replica_errors import (
+    exchange_failed,
+    lost_adapter,
+    no_replica_for,
+    no_replica_in_service,
+)
 from lora_router.http.auth import authenticate
 from lora_router.http.errors import (
     HTTPError,
     bad_request,
     method_not_allowed,
-    model_not_found,
     not_found,
 )
 from lora_router.http.headers import upstream_request_head
@@ -467,6 +474,10 @@ class RouterApp:
         # adapter's load is being broadcast; raises vLLM's 404 for unknown names.
         if not self.fence.admits(model):
             assert model is not None
+            if not self.fleet.base_models and not self.fleet.live():
+                # No replica has listed what it serves yet: the name may well be the base
+                # model; whether it exists is unknown, so not vLLM's 404 but "not now".
+                raise no_replica_in_service(self.fleet, self.config)
             await self.fence.wait(model)
         job, key = self._admitted(request, conn, chat, fields, self._loop.time())
         del fields  # the key holds the prompt now, and only until a replica is chosen
@@ -523,7 +534,7 @@ class RouterApp:
         model, tried = job.model, job.tried
         routable = self.fleet.routable(model, tried)
         if not routable:
-            raise HTTPError(503, _no_replica(model, tried))
+            raise no_replica_for(self.fleet, model, tried, self.config)
         if key is None:  # a retry: the body is still here, its prompt was validated
             fields = self.reader.read(job.request.body, chat=job.chat)
             key = completion_key(fields, job.seeds, self.block_size)
@@ -549,7 +560,7 @@ class RouterApp:
         if failure is not None:
             self.health.report_failure(replica)
             if not (failure.retryable and self._may_retry(job.tried, "transport")):
-                raise _upstream_http_error(replica, failure)
+                raise exchange_failed(replica, failure)
             return False
         if not job.diverted:
             self.health.report_status(replica, job.conn.status, job.model)
@@ -561,7 +572,7 @@ class RouterApp:
         assert model is not None
         self.health.report_missing_adapter(replica, model)
         if not self._may_retry(job.tried, "missing_adapter"):
-            raise _lost_adapter_error(model, job.tried, self.fence.state(model))
+            raise lost_adapter(model, job.tried, self.fence.state(model))
         return False
 
     def diverts(self, status: int, model: str | None, adapter: bool, tried: list[Replica]) -> bool:
@@ -592,12 +603,12 @@ class RouterApp:
         would."""
         routable = self.fleet.routable(None)
         if not routable:
-            raise HTTPError(503, "No replica is available.")
+            raise no_replica_for(self.fleet, None, (), self.config)
         replica = min(routable, key=lambda r: r.in_flight)
         try:
             await self._forward(request, conn, replica, conn)
         except UpstreamError as exc:
-            raise _upstream_http_error(replica, exc) from None
+            raise exchange_failed(replica, exc) from None
 
     async def _forward(
         self,
@@ -763,23 +774,3 @@ def fence_error(refusal: FenceRefusal) -> HTTPError:
 
 def _send(conn: ClientConnection, reply: Reply) -> None:
     conn.send(reply.status, reply.body, reply.headers)
-
-
-def _no_replica(model: str | None, tried: list[Replica]) -> str:
-    if tried:
-        names = ", ".join(str(r.rid) for r in tried)
-        return f"No replica could take the request (tried replicas {names})."
-    return f"No replica is available for model `{model}`." if model else "No replica is available."
-
-
-def _lost_adapter_error(model: str, tried: list[Replica], state: AdapterState | None) -> HTTPError:
-    if state is not AdapterState.LIVE:
-        # Unloaded while this request was on its way: what vLLM answers for a gone name.
-        return model_not_found(model)
-    names = ", ".join(r.describe() for r in tried)
-    return HTTPError(502, f"The adapter `{model}` was missing on {names}; they are being replayed.")
-
-
-def _upstream_http_error(replica: Replica, exc: UpstreamError) -> HTTPError:
-    status = 504 if exc.kind == "timeout" else 502
-    return HTTPError(status, f"{replica.describe()}: {exc}.")

@@ -39,7 +39,8 @@ when the trainer may load the same name again (`--lineage-pattern`), and fine on
 
 Probing is I/O (`probe_replica`), over the router's own replica client and its parser of
 `/v1/models` and `/server_info` (fleet/client.py), so `--check` reads a replica exactly as the
-router will; the facts every replica must agree on are the client's `AGREEMENT`. Judging is a
+router will; the facts every replica must agree on are the client's `AGREEMENT`, and the fixes
+are the ones the router's own reports give (fleet/failure.py). Judging is a
 pure function of what was seen (`judge`), so each rule is testable without sockets. This
 module must never change a replica's state: no load, no unload, no pause.
 """
@@ -62,16 +63,25 @@ from lora_router.fleet.client import (
     parse_models,
     parse_server_info,
 )
+from lora_router.fleet.failure import FIX, Cause
 from lora_router.table import render_table
 
 PROBE_TIMEOUT = 10.0  # seconds for one probe's whole answer
 
 
-class Unauthorized(Exception):
+class ProbeFailed(Exception):
+    """A probe that ends the replica's check; `fix` in the router's words (fleet/failure.py)."""
+
+    def __init__(self, reason: str, fix: str) -> None:
+        super().__init__(reason)
+        self.fix = fix
+
+
+class Unauthorized(ProbeFailed):
     """The replica rejected the token."""
 
 
-class Unreachable(Exception):
+class Unreachable(ProbeFailed):
     """No HTTP answer (the replica client's reason)."""
 
 
@@ -83,6 +93,7 @@ class ReplicaFacts:
     name: str
     answer: str = "ok"  # ok | unreachable | unauthorized | dead
     detail: str = ""  # why, when `answer` is not ok
+    fix: str = ""  # its fix, when unreachable or unauthorized
     version: str | None = None
     base_model: str | None = None
     max_model_len: int | None = None
@@ -172,10 +183,9 @@ async def probe_replica(client: ReplicaClient, address: ReplicaAddress) -> Repli
         body = answer.parsed() if answer.status == 200 else None
         if isinstance(body, dict) and isinstance(body.get("version"), str):
             facts.version = body["version"]
-    except Unauthorized as exc:
-        facts.answer, facts.detail = "unauthorized", str(exc)
-    except Unreachable as exc:
-        facts.answer, facts.detail = "unreachable", str(exc)
+    except ProbeFailed as exc:
+        facts.answer = "unauthorized" if isinstance(exc, Unauthorized) else "unreachable"
+        facts.detail, facts.fix = str(exc), exc.fix
     return facts
 
 
@@ -190,9 +200,10 @@ async def _ask(
 ) -> Answer[ReplicaAddress]:
     answer = await client.call(address, method, path, query=query, body=body, timeout=PROBE_TIMEOUT)
     if answer.status == 0 or 300 <= answer.status < 400:  # a redirect is never followed
-        raise Unreachable(answer.error)
+        raise Unreachable(answer.error, answer.failure(path).fix)
     if answer.status in (401, 403):
-        raise Unauthorized(f"HTTP {answer.status} on {path}: the token was rejected")
+        failure = answer.failure(path)
+        raise Unauthorized(failure.what, failure.fix)
     return answer
 
 
@@ -269,20 +280,11 @@ def _judge_replica(
     out: list[Problem] = []
     name = f.name
     if f.answer == "unreachable":
-        return [
-            Problem(
-                name,
-                f"unreachable: {f.detail}",
-                "check the URL and that `vllm serve` is running there"
-                + ("; give --ca-file for a private CA" if "TLS" in f.detail else ""),
-            )
-        ]
+        return [Problem(name, f"unreachable: {f.detail}", f.fix)]
     if f.answer == "unauthorized":
-        return [
-            Problem(name, f"unauthorized: {f.detail}", "give --token-env NAME holding its token")
-        ]
+        return [Problem(name, f"unauthorized: {f.detail}", f.fix)]
     if f.answer == "dead":
-        out.append(Problem(name, f.detail, "restart the replica"))
+        out.append(Problem(name, f.detail, FIX[Cause.DEAD]))
     if f.lora is False:
         out.append(
             Problem(
@@ -301,7 +303,7 @@ def _judge_replica(
             Problem(
                 name,
                 "runtime adapter loading is off: POST /v1/load_lora_adapter does not exist",
-                "start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1",
+                FIX[Cause.RUNTIME_LOADING],
             )
         )
     if f.dev_mode is False:
@@ -309,7 +311,7 @@ def _judge_replica(
             Problem(
                 name,
                 "dev mode is off: /pause, /resume and /server_info do not exist",
-                "start it with VLLM_SERVER_DEV_MODE=1",
+                FIX[Cause.DEV_MODE],
             )
         )
     if f.max_loras is not None and f.max_loras < need:

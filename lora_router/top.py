@@ -11,6 +11,8 @@ status 1 if the router cannot be read. A frame shows:
   prefix-cache hit rate (last interval / since the replica started), generated tokens per
   second, busy share, adapters held — the figures come from the replica's own `/metrics`
   (fleet/telemetry.py); a replica that does not report shows "unknown" and why;
+- under the table, each replica out of service with why it is out and the fix (its
+  `last_error`, named by fleet/failure.py);
 - the fleet's totals and the recent weight syncs (pause → resume) with their durations;
 - a one-line verdict, with the numbers it was judged on.
 
@@ -143,6 +145,7 @@ def frame(status: dict[str, Any], url: str) -> RenderableType:
         head,
         versions,
         _replica_table(replicas),
+        *_out_of_service(replicas),
         Text(_fleet_line(status.get("fleet") or {}, replicas)),
         Text(_syncs_line(status.get("syncs") or {})),
         Text("verdict: " + verdict(status), style="bold"),
@@ -183,6 +186,16 @@ def _replica_table(replicas: Sequence[dict[str, Any]]) -> Table:
             cells += ["unknown", "", "", "", "", f"{held}  (figures unknown: {why})"]
         table.add_row(*cells)
     return table
+
+
+def _out_of_service(replicas: Sequence[dict[str, Any]]) -> list[Text]:
+    """Why each replica out of service is out, and the fix, as the router names it
+    (fleet/failure.py): one line each under the table, too long for a cell."""
+    return [
+        Text(f"replica {r.get('id')} {_state(r)}: {r['last_error']}", style="red")
+        for r in replicas
+        if r.get("last_error") and _state(r) != "serving"
+    ]
 
 
 def compact(names: Sequence[str]) -> str:

@@ -20,5 +20,9 @@ The rest, by what each part knows:
   pause/resume/reset) and the `/health` and `/v1/models` fan-ins;
 - `replay.py`: discovery at start and the replay that brings a replica to the fleet's state;
 - `health.py`: active checks and passive reports, which decide when to report an event;
-- `telemetry.py`: the replicas' own `/metrics`, read-only.
+- `telemetry.py`: the replicas' own `/metrics`, read-only;
+- `failure.py`: why a replica failed, named once (cause and fix), pure: what the log,
+  `last_error`, `/health`, `top` and `--check` say;
+- `replica_errors.py`: the router's own error answers about replicas (none in service, a
+  refusal passed on, a lost adapter).
 """

@@ -76,10 +76,18 @@ from lora_router.config import Config
 from lora_router.fleet.adapter_files import read_digest
 from lora_router.fleet.client import Answer as ReplicaAnswer
 from lora_router.fleet.client import ReplicaClient
-from lora_router.fleet.fence import AdapterEntry, AdapterFence, AdapterState
+from lora_router.fleet.failure import Failure
+from lora_router.fleet.fence import (
+    RESTARTED_TRAINER_FIX,
+    AdapterEntry,
+    AdapterFence,
+    AdapterState,
+    LoadRefused,
+)
 from lora_router.fleet.fleet import Fleet, PauseIntent
 from lora_router.fleet.lifecycle import OUT, State
 from lora_router.fleet.replica import Replica
+from lora_router.fleet.replica_errors import named, no_replica_in_service, reason, replica_failure
 from lora_router.fleet.telemetry import SyncClock
 from lora_router.http.errors import HTTPError, bad_request
 from lora_router.http.headers import HOP_BY_HOP, REPLICA_HEADER
@@ -93,6 +101,7 @@ Answer = ReplicaAnswer[Replica]
 _NOT_COPIED = HOP_BY_HOP | {b"content-length", REPLICA_HEADER}
 _MOUNT_LAG = "No adapter found"
 _ALREADY_LOADED = "already been loaded"
+_LOAD = "/v1/load_lora_adapter"
 
 
 @dataclass(slots=True)
@@ -205,7 +214,11 @@ class Broadcaster:
         """`POST /v1/load_lora_adapter`, all-or-nothing on the live replicas."""
         name, path, inplace = _load_fields(body)
         # At arrival, not in its turn: completions naming it from now on wait at the fence.
-        entry = self.fence.begin_load(name, path, body, inplace)
+        try:
+            entry = self.fence.begin_load(name, path, body, inplace)
+        except LoadRefused as refusal:
+            log.warning("load %r: refused: %s", name, refusal.message)
+            raise
         self._note_queue(f"load {name!r}")
         abandoned = asyncio.Event()
         return await self._queue(self._load_op(entry, name, path, body, abandoned), abandoned)
@@ -265,9 +278,9 @@ class Broadcaster:
             if down:
                 raise HTTPError(
                     503,
-                    f"Cannot load adapter '{name}': {_named(down)} "
+                    f"Cannot load adapter '{name}': {named(down)} "
                     f"{'is' if len(down) == 1 else 'are'} out of service"
-                    f"{_reason(down[0])} and --down-replica-policy is 'fail'.",
+                    f"{reason(down[0])} and --down-replica-policy is 'fail'.",
                 )
         targets = fleet.live()
         if not targets:
@@ -305,7 +318,9 @@ class Broadcaster:
         carried = [o.replica for o in rides if o.kind in ("loaded", "present")]
         for o in outcomes:
             if o.kind == "down":
-                o.replica.life.eject(f"unreachable during the load of '{name}': {o.detail}")
+                assert o.answer is not None  # a "down" outcome carries its answer (status 0)
+                failure = o.answer.failure(_LOAD)
+                o.replica.life.eject(f"unreachable during the load of '{name}': {failure}")
         accepted = [o for o in outcomes if o.kind in ("loaded", "present")]
         failed = [o for o in outcomes if o.kind in _FAILED]
         if self.config.down_replica_policy == "fail":
@@ -330,7 +345,7 @@ class Broadcaster:
         if not failed:
             down = [o.replica for o in outcomes]
             raise HTTPError(
-                503, f"Cannot load adapter '{name}': {_named(down)} could not be reached."
+                503, f"Cannot load adapter '{name}': {named(down)} could not be reached."
             )
         raise _load_failure(name, path, min(failed, key=_failure_rank), self.config)
 
@@ -355,7 +370,7 @@ class Broadcaster:
         try:
             async with asyncio.timeout_at(deadline):
                 while True:  # bounded by the deadline
-                    answer = await self.call(replica, "POST", "/v1/load_lora_adapter", body=body)
+                    answer = await self.call(replica, "POST", _LOAD, body=body)
                     if answer.status == 200:
                         replica.load_seconds = loop.time() - started
                         if digest is not None:
@@ -463,7 +478,7 @@ class Broadcaster:
         """ "Already loaded": present if the replica holds the name at the same path with the
         files this router loaded there; "stale" if at that path with unknown files."""
         held = await self.client.listing(replica)
-        if held is None:
+        if isinstance(held, Failure):
             return Outcome(replica, "failed", answer, answer.message())
         root = held.adapters.get(name)
         if root != path:
@@ -574,10 +589,11 @@ class Broadcaster:
                         _forget(a.replica, name)
                     elif a.status == 0:
                         # Its replay on return drops the name (it mirrors the fleet).
-                        a.replica.life.eject(f"unreachable during an unload: {a.error}")
+                        failure = a.failure("/v1/unload_lora_adapter")
+                        a.replica.life.eject(f"unreachable during an unload: {failure}")
                 failed = [a for a in answers if a.status not in (200, 404, 0)]
                 if failed:
-                    raise _replica_failure(failed[0], f"Cannot unload adapter '{name}'")
+                    raise replica_failure(failed[0], f"Cannot unload adapter '{name}'")
                 done = [a for a in answers if a.status == 200]
                 if not done and not known:
                     # Nobody knew it: the answer a single vLLM gives for an unknown name.
@@ -638,13 +654,13 @@ class Broadcaster:
                 )
                 for a in answers:
                     if a.status == 0:
-                        a.replica.life.eject(f"unreachable during /{op}: {a.error}")
+                        a.replica.life.eject(f"unreachable during /{op}: {a.failure(path)}")
                 failed = [a for a in answers if a.status not in (200, 0)]
                 if failed:
-                    raise _replica_failure(failed[0], f"/{op} failed")
+                    raise replica_failure(failed[0], f"/{op} failed")
                 done = [a for a in answers if a.status == 200]
                 if not done:
-                    raise HTTPError(503, f"Cannot {op}: {_named(targets)} could not be reached.")
+                    raise HTTPError(503, f"Cannot {op}: {named(targets)} could not be reached.")
                 outcome = "ok"
                 payload = done[0].body
                 if op == "reset_prefix_cache":
@@ -673,15 +689,13 @@ class Broadcaster:
         """`/health`, `/ping`: 200 only when every live replica answers 200."""
         targets = self.fleet.live()
         if not targets:
-            out = [r for r in self.fleet.replicas if r.life.member]
-            why = f" ({_named(out)} out of service{_reason(out[0])})" if out else ""
-            raise HTTPError(503, f"No replica is in service{why}.")
+            raise no_replica_in_service(self.fleet, self.config)
         answers = await asyncio.gather(
             *(self.call(r, "GET", path, timeout=self.config.health_timeout) for r in targets)
         )
         bad = next((a for a in answers if a.status != 200), None)
         if bad is not None:
-            raise HTTPError(503, f"{bad.replica.describe()} is not healthy: {bad.summary()}.")
+            raise HTTPError(503, f"{bad.replica.describe()} is not healthy: {bad.failure(path)}.")
         return Reply(200, b"", _copied_headers([], _replicas(answers)))
 
     async def models(self) -> Reply:
@@ -700,7 +714,7 @@ class Broadcaster:
                 return Reply(200, orjson.dumps(doc), headers)
             last = answer
         assert last is not None
-        raise _replica_failure(last, "Cannot list models")
+        raise replica_failure(last, "Cannot list models")
 
     def _fenced_cards(self, cards: list[dict[str, Any]]) -> list[dict[str, Any]]:
         base = [c for c in cards if not c.get("parent")]
@@ -832,38 +846,15 @@ def _load_failure(name: str, path: str, o: Outcome, config: Config) -> HTTPError
             "weights is served. Start the replica with VLLM_SERVER_DEV_MODE=1.",
         )
     if o.kind == "conflict":
-        held = f"from '{o.detail}'" if o.detail else "(at a path its /v1/models does not show)"
+        assert o.answer is not None  # vLLM's 400 "already loaded"
+        held = f"from '{o.detail}'" if o.detail else "at a path its /v1/models does not show"
         return HTTPError(
             400,
-            f"{who} already holds adapter '{name}' loaded {held}, not from '{path}'. Adapters "
-            "left on reused replicas by an earlier run can be cleared at start with "
-            "--unload-stale PATTERN (e.g. 'trl-policy-*'), or unloaded first.",
+            f"{who} answered: {o.answer.message()} It holds it {held}, not '{path}'. "
+            f"{RESTARTED_TRAINER_FIX}",
             type="InvalidUserInput",
         )
     assert o.answer is not None
-    if o.answer.status == 404:
-        return HTTPError(
-            404,
-            f"{who} has no adapter routes ({o.detail}): start it with "
-            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1.",
-        )
-    return _replica_failure(o.answer, f"Cannot load adapter '{name}'")
-
-
-def _replica_failure(answer: Answer, what: str) -> HTTPError:
-    """A replica's refusal, passed on with its status and type and the replica named."""
-    who = answer.replica.describe()
-    if answer.status == 0:
-        return HTTPError(503, f"{what}: {who} is unreachable: {answer.error}")
-    status = answer.status if answer.status >= 400 else 502
-    return HTTPError(
-        status, f"{what}: {who} answered: {answer.message()}", type=answer.error_type()
-    )
-
-
-def _named(replicas: Sequence[Replica]) -> str:
-    return ", ".join(r.describe() for r in replicas)
-
-
-def _reason(replica: Replica) -> str:
-    return f": {replica.life.last_error}" if replica.life.last_error else ""
+    if o.answer.status == 404:  # never "No adapter found" (retried, then 504)
+        return HTTPError(404, f"Cannot load adapter '{name}': {who}: {o.answer.failure(_LOAD)}.")
+    return replica_failure(o.answer, f"Cannot load adapter '{name}'")

@@ -1,8 +1,9 @@
 """The replica client: every control request the router (or `--check`) sends a replica.
 
 One aiohttp session (the bearer token in its default headers, the router's TLS context),
-`call` (one request, transport failures as `status` 0 with a readable reason, never an
-exception), the answer type, and the one parser of what a replica says about itself:
+`call` (one request, transport failures as `status` 0 with a readable reason and its cause,
+never an exception), the answer type (`Answer.failure` names what went wrong, failure.py),
+and the one parser of what a replica says about itself:
 `/v1/models` and `/server_info?config_format=json` become a frozen `Facts`, read by discovery
 and replays (replay.py), the restart check (health.py), load reconciliation (broadcast.py) and
 `lora-router --check` (check.py) alike. `AGREEMENT` lists the facts every replica must share.
@@ -33,6 +34,7 @@ import orjson
 from yarl import URL
 
 from lora_router.config import Config
+from lora_router.fleet.failure import Cause, Failure, classify
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +69,26 @@ class Answer(Generic[T]):
     body: bytes = b""
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     error: str = ""  # the transport failure when status is 0; where a 3xx pointed
+    transport: Cause | None = None  # the transport failure's cause when status is 0
 
     def summary(self) -> str:
         """What went wrong in a few words: the transport failure, or the status."""
         return self.error or f"HTTP {self.status}"
+
+    def failure(self, path: str) -> Failure:
+        """This answer to a request on `path` as a named failure (failure.py)."""
+        doc = self.parsed() if self.status else None
+        listed = parse_models(doc) if self.status == 200 else None
+        return classify(
+            self.replica.name,
+            path,
+            self.status,
+            transport=self.transport,
+            error=self.error,
+            message=self.message() if self.status else "",
+            route_missing=isinstance(doc, dict) and doc.get("detail") == "Not Found",
+            model_list=listed is not None and bool(listed.bases),
+        )
 
     def parsed(self) -> Any:
         try:
@@ -241,24 +259,27 @@ class ReplicaClient:
                         answer.error = _redirected(url, resp.headers.get("Location"), resp.status)
                         if (replica.name, answer.error) not in self._redirects:  # once each
                             self._redirects.add((replica.name, answer.error))
-                            log.warning("%s%s answered %s", replica.name, path, answer.error)
+                            log.warning("%s: %s", replica.name, answer.failure(path))
                     return answer
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 if attempt or isinstance(exc, aiohttp.ClientConnectorError):
-                    return Answer(replica, 0, error=transport_error(exc))
+                    cause, error = transport_error(exc)
+                    return Answer(replica, 0, error=error, transport=cause)
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                return Answer(replica, 0, error=transport_error(exc, timeout))
+                cause, error = transport_error(exc, timeout)
+                return Answer(replica, 0, error=error, transport=cause)
         raise AssertionError("unreachable")
 
-    async def listing(self, replica: T) -> Facts | None:
-        """What a replica's `/v1/models` says it serves, or None if it does not answer."""
+    async def listing(self, replica: T) -> Facts | Failure:
+        """What a replica's `/v1/models` says it serves, or why it did not say."""
         answer = await self.call(
             replica, "GET", "/v1/models", timeout=max(self.config.health_timeout, 1.0)
         )
-        return parse_models(answer.parsed()) if answer.status == 200 else None
+        listed = parse_models(answer.parsed()) if answer.status == 200 else None
+        return listed if listed is not None else answer.failure("/v1/models")
 
-    async def server_info(self, replica: T, listed: Facts | None = None) -> Facts | None:
-        """`listed` completed with the replica's `/server_info`, or None without one."""
+    async def server_info(self, replica: T, listed: Facts | None = None) -> Facts | Failure:
+        """`listed` completed with the replica's `/server_info`, or why there is none."""
         answer = await self.call(
             replica,
             "GET",
@@ -266,7 +287,8 @@ class ReplicaClient:
             query="config_format=json",
             timeout=max(self.config.health_timeout, 1.0),
         )
-        return parse_server_info(answer.parsed(), listed) if answer.status == 200 else None
+        info = parse_server_info(answer.parsed(), listed) if answer.status == 200 else None
+        return info if info is not None else answer.failure("/server_info")
 
 
 def _redirected(url: URL, location: str | None, status: int) -> str:
@@ -278,27 +300,25 @@ def _redirected(url: URL, location: str | None, status: int) -> str:
     where = f"{target.scheme}://{target.host_port_subcomponent}" if target and target.host else "?"
     return (
         f"HTTP {status}, a redirect to {where} (not followed: the token goes only to the "
-        "replica's own URL; give the URL it redirects to as the replica's)"
+        "replica's own URL)"
     )
 
 
-def transport_error(exc: BaseException, timeout: float | None = None) -> str:
-    """Why a request got no HTTP answer, in words an operator acts on."""
+def transport_error(exc: BaseException, timeout: float | None = None) -> tuple[Cause, str]:
+    """Why a request got no HTTP answer: its cause (failure.py), and the reason in words an
+    operator acts on (the fix is the cause's)."""
     if isinstance(exc, TimeoutError):
-        return f"no answer within {timeout:g} s" if timeout else "timed out"
+        return Cause.TIMEOUT, f"no answer within {timeout:g} s" if timeout else "timed out"
     if isinstance(exc, aiohttp.ClientConnectorCertificateError):
-        return f"TLS certificate not trusted ({exc.certificate_error})"
+        return Cause.TLS, f"TLS certificate not trusted ({exc.certificate_error})"
     if isinstance(exc, aiohttp.ClientConnectorSSLError):
         # Its errno is OpenSSL's, not the OS's: strerror would say "Operation not permitted".
         reason = getattr(exc.os_error, "reason", None) or str(exc.os_error)
-        return (
-            f"TLS handshake failed ({reason}); if the replica serves plain HTTP, give its URL "
-            "as http://"
-        )
+        return Cause.TLS, f"TLS handshake failed ({reason})"
     if isinstance(exc, aiohttp.ClientConnectorError):
         errno = exc.os_error.errno
         reason = os.strerror(errno) if errno else exc.os_error.__class__.__name__
-        return f"cannot connect ({reason})"
+        return Cause.REFUSED, f"cannot connect ({reason})"
     if isinstance(exc, aiohttp.ServerDisconnectedError):
-        return "the replica closed the connection"
-    return exc.__class__.__name__
+        return Cause.REFUSED, "the replica closed the connection"
+    return Cause.REFUSED, exc.__class__.__name__

@@ -89,6 +89,15 @@ class StillLoading(FenceRefusal):
         )
 
 
+# The fix for a load of a name the fleet holds from another path: what a trainer restarted
+# against a running router (a new output_dir) meets at its first load.
+RESTARTED_TRAINER_FIX = (
+    "If a trainer was restarted against a running router, restart the router with "
+    "--unload-stale 'trl-policy-*': it unloads the earlier run's adapters from the replicas "
+    "at start."
+)
+
+
 class LoadRefused(FenceRefusal):
     """A load the fence will not take: `in_place` (re-pointing a live name) or another path."""
 
@@ -258,7 +267,7 @@ class AdapterFence:
                     name,
                     f"The lora adapter '{name}' has already been loaded from "
                     f"'{current.path}', not '{path}'. Unload it first, or load the new "
-                    "weights under a new name.",
+                    f"weights under a new name. {RESTARTED_TRAINER_FIX}",
                     in_place=False,
                 )
             if current.state is AdapterState.LOADING:

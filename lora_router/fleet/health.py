@@ -80,6 +80,7 @@ from collections import Counter
 
 from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.client import ReplicaClient
+from lora_router.fleet.failure import Failure
 from lora_router.fleet.fence import AdapterEntry, AdapterFence, AdapterState
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.lifecycle import State
@@ -307,7 +308,7 @@ class HealthMonitor:
                 watch.successes = 0
                 watch.failures += 1
                 if watch.failures >= config.health_failures or watch.suspect:
-                    replica.life.eject(f"/health: {answer.summary()}")
+                    replica.life.eject(str(answer.failure("/health")))
                 watch.suspect = False
                 return
             watch.failures = 0
@@ -318,7 +319,7 @@ class HealthMonitor:
         if not ok:
             watch.successes = 0
             if replica.state is not State.REPLAYING:  # out already: this records why
-                replica.life.eject(f"/health: {answer.summary()}")
+                replica.life.eject(str(answer.failure("/health")))
             return
         watch.successes += 1
         if watch.successes >= config.health_successes:
@@ -333,7 +334,7 @@ class HealthMonitor:
         if not before:
             return
         held = await self.client.listing(replica)
-        if held is None or not replica.live:
+        if isinstance(held, Failure) or not replica.live:
             return
         lost = [
             n
@@ -409,11 +410,11 @@ class HealthMonitor:
         )
         if answer.status == 200:
             held = await self.client.listing(replica)
-            if held is not None:
+            if not isinstance(held, Failure):
                 self._own.update(held.adapters)
             await self.admit(replica)
         else:
-            replica.life.eject(f"/health: {answer.summary()}")
+            replica.life.eject(str(answer.failure("/health")))
         return replica
 
     async def remove(self, replica: Replica) -> bool:

@@ -34,6 +34,7 @@ import orjson
 from lora_router.config import Config
 from lora_router.fleet.broadcast import Broadcaster
 from lora_router.fleet.client import AGREEMENT, Facts, ReplicaClient
+from lora_router.fleet.failure import Failure
 from lora_router.fleet.fence import AdapterFence
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.lifecycle import State
@@ -98,11 +99,17 @@ class Replay:
     async def _probe(self, replica: Replica) -> tuple[Facts | None, str]:
         """One replica's models and server info, or why it failed."""
         held = await self.client.listing(replica)
-        if held is None:
-            return None, "did not answer /v1/models at start"
+        if isinstance(held, Failure):
+            return None, f"at start: {held}"
         replica.adapters = dict(held.adapters)
         self.fleet.base_models.update(held.bases)
-        return await self.client.server_info(replica, held) or held, ""
+        info = await self.client.server_info(replica, held)
+        if isinstance(info, Failure):
+            # It serves, but its LoRA limits are unknown; without dev mode (the usual cause),
+            # TRL's first weight sync fails at /pause.
+            log.warning("%s: %s", replica.describe(), info)
+            return held, ""
+        return info, ""
 
     async def _unload_stale(self, replicas: Sequence[Replica], pattern: str) -> None:
         jobs = [(r, n) for r in replicas for n in r.adapters if fnmatch.fnmatchcase(n, pattern)]
@@ -156,8 +163,8 @@ class Replay:
 
     async def _converge(self, replica: Replica, *, final: bool) -> None:
         held = await self.client.listing(replica)
-        if held is None:
-            raise ReplayError("its /v1/models did not answer")
+        if isinstance(held, Failure):
+            raise ReplayError(str(held))
         fleet, fence, broadcaster = self.fleet, self.fence, self.broadcaster
         if held.base_model is not None:
             if fleet.base_models and held.base_model not in fleet.base_models:
@@ -212,6 +219,9 @@ class Replay:
                 pass  # one a broadcast is carrying: the final pass settles it
             elif o.kind == "conflict" and not o.detail:
                 raise UnlistedError(name)
+            elif o.answer is not None and o.kind in ("down", "failed"):  # the replica's answer
+                failure = o.answer.failure("/v1/load_lora_adapter")
+                raise ReplayError(f"replaying adapter '{name}' failed: {failure}")
             else:
                 raise ReplayError(f"replaying adapter '{name}' failed ({o.kind}): {o.detail}")
 
@@ -219,12 +229,10 @@ class Replay:
         pause = self.fleet.pause
         if not pause.known:
             return
-        if pause.query is not None:
-            answer = await self.client.call(replica, "POST", "/pause", query=pause.query)
-        else:
-            answer = await self.client.call(replica, "POST", "/resume")
+        path = "/pause" if pause.query is not None else "/resume"
+        answer = await self.client.call(replica, "POST", path, query=pause.query or "")
         if answer.status != 200:
-            raise ReplayError(f"replaying the pause state failed: {answer.message()}")
+            raise ReplayError(f"replaying the pause state failed: {answer.failure(path)}")
 
 
 def _warn_disagreements(up: Sequence[tuple[Replica, Facts]]) -> None:

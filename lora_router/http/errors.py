@@ -9,6 +9,7 @@ credential: nothing in this module ever sees the token.
 
 from __future__ import annotations
 
+import math
 from http import HTTPStatus
 
 import orjson
@@ -95,6 +96,14 @@ def error_body(
 def bad_request(message: str, param: str | None = None) -> HTTPError:
     """vLLM's request-validation failure: 400, type "Bad Request" (not FastAPI's 422)."""
     return HTTPError(400, message, type="Bad Request", param=param)
+
+
+def unavailable(message: str, retry_after: float) -> HTTPError:
+    """vLLM's 503 with `Retry-After` (whole seconds, at least 1): try again, it may pass then."""
+    seconds = str(max(1, math.ceil(retry_after))).encode()
+    return HTTPError(
+        503, message, headers=[(b"content-type", b"application/json"), (b"retry-after", seconds)]
+    )
 
 
 def model_not_found(model: str) -> HTTPError:
