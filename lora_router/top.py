@@ -13,6 +13,8 @@ status 1 if the router cannot be read. A frame shows:
   (fleet/telemetry.py); a replica that does not report shows "unknown" and why;
 - under the table, each replica out of service with why it is out and the fix (its
   `last_error`, named by fleet/failure.py);
+- each discovery source (fleet/discovery.py): its members by replica id, when it was last read
+  and, when its last read failed, why (its last good set is kept);
 - the fleet's totals and the recent weight syncs (pause → resume) with their durations;
 - a one-line verdict, with the numbers it was judged on.
 
@@ -146,6 +148,7 @@ def frame(status: dict[str, Any], url: str) -> RenderableType:
         versions,
         _replica_table(replicas),
         *_out_of_service(replicas),
+        *_sources(status.get("discovery") or [], replicas),
         Text(_fleet_line(status.get("fleet") or {}, replicas)),
         Text(_syncs_line(status.get("syncs") or {})),
         Text("verdict: " + verdict(status), style="bold"),
@@ -196,6 +199,27 @@ def _out_of_service(replicas: Sequence[dict[str, Any]]) -> list[Text]:
         for r in replicas
         if r.get("last_error") and _state(r) != "serving"
     ]
+
+
+def _sources(sources: Sequence[dict[str, Any]], replicas: Sequence[dict[str, Any]]) -> list[Text]:
+    """One line per discovery source: its members (by replica id), its last good read, and
+    the error its last read met, if any."""
+    lines = []
+    for s in sources:
+        ids = [str(r.get("id")) for r in replicas if r.get("origin") == s.get("source")]
+        read = s.get("last_ok")
+        age = f"read {max(0.0, time.time() - read):.0f} s ago" if read else "never read"
+        n = s.get("members")
+        text = f"source {s.get('source')}: {n} member{'' if n == 1 else 's'}"
+        text += f" (replicas {', '.join(ids)})" if ids else ""
+        text += f", {age}"
+        if s.get("skipped"):
+            text += f", entries skipped: {len(s['skipped'])}"
+        if s.get("error"):
+            lines.append(Text(f"{text}; last read failed: {s['error']}", style="red"))
+        else:
+            lines.append(Text(text))
+    return lines
 
 
 def compact(names: Sequence[str]) -> str:

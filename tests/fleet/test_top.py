@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -14,7 +15,7 @@ import pytest
 from lora_router.config import Secret
 from lora_router.top import compact, verdict
 
-from .conftest import Adapter, StartEmulators, StartRouter, call, synced_traffic
+from .conftest import Adapter, StartEmulators, StartRouter, call, synced_traffic, until
 
 
 def status(busy: float | None, paused: float, reporting: int = 2) -> dict[str, Any]:
@@ -166,3 +167,25 @@ def test_adapter_versions_are_shown_compactly() -> None:
     assert compact(["trl-policy-v9"]) == "trl-policy-v9"
     assert compact(["trl-policy-v10", "trl-policy-v8", "trl-policy-v9"]) == "trl-policy-v{8,9,10}"
     assert compact(["alpha", "beta"]) == "alpha, beta"
+
+
+async def test_top_once_shows_each_discovery_source_and_its_members(
+    emulators: StartEmulators, router: StartRouter, tmp_path: Path
+) -> None:
+    first, member = await emulators(2)
+    members = tmp_path / "replicas"
+    members.write_text(f"{member.url}\nnot a url\n")
+    rt = await router([first], replicas_files=(str(members),), replica_hosts=("127.0.0.1",))
+    await until(lambda: rt.fleet is not None and [r.live for r in rt.fleet.replicas] == [True] * 2)
+    code, out, err = await run_top("--once", "--url", rt.url)
+    assert code == 0, err
+    words = " ".join(out.split())
+    assert f"source file:{members}: 1 member (replicas 1), read " in words
+    assert "entries skipped: 1" in words
+    members.unlink()
+    assert rt.discovery is not None
+    await until(lambda: bool(rt.discovery and rt.discovery.states[0].error), timeout=10)
+    code, out, err = await run_top("--once", "--url", rt.url)
+    words = " ".join(out.split())  # the line is wrapped at the terminal's width
+    assert f"source file:{members}: 1 member (replicas 1)" in words
+    assert "last read failed: cannot read it" in words
