@@ -1,0 +1,29 @@
+"""`lora-router-emulator` as a command: its `--help`, its version, and Ctrl-C."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from help_text import assert_every_flag_described
+from interrupt import assert_one_line, interrupt_when_ready
+
+from lora_router.emulator.cli import build_parser
+
+
+def test_every_flag_in_help_is_described_with_one_default() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "lora_router.emulator", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0
+    assert_every_flag_described(build_parser(), result.stdout)
+
+
+async def test_ctrl_c_stops_it_with_one_line_and_status_130() -> None:
+    result = await interrupt_when_ready(
+        ["lora_router.emulator", "--port", "0"], r"serving .* on http://127\.0\.0\.1:\d+\n"
+    )
+    assert_one_line(result, "lora-router-emulator")
