@@ -466,33 +466,21 @@ async def serve_until_signal(config: Config) -> signal.Signals:
     return sig
 
 
-# The flags `--demo` passes to its own router; every other flag has no meaning there.
-DEMO_ROUTER_FLAGS = (
-    "policy",
-    "block_size",
-    "load_factor",
-    "load_slack",
-    "move_price",
-    "vnodes",
-    "affinity_table_size",
-)
-
-
 def demo_router_flags(
-    parser: argparse.ArgumentParser, args: argparse.Namespace
+    parser: argparse.ArgumentParser, args: argparse.Namespace, allowed: Sequence[str]
 ) -> dict[str, object]:
-    """The routing flags given with `--demo`, checked like a real fleet's; UsageError for any
-    other flag, which the demo would otherwise silently ignore."""
+    """The routing flags given with `--demo` (the `allowed` Config fields), checked like a
+    real fleet's; UsageError for any other flag, which the demo would otherwise ignore."""
     defaults = vars(parser.parse_args([]))
     given = [k for k, v in vars(args).items() if k != "demo" and v != defaults[k]]
-    other = [k for k in given if k not in DEMO_ROUTER_FLAGS]
+    other = [k for k in given if k not in allowed]
     if other:
         shown = ", ".join("--" + k.replace("_", "-") for k in other)
-        allowed = ", ".join("--" + k.replace("_", "-") for k in DEMO_ROUTER_FLAGS)
+        flags = ", ".join("--" + k.replace("_", "-") for k in allowed)
         raise UsageError(
             f"--demo starts its own emulated replicas and router, so {shown} "
-            f"{'has' if len(other) == 1 else 'have'} no meaning there; it takes only the "
-            f"routing flags ({allowed})"
+            f"{'has' if len(other) == 1 else 'have'} no meaning there; besides its own flags "
+            f"(lora-router --demo --help) it takes only the routing flags ({flags})"
         )
     # The same checks as for a real fleet, on a stand-in replica list.
     stand_in = argparse.Namespace(
@@ -500,6 +488,16 @@ def demo_router_flags(
     )
     build_config(stand_in, {})
     return {k: getattr(args, k) for k in given}
+
+
+def run_demo(parser: argparse.ArgumentParser, argv: Sequence[str]) -> int:
+    """`lora-router --demo ...`: the demo's own flags (its usage line) and the routing flags
+    its router takes, in any order; `--help` after `--demo` is the demo's."""
+    from lora_router import demo
+
+    own, rest = demo.build_parser().parse_known_args([a for a in argv if a != "--demo"])
+    routing = demo_router_flags(parser, parser.parse_args([*rest, "--demo"]), demo.ROUTER_FLAGS)
+    return demo.demo_command(own, router=routing)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -516,13 +514,10 @@ def _command(argv: list[str]) -> int:
 
         return top(argv[1:])
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        if args.demo:
-            routing = demo_router_flags(parser, args)
-            from lora_router.demo import run_demo
-
-            return run_demo(router=routing)
+        if "--demo" in argv:
+            return run_demo(parser, argv)
+        args = parser.parse_args(argv)
         config = build_config(args, os.environ)
     except UsageError as exc:
         print(f"lora-router: error: {exc}", file=sys.stderr)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -41,9 +42,10 @@ import shutil
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -52,6 +54,7 @@ import aiohttp
 import orjson
 from tqdm import tqdm
 
+from lora_router.command import HelpFormatter, interrupted
 from lora_router.config import Config, ReplicaAddress
 from lora_router.emulator import Emulator, EmulatorConfig, Faults, start_emulator, write_adapter
 from lora_router.emulator.prefix_cache import PrefixCache, block_hashes
@@ -160,6 +163,7 @@ async def run(plan: DemoPlan, progress: TextIO | None = sys.stderr) -> DemoResul
     workdir = Path(tempfile.mkdtemp(prefix="lora-router-demo-"))
     emulators: list[Emulator] = []
     runtime: RouterRuntime | None = None
+    cancelled = False
     try:
         for i in range(plan.replicas):
             lagging = i == plan.replicas - 1 and plan.replicas > 1
@@ -209,12 +213,26 @@ async def run(plan: DemoPlan, progress: TextIO | None = sys.stderr) -> DemoResul
         result.wall = time.perf_counter() - started
         await _read_cache_metrics(result, [e.url for e in emulators])
         return result
+    except asyncio.CancelledError:  # Ctrl-C: stopping now fails what is in flight, on purpose
+        cancelled = True
+        raise
     finally:
-        if runtime is not None:
-            await runtime.stop()
-        for emulator in emulators:
-            await emulator.stop()
+        # An interrupted run's own teardown is no news: its warnings are not shown.
+        with _logging_off() if cancelled else contextlib.nullcontext():
+            if runtime is not None:
+                await runtime.stop()
+            for emulator in emulators:
+                await emulator.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _logging_off() -> Iterator[None]:
+    logging.disable(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
 
 
 class _Run:
@@ -590,25 +608,56 @@ def summary(result: DemoResult) -> str:
     return "\n".join(lines)
 
 
+# The router flags `lora-router --demo` passes to the demo's router; any other router flag has
+# no meaning there (it is refused, not ignored).
+ROUTER_FLAGS = (
+    "policy",
+    "block_size",
+    "load_factor",
+    "load_slack",
+    "move_price",
+    "vnodes",
+    "affinity_table_size",
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = DemoPlan()
+    shown = ", ".join("--" + f.replace("_", "-") for f in ROUTER_FLAGS if f != "policy")
     p = argparse.ArgumentParser(
         prog="lora-router --demo",
         description="A GRPO-shaped run through a router in front of emulated replicas.",
+        epilog=textwrap.fill(
+            f"It also takes the router's other routing flags ({shown}) for its router; "
+            "lora-router --help describes them.",
+            width=78,
+        ),
+        formatter_class=HelpFormatter,
+        allow_abbrev=False,  # an abbreviation may mean a router flag
     )
-    p.add_argument("--replicas", type=int, default=d.replicas)
+    p.add_argument(
+        "--replicas", type=int, default=d.replicas, help="emulated vLLM replicas to start"
+    )
     p.add_argument("--steps", type=int, default=d.steps, help="adapter versions to train")
     p.add_argument("--prompts", type=int, default=d.prompts, help="prompts per step")
     p.add_argument("--group", type=int, default=d.group, help="samples per prompt (G)")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    p.add_argument("--mount-lag", type=int, default=d.mount_lag)
+    p.add_argument(
+        "--max-tokens", type=int, default=d.max_tokens, help="max_tokens of every completion"
+    )
+    p.add_argument(
+        "--mount-lag",
+        type=int,
+        default=d.mount_lag,
+        help="load attempts of each adapter the last replica answers 404 before its files "
+        "appear (as on a network bucket); the router retries them",
+    )
     p.add_argument(
         "--policy",
         choices=POLICIES,
         default=d.policy,
         help="the router's routing policy (compare prefix with round-robin)",
     )
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
 
@@ -617,9 +666,18 @@ def run_demo(
     out: TextIO | None = None,
     router: Mapping[str, Any] | None = None,
 ) -> int:
-    """The `--demo` command: run, print the summary, return 0 when every request succeeded.
-    `router`: routing flags given to `lora-router --demo` (checked there), for its router."""
-    args = build_parser().parse_args(argv if argv is not None else [])
+    """`python -m lora_router.demo ARGV`: the demo's own flags only."""
+    return demo_command(build_parser().parse_args(argv if argv is not None else []), out, router)
+
+
+def demo_command(
+    args: argparse.Namespace,
+    out: TextIO | None = None,
+    router: Mapping[str, Any] | None = None,
+) -> int:
+    """The `--demo` command, its flags parsed: run, print the summary, return 0 when every
+    request succeeded. `router`: routing flags given to `lora-router --demo` (checked there),
+    for its router. Ctrl-C stops the run and everything it started."""
     routing = dict(router or {})
     policy = routing.pop("policy", args.policy)
     if min(args.replicas, args.steps, args.prompts, args.group, args.max_tokens) < 1:
@@ -641,6 +699,8 @@ def run_demo(
     except DemoError as exc:
         print(f"lora-router --demo: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return interrupted("lora-router --demo")
     print(summary(result), file=out or sys.stdout)
     return 0 if result.ok else 1
 
