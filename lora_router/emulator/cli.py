@@ -74,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--vllm-version",
         choices=SUPPORTED_VERSIONS,
         default=c.vllm_version,
-        help="the vLLM release line whose answers to reproduce",
+        help="the vLLM release line whose answers to reproduce: 0.32, the one the docs and "
+        "tests/vllm were checked against; 0.27 and 0.33 where they differ from it (pausing, "
+        "keep-alive comments, prefix-cache keys, length checks; see emulator/config.py)",
     )
     g.add_argument(
         "--max-lora-rank", type=int, default=c.max_lora_rank, help="largest adapter rank loaded"
@@ -101,11 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="as without VLLM_SERVER_DEV_MODE=1 (/pause, /resume ... 404)",
     )
     g.add_argument(
-        "--sse-keepalive",
+        "--sse-keep-alive-interval",
         type=float,
         default=c.sse_keepalive_s,
         help="seconds between ': keep-alive' comments on an idle stream, 0: never "
-        "(default: 15 on 0.32, never on 0.27)",
+        "(default: never on 0.32, 15 on 0.33; 0.27 sends none)",
     )
 
     g = p.add_argument_group("engine model")
@@ -239,7 +241,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         adapter_load_s=args.adapter_load_s,
         mean_output_tokens=args.mean_output_tokens,
         seed=args.seed,
-        sse_keepalive_s=args.sse_keepalive,
+        sse_keepalive_s=args.sse_keep_alive_interval,
         fast=args.fast,
         faults=faults,
         record_requests=False,

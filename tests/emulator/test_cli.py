@@ -1,4 +1,4 @@
-"""`lora-router-emulator` as a command: its `--help`, its version, and Ctrl-C."""
+"""`lora-router-emulator` as a command: its `--help`, its default vLLM version, and Ctrl-C."""
 
 from __future__ import annotations
 
@@ -27,3 +27,5 @@ async def test_ctrl_c_stops_it_with_one_line_and_status_130() -> None:
         ["lora_router.emulator", "--port", "0"], r"serving .* on http://127\.0\.0\.1:\d+\n"
     )
     assert_one_line(result, "lora-router-emulator")
+    # By default it is the vLLM line the docs and the real-vLLM tier were checked against.
+    assert "(full, vLLM 0.32.0)" in result.before
