@@ -15,10 +15,9 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
-from typing import NoReturn
 
 from lora_router import __version__
-from lora_router.command import HelpFormatter, first_signal, interrupted
+from lora_router.command import HelpFormatter, Parser, first_signal, interrupted
 from lora_router.config import Config, ReplicaAddress, Secret, secret_from_env
 from lora_router.routing.policy import POLICIES
 
@@ -27,13 +26,6 @@ log = logging.getLogger("lora_router")
 
 class UsageError(Exception):
     """A command line that cannot run; the message is the one line the user sees."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad flag costs one line (not the whole usage) and exit status 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 # The end of `--help`: the other commands and the commonest first runs.
@@ -53,7 +45,7 @@ examples:
 
 def build_parser() -> argparse.ArgumentParser:
     d = Config(replicas=())
-    p = _Parser(
+    p = Parser(
         prog="lora-router",
         description="Make N vLLM replicas, retrained live through LoRA adapters, look like one\n"
         "vLLM server: prefix-affinity routing, fenced adapter broadcasts, streaming.",

@@ -1,5 +1,6 @@
-"""What every command of the package shares: how `--help` shows defaults, and how Ctrl-C ends.
+"""What every command of the package shares: bad flags, `--help`, and how Ctrl-C ends.
 
+- A bad flag costs one line, `PROG: error: ... (see --help)`, and exit status 2 (`Parser`).
 - `--help`: every flag's help ends with its default (see `HelpFormatter`); a description or
   epilog is printed as written, so examples keep their columns.
 - Ctrl-C (SIGINT) ends any command (`lora-router`, `--demo`, `--check`, `top`,
@@ -14,8 +15,16 @@ import argparse
 import asyncio
 import signal
 import sys
+from typing import NoReturn
 
 INTERRUPTED = 128 + signal.SIGINT  # 130
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag costs one line (not the whole usage) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

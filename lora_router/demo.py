@@ -54,7 +54,7 @@ import aiohttp
 import orjson
 from tqdm import tqdm
 
-from lora_router.command import HelpFormatter, interrupted
+from lora_router.command import HelpFormatter, Parser, interrupted
 from lora_router.config import Config, ReplicaAddress
 from lora_router.emulator import Emulator, EmulatorConfig, Faults, start_emulator, write_adapter
 from lora_router.emulator.prefix_cache import PrefixCache, block_hashes
@@ -624,7 +624,7 @@ ROUTER_FLAGS = (
 def build_parser() -> argparse.ArgumentParser:
     d = DemoPlan()
     shown = ", ".join("--" + f.replace("_", "-") for f in ROUTER_FLAGS if f != "policy")
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="lora-router --demo",
         description="A GRPO-shaped run through a router in front of emulated replicas.",
         epilog=textwrap.fill(

@@ -51,7 +51,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from lora_router.command import HelpFormatter, interrupted
+from lora_router.command import HelpFormatter, Parser, interrupted
 from lora_router.config import secret_from_env
 
 PAUSED_TRAINER_BOUND = 0.25
@@ -274,7 +274,7 @@ def router_url(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="lora-router top",
         description="A live view of a running lora-router, read from its /router/status.\n"
         "Without a terminal (a pipe, a log file) each frame is printed as plain text.",

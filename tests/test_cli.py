@@ -143,6 +143,20 @@ def test_bad_flags_are_a_one_line_usage_error(argv: list[str]) -> None:
     assert result.stdout == ""
 
 
+@pytest.mark.parametrize(
+    ("argv", "prog"),
+    [
+        (["--demo", "--steps", "many"], "lora-router --demo"),
+        (["top", "--url", "ftp://127.0.0.1:8000"], "lora-router top"),
+    ],
+)
+def test_the_subcommands_bad_flags_are_one_line_too(argv: list[str], prog: str) -> None:
+    result = run(*argv)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), result.stderr
+
+
 def test_main_returns_2_without_starting(capsys, monkeypatch) -> None:
     monkeypatch.delenv("NOPE", raising=False)
     assert main(["--replicas", "http://a", "--token-env", "NOPE"]) == 2

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import uvloop
 
-from lora_router.command import HelpFormatter, first_signal, interrupted
+from lora_router.command import HelpFormatter, Parser, first_signal, interrupted
 from lora_router.emulator.config import SUPPORTED_VERSIONS, EmulatorConfig
 from lora_router.emulator.faults import Faults
 from lora_router.emulator.server import start_emulator
@@ -34,7 +34,7 @@ examples:
 
 def build_parser() -> argparse.ArgumentParser:
     c, f = EmulatorConfig(), Faults()  # the defaults, written once
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="lora-router-emulator",
         description="An emulated vLLM replica (LoRA runtime updating + dev mode), no GPU "
         "needed.\nFlags named like vllm serve's mean what they mean there.",

@@ -22,6 +22,19 @@ def test_every_flag_in_help_is_described_with_one_default() -> None:
     assert_every_flag_described(build_parser(), result.stdout)
 
 
+def test_a_bad_flag_is_one_line_and_status_2() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "lora_router.emulator", "--port", "eighty"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "lora-router-emulator: error: argument --port: invalid int value: 'eighty' (see --help)"
+    ]
+
+
 async def test_ctrl_c_stops_it_with_one_line_and_status_130() -> None:
     result = await interrupt_when_ready(
         ["lora_router.emulator", "--port", "0"], r"serving .* on http://127\.0\.0\.1:\d+\n"
