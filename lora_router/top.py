@@ -1,9 +1,11 @@
 """`lora-router top`: a live terminal view of a running router, in the spirit of `htop`.
 
 It reads only the router's `GET /router/status` (with `--api-key-env NAME` when the router wants
-a key), so it works against any router the user can reach, and redraws every `--interval`
-seconds; `--once` prints one frame as plain text and exits (for scripts and CI logs), with
-status 1 if the router cannot be read. A frame shows:
+a key), so it works against any router the user can reach (`--url HOST:PORT` or a full URL),
+and redraws every `--interval` seconds on a terminal; without one (a pipe, a log file) it
+prints each frame as plain text instead, one after the other. `--once` prints one frame as
+plain text and exits (for scripts and CI logs), with status 1 if the router cannot be read.
+A frame shows:
 
 - the router: replicas serving, paused or not, the fence's version and the adapters it lets
   through (live) or holds back (loading, unloading);
