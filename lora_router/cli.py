@@ -485,7 +485,7 @@ def demo_router_flags(
 def run_demo(parser: argparse.ArgumentParser, argv: Sequence[str]) -> int:
     """`lora-router --demo ...`: the demo's own flags (its usage line) and the routing flags
     its router takes, in any order; `--help` after `--demo` is the demo's."""
-    from lora_router import demo
+    from lora_router import demo_command as demo
 
     own, rest = demo.build_parser().parse_known_args([a for a in argv if a != "--demo"])
     routing = demo_router_flags(parser, parser.parse_args([*rest, "--demo"]), demo.ROUTER_FLAGS)

@@ -13,7 +13,8 @@ import pytest
 from interrupt import assert_one_line, interrupt_when_ready
 
 from lora_router import cli
-from lora_router.demo import DemoPlan, build_parser, run, summary
+from lora_router.demo import DemoPlan, run, summary
+from lora_router.demo_command import build_parser, run_demo
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,14 +61,10 @@ def test_the_command_line_runs_the_demo(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_demo_sizes_are_validated() -> None:
-    from lora_router.demo import run_demo
-
     assert run_demo(["--replicas", "0"], out=io.StringIO()) == 2
 
 
 def test_the_demos_router_uses_the_policy_it_was_given() -> None:
-    from lora_router.demo import run_demo
-
     out = io.StringIO()
     sizes = ["--replicas", "2", "--steps", "2", "--prompts", "4", "--max-tokens", "4"]
     status = run_demo([*sizes, "--no-progress"], out=out, router={"policy": "round-robin"})
@@ -80,8 +77,6 @@ def test_the_demos_router_uses_the_policy_it_was_given() -> None:
 
 
 def test_the_summary_explains_the_fence_waits() -> None:
-    from lora_router.demo import run_demo
-
     out = io.StringIO()
     sizes = ["--replicas", "2", "--steps", "2", "--prompts", "4", "--max-tokens", "4"]
     assert run_demo([*sizes, "--no-progress"], out=out) == 0
