@@ -249,7 +249,9 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
 
 
 async def run(config: EmulatorConfig, restart_every: float | None) -> signal.Signals:
-    """Serve until SIGINT or SIGTERM, then stop; the signal that ended it."""
+    """Serve until SIGINT or SIGTERM, then stop; the signal that ended it (one that arrives
+    during the start stops the emulator as soon as it has started)."""
+    stopped = first_signal(signal.SIGINT, signal.SIGTERM)
     emulator = await start_emulator(config)
     mode = "fast" if config.fast else "full"
     print(
@@ -257,7 +259,6 @@ async def run(config: EmulatorConfig, restart_every: float | None) -> signal.Sig
         f"on {emulator.url}",
         flush=True,
     )
-    stopped = first_signal(signal.SIGINT, signal.SIGTERM)
     try:
         while not stopped.done():
             try:
@@ -282,6 +283,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         print(f"lora-router-emulator: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # before the handlers are in place
+    except KeyboardInterrupt:  # before the loop caught the signals
         ended_by = signal.SIGINT
     return interrupted("lora-router-emulator") if ended_by == signal.SIGINT else 0
