@@ -15,9 +15,10 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
-from typing import Any, NoReturn
+from typing import Any
 
 from lora_router import __version__
+from lora_router.command import HelpFormatter, Parser, first_signal, interrupted
 from lora_router.config import Config, ReplicaAddress, Secret, secret_from_env
 from lora_router.routing.policy import POLICIES
 
@@ -28,33 +29,29 @@ class UsageError(Exception):
     """A command line that cannot run; the message is the one line the user sees."""
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every flag's help ends with its default: the value, "off" for a switch, or the words
-    its help already gives (a flag whose default is computed says so itself)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "(default" in text or "(required" in text or action.default is argparse.SUPPRESS:
-            return text
-        if action.default is False:
-            return f"{text} (default: off)"
-        return f"{text} (default: %(default)s)"
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad flag costs one line (not the whole usage) and exit status 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+# The end of `--help`: the other commands and the commonest first runs.
+EXAMPLES = """\
+examples:
+  lora-router --demo                    try it: 3 emulated replicas and a short GRPO-shaped run
+  lora-router --demo --steps 2          the demo's own flags: lora-router --demo --help
+  lora-router --check --replicas http://gpu-1:8000,http://gpu-2:8000 --token-env HF_TOKEN
+                                        is this fleet ready for a TRL run? (exit 0: yes)
+  lora-router --replicas http://gpu-1:8000,http://gpu-2:8000 --token-env HF_TOKEN
+                                        serve on 127.0.0.1:8000: TRL's vllm_server_base_url
+  lora-router top --url 127.0.0.1:8000  a live view of a running router (--once: one frame)
+  lora-router-emulator --port 9001      one emulated vLLM replica, no GPU (its --help lists
+                                        the faults it can inject)
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
     d = Config(replicas=())
-    p = _Parser(
+    p = Parser(
         prog="lora-router",
-        description="Make N vLLM replicas, retrained live through LoRA adapters, look like one "
+        description="Make N vLLM replicas, retrained live through LoRA adapters, look like one\n"
         "vLLM server: prefix-affinity routing, fenced adapter broadcasts, streaming.",
-        formatter_class=_HelpFormatter,
+        epilog=EXAMPLES,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"lora-router {__version__}")
 
@@ -484,48 +481,45 @@ def _comma_list(text: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
-async def serve_until_signal(config: Config) -> None:
-    """Run the router until SIGTERM/SIGINT, then drain in-flight requests and return."""
+async def serve_until_signal(config: Config) -> signal.Signals:
+    """Run the router until SIGTERM/SIGINT, then drain in-flight requests; the signal.
+
+    The signals are caught from before start-up: one that arrives while the router is still
+    discovering its replicas abandons the start and stops what was started."""
     from lora_router.runtime import RouterRuntime
 
     runtime = RouterRuntime(config)
-    await runtime.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("stopping: no new connections; in-flight requests get %gs", config.shutdown_grace)
+    received = first_signal(signal.SIGTERM, signal.SIGINT)
+    starting = asyncio.ensure_future(runtime.start())
+    await asyncio.wait((starting, received), return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        await runtime.stop()
+        return received.result()
+    starting.result()  # a ListenError ends the command here
+    sig = await received
+    if sig == signal.SIGTERM:  # Ctrl-C says its one line once the router has stopped
+        log.info("stopping: no new connections; in-flight requests get %gs", config.shutdown_grace)
     await runtime.stop(grace=config.shutdown_grace)
-
-
-# The flags `--demo` passes to its own router; every other flag has no meaning there.
-DEMO_ROUTER_FLAGS = (
-    "policy",
-    "block_size",
-    "load_factor",
-    "load_slack",
-    "move_price",
-    "vnodes",
-    "affinity_table_size",
-)
+    return sig
 
 
 def demo_router_flags(
-    parser: argparse.ArgumentParser, args: argparse.Namespace
+    parser: argparse.ArgumentParser, args: argparse.Namespace, allowed: Sequence[str]
 ) -> dict[str, object]:
-    """The routing flags given with `--demo`, checked like a real fleet's; UsageError for any
-    other flag, which the demo would otherwise silently ignore."""
+    """The routing flags given with `--demo` (the `allowed` Config fields), checked like a
+    real fleet's; UsageError for any other flag, which the demo would otherwise ignore."""
     defaults = vars(parser.parse_args([]))
     given = [k for k, v in vars(args).items() if k != "demo" and v != defaults[k]]
-    other = [k for k in given if k not in DEMO_ROUTER_FLAGS]
+    other = [k for k in given if k not in allowed]
     if other:
         shown = ", ".join("--" + k.replace("_", "-") for k in other)
-        allowed = ", ".join("--" + k.replace("_", "-") for k in DEMO_ROUTER_FLAGS)
+        flags = ", ".join("--" + k.replace("_", "-") for k in allowed)
         raise UsageError(
             f"--demo starts its own emulated replicas and router, so {shown} "
-            f"{'has' if len(other) == 1 else 'have'} no meaning there; it takes only the "
-            f"routing flags ({allowed})"
+            f"{'has' if len(other) == 1 else 'have'} no meaning there; besides its own flags "
+            f"(lora-router --demo --help) it takes only the routing flags ({flags})"
         )
     # The same checks as for a real fleet, on a stand-in replica list.
     stand_in = argparse.Namespace(
@@ -535,20 +529,34 @@ def demo_router_flags(
     return {k: getattr(args, k) for k in given}
 
 
+def run_demo(parser: argparse.ArgumentParser, argv: Sequence[str]) -> int:
+    """`lora-router --demo ...`: the demo's own flags (its usage line) and the routing flags
+    its router takes, in any order; `--help` after `--demo` is the demo's."""
+    from lora_router import demo_command as demo
+
+    own, rest = demo.build_parser().parse_known_args([a for a in argv if a != "--demo"])
+    routing = demo_router_flags(parser, parser.parse_args([*rest, "--demo"]), demo.ROUTER_FLAGS)
+    return demo.demo_command(own, router=routing)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """Every command of `lora-router`; Ctrl-C ends any of them with one line and status 130."""
+    try:
+        return _command(sys.argv[1:] if argv is None else list(argv))
+    except KeyboardInterrupt:
+        return interrupted("lora-router")
+
+
+def _command(argv: list[str]) -> int:
     if argv[:1] == ["top"]:  # a subcommand; every other form is the router's own flags
         from lora_router.top import main as top
 
         return top(argv[1:])
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        if args.demo:
-            routing = demo_router_flags(parser, args)
-            from lora_router.demo import run_demo
-
-            return run_demo(router=routing)
+        if "--demo" in argv:
+            return run_demo(parser, argv)
+        args = parser.parse_args(argv)
         config = build_config(args, os.environ)
     except UsageError as exc:
         print(f"lora-router: error: {exc}", file=sys.stderr)
@@ -566,11 +574,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from lora_router.runtime import ListenError
 
     try:
-        uvloop.run(serve_until_signal(config))
+        ended_by = uvloop.run(serve_until_signal(config))
     except ListenError as exc:
         print(f"lora-router: error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    return interrupted("lora-router") if ended_by == signal.SIGINT else 0
 
 
 if __name__ == "__main__":

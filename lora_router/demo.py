@@ -32,8 +32,8 @@ from HTTP answers only (the `x-lora-router-replica` header says which replica an
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -56,7 +56,6 @@ from lora_router.config import Config, ReplicaAddress
 from lora_router.emulator import Emulator, EmulatorConfig, Faults, start_emulator, write_adapter
 from lora_router.emulator.prefix_cache import PrefixCache, block_hashes
 from lora_router.emulator.tokens import apply_chat_template
-from lora_router.routing.policy import POLICIES
 from lora_router.runtime import RouterRuntime
 from lora_router.table import render_table
 
@@ -160,6 +159,7 @@ async def run(plan: DemoPlan, progress: TextIO | None = sys.stderr) -> DemoResul
     workdir = Path(tempfile.mkdtemp(prefix="lora-router-demo-"))
     emulators: list[Emulator] = []
     runtime: RouterRuntime | None = None
+    cancelled = False
     try:
         for i in range(plan.replicas):
             lagging = i == plan.replicas - 1 and plan.replicas > 1
@@ -209,12 +209,26 @@ async def run(plan: DemoPlan, progress: TextIO | None = sys.stderr) -> DemoResul
         result.wall = time.perf_counter() - started
         await _read_cache_metrics(result, [e.url for e in emulators])
         return result
+    except asyncio.CancelledError:  # Ctrl-C: stopping now fails what is in flight, on purpose
+        cancelled = True
+        raise
     finally:
-        if runtime is not None:
-            await runtime.stop()
-        for emulator in emulators:
-            await emulator.stop()
+        # An interrupted run's own teardown is no news: its warnings are not shown.
+        with _logging_off() if cancelled else contextlib.nullcontext():
+            if runtime is not None:
+                await runtime.stop()
+            for emulator in emulators:
+                await emulator.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _logging_off() -> Iterator[None]:
+    logging.disable(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
 
 
 class _Run:
@@ -590,60 +604,7 @@ def summary(result: DemoResult) -> str:
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    d = DemoPlan()
-    p = argparse.ArgumentParser(
-        prog="lora-router --demo",
-        description="A GRPO-shaped run through a router in front of emulated replicas.",
-    )
-    p.add_argument("--replicas", type=int, default=d.replicas)
-    p.add_argument("--steps", type=int, default=d.steps, help="adapter versions to train")
-    p.add_argument("--prompts", type=int, default=d.prompts, help="prompts per step")
-    p.add_argument("--group", type=int, default=d.group, help="samples per prompt (G)")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    p.add_argument("--mount-lag", type=int, default=d.mount_lag)
-    p.add_argument(
-        "--policy",
-        choices=POLICIES,
-        default=d.policy,
-        help="the router's routing policy (compare prefix with round-robin)",
-    )
-    p.add_argument("--no-progress", action="store_true")
-    return p
+if __name__ == "__main__":  # `python -m lora_router.demo`: the demo's own flags only
+    from lora_router.demo_command import run_demo
 
-
-def run_demo(
-    argv: Sequence[str] | None = None,
-    out: TextIO | None = None,
-    router: Mapping[str, Any] | None = None,
-) -> int:
-    """The `--demo` command: run, print the summary, return 0 when every request succeeded.
-    `router`: routing flags given to `lora-router --demo` (checked there), for its router."""
-    args = build_parser().parse_args(argv if argv is not None else [])
-    routing = dict(router or {})
-    policy = routing.pop("policy", args.policy)
-    if min(args.replicas, args.steps, args.prompts, args.group, args.max_tokens) < 1:
-        print("lora-router --demo: sizes must be at least 1", file=sys.stderr)
-        return 2
-    plan = DemoPlan(
-        replicas=args.replicas,
-        steps=args.steps,
-        prompts=args.prompts,
-        group=args.group,
-        max_tokens=args.max_tokens,
-        mount_lag=max(0, args.mount_lag),
-        policy=policy,
-        routing=tuple(sorted(routing.items())),
-    )
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        result = asyncio.run(run(plan, progress=None if args.no_progress else sys.stderr))
-    except DemoError as exc:
-        print(f"lora-router --demo: {exc}", file=sys.stderr)
-        return 1
-    print(summary(result), file=out or sys.stdout)
-    return 0 if result.ok else 1
-
-
-if __name__ == "__main__":
     sys.exit(run_demo(sys.argv[1:]))

@@ -1,9 +1,11 @@
 """`lora-router top`: a live terminal view of a running router, in the spirit of `htop`.
 
 It reads only the router's `GET /router/status` (with `--api-key-env NAME` when the router wants
-a key), so it works against any router the user can reach, and redraws every `--interval`
-seconds; `--once` prints one frame as plain text and exits (for scripts and CI logs), with
-status 1 if the router cannot be read. A frame shows:
+a key), so it works against any router the user can reach (`--url HOST:PORT` or a full URL),
+and redraws every `--interval` seconds on a terminal; without one (a pipe, a log file) it
+prints each frame as plain text instead, one after the other. `--once` prints one frame as
+plain text and exits (for scripts and CI logs), with status 1 if the router cannot be read.
+A frame shows:
 
 - the router: replicas serving, paused or not, the fence's version and the adapters it lets
   through (live) or holds back (loading, unloading);
@@ -43,6 +45,7 @@ import os
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from typing import Any
@@ -54,6 +57,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from lora_router.command import HelpFormatter, Parser, interrupted
 from lora_router.config import secret_from_env
 
 PAUSED_TRAINER_BOUND = 0.25
@@ -291,17 +295,40 @@ def _num(value: object) -> str:
     return f"{float(value):,.0f}" if isinstance(value, int | float) else "-"
 
 
+def router_url(text: str) -> str:
+    """`--url`: a full URL (`http://host:8000`) or `HOST:PORT` (`127.0.0.1:8000`, http), with
+    no trailing slash; anything else is a usage error naming the forms."""
+    url = text if "://" in text else "http://" + text
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a router address: give HOST:PORT (127.0.0.1:8000) or a URL "
+            "(http://127.0.0.1:8000)"
+        )
+    return url.rstrip("/")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="lora-router top",
-        description="A live view of a running lora-router, read from its /router/status.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="A live view of a running lora-router, read from its /router/status.\n"
+        "Without a terminal (a pipe, a log file) each frame is printed as plain text.",
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="the router's base URL")
+    p.add_argument(
+        "--url",
+        type=router_url,
+        default="http://127.0.0.1:8000",
+        help="the router: HOST:PORT or its base URL",
+    )
     p.add_argument(
         "--api-key-env",
         metavar="NAME",
-        help="environment variable holding the router's API key (if it has one)",
+        help="environment variable holding the router's API key (default: none, no key sent)",
     )
     p.add_argument("--interval", type=float, default=2.0, help="seconds between frames")
     p.add_argument("--once", action="store_true", help="print one frame as plain text and exit")
@@ -309,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """`lora-router top`; Ctrl-C ends it with one line and status 130."""
     args = build_parser().parse_args(argv)
     api_key = ""
     if args.api_key_env:
@@ -317,31 +345,52 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:  # never echoes a key pasted in place of the name
             print(f"lora-router top: error: {exc}", file=sys.stderr)
             return 2
-    if args.once:
-        try:
-            status = fetch(args.url, api_key)
-        except StatusError as exc:
-            print(f"lora-router top: {exc}", file=sys.stderr)
-            return 1
-        console = Console(
-            width=None if sys.stdout.isatty() else _ONCE_WIDTH, color_system=None, highlight=False
-        )
-        console.print(frame(status, args.url))
-        return 0
-    return _live(args.url, api_key, max(0.2, args.interval))
+    try:
+        if args.once:
+            try:
+                status = fetch(args.url, api_key)
+            except StatusError as exc:
+                print(f"lora-router top: {exc}", file=sys.stderr)
+                return 1
+            _plain().print(frame(status, args.url))
+            return 0
+        interval = max(0.2, args.interval)
+        if not sys.stdout.isatty():
+            return _frames(args.url, api_key, interval)
+        return _live(args.url, api_key, interval)
+    except KeyboardInterrupt:
+        return interrupted("lora-router top")
+
+
+def _plain() -> Console:
+    """A console for frames as plain text: no colour, and on a pipe as wide as `_ONCE_WIDTH`."""
+    return Console(
+        width=None if sys.stdout.isatty() else _ONCE_WIDTH, color_system=None, highlight=False
+    )
+
+
+def _current(url: str, api_key: str, interval: float) -> RenderableType:
+    """The frame to show now: the router's status, or why it cannot be read."""
+    try:
+        return frame(fetch(url, api_key, timeout=max(1.0, interval)), url)
+    except StatusError as exc:
+        return Text(f"lora-router top: {exc} (retrying every {interval:g} s)", style="red")
 
 
 def _live(url: str, api_key: str, interval: float) -> int:
-    def current() -> RenderableType:
-        try:
-            return frame(fetch(url, api_key, timeout=max(1.0, interval)), url)
-        except StatusError as exc:
-            return Text(f"lora-router top: {exc} (retrying every {interval:g} s)", style="red")
+    """On a terminal: one frame, redrawn in place every `interval` seconds."""
+    with Live(_current(url, api_key, interval), auto_refresh=False, screen=False) as live:
+        while True:
+            time.sleep(interval)
+            live.update(_current(url, api_key, interval), refresh=True)
 
-    try:
-        with Live(current(), auto_refresh=False, screen=False) as live:
-            while True:
-                time.sleep(interval)
-                live.update(current(), refresh=True)
-    except KeyboardInterrupt:
-        return 0
+
+def _frames(url: str, api_key: str, interval: float) -> int:
+    """Without a terminal: every `interval` seconds a new frame as plain text, a blank line
+    between two frames (a redraw in place would never reach a pipe)."""
+    console = _plain()
+    while True:
+        console.print(_current(url, api_key, interval))
+        console.file.flush()
+        time.sleep(interval)
+        console.print()

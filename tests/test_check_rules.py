@@ -15,7 +15,7 @@ from lora_router.leftovers import stale_glob
 def ready(name: str = "http://a:8000", **changes: object) -> ReplicaFacts:
     facts = ReplicaFacts(
         name=name,
-        version="0.33.0",
+        version="0.32.0",
         base_model="Qwen/Qwen2.5-Math-1.5B",
         max_model_len=4096,
         lora=True,

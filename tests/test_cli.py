@@ -12,6 +12,8 @@ import sys
 
 import pytest
 import uvloop
+from help_text import assert_every_flag_described, help_entries
+from interrupt import assert_one_line, interrupt_when_ready
 
 from lora_router.cli import UsageError, build_config, build_parser, main
 from lora_router.config import Config, ReplicaAddress
@@ -141,6 +143,20 @@ def test_bad_flags_are_a_one_line_usage_error(argv: list[str]) -> None:
     assert result.stdout == ""
 
 
+@pytest.mark.parametrize(
+    ("argv", "prog"),
+    [
+        (["--demo", "--steps", "many"], "lora-router --demo"),
+        (["top", "--url", "ftp://127.0.0.1:8000"], "lora-router top"),
+    ],
+)
+def test_the_subcommands_bad_flags_are_one_line_too(argv: list[str], prog: str) -> None:
+    result = run(*argv)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), result.stderr
+
+
 def test_main_returns_2_without_starting(capsys, monkeypatch) -> None:
     monkeypatch.delenv("NOPE", raising=False)
     assert main(["--replicas", "http://a", "--token-env", "NOPE"]) == 2
@@ -210,46 +226,51 @@ async def _sigterm_drains() -> None:
         await emu.stop()
 
 
-def _help_entries(text: str) -> dict[str, str]:
-    """Each option of `--help` (its first flag) -> the whole text shown for it."""
-    entries: dict[str, str] = {}
-    current = None
-    for line in text.splitlines():
-        match = re.match(r"^  (-\S+)", line)
-        if match:
-            current = match.group(1).split(",")[0]
-            entries[current] = line
-        elif current is not None and line.startswith("    "):
-            entries[current] += " " + line.strip()
-        else:
-            current = None
-    return entries
+async def test_ctrl_c_stops_the_router_with_one_line_and_status_130() -> None:
+    emu = await start_emulator(EmulatorConfig(port=0))
+    try:
+        argv = ["lora_router.cli", "--replicas", emu.url, "--no-token", "--port", "0"]
+        result = await interrupt_when_ready(argv, r"listening on .*\n", on="stderr")
+    finally:
+        await emu.stop()
+    assert_one_line(result, "lora-router")
+
+
+async def test_ctrl_c_stops_check_with_one_line_and_status_130() -> None:
+    # A replica that accepts and never answers: once it is asked, --check is probing it.
+    asked = asyncio.Event()
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        asked.set()
+        await reader.read()  # until the check goes away
+        writer.close()
+
+    replica = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{replica.sockets[0].getsockname()[1]}"
+    try:
+        argv = ["lora_router.cli", "--check", "--replicas", url, "--no-token"]
+        result = await interrupt_when_ready(argv, asked)
+    finally:
+        replica.close()
+    assert_one_line(result, "lora-router")
 
 
 def test_every_flag_in_help_is_described_with_one_default() -> None:
     result = run("--help")
     assert result.returncode == 0
-    entries = _help_entries(result.stdout)
-    parser = build_parser()
-    options = {
-        a.option_strings[-1] if a.option_strings[0] == "-h" else a.option_strings[0]
-        for a in parser._actions
-    }
-    assert set(entries) == {"-h"} | (options - {"--help"})
-    for flag, text in entries.items():
-        if flag in ("-h", "--version"):
-            continue
-        flag_and_metavar = re.match(r"\s*-\S+(?: [A-Z_]+| \{[^}]+\})?", text)
-        assert flag_and_metavar is not None
-        described = text[flag_and_metavar.end() :].strip()
-        assert described and not described.startswith("("), f"{flag} has no help"
-        marks = text.count("(default") + text.count("(required")
-        assert marks == 1, f"{flag}: default shown {marks} times: {text}"
-        assert "(default: None)" not in text, f"{flag} shows a meaningless default"
+    assert_every_flag_described(build_parser(), result.stdout)
+
+
+def test_help_ends_with_examples_of_every_command() -> None:
+    result = run("--help")
+    examples = result.stdout.split("\nexamples:\n")[1]
+    for command in ("lora-router top", "--check", "--demo", "lora-router-emulator"):
+        assert command in examples
 
 
 def test_block_size_states_its_computed_default_once() -> None:
-    text = _help_entries(run("--help").stdout)["--block-size"]
+    text = help_entries(run("--help").stdout)["--block-size"]
     assert text.count("default") == 1 and "cache_config.block_size, else 16" in text
 
 
@@ -307,25 +328,16 @@ def test_a_port_in_use_contacts_no_replica() -> None:
 
 
 def test_demo_refuses_flags_it_would_ignore() -> None:
-    result = run("--demo", "--replicas", "http://a", "--retries", "3")
+    result = run("--demo", "--token-env", "HF_TOKEN", "--retries", "3")
     assert result.returncode == 2
     line = result.stderr.strip()
     assert line.startswith("lora-router: error: --demo starts its own")
-    assert "--replicas, --retries have no meaning there" in line and "--policy" in line
+    assert "--token-env, --retries have no meaning there" in line and "--vnodes" in line
 
 
 def test_demo_checks_the_routing_flags_it_takes() -> None:
     result = run("--demo", "--load-factor", "-1")
     assert result.returncode == 2 and "--load-factor must be positive" in result.stderr
-
-
-def test_demo_passes_the_routing_flags_to_its_router(monkeypatch) -> None:
-    import lora_router.demo
-
-    seen: list[object] = []
-    monkeypatch.setattr(lora_router.demo, "run_demo", lambda router: seen.append(router) or 0)
-    assert main(["--demo", "--policy", "round-robin", "--vnodes", "7"]) == 0
-    assert seen == [{"policy": "round-robin", "vnodes": 7}]
 
 
 def test_a_config_built_in_code_is_validated_too() -> None:

@@ -4,12 +4,17 @@ summary reports is consistent with the run it describes."""
 from __future__ import annotations
 
 import io
+import os
 import re
+import subprocess
+import sys
 
 import pytest
+from interrupt import assert_one_line, interrupt_when_ready
 
 from lora_router import cli
 from lora_router.demo import DemoPlan, run, summary
+from lora_router.demo_command import build_parser, run_demo
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,14 +61,10 @@ def test_the_command_line_runs_the_demo(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_demo_sizes_are_validated() -> None:
-    from lora_router.demo import run_demo
-
     assert run_demo(["--replicas", "0"], out=io.StringIO()) == 2
 
 
 def test_the_demos_router_uses_the_policy_it_was_given() -> None:
-    from lora_router.demo import run_demo
-
     out = io.StringIO()
     sizes = ["--replicas", "2", "--steps", "2", "--prompts", "4", "--max-tokens", "4"]
     status = run_demo([*sizes, "--no-progress"], out=out, router={"policy": "round-robin"})
@@ -76,10 +77,50 @@ def test_the_demos_router_uses_the_policy_it_was_given() -> None:
 
 
 def test_the_summary_explains_the_fence_waits() -> None:
-    from lora_router.demo import run_demo
-
     out = io.StringIO()
     sizes = ["--replicas", "2", "--steps", "2", "--prompts", "4", "--max-tokens", "4"]
     assert run_demo([*sizes, "--no-progress"], out=out) == 0
     text = " ".join(out.getvalue().split())
     assert "an eager client" in text and "with TRL these waits are rare" in text
+
+
+def lora_router(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lora_router.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=os.environ,
+    )
+
+
+def test_every_flag_of_the_demos_usage_works_after_lora_router_demo() -> None:
+    own = ["--replicas", "2", "--steps", "2", "--prompts", "2", "--group", "4"]
+    own += ["--max-tokens", "4", "--mount-lag", "1", "--policy", "round-robin", "--no-progress"]
+    # Every flag the demo's usage line offers is in the command line above.
+    usage = build_parser().format_usage()
+    assert set(re.findall(r"\[(--[a-z-]+)", usage)) == {a for a in own if a.startswith("--")}
+    result = lora_router("--demo", *own, "--vnodes", "7")  # and a routing flag for its router
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # --no-progress
+    header = result.stdout.splitlines()[1]
+    assert header.startswith(
+        "lora-router demo: 2 steps x 2 prompts x G=4 over 2 emulated replicas, "
+        "--policy round-robin, --vnodes 7, "
+    )
+    assert result.stdout.splitlines()[-1] == "OK: the run completed."
+
+
+def test_help_after_demo_is_the_demos_help() -> None:
+    result = lora_router("--demo", "--help")
+    assert result.returncode == 0
+    assert result.stdout.startswith("usage: lora-router --demo [-h] [--replicas REPLICAS]")
+    assert "--vnodes" in result.stdout  # the routing flags it also takes
+
+
+async def test_ctrl_c_stops_the_demo_with_one_line_and_status_130() -> None:
+    # Interrupted mid-run: the first adapter is live and rollouts are in flight.
+    result = await interrupt_when_ready(
+        ["lora_router.cli", "--demo"], r"trl-policy-v1 live", on="stderr"
+    )
+    assert_one_line(result, "lora-router --demo")

@@ -2,8 +2,9 @@
 
 Tests, benchmarks and demos of lora-router run against it. It answers every route of the
 contract (`shared/docs/vllm-contract.md` §2) with vLLM's statuses, bodies, headers and SSE
-framing, for vLLM 0.27 or 0.33, and simulates what routing changes: a prefix cache, LoRA slots,
-a batch scheduler with a timing model. Faults can be switched on to test fault tolerance.
+framing, for vLLM 0.32 (the default), 0.27 or 0.33 (`config.SUPPORTED_VERSIONS` says how they
+differ), and simulates what routing changes: a prefix cache, LoRA slots, a batch scheduler
+with a timing model. Faults can be switched on to test fault tolerance.
 
 Layout, one concept per module:
 - `config`: `EmulatorConfig`, the settings (the `vllm serve` flags that matter, plus timing);
@@ -25,7 +26,7 @@ Layout, one concept per module:
 
 In-process use:
 
-    emu = await start_emulator(EmulatorConfig(port=0, vllm_version="0.33"))
+    emu = await start_emulator(EmulatorConfig(port=0, vllm_version="0.27"))
     emu.url, emu.state.adapters, emu.requests, emu.faults.dead = True
     await emu.restart(); await emu.crash(); await emu.stop()
 """

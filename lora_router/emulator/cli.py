@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import signal
 import ssl
 import sys
@@ -18,23 +17,48 @@ from collections.abc import Sequence
 
 import uvloop
 
+from lora_router.command import HelpFormatter, Parser, first_signal, interrupted
 from lora_router.emulator.config import SUPPORTED_VERSIONS, EmulatorConfig
 from lora_router.emulator.faults import Faults
 from lora_router.emulator.server import start_emulator
 
+# The end of `--help`: how the emulator is used with the router.
+EXAMPLES = """\
+examples:
+  lora-router-emulator --port 9001 &    two replicas to put a router in front of
+  lora-router-emulator --port 9002 --mount-lag 2 &
+  lora-router --replicas http://127.0.0.1:9001,http://127.0.0.1:9002 --no-token
+  curl -s localhost:9001/emulator/faults -d '{"dead": true}'    a fault, at run time
+"""
+
 
 def build_parser() -> argparse.ArgumentParser:
     c, f = EmulatorConfig(), Faults()  # the defaults, written once
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="lora-router-emulator",
-        description="An emulated vLLM replica (LoRA runtime updating + dev mode), no GPU needed.",
+        description="An emulated vLLM replica (LoRA runtime updating + dev mode), no GPU "
+        "needed.\nFlags named like vllm serve's mean what they mean there.",
+        epilog=EXAMPLES,
+        formatter_class=HelpFormatter,
     )
     g = p.add_argument_group("listening")
-    g.add_argument("--host", default=c.host)
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    g.add_argument("--ssl-certfile", default=None, help="serve https with this certificate")
-    g.add_argument("--ssl-keyfile", default=None)
+    g.add_argument("--host", default=c.host, help="address to listen on")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: none, nothing asked)",
+    )
+    g.add_argument(
+        "--ssl-certfile",
+        default=None,
+        help="serve https with this certificate (default: plain http)",
+    )
+    g.add_argument(
+        "--ssl-keyfile",
+        default=None,
+        help="the certificate's private key (default: read from --ssl-certfile)",
+    )
     g.add_argument(
         "--fast",
         action="store_true",
@@ -42,12 +66,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("model and vLLM version")
-    g.add_argument("--model", default=c.model)
-    g.add_argument("--max-model-len", type=int, default=c.max_model_len)
-    g.add_argument("--vllm-version", choices=SUPPORTED_VERSIONS, default=c.vllm_version)
-    g.add_argument("--max-lora-rank", type=int, default=c.max_lora_rank)
-    g.add_argument("--max-loras", type=int, default=c.max_loras)
-    g.add_argument("--max-cpu-loras", type=int, default=c.max_cpu_loras)
+    g.add_argument("--model", default=c.model, help="the served model's name (vllm serve MODEL)")
+    g.add_argument(
+        "--max-model-len", type=int, default=c.max_model_len, help="context length in tokens"
+    )
+    g.add_argument(
+        "--vllm-version",
+        choices=SUPPORTED_VERSIONS,
+        default=c.vllm_version,
+        help="the vLLM release line whose answers to reproduce: 0.32, the one the docs and "
+        "tests/vllm were checked against; 0.27 and 0.33 where they differ from it (pausing, "
+        "keep-alive comments, prefix-cache keys, length checks; see emulator/config.py)",
+    )
+    g.add_argument(
+        "--max-lora-rank", type=int, default=c.max_lora_rank, help="largest adapter rank loaded"
+    )
+    g.add_argument(
+        "--max-loras", type=int, default=c.max_loras, help="adapters a batch may use (GPU slots)"
+    )
+    g.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=c.max_cpu_loras,
+        help="adapters kept loaded; beyond it the least recently used is evicted "
+        "(default: --max-loras, as vLLM)",
+    )
     g.add_argument("--no-lora", action="store_true", help="serve without --enable-lora")
     g.add_argument(
         "--no-runtime-lora-updating",
@@ -60,26 +103,51 @@ def build_parser() -> argparse.ArgumentParser:
         help="as without VLLM_SERVER_DEV_MODE=1 (/pause, /resume ... 404)",
     )
     g.add_argument(
-        "--sse-keepalive",
+        "--sse-keep-alive-interval",
         type=float,
         default=c.sse_keepalive_s,
-        help="seconds between ': keep-alive' SSE comments (0.33; 0 = never)",
+        help="seconds between ': keep-alive' comments on an idle stream, 0: never "
+        "(default: never on 0.32, 15 on 0.33; 0.27 sends none)",
     )
 
     g = p.add_argument_group("engine model")
-    g.add_argument("--block-size", type=int, default=c.block_size)
-    g.add_argument("--cache-blocks", type=int, default=c.cache_blocks, help="prefix-cache capacity")
-    g.add_argument("--max-num-seqs", type=int, default=c.max_num_seqs)
-    g.add_argument("--prefill-s-per-token", type=float, default=c.prefill_s_per_token)
-    g.add_argument("--decode-s-per-token", type=float, default=c.decode_s_per_token)
+    g.add_argument("--block-size", type=int, default=c.block_size, help="tokens per KV block")
+    g.add_argument(
+        "--cache-blocks", type=int, default=c.cache_blocks, help="prefix-cache capacity in blocks"
+    )
+    g.add_argument(
+        "--max-num-seqs", type=int, default=c.max_num_seqs, help="sequences running at once"
+    )
+    g.add_argument(
+        "--prefill-s-per-token",
+        type=float,
+        default=c.prefill_s_per_token,
+        help="seconds per prompt token not found in the prefix cache",
+    )
+    g.add_argument(
+        "--decode-s-per-token",
+        type=float,
+        default=c.decode_s_per_token,
+        help="seconds per generated token",
+    )
     g.add_argument(
         "--adapter-load-s",
         type=float,
         default=c.adapter_load_s,
         help="time to re-read an evicted adapter",
     )
-    g.add_argument("--mean-output-tokens", type=int, default=c.mean_output_tokens)
-    g.add_argument("--seed", type=int, default=c.seed)
+    g.add_argument(
+        "--mean-output-tokens",
+        type=int,
+        default=c.mean_output_tokens,
+        help="mean completion length before the end-of-sequence token",
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=c.seed,
+        help="makes the samples of requests that carry no seed the same from run to run",
+    )
 
     g = p.add_argument_group("faults (also at run time: POST /emulator/faults)")
     g.add_argument(
@@ -100,8 +168,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--error-rate", type=float, default=f.error_rate, help="share of completions answered 5xx"
     )
-    g.add_argument("--error-status", type=int, default=f.error_status)
-    g.add_argument("--error-seed", type=int, default=f.error_seed)
+    g.add_argument(
+        "--error-status",
+        type=int,
+        default=f.error_status,
+        help="the status of the completions --error-rate fails",
+    )
+    g.add_argument(
+        "--error-seed",
+        type=int,
+        default=f.error_seed,
+        help="makes the sequence of failed completions reproducible (default: none, a new "
+        "sequence each run)",
+    )
     g.add_argument(
         "--stall",
         action="store_true",
@@ -111,14 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--crash-after-frames",
         type=int,
         default=f.crash_after_frames,
-        help="cut streams after N SSE frames (non-streamed: before answering)",
+        help="cut streams after N SSE frames, non-streamed answers before they are sent "
+        "(default: never)",
     )
     g.add_argument("--dead", action="store_true", help="engine dead: /health answers 503")
     g.add_argument(
         "--restart-every",
         type=float,
         default=None,
-        help="restart (forgetting adapters) every S seconds",
+        help="restart (forgetting adapters) every S seconds (default: never)",
     )
     return p
 
@@ -161,14 +241,17 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         adapter_load_s=args.adapter_load_s,
         mean_output_tokens=args.mean_output_tokens,
         seed=args.seed,
-        sse_keepalive_s=args.sse_keepalive,
+        sse_keepalive_s=args.sse_keep_alive_interval,
         fast=args.fast,
         faults=faults,
         record_requests=False,
     )
 
 
-async def run(config: EmulatorConfig, restart_every: float | None) -> None:
+async def run(config: EmulatorConfig, restart_every: float | None) -> signal.Signals:
+    """Serve until SIGINT or SIGTERM, then stop; the signal that ended it (one that arrives
+    during the start stops the emulator as soon as it has started)."""
+    stopped = first_signal(signal.SIGINT, signal.SIGTERM)
     emulator = await start_emulator(config)
     mode = "fast" if config.fast else "full"
     print(
@@ -176,20 +259,16 @@ async def run(config: EmulatorConfig, restart_every: float | None) -> None:
         f"on {emulator.url}",
         flush=True,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
     try:
-        while not stop.is_set():
+        while not stopped.done():
             try:
-                await asyncio.wait_for(stop.wait(), timeout=restart_every)
+                await asyncio.wait_for(asyncio.shield(stopped), timeout=restart_every)
             except TimeoutError:
                 await emulator.restart()
                 print("restarted: every adapter forgotten", flush=True)
     finally:
         await emulator.stop()
+    return stopped.result()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -200,8 +279,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lora-router-emulator: {exc}", file=sys.stderr)
         return 2
     try:
-        uvloop.run(run(config, args.restart_every))
+        ended_by = uvloop.run(run(config, args.restart_every))
     except OSError as exc:
         print(f"lora-router-emulator: {exc}", file=sys.stderr)
         return 1
-    return 0
+    except KeyboardInterrupt:  # before the loop caught the signals
+        ended_by = signal.SIGINT
+    return interrupted("lora-router-emulator") if ended_by == signal.SIGINT else 0

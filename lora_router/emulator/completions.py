@@ -173,11 +173,11 @@ def _output_options(body: dict[str, Any], params: GenerationParams) -> Reply | N
     return None
 
 
-def context_error(params: GenerationParams, max_model_len: int, vllm_version: str) -> Reply | None:
+def context_error(params: GenerationParams, max_model_len: int, since_032: bool) -> Reply | None:
     """vLLM's length checks. 0.27: the prompt alone, then prompt plus `max_tokens`. 0.32 and
-    later (seen on a real 0.32 server): `max_tokens` alone, then the prompt alone; a prompt
-    plus `max_tokens` beyond the context is not refused, `max_tokens` is clamped to fit."""
-    if vllm_version != "0.27":
+    later (`since_032`, seen on a real 0.32 server): `max_tokens` alone, then the prompt alone;
+    a prompt plus `max_tokens` beyond the context is not refused, `max_tokens` is clamped."""
+    if since_032:
         if params.max_tokens is not None and params.max_tokens > max_model_len:
             return bad_request(
                 f"max_tokens={params.max_tokens} cannot be greater than "

@@ -14,9 +14,16 @@ from dataclasses import dataclass, field
 
 from lora_router.emulator.faults import Faults
 
-SUPPORTED_VERSIONS = ("0.27", "0.33")
+# The release lines emulated, oldest first. 0.32 is the default: the line the docs and the
+# real-vLLM tier (tests/vllm) were checked against, its behaviour read from a running 0.32
+# server and its code. 0.27 is the reference HF Jobs recipe's pin. 0.33 is kept apart, not as
+# a name for 0.32, because it differs from it where the router can tell (read from 0.33.0's
+# code, not seen running): it answers new requests 503 while paused in abort or wait mode,
+# where 0.32 queues them as 0.27 does, and its streams send `: keep-alive` every 15 s by
+# default, where 0.32 sends none unless `--sse-keep-alive-interval` is given.
+SUPPORTED_VERSIONS = ("0.27", "0.32", "0.33")
 # What `/version` reports for each emulated release line.
-RELEASE_OF_VERSION = {"0.27": "0.27.1", "0.33": "0.33.0"}
+RELEASE_OF_VERSION = {"0.27": "0.27.1", "0.32": "0.32.0", "0.33": "0.33.0"}
 
 
 @dataclass(slots=True)
@@ -35,7 +42,7 @@ class EmulatorConfig:
     # The served model (`vllm serve MODEL --max-model-len N`)
     model: str = "Qwen/Qwen2.5-Math-1.5B"
     max_model_len: int = 4096
-    vllm_version: str = "0.33"
+    vllm_version: str = "0.32"
 
     # LoRA (`--enable-lora --max-lora-rank R --max-loras K --max-cpu-loras C`)
     enable_lora: bool = True
@@ -59,7 +66,9 @@ class EmulatorConfig:
     seed: int = 0  # makes unseeded requests and fault draws reproducible across runs
 
     # HTTP behaviour
-    sse_keepalive_s: float | None = None  # None: 15 s on 0.33, off on 0.27; 0: off
+    # `--sse-keep-alive-interval` (0.32 on). None: the line's default, 15 s on 0.33, off on
+    # 0.32 and 0.27; 0: off. 0.27 has no keep-alive at all.
+    sse_keepalive_s: float | None = None
     fast: bool = False  # pre-rendered answers on a raw asyncio protocol (benchmarks)
 
     # Faults in force at start; `Emulator.faults` is this same object, mutable at run time.
@@ -79,6 +88,10 @@ class EmulatorConfig:
             # vLLM refuses this combination at start-up too.
             raise ValueError("max_cpu_loras must be >= max_loras")
 
+    def since(self, version: str) -> bool:
+        """Whether the emulated line is `version` or newer (a behaviour that line brought)."""
+        return SUPPORTED_VERSIONS.index(self.vllm_version) >= SUPPORTED_VERSIONS.index(version)
+
     @property
     def cpu_loras(self) -> int:
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
@@ -90,8 +103,8 @@ class EmulatorConfig:
     @property
     def keepalive_interval(self) -> float | None:
         """Seconds between SSE `: keep-alive` comments on an idle stream, or None for never."""
-        if self.vllm_version == "0.27":
+        if not self.since("0.32"):
             return None
         if self.sse_keepalive_s is None:
-            return 15.0
+            return 15.0 if self.since("0.33") else None
         return self.sse_keepalive_s if self.sse_keepalive_s > 0 else None

@@ -10,8 +10,8 @@ It also owns the pause state of vLLM's dev-mode endpoints:
 - `abort` aborts every sequence in flight (they finish with reason "abort");
 - `wait` returns once every sequence in flight has finished;
 - `keep` freezes sequences in place until `/resume`.
-New requests while paused are queued at the door, except on 0.33 in abort/wait mode, where they
-are rejected (`GenerationPaused`).
+New requests while paused are queued at the door (0.27, 0.32: "all pause modes queue new
+adds"), except on 0.33 in abort/wait mode, where they are rejected (`GenerationPaused`).
 
 This is the object tests assert on (`emu.state`). It never touches sockets; the only outside
 read is the optional re-read of an evicted adapter through the injected `read_adapter`.
@@ -189,10 +189,10 @@ class Engine:
         return [self.config.model]
 
     def extra_keys(self, adapter: Adapter | None) -> tuple[str, ...]:
-        """Prefix-cache extra keys: the adapter name (0.27) or name and path (0.33)."""
+        """Prefix-cache extra keys: the adapter name (0.27) or name and path (0.32 on)."""
         if adapter is None:
             return ()
-        if self.config.vllm_version == "0.27":
+        if not self.config.since("0.32"):
             return (adapter.name,)
         return (adapter.name, adapter.path)
 
@@ -229,7 +229,7 @@ class Engine:
         if self.crashed is not None:
             raise EngineDead(self.crashed)
         while self._pause.paused:
-            if self.config.vllm_version == "0.33" and self._pause.mode in ("abort", "wait"):
+            if self.config.since("0.33") and self._pause.mode in ("abort", "wait"):
                 self.counters.rejected_paused += 1
                 raise GenerationPaused
             self.queued_while_paused += 1

@@ -294,7 +294,7 @@ class FastProtocol(asyncio.Protocol):
         if model is not None and model != replica.config.model and model not in engine.registry:
             config = replica.config
             return http_bytes(
-                model_not_found(model, config.vllm_version, engine.served_names()), ka
+                model_not_found(model, config.since("0.32"), engine.served_names()), ka
             )
         response = self._rendered.get(chat, body)
         return (

@@ -1,7 +1,7 @@
 """The simulated automatic prefix cache of one replica (vLLM v1's KV block cache).
 
 Only full blocks are cached. Each block's hash chains its parent's hash, the block's token ids
-and the request's extra keys: the LoRA adapter name on vLLM 0.27, (name, path) on 0.33, nothing
+and the request's extra keys: the LoRA adapter name on vLLM 0.27, (name, path) from 0.32 on, nothing
 for the base model. So one prompt under two adapter versions shares no block, and on 0.27 a
 name re-pointed at new weights would hit stale blocks, as on a real server.
 

@@ -77,10 +77,11 @@ def engine_dead() -> Reply:
     return error_reply(DEAD_MESSAGE, "InternalServerError", 500)
 
 
-def model_not_found(model: str | None, vllm_version: str, served: Iterable[str]) -> Reply:
-    """vLLM's 404 for a model it does not serve; 0.33 lists the names it does."""
+def model_not_found(model: str | None, aliases: bool, served: Iterable[str]) -> Reply:
+    """vLLM's 404 for a model it does not serve; from 0.32 on (`aliases`) it lists the names
+    it does."""
     message = f"The model `{model}` does not exist."
-    if vllm_version == "0.33":
+    if aliases:
         # The base model's names only, adapters not (a real 0.32 server).
         message += f" Valid aliases: {', '.join(served)}."
     return error_reply(message, "NotFoundError", 404, param="model")

@@ -103,9 +103,9 @@ async def serve_generation(
         adapter = engine.resolve_model(params.model)
     except UnknownModel:
         return to_response(
-            model_not_found(params.model, config.vllm_version, engine.served_names())
+            model_not_found(params.model, config.since("0.32"), engine.served_names())
         )
-    too_long = completions.context_error(params, config.max_model_len, config.vllm_version)
+    too_long = completions.context_error(params, config.max_model_len, config.since("0.32"))
     if too_long is not None:
         return to_response(too_long)
     if faults.completion_fails():

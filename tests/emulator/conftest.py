@@ -49,7 +49,7 @@ async def start() -> AsyncIterator[StartEmulator]:
 
 @pytest.fixture
 async def emu(start: StartEmulator) -> Emulator:
-    """A default replica (vLLM 0.33, max_lora_rank 16)."""
+    """A default replica (vLLM 0.32, max_lora_rank 16)."""
     return await start()
 
 

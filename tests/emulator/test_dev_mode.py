@@ -1,5 +1,5 @@
 """Dev-mode routes (/pause, /resume, /is_paused, /reset_prefix_cache, /server_info ...),
-health, version, tokenize and metrics, with the 0.27/0.33 differences while paused."""
+health, version, tokenize and metrics, with the differences between vLLM lines while paused."""
 
 from __future__ import annotations
 
@@ -53,11 +53,16 @@ async def test_pause_with_an_unknown_mode_is_400(
     assert json.loads(body)["error"]["type"] == "Bad Request"
 
 
-async def test_027_queues_a_request_sent_while_paused_until_resume(
-    start: StartEmulator, client: aiohttp.ClientSession
+@pytest.mark.parametrize(
+    ("version", "mode"),
+    [("0.27", "abort"), ("0.32", "abort"), ("0.32", "wait"), ("0.32", "keep")],
+)
+async def test_027_and_032_queue_a_request_sent_while_paused_until_resume(
+    start: StartEmulator, client: aiohttp.ClientSession, version: str, mode: str
 ) -> None:
-    emu = await start(vllm_version="0.27")
-    await call(client, "POST", emu.url + "/pause?mode=abort")
+    # 0.32's EngineCore.pause_scheduler: "All pause modes queue new adds".
+    emu = await start(vllm_version=version)
+    await call(client, "POST", emu.url + f"/pause?mode={mode}")
     pending = asyncio.create_task(complete(client, emu))
     await eventually(lambda: emu.state.num_waiting == 1)
     assert not pending.done()
@@ -67,8 +72,9 @@ async def test_027_queues_a_request_sent_while_paused_until_resume(
 
 
 async def test_033_rejects_a_request_while_paused_in_abort_mode(
-    emu: Emulator, client: aiohttp.ClientSession
+    start: StartEmulator, client: aiohttp.ClientSession
 ) -> None:
+    emu = await start(vllm_version="0.33")
     await call(client, "POST", emu.url + "/pause?mode=abort")
     status, body = await call(client, "POST", emu.url + COMPLETIONS, json={"prompt": [1]})
     assert status == 503
@@ -83,16 +89,18 @@ async def test_033_rejects_a_request_while_paused_in_abort_mode(
 
 
 async def test_033_rejects_a_request_while_paused_in_wait_mode(
-    emu: Emulator, client: aiohttp.ClientSession
+    start: StartEmulator, client: aiohttp.ClientSession
 ) -> None:
+    emu = await start(vllm_version="0.33")
     await call(client, "POST", emu.url + "/pause?mode=wait")
     status, _ = await call(client, "POST", emu.url + COMPLETIONS, json={"prompt": [1]})
     assert status == 503
 
 
 async def test_033_queues_a_request_while_paused_in_keep_mode(
-    emu: Emulator, client: aiohttp.ClientSession
+    start: StartEmulator, client: aiohttp.ClientSession
 ) -> None:
+    emu = await start(vllm_version="0.33")
     await call(client, "POST", emu.url + "/pause?mode=keep")
     pending = asyncio.create_task(complete(client, emu))
     await eventually(lambda: emu.state.num_waiting == 1)
@@ -101,8 +109,9 @@ async def test_033_queues_a_request_while_paused_in_keep_mode(
 
 
 async def test_033_paused_stream_is_a_200_with_one_error_frame_then_done(
-    emu: Emulator, client: aiohttp.ClientSession
+    start: StartEmulator, client: aiohttp.ClientSession
 ) -> None:
+    emu = await start(vllm_version="0.33")
     await call(client, "POST", emu.url + "/pause?mode=abort")
     async with client.post(emu.url + COMPLETIONS, json={"prompt": [1], "stream": True}) as r:
         assert r.status == 200
@@ -292,9 +301,12 @@ async def test_health_stays_200_while_paused(emu: Emulator, client: aiohttp.Clie
 async def test_version_reports_the_emulated_release(
     start: StartEmulator, client: aiohttp.ClientSession
 ) -> None:
-    old, new = await start(vllm_version="0.27"), await start(vllm_version="0.33")
-    assert await call(client, "GET", old.url + "/version") == (200, b'{"version":"0.27.1"}')
-    assert await call(client, "GET", new.url + "/version") == (200, b'{"version":"0.33.0"}')
+    for version, release in (("0.27", b"0.27.1"), ("0.32", b"0.32.0"), ("0.33", b"0.33.0")):
+        emu = await start(vllm_version=version)
+        assert await call(client, "GET", emu.url + "/version") == (
+            200,
+            b'{"version":"%s"}' % release,
+        )
 
 
 async def tokenize_2_plus_2(emu: Emulator, client: aiohttp.ClientSession) -> dict[str, Any]:

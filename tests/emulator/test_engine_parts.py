@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -44,8 +45,9 @@ def test_027_keys_blocks_by_the_adapter_name() -> None:
     assert engine.extra_keys(adapter) == ("v1",)
 
 
-def test_033_keys_blocks_by_the_adapter_name_with_its_path() -> None:
-    engine, adapter = engine_with_v1("0.33")
+@pytest.mark.parametrize("version", ["0.32", "0.33"])
+def test_032_on_keys_blocks_by_the_adapter_name_with_its_path(version: str) -> None:
+    engine, adapter = engine_with_v1(version)  # 0.32: kv_cache_utils._gen_lora_extra_hash_keys
     assert engine.extra_keys(adapter) == ("v1", "/a/v1")
 
 
@@ -205,7 +207,13 @@ async def test_a_full_batch_makes_a_request_wait() -> None:
 
 
 def test_keep_alive_comments_default_to_15_s_on_033() -> None:
-    assert EmulatorConfig().keepalive_interval == 15.0
+    assert EmulatorConfig(vllm_version="0.33").keepalive_interval == 15.0
+
+
+def test_032_sends_keep_alive_comments_only_when_given_an_interval() -> None:
+    # vLLM 0.32's --sse-keep-alive-interval defaults to 0: no comments.
+    assert EmulatorConfig().keepalive_interval is None
+    assert EmulatorConfig(sse_keepalive_s=2).keepalive_interval == 2
 
 
 def test_keep_alive_comments_are_off_at_0_s() -> None:

@@ -224,7 +224,7 @@ async def test_unknown_model_is_404_on_027(
     }
 
 
-async def test_unknown_model_on_033_appends_the_valid_aliases(
+async def test_unknown_model_on_032_appends_the_valid_aliases(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
     async with client.post(emu.url + COMPLETIONS, json={"model": "nope", "prompt": [1]}) as r:
@@ -350,7 +350,7 @@ async def test_stream_options_without_stream_is_400(
         assert r.status == 400
 
 
-async def test_033_sends_keep_alive_comments_while_a_stream_is_idle(
+async def test_032_sends_keep_alive_comments_while_a_stream_is_idle_when_asked(
     start: StartEmulator, client: aiohttp.ClientSession
 ) -> None:
     emu = await start(sse_keepalive_s=0.02)

@@ -87,7 +87,7 @@ async def test_new_files_under_a_live_name_are_reloaded_on_every_replica_and_no_
     """A trainer resumed from a checkpoint publishes trl-policy-v1 again with new weights at
     the same path. Every replica unloads it, resets its prefix cache and loads the new files;
     a prompt cached under the old weights is computed afresh; the reload is a warning."""
-    emus = await emulators(2, vllm_version="0.33")  # KV keyed by (name, path), as vLLM 0.32
+    emus = await emulators(2, vllm_version="0.32")  # KV keyed by (name, path)
     rt = await router(emus)
     path = adapter(V1)
     assert (await load(client, rt.url, V1, path))[0] == 200
