@@ -4,14 +4,11 @@ the router's retry of a 404 on another replica would hide an early admission fro
 
 from __future__ import annotations
 
-import asyncio
-import random
-import threading
 import time
 from collections.abc import Callable
 
-import aiohttp
 import replica_log
+from rollouts import Rollouts
 from trl_client import LORA_NAME
 from vllm_harness import REPLICA_START_S, Replica, Router, wait_for
 
@@ -30,41 +27,8 @@ def test_restarted_replica_gets_its_adapters_back_before_it_serves(
     path = publish(V1, 0)
     assert router.post("/v1/load_lora_adapter", {"lora_name": V1, "lora_path": path}).status == 200
     victim = fleet[1]
-    stop = threading.Event()
-    statuses: list[tuple[int, str]] = []  # (status, replica header)
-    # Answers cut by the kill (the head was passed on, the body never came): a transport
-    # failure for the client, which TRL retries. (replica header, when)
-    cut: list[tuple[str, float]] = []
-
-    async def rollouts() -> None:
-        rng = random.Random(5)
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-
-            async def worker() -> None:
-                while not stop.is_set():
-                    body = {
-                        "model": V1,
-                        "prompt": rng.choices(range(3, 480), k=40),
-                        "max_tokens": 2,
-                        "n": 1,
-                        "return_token_ids": True,
-                        "logprobs": 0,
-                        "seed": rng.getrandbits(63),
-                    }
-                    async with session.post(router.url + "/v1/completions", json=body) as r:
-                        replica = r.headers.get("x-lora-router-replica", "")
-                        try:
-                            await r.read()
-                        except aiohttp.ClientPayloadError:
-                            cut.append((replica, time.monotonic()))
-                            continue
-                        statuses.append((r.status, replica))
-
-            await asyncio.gather(*(worker() for _ in range(3)))
-
-    traffic = threading.Thread(target=asyncio.run, args=(rollouts(),))
-    traffic.start()
-    try:
+    with Rollouts(router.url, V1, seed=5) as rollouts:
+        statuses = rollouts.statuses
         wait_for("rollouts on both replicas", lambda: {h for _, h in statuses} >= {"0", "1"}, 120)
         killed = time.monotonic()
         victim.kill()
@@ -88,14 +52,11 @@ def test_restarted_replica_gets_its_adapters_back_before_it_serves(
         assert victim.adapters() == {V1: path}
         wait_for(
             "rollouts reach the restarted replica",
-            lambda: any(h == "1" for _, h in statuses[served_while_down:]),
+            lambda: rollouts.served_by("1", since=served_while_down),
             120,
             [router.log, victim.log],
         )
-    finally:
-        stop.set()
-        traffic.join(timeout=120)
-    assert not traffic.is_alive()
+    cut = rollouts.cut
     assert statuses and {s for s, _ in statuses} == {200}, sorted({s for s, _ in statuses})
     assert all(h == "1" and killed <= t <= ejected for h, t in cut), (cut, killed, ejected)
     answered = replica_log.accesses(replica_log.text_since(victim.log, since_restart))
