@@ -1,16 +1,21 @@
-"""The README is a front page: at most 200 lines, and every figure it quotes is in its source.
+"""The README is a front page (at most 200 lines); every figure the docs quote is in its source.
 
-A *figure* is a number written out next to a link to a result file under bench/results/ (a
-text file: .md, .txt, .json): in the same table row, or in the same paragraph of prose. It is
-taken with what is glued to it (`1.49x`, `87.5%`) and a unit word after it (`73 MiB`,
-`3 ejections`), and must appear, written the same way, in one of the result files that row or
-paragraph links: a figure copied wrong, rounded, or taken from another run fails. Numbers
-inside code spans (commands), code blocks and link targets are not figures. Figures next to
-links only to result files that are not text (an image) fail too: nothing there backs them.
+The documents checked are DOCS: README.md, bench/README.md, docs/*.md and docs/design/*.md. A
+*figure* is a number written out next to a link to a result under bench/results/ (the link
+taken from the folder of the document that holds it): in the same table row, or in the same
+paragraph of prose. It is taken with what is glued to it (`1.49x`, `87.5%`) and a unit word
+after it (`73 MiB`, `3 ejections`), and must appear, written the same way, in one of the
+results that row or paragraph links: a figure copied wrong, rounded, or taken from another run
+fails. A result is a text file (.md, .txt, .json), or a directory: its README.md, or without
+one the text files in it. Numbers inside code spans (commands), code blocks, link targets and
+file names are not figures, nor is a run of seven or more digits: that is a revision (figures
+are written `100,000`). Figures next to links only to results that are not text (an image)
+fail too, as does a link to a result that does not exist: nothing there backs them.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -18,18 +23,22 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 MAX_LINES = 200
 
-RESULT_LINK = re.compile(r"\]\((bench/results/[^)#\s]+)(?:#[^)]*)?\)")
+DOCS = ("README.md",)
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 LINK_TARGET = re.compile(r"\]\([^)]*\)")
 CODE = re.compile(r"`[^`\n]*`")
+FILE_NAME = re.compile(r"[\w./-]+\.(?:md|txt|json|png|py|diff|patch)\b")
+REVISION = re.compile(r"(?<![\w.,])\d{7,}(?![\w.,])")
 NUMBER = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
 UNITS = "µs|ms|s|MiB|KiB|req/s|replicas|ejections|pairs|cells"
 FIGURE = re.compile(rf"(?<![\w.,])({NUMBER})([%x\u00d7]?)(?![\w]|[.,]\d)(?:\s+({UNITS})(?![\w/]))?")
 TEXT_SUFFIXES = (".md", ".txt", ".json")
 
 
-def figures(line: str) -> list[str]:
-    """The figures of one README line, each as it must be found in its source."""
-    prose = CODE.sub("", LINK_TARGET.sub("]", line))
+def figures(passage: str) -> list[str]:
+    """The figures of one passage, each as it must be found in its source."""
+    prose = CODE.sub("", LINK_TARGET.sub("]", passage))
+    prose = REVISION.sub("", FILE_NAME.sub("", prose))
     found = FIGURE.findall(prose)
     return [number + glued + (f" {unit}" if unit else "") for number, glued, unit in found]
 
@@ -62,23 +71,44 @@ def passages(text: str) -> list[tuple[int, str]]:
     return out
 
 
-def unbacked_figures(readme: Path, root: Path) -> list[str]:
-    """Every figure next to a bench/results link that none of the linked text files has."""
+def result_links(doc: Path, passage: str, root: Path) -> list[Path]:
+    """The results under root's bench/results/ that a passage of `doc` links."""
+    results = root / "bench" / "results"
+    targets = [(doc.parent / t).resolve() for t in LINK.findall(passage) if "://" not in t]
+    return [t for t in targets if t.is_relative_to(results)]
+
+
+@functools.cache
+def source_texts(result: Path) -> tuple[str, ...]:
+    """The texts that back a result's figures: none for a result that is not text or is missing."""
+    files = [result]
+    if result.is_dir():
+        readme = result / "README.md"
+        files = [readme] if readme.is_file() else sorted(result.iterdir())
+    return tuple(f.read_text() for f in files if f.is_file() and f.suffix in TEXT_SUFFIXES)
+
+
+def unbacked_figures(doc: Path, root: Path) -> list[str]:
+    """Every figure next to a bench/results link in `doc` that none of the linked results has."""
+    root = root.resolve()
+    name = doc.resolve().relative_to(root)
     bad = []
-    for n, line in passages(readme.read_text()):
-        sources = [root / target for target in RESULT_LINK.findall(line)]
-        if not sources:
-            continue
-        texts = [
-            (p / "README.md" if p.is_dir() else p).read_text()
-            for p in sources
-            if p.is_dir() or p.suffix in TEXT_SUFFIXES
+    for n, passage in passages(doc.read_text()):
+        sources = result_links(doc, passage, root)
+        bad += [
+            f"{name}:{n}: {p.relative_to(root)} does not exist" for p in sources if not p.exists()
         ]
-        for figure in figures(line):
+        texts = [text for p in sources for text in source_texts(p)]
+        names = ", ".join(str(p.relative_to(root)) for p in sources)
+        for figure in figures(passage) if sources else []:
             if not any(found_in(figure, text) for text in texts):
-                names = ", ".join(str(p.relative_to(root)) for p in sources)
-                bad.append(f"README.md:{n}: {figure!r} is not in {names}")
+                bad.append(f"{name}:{n}: {figure!r} is not in {names}")
     return bad
+
+
+def documents(root: Path) -> list[Path]:
+    """The documents whose figures are checked, in DOCS' order."""
+    return [p for pattern in DOCS for p in sorted(root.glob(pattern))]
 
 
 def test_the_readme_is_at_most_200_lines() -> None:
@@ -87,13 +117,15 @@ def test_the_readme_is_at_most_200_lines() -> None:
 
 
 def test_every_figure_next_to_a_results_link_is_in_that_file() -> None:
-    bad = unbacked_figures(README, ROOT)
+    bad = [line for doc in documents(ROOT) for line in unbacked_figures(doc, ROOT)]
     assert not bad, "\n".join(bad)
 
 
 def test_the_readme_quotes_figures_from_the_results() -> None:
     # The check above proves nothing on a README that links no result next to a figure.
-    quoted = [p for _, p in passages(README.read_text()) if RESULT_LINK.search(p) and figures(p)]
+    quoted = [
+        p for _, p in passages(README.read_text()) if result_links(README, p, ROOT) and figures(p)
+    ]
     assert len(quoted) >= 5, quoted
 
 
@@ -132,6 +164,35 @@ def test_a_figure_not_in_the_linked_file_is_caught(tmp_path: Path) -> None:
         "README.md:4: '1,500' is not in bench/results/faults.md",
         "README.md:6: '0.997' is not in bench/results/routing.png",
         "README.md:9: '1.16 s' is not in bench/results/faults.md",
+    ]
+
+
+def test_a_nested_document_s_links_are_taken_from_its_folder(tmp_path: Path) -> None:
+    seeds = tmp_path / "bench" / "results" / "seeds"
+    (seeds / "runs").mkdir(parents=True)
+    (seeds / "README.md").write_text("worst cell 0.997, paired median 0.987 over 195 pairs\n")
+    (seeds / "runs" / "n2.md").write_text("hit rate 0.999\n")
+    design = tmp_path / "docs" / "design"
+    design.mkdir(parents=True)
+    (tmp_path / "docs" / "README.md").write_text("0.5 here would fail, but no doc links it\n")
+    doc = design / "routing.md"
+    doc.write_text(
+        "Worst cell 0.997, median 0.987 over 195 pairs ([seeds](../../bench/results/seeds/)).\n"
+        "\n"
+        "Worst cell 0.998 ([seeds](../../bench/results/seeds/README.md#worst)).\n"
+        "\n"
+        "Hit rate 0.999 and 0.98 ([runs](../../bench/results/seeds/runs)).\n"
+        "\n"
+        "| 2 replicas at 1948024 | [n2-2.md](../../bench/results/seeds/runs/n2.md) |\n"
+        "| 0.997 | [gone](../../bench/results/gone.md), [readme](../README.md) |\n"
+        "| 0.5, linked from the wrong folder | [seeds](bench/results/seeds/README.md) |\n"
+    )
+    assert unbacked_figures(doc, tmp_path) == [
+        "docs/design/routing.md:3: '0.998' is not in bench/results/seeds/README.md",
+        "docs/design/routing.md:5: '0.98' is not in bench/results/seeds/runs",
+        "docs/design/routing.md:7: '2 replicas' is not in bench/results/seeds/runs/n2.md",
+        "docs/design/routing.md:8: bench/results/gone.md does not exist",
+        "docs/design/routing.md:8: '0.997' is not in bench/results/gone.md",
     ]
 
 
