@@ -8,9 +8,10 @@ after it (`73 MiB`, `3 ejections`), and must appear, written the same way, in on
 results that row or paragraph links: a figure copied wrong, rounded, or taken from another run
 fails. A result is a text file (.md, .txt, .json), or a directory: its README.md, or without
 one the text files in it. Numbers inside code spans (commands), code blocks, link targets and
-file names are not figures, nor is a run of seven or more digits: that is a revision (figures
-are written `100,000`). Figures next to links only to results that are not text (an image)
-fail too, as does a link to a result that does not exist: nothing there backs them.
+file names are not figures, nor are an issue's number (`#27`) and a run of seven or more
+digits: that is a revision (figures are written `100,000`). Figures next to links only to
+results that are not text (an image) fail too, as does a link to a result that does not exist:
+nothing there backs them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 MAX_LINES = 200
 
-DOCS = ("README.md",)
+DOCS = ("README.md", "bench/README.md")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 LINK_TARGET = re.compile(r"\]\([^)]*\)")
 CODE = re.compile(r"`[^`\n]*`")
@@ -31,7 +32,9 @@ FILE_NAME = re.compile(r"[\w./-]+\.(?:md|txt|json|png|py|diff|patch)\b")
 REVISION = re.compile(r"(?<![\w.,])\d{7,}(?![\w.,])")
 NUMBER = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
 UNITS = "µs|ms|s|MiB|KiB|req/s|replicas|ejections|pairs|cells"
-FIGURE = re.compile(rf"(?<![\w.,])({NUMBER})([%x\u00d7]?)(?![\w]|[.,]\d)(?:\s+({UNITS})(?![\w/]))?")
+FIGURE = re.compile(
+    rf"(?<![\w.,#])({NUMBER})([%x\u00d7]?)(?![\w]|[.,]\d)(?:\s+({UNITS})(?![\w/]))?"
+)
 TEXT_SUFFIXES = (".md", ".txt", ".json")
 
 
@@ -183,7 +186,7 @@ def test_a_nested_document_s_links_are_taken_from_its_folder(tmp_path: Path) -> 
         "\n"
         "Hit rate 0.999 and 0.98 ([runs](../../bench/results/seeds/runs)).\n"
         "\n"
-        "| 2 replicas at 1948024 | [n2-2.md](../../bench/results/seeds/runs/n2.md) |\n"
+        "| 2 replicas at 1948024 (#31) | [n2-2.md](../../bench/results/seeds/runs/n2.md) |\n"
         "| 0.997 | [gone](../../bench/results/gone.md), [readme](../README.md) |\n"
         "| 0.5, linked from the wrong folder | [seeds](bench/results/seeds/README.md) |\n"
     )
