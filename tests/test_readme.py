@@ -2,7 +2,7 @@
 
 The documents checked are DOCS: README.md, bench/README.md, docs/*.md and docs/design/*.md. A
 *figure* is a number written out next to a link to a result under bench/results/ (the link
-taken from the folder of the document that holds it): in the same table row, or in the same
+taken from the folder of the document that holds it): in the same table row, list item or
 paragraph of prose. It is taken with what is glued to it (`1.49x`, `87.5%`) and a unit word
 after it (`73 MiB`, `3 ejections`), and must appear, written the same way, in one of the
 results that row or paragraph links: a figure copied wrong, rounded, or taken from another run
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 MAX_LINES = 200
 
-DOCS = ("README.md", "bench/README.md")
+DOCS = ("README.md", "bench/README.md", "docs/*.md")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 LINK_TARGET = re.compile(r"\]\([^)]*\)")
 CODE = re.compile(r"`[^`\n]*`")
@@ -36,6 +36,7 @@ FIGURE = re.compile(
     rf"(?<![\w.,#])({NUMBER})([%x\u00d7]?)(?![\w]|[.,]\d)(?:\s+({UNITS})(?![\w/]))?"
 )
 TEXT_SUFFIXES = (".md", ".txt", ".json")
+LIST_ITEM = re.compile(r"\s*(?:[-*+]|\d+\.) ")
 
 
 def figures(passage: str) -> list[str]:
@@ -55,17 +56,18 @@ def found_in(figure: str, text: str) -> bool:
 
 
 def passages(text: str) -> list[tuple[int, str]]:
-    """(first line number, text) of each table row and each paragraph; code blocks left out."""
+    """(first line number, text) of each table row, paragraph and list item; no code blocks."""
     out: list[tuple[int, str]] = []
     paragraph: list[str] = []
     start, fenced = 0, False
     for n, line in enumerate([*text.splitlines(), ""], 1):
         if line.startswith("```"):
             fenced = not fenced
-        if fenced or line.startswith("```") or not line.strip() or line.startswith("|"):
-            if paragraph:
-                out.append((start, " ".join(paragraph)))
-                paragraph = []
+        ends = fenced or line.startswith("```") or not line.strip() or line.startswith("|")
+        if paragraph and (ends or LIST_ITEM.match(line)):
+            out.append((start, " ".join(paragraph)))
+            paragraph = []
+        if ends:
             if line.startswith("|") and not fenced:
                 out.append((n, line))
             continue
@@ -186,6 +188,10 @@ def test_a_nested_document_s_links_are_taken_from_its_folder(tmp_path: Path) -> 
         "\n"
         "Hit rate 0.999 and 0.98 ([runs](../../bench/results/seeds/runs)).\n"
         "\n"
+        "- Worst cell 0.997 ([seeds](../../bench/results/seeds/)), and on\n"
+        "  a continued line 0.998.\n"
+        "- 0.5 in the next item, which links nothing.\n"
+        "\n"
         "| 2 replicas at 1948024 (#31) | [n2-2.md](../../bench/results/seeds/runs/n2.md) |\n"
         "| 0.997 | [gone](../../bench/results/gone.md), [readme](../README.md) |\n"
         "| 0.5, linked from the wrong folder | [seeds](bench/results/seeds/README.md) |\n"
@@ -193,9 +199,10 @@ def test_a_nested_document_s_links_are_taken_from_its_folder(tmp_path: Path) -> 
     assert unbacked_figures(doc, tmp_path) == [
         "docs/design/routing.md:3: '0.998' is not in bench/results/seeds/README.md",
         "docs/design/routing.md:5: '0.98' is not in bench/results/seeds/runs",
-        "docs/design/routing.md:7: '2 replicas' is not in bench/results/seeds/runs/n2.md",
-        "docs/design/routing.md:8: bench/results/gone.md does not exist",
-        "docs/design/routing.md:8: '0.997' is not in bench/results/gone.md",
+        "docs/design/routing.md:7: '0.998' is not in bench/results/seeds",
+        "docs/design/routing.md:11: '2 replicas' is not in bench/results/seeds/runs/n2.md",
+        "docs/design/routing.md:12: bench/results/gone.md does not exist",
+        "docs/design/routing.md:12: '0.997' is not in bench/results/gone.md",
     ]
 
 
