@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 MAX_LINES = 200
 
-DOCS = ("README.md", "bench/README.md", "docs/*.md")
+DOCS = ("README.md", "bench/README.md", "docs/*.md", "docs/design/overhead.md")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 LINK_TARGET = re.compile(r"\]\([^)]*\)")
 CODE = re.compile(r"`[^`\n]*`")
