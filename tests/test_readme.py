@@ -179,36 +179,41 @@ def test_a_figure_not_in_the_linked_file_is_caught(tmp_path: Path) -> None:
 
 
 def test_a_nested_document_s_links_are_taken_from_its_folder(tmp_path: Path) -> None:
-    seeds = tmp_path / "bench" / "results" / "seeds"
-    (seeds / "runs").mkdir(parents=True)
+    # The fake results take the real tree's names: tests/test_doc_links.py holds every
+    # bench/results path written out in tests/ to the tree, so the missing one is built.
+    seeds = tmp_path / "bench" / "results" / "routing-seeds"
+    (seeds / "replay").mkdir(parents=True)
     (seeds / "README.md").write_text("worst cell 0.997, paired median 0.987 over 195 pairs\n")
-    (seeds / "runs" / "n2.md").write_text("hit rate 0.999\n")
+    (seeds / "replay" / "budget-1-300.md").write_text("hit rate 0.999\n")
+    missing = str((seeds.parent / "gone.md").relative_to(tmp_path))
     design = tmp_path / "docs" / "design"
     design.mkdir(parents=True)
     (tmp_path / "docs" / "README.md").write_text("0.5 here would fail, but no doc links it\n")
     doc = design / "routing.md"
     doc.write_text(
-        "Worst cell 0.997, median 0.987 over 195 pairs ([seeds](../../bench/results/seeds/)).\n"
+        "Worst cell 0.997, median 0.987 over 195 pairs ([s](../../bench/results/routing-seeds/)).\n"
         "\n"
-        "Worst cell 0.998 ([seeds](../../bench/results/seeds/README.md#worst)).\n"
+        "Worst cell 0.998 ([seeds](../../bench/results/routing-seeds/README.md#worst)).\n"
         "\n"
-        "Hit rate 0.999 and 0.98 ([runs](../../bench/results/seeds/runs)).\n"
+        "Hit rate 0.999 and 0.98 ([replay](../../bench/results/routing-seeds/replay)).\n"
         "\n"
-        "- Worst cell 0.997 ([seeds](../../bench/results/seeds/)), and on\n"
+        "- Worst cell 0.997 ([seeds](../../bench/results/routing-seeds/)), and on\n"
         "  a continued line 0.998.\n"
         "- 0.5 in the next item, which links nothing.\n"
         "\n"
-        "| 2 replicas at 1948024 (#31) | [n2-2.md](../../bench/results/seeds/runs/n2.md) |\n"
-        "| 0.997 | [gone](../../bench/results/gone.md), [readme](../README.md) |\n"
-        "| 0.5, linked from the wrong folder | [seeds](bench/results/seeds/README.md) |\n"
+        "| 2 replicas at 1948024 (#31) |"
+        " [budget-1-300.md](../../bench/results/routing-seeds/replay/budget-1-300.md) |\n"
+        f"| 0.997 | [gone](../../{missing}), [readme](../README.md) |\n"
+        "| 0.5, linked from the wrong folder | [seeds](bench/results/routing-seeds/README.md) |\n"
     )
     assert unbacked_figures(doc, tmp_path) == [
-        "docs/design/routing.md:3: '0.998' is not in bench/results/seeds/README.md",
-        "docs/design/routing.md:5: '0.98' is not in bench/results/seeds/runs",
-        "docs/design/routing.md:7: '0.998' is not in bench/results/seeds",
-        "docs/design/routing.md:11: '2 replicas' is not in bench/results/seeds/runs/n2.md",
-        "docs/design/routing.md:12: bench/results/gone.md does not exist",
-        "docs/design/routing.md:12: '0.997' is not in bench/results/gone.md",
+        "docs/design/routing.md:3: '0.998' is not in bench/results/routing-seeds/README.md",
+        "docs/design/routing.md:5: '0.98' is not in bench/results/routing-seeds/replay",
+        "docs/design/routing.md:7: '0.998' is not in bench/results/routing-seeds",
+        "docs/design/routing.md:11: '2 replicas' is not in "
+        "bench/results/routing-seeds/replay/budget-1-300.md",
+        f"docs/design/routing.md:12: {missing} does not exist",
+        f"docs/design/routing.md:12: '0.997' is not in {missing}",
     ]
 
 
