@@ -3,7 +3,7 @@
 A replica's refusal passed on (its status and type, the replica named); no replica in service
 (503 with `Retry-After`, naming why the replicas are out: their `last_error`, whose cause and
 fix fleet/failure.py names); no replica that could take a routed request; an adapter a replica
-lost; an exchange that failed. The broadcaster (broadcast.py) and the request path (app.py)
+lost; an exchange that failed. The broadcaster (broadcast.py) and the request path (proxy/routed.py)
 answer with these. Messages name a replica by index and URL, never a credential.
 """
 

@@ -21,7 +21,7 @@ range (every id below 2**32) can only be checked by parsing it, which is also wh
 needs; so the first body carrying a given prompt text parses it into an `array('I')` at once,
 and `CompletionReader` remembers the last few prompt texts it parsed, exactly, so the G - 1
 siblings of a GRPO prompt (same prompt, their own seeds) skip the parse: they are routed by a
-hash of the raw text (see app.py) and never need their ids. Everything else (batches, text,
+hash of the raw text (see routed.py) and never need their ids. Everything else (batches, text,
 chat) is decoded whole.
 
 No memory of whole bodies: TRL 1.16 gives each of the G samples its own `seed`, so no two

@@ -1,12 +1,7 @@
-"""The request dispatcher: what each route is (routes.py), and the proxy loop.
+"""The routed path: one `RoutedRequest` from the fence to its end, and the retry rule.
 
-A request's path is judged once (http/target.py) and matched against the route table
-(routes.py), whose entry says what happens; a path found there as written is not decoded at
-all. Whatever is forwarded carries the canonical path of the route applied, never the client's
-spelling. Unknown paths answer 404, a known path with another method 405, as vLLM does.
-
-- **Routed**: `POST /v1/completions` and `/v1/chat/completions`. The body is read and
-  validated once for `model` and the prompt (body.py); the request waits at the adapter fence
+Routed: `POST /v1/completions` and `/v1/chat/completions`. The body is read and
+  validated once for `model` and the prompt (proxy/body.py); the request waits at the adapter fence
   if its adapter is being loaded (fleet/fence.py: forwarded only once every live replica
   acknowledged the adapter, and only to a replica that holds it); routing gets one `RouteKey`
   (routing/keys.py) and the fleet's kept candidates for the model (`Fleet.routable`), and its
@@ -17,31 +12,19 @@ spelling. Unknown paths answer 404, a known path with another method 405, as vLL
   the base model or a live adapter, still exists; and before any replica has listed its
   models, whether a name exists is unknown). The body goes out byte for byte and the answer streams
   back untouched.
-- **Broadcast**: adapter loads and unloads, `/pause`, `/resume` and the cache resets — to every
-  serving replica, serialized, through the broadcaster (fleet/broadcast.py).
-- **Answered by the router**: `/health` and `/ping` (every live replica must be healthy),
-  `/v1/models` (one replica's list, filtered by the fence), `/metrics`, `/router/status`, and
-  the operators' membership routes under `/router/replicas` (a new replica's URL must be inside
-  `--replica-hosts`: `Config.replica_allowed`).
-- **Forwarded to one healthy replica**: the read-only routes (`/server_info`, `/tokenize`,
-  `/version`, ...) and the operator's `--forward-path`s, like a single vLLM server answers them.
-- **Refused** (501, naming why): the calls that would change one engine's state or weights
-  while the others keep theirs, such as vLLM's merged-weight sync, which TRL falls back to
-  without LoRA, `/sleep` or `/collective_rpc`; and the other generation APIs, which
-  `--forward-path` can open.
 
 Two paths for a routed completion, one rule. The general path is a Task (`handle`, then
-`completion` and its retry loop `_attempts`). THE FAST PATH (`handle_now`) is the same steps
+`completion` and its retry loop `attempts`). THE FAST PATH (`handle_now`) is the same steps
 run from the parser callback that completed the request, for the common case only: an
 authenticated routed POST whose body reads without error, for a model the fence admits without
 waiting, sent to the chosen replica on an idle pooled connection with a free slot
 (`UpstreamPool.take_now`); the answer is relayed by protocol callbacks and the request ends in
-`_Job.ended`, with no Task, coroutine or Future. Whenever a precondition does not hold it
+`RoutedRequest.ended`, with no Task, coroutine or Future. Whenever a precondition does not hold it
 declines before any side effect (the general path then does everything), or, once routed, hands
 the request over to the general path at the step it reached (`ClientConnection.hand_over`):
 the forward itself when the replica has no idle connection; and every end but a complete
 answer passed on (a failure, a held-back 5xx or 404, a re-send on a fresh connection) goes
-through the same outcome rule (`_settled`) and retry loop as the general path, so nothing the
+through the same outcome rule (`settle`) and retry loop as the general path, so nothing the
 general path retries is lost on the fast one.
 
 Retries (the data plane's whole rule; http/upstream.py adds only the re-send of a request that
@@ -54,7 +37,7 @@ client and one of these happened:
   purpose), and the retry budget allows it (retry_budget.py: 5xx retries of the last 10 s below
   `--retry-budget` of the routed requests of those 10 s, so a sick fleet is not hammered; the
   other two cases cost the replicas nothing and are not budgeted). The head and its body are
-  held back (by the request's `_Job`, its sink) only when a retry will be made; otherwise they
+  held back (by its `RoutedRequest`, the sink) only when a retry will be made; otherwise they
   reach the client as the replica sent them;
 - the replica answered 404 for an adapter the fence says is live (it lost it: a restart);
   when no retry is left the router answers itself (`replica_errors.lost_adapter`).
@@ -62,41 +45,16 @@ Once a head has been passed on, nothing is retried: a stream that vLLM begins wi
 then fails in error frames is the client's to retry. Every routed outcome is reported to the
 health monitor (fleet/health.py): failures and 5xx count against the replica's circuit breaker
 and wake its health check; a 4xx never counts against a replica.
-
-Retries on the control plane (the whole rule; fleet/client.py and fleet/broadcast.py hold it):
-- `ReplicaClient.call` resends a request once, only when it met a pooled connection the replica
-  had closed while idle (every control request is safe to send twice); any other transport
-  failure comes back as an answer with status 0, never retried by the client;
-- a load a replica answers 404 "No adapter found" (its mount has not caught up) is resent every
-  `--load-retry-interval` until `--load-deadline`, or until the client that asked disconnects;
-- nothing else is retried in place: a replica unreachable during a broadcast is ejected and
-  gets the fleet's state by a replay on its return, and health checks count failures against
-  their thresholds (`--health-failures`, `--health-successes`) instead of retrying.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import os
 from collections.abc import Awaitable, Callable
-from functools import partial
 
-import orjson
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.registry import CollectorRegistry
-
-from lora_router.body import Completion, CompletionReader
-from lora_router.config import Config, ReplicaAddress
-from lora_router.fleet.broadcast import Broadcaster, Reply
-from lora_router.fleet.fence import (
-    AdapterFence,
-    FenceRefusal,
-    LoadRefused,
-    StillLoading,
-    UnknownAdapter,
-)
+from lora_router.config import Config
+from lora_router.fleet.fence import AdapterFence, FenceRefusal
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
 from lora_router.fleet.replica import Replica
@@ -107,34 +65,24 @@ from lora_router.fleet.replica_errors import (
     no_replica_in_service,
 )
 from lora_router.http.auth import authenticate
-from lora_router.http.errors import (
-    HTTPError,
-    bad_request,
-    method_not_allowed,
-    not_found,
-)
+from lora_router.http.errors import HTTPError
 from lora_router.http.headers import upstream_request_head
 from lora_router.http.server import ClientConnection, Request
-from lora_router.http.target import canonical
 from lora_router.http.upstream import Exchange, UpstreamConnection, UpstreamError
 from lora_router.metrics import RequestStats
+from lora_router.proxy.answers import fence_error
+from lora_router.proxy.body import Completion, CompletionReader
 from lora_router.retry_budget import RetryBudget
-from lora_router.routes import REFUSED_STATUS, REPLICA, Kind, Route, lookup, with_forward_paths
 from lora_router.routing.keys import Lineages, RouteKey, Seeds, completion_key
 from lora_router.routing.policy import Policy
-from lora_router.status import RouterState, replica_json, status
 
 log = logging.getLogger(__name__)
 
-_ROUTED = {b"/v1/completions": False, b"/v1/chat/completions": True}
-_JSON = [(b"content-type", b"application/json")]
-_ADMIN = b"/router/replicas"
-_LOOPBACK = (b"127.", b"::1", b"::ffff:127.")
-
-Handler = Callable[[Request, ClientConnection], Awaitable[None]]
+# The routed paths, and whether each is the chat API.
+ROUTED = {b"/v1/completions": False, b"/v1/chat/completions": True}
 
 
-class _Job:
+class RoutedRequest:
     """One routed request from the fence to its end, in one object: what the retry loop
     carries; the client connection as the current attempt's answer is written into it (the
     retry rule's sink); and, on THE FAST PATH, its exchange, whose end the replica
@@ -144,7 +92,7 @@ class _Job:
     body (`diverted` holds its status): nothing has reached the client, so the request can go
     to another replica. Any other head, and everything after it, goes straight to the client.
     The rule is asked only for a 404 or a 5xx head, so an answer that is passed on costs one
-    comparison. `_pick` resets `diverted` and `write` after an attempt that diverted.
+    comparison. `pick` resets `diverted` and `write` after an attempt that diverted.
     """
 
     __slots__ = (
@@ -169,7 +117,7 @@ class _Job:
 
     def __init__(
         self,
-        app: RouterApp,
+        app: RoutedPath,
         request: Request,
         conn: ClientConnection,
         chat: bool,
@@ -189,7 +137,7 @@ class _Job:
         # (fleet/fence.py).
         self.held = model if adapter else None
         self.on_upstream = conn.on_upstream
-        # The current attempt, set by `_pick`: its replica, prompt tokens and sink state.
+        # The current attempt, set by `pick`: its replica, prompt tokens and sink state.
         self.replica: Replica | None = None
         self.tokens = 0
         self.diverted = 0
@@ -250,7 +198,7 @@ class _Job:
                 return
         elif error.retryable:
             how = ex  # nothing received on a reused connection: the pool's retry rule
-        work = app._attempts(self, None, how)
+        work = app.attempts(self, None, how)
         conn.hand_over(app._observed(self.request, conn, self.started, work))
 
     def lost(self) -> None:
@@ -285,102 +233,29 @@ _SEND = _Send()
 How = UpstreamError | Exchange | _Send | None
 
 
-class RouterApp:
-    """Everything a request needs, wired once at start."""
+class RoutedPath:
+    """The routed path's steps, on the app that wires them (dispatch.py's `RouterApp`, which
+    sets every attribute below at start): admit (`admit`: the fence's count and the budget's,
+    then the key, routing/keys.py), pick (`pick`), send (`send`), settle (`settle`, the retry
+    rule); `attempts` runs them on the general path, `handle_now` and `RoutedRequest.ended` on
+    THE FAST PATH."""
 
-    def __init__(
-        self,
-        config: Config,
-        fleet: Fleet,
-        policy: Policy,
-        fence: AdapterFence,
-        broadcaster: Broadcaster,
-        health: HealthMonitor,
-        stats: RequestStats,
-        registry: CollectorRegistry,
-        block_size: int,
-    ) -> None:
-        self.config = config
-        self.fleet = fleet
-        self.policy = policy
-        self.fence = fence
-        self.broadcaster = broadcaster
-        self.health = health
-        self.stats = stats
-        self.reader = CompletionReader(config.max_prompt_tokens)
-        self.budget = RetryBudget(config.retry_budget)
-        self.state = RouterState(fleet, fence, broadcaster, health, policy, stats, self.budget)
-        self._registry = registry
-        self._loop = asyncio.get_running_loop()
-        self._debug = log.isEnabledFor(logging.DEBUG)
-        self.block_size = block_size  # of the replicas' KV cache: prompt keys use it
-        self.lineages = Lineages(config.lineage_pattern)  # placement keys (routing/keys.py)
-        # Without a key every request passes (http/auth.py): the fast path skips the call.
-        self._keyed = bool(config.api_key)
-        token = config.token.reveal()
-        self._authorization = f"Bearer {token}".encode() if token else None
-        # Request ids for requests that come without one: unique per process and cheap (a
-        # counter behind a random prefix, not a uuid4 and its getrandom call per request).
-        # 32 hex digits like a uuid4's: 16 random, then a 64-bit counter.
-        # A C-level callable: no Python frame per id.
-        ids = map((os.urandom(8).hex().encode() + b"%016x").__mod__, itertools.count(1))
-        self._new_request_id: Callable[[], bytes] = ids.__next__
-        # The route table with the operator's --forward-paths, its metric labels, and one
-        # handler per path.
-        self.table = with_forward_paths(config.forward_paths)
-        self.labels = {path: route.label for path, route in self.table.items()}
-        self._handlers = {path: self._handler(route) for path, route in self.table.items()}
-        self._handlers[REPLICA.path] = self.remove_replica
-
-    def _handler(self, route: Route) -> Handler:
-        """What answers `route` (routes.py says which kind it is)."""
-        kind, path = route.kind, route.path
-        if kind is Kind.ROUTED:
-            return partial(self.completion, chat=_ROUTED[path])
-        if kind is Kind.FORWARD:
-            return self.forward_one
-        if kind is Kind.BROADCAST:
-            adapters = {b"/v1/load_lora_adapter": self.load_adapter}
-            adapters[b"/v1/unload_lora_adapter"] = self.unload_adapter
-            return adapters.get(path, self.dev_broadcast)
-        if kind is Kind.LOCAL:
-            local: dict[bytes, Handler] = {
-                b"/health": self.health_check,
-                b"/ping": self.health_check,
-                b"/v1/models": self.models,
-                b"/metrics": self.metrics,
-                b"/router/status": self.router_status,
-                _ADMIN: self.membership,
-            }
-            return local[path]  # a LOCAL route without a handler fails at start
-        return partial(self._refuse, route)
-
-    def handle(self, request: Request, conn: ClientConnection) -> Awaitable[None]:
-        """Answer one request and count it (route, status, replica, latency, first byte): the
-        general path, awaited in a Task."""
-        conn.replica = b"-"
-        return self._observed(request, conn, self._loop.time(), self._route(request, conn))
-
-    async def _route(self, request: Request, conn: ClientConnection) -> None:
-        route = self.table.get(request.path)  # found as written: canonical (routes.py)
-        if route is None:
-            route = self._judged(request)
-        authenticate(request, self.config)
-        if route is None:
-            raise not_found()
-        if route.methods is not None and request.method not in route.methods:
-            raise method_not_allowed(route.methods)
-        await self._handlers[route.path](request, conn)
-
-    def _judged(self, request: Request) -> Route | None:
-        """The path rule (http/target.py) for a path not found as written: a 400, or the
-        route of its canonical form, which `request` carries from now on (so it is what a
-        replica receives and what auth and the metrics read)."""
-        path = canonical(request.path)
-        if path != request.path:
-            request.target = path + request.target[len(request.path) :]
-            request.path = path
-        return lookup(path, self.table)
+    config: Config
+    fleet: Fleet
+    policy: Policy
+    fence: AdapterFence
+    health: HealthMonitor
+    stats: RequestStats
+    reader: CompletionReader
+    budget: RetryBudget
+    labels: dict[bytes, str]
+    block_size: int
+    lineages: Lineages
+    _loop: asyncio.AbstractEventLoop
+    _debug: bool
+    _keyed: bool
+    _authorization: bytes | None
+    _new_request_id: Callable[[], bytes]
 
     async def _observed(
         self, request: Request, conn: ClientConnection, started: float, work: Awaitable[None]
@@ -406,7 +281,7 @@ class RouterApp:
         request is an authenticated routed POST with a body that reads and a model the fence
         admits now; then routes it here, and writes it upstream at once if the chosen
         replica's pool has an idle connection, else hands it over to the general path."""
-        chat = _ROUTED.get(request.path)
+        chat = ROUTED.get(request.path)
         if chat is None or request.method != b"POST":
             return False
         try:
@@ -419,17 +294,17 @@ class RouterApp:
             return False
         started = self._loop.time()
         conn.replica = b"-"
-        job, key = self._admitted(request, conn, chat, fields, started)
+        job, key = self.admit(request, conn, chat, fields, started)
         del fields
         try:
-            replica = self._pick(job, key)
+            replica = self.pick(job, key)
         except HTTPError:  # no replica for it: the general path answers (its 503)
-            conn.hand_over(self._observed(request, conn, started, self._attempts(job, key)))
+            conn.hand_over(self._observed(request, conn, started, self.attempts(job, key)))
             return True
         del key
         upstream = replica.pool.take_now()
         if upstream is None:  # no idle connection: the general path connects or queues
-            conn.hand_over(self._observed(request, conn, started, self._attempts(job, None, _SEND)))
+            conn.hand_over(self._observed(request, conn, started, self.attempts(job, None, _SEND)))
             return True
         job.started = started
         job.upstream = upstream
@@ -479,13 +354,13 @@ class RouterApp:
                 # model; whether it exists is unknown, so not vLLM's 404 but "not now".
                 raise no_replica_in_service(self.fleet, self.config)
             await self.fence.wait(model)
-        job, key = self._admitted(request, conn, chat, fields, self._loop.time())
+        job, key = self.admit(request, conn, chat, fields, self._loop.time())
         del fields  # the key holds the prompt now, and only until a replica is chosen
-        await self._attempts(job, key)
+        await self.attempts(job, key)
 
-    def _admitted(
+    def admit(
         self, request: Request, conn: ClientConnection, chat: bool, fields: Completion, now: float
-    ) -> tuple[_Job, RouteKey]:
+    ) -> tuple[RoutedRequest, RouteKey]:
         """Past the fence (at loop time `now`): the request's routing key, counted by the retry
         budget and, for an adapter, held at the fence."""
         model = fields.model
@@ -495,20 +370,22 @@ class RouterApp:
         seeds = self.lineages.seeds(model, adapter)
         key = completion_key(fields, seeds, self.block_size)
         self.budget.request(now)
-        job = _Job(self, request, conn, chat, model, adapter, seeds)
+        job = RoutedRequest(self, request, conn, chat, model, adapter, seeds)
         if job.held is not None:
             # Counted as admitted under its name until answered, in the same step as the fence
             # let it through: an unload waits for it before it is broadcast (fleet/fence.py).
             self.fence.hold(job.held)
         return job, key
 
-    async def _attempts(self, job: _Job, key: RouteKey | None, how: How | _Pick = _PICK) -> None:
+    async def attempts(
+        self, job: RoutedRequest, key: RouteKey | None, how: How | _Pick = _PICK
+    ) -> None:
         """The retry loop (module docstring). `how`: how an attempt the fast path handed over
         (on `job.replica`) went, `_PICK` if there is none."""
         try:
             while True:
                 if how is _PICK:
-                    replica = self._pick(job, key)
+                    replica = self.pick(job, key)
                     key = None
                     how = _SEND
                 else:
@@ -517,18 +394,18 @@ class RouterApp:
                 if how is _SEND or isinstance(how, Exchange):
                     try:
                         resend = how if isinstance(how, Exchange) else None
-                        await self._forward(job.request, job.conn, replica, job, job.tokens, resend)
+                        await self.send(job.request, job.conn, replica, job, job.tokens, resend)
                         how = None
                     except UpstreamError as exc:
                         how = exc.with_traceback(None)  # its frames would hold `how`: a cycle
                 assert how is None or isinstance(how, UpstreamError)
-                if self._settled(job, replica, how):
+                if self.settle(job, replica, how):
                     return
                 how = _PICK
         finally:
             job.release(self.fence)
 
-    def _pick(self, job: _Job, key: RouteKey | None) -> Replica:
+    def pick(self, job: RoutedRequest, key: RouteKey | None) -> Replica:
         """The next attempt's replica (raises the 503 when none can take it), set on `job`
         with the attempt's tokens and a fresh sink state."""
         model, tried = job.model, job.tried
@@ -554,7 +431,7 @@ class RouterApp:
             job.write = job.conn.write
         return replica
 
-    def _settled(self, job: _Job, replica: Replica, failure: UpstreamError | None) -> bool:
+    def settle(self, job: RoutedRequest, replica: Replica, failure: UpstreamError | None) -> bool:
         """The outcome of one attempt, by the retry rule (module docstring): True when the
         request is answered, False for another attempt; raises the router's own answer."""
         if failure is not None:
@@ -606,16 +483,16 @@ class RouterApp:
             raise no_replica_for(self.fleet, None, (), self.config)
         replica = min(routable, key=lambda r: r.in_flight)
         try:
-            await self._forward(request, conn, replica, conn)
+            await self.send(request, conn, replica, conn)
         except UpstreamError as exc:
             raise exchange_failed(replica, exc) from None
 
-    async def _forward(
+    async def send(
         self,
         request: Request,
         conn: ClientConnection,
         replica: Replica,
-        sink: ClientConnection | _Job,
+        sink: ClientConnection | RoutedRequest,
         tokens: int = 0,
         resend: Exchange | None = None,
     ) -> None:
@@ -640,137 +517,3 @@ class RouterApp:
         finally:
             self.fleet.finished(replica, tokens)
         conn.keep_alive = conn.keep_alive and keep_alive
-
-    # -- broadcasts and read-only routes ----------------------------------------------------
-
-    async def load_adapter(self, request: Request, conn: ClientConnection) -> None:
-        _send(conn, await self.broadcaster.load(request.body))
-
-    async def unload_adapter(self, request: Request, conn: ClientConnection) -> None:
-        _send(conn, await self.broadcaster.unload(request.body))
-
-    async def dev_broadcast(self, request: Request, conn: ClientConnection) -> None:
-        path = request.path.decode("latin-1")
-        query = request.query.decode("latin-1")
-        _send(conn, await self.broadcaster.dev_broadcast(path[1:], path, query, request.body))
-
-    async def health_check(self, request: Request, conn: ClientConnection) -> None:
-        _send(conn, await self.broadcaster.health(request.path.decode("latin-1")))
-
-    async def models(self, request: Request, conn: ClientConnection) -> None:
-        _send(conn, await self.broadcaster.models())
-
-    async def metrics(self, request: Request, conn: ClientConnection) -> None:
-        """Prometheus exposition of the request counters and the live fleet state."""
-        body = generate_latest(self._registry)
-        conn.send(200, body, [(b"content-type", CONTENT_TYPE_LATEST.encode())])
-
-    async def router_status(self, request: Request, conn: ClientConnection) -> None:
-        """What an operator reads first when training stalls (see status.py)."""
-        conn.send(200, orjson.dumps(status(self.state), option=orjson.OPT_INDENT_2), _JSON)
-
-    # -- membership (operators) -------------------------------------------------------------
-
-    def _admin_allowed(self, request: Request) -> None:
-        # With an API key, `authenticate` has already checked it; without one the router
-        # trusts only this machine, whatever address it listens on.
-        if not self.config.api_key and not request.client_ip.startswith(_LOOPBACK):
-            raise HTTPError(
-                403,
-                "Membership changes are accepted from loopback clients only, unless the "
-                "router has an API key (--api-key-env).",
-            )
-
-    async def _refuse(self, route: Route, request: Request, conn: ClientConnection) -> None:
-        raise refusal(route)  # a new error each time: a raised one keeps its traceback
-
-    async def membership(self, request: Request, conn: ClientConnection) -> None:
-        if request.method == b"POST":
-            await self.add_replica(request, conn)
-        else:
-            await self.list_replicas(request, conn)
-
-    async def list_replicas(self, request: Request, conn: ClientConnection) -> None:
-        self._admin_allowed(request)
-        payload = {"replicas": [replica_json(r) for r in self.fleet.replicas]}
-        conn.send(200, orjson.dumps(payload), _JSON)
-
-    async def add_replica(self, request: Request, conn: ClientConnection) -> None:
-        """`POST /router/replicas {"url": ...}`: replayed, then serving (200), or, when it does
-        not answer or its replay fails, kept out of service and retried by its health check
-        (202)."""
-        self._admin_allowed(request)
-        try:
-            doc = orjson.loads(request.body)
-        except orjson.JSONDecodeError:
-            doc = None
-        url = doc.get("url") if isinstance(doc, dict) else None
-        if not isinstance(url, str):
-            raise bad_request('Expected a JSON object {"url": "http(s)://host:port"}.', "url")
-        try:
-            address = ReplicaAddress.parse(url)
-        except ValueError as exc:
-            raise bad_request(str(exc), param="url") from None
-        if not self.config.replica_allowed(address):
-            raise HTTPError(
-                403,
-                f"{address.name} is outside the hosts replicas may be added from (the token "
-                "goes to every replica): start the router with --replica-hosts naming it "
-                "(a host glob, host:port or network).",
-            )
-        existing = self.fleet.by_name(address.name)
-        if existing is not None:
-            raise HTTPError(409, f"{existing.describe()} is already in the fleet.")
-        if self.config.cleartext_token(address):
-            log.warning("%s", cleartext_warning(address.name))
-        replica = await self.health.add(address, "admin")
-        status = 200 if replica.live else 202
-        conn.send(status, orjson.dumps(replica_json(replica)), _JSON)
-
-    async def remove_replica(self, request: Request, conn: ClientConnection) -> None:
-        """`DELETE /router/replicas/{id}`: no new work at once, removed once drained."""
-        self._admin_allowed(request)
-        tail = request.path[len(_ADMIN) + 1 :]
-        replica = self.fleet.find(int(tail)) if tail.isdigit() else None
-        if replica is None:
-            raise HTTPError(404, f"No replica with id {tail.decode('latin-1')!r} in the fleet.")
-        drained = await self.health.remove(replica)
-        payload = {**replica_json(replica), "drained": drained}
-        conn.send(200, orjson.dumps(payload), _JSON)
-
-
-def cleartext_warning(name: str) -> str:
-    """The start-up and run-time warning for a token sent in the clear (never the token)."""
-    return (
-        f"the replicas' token goes to {name} over plain http:// beyond this machine, readable "
-        "on the way: give the replica an https:// URL, or reach it through a tunnel"
-    )
-
-
-def refusal(route: Route) -> HTTPError:
-    """Why the router will not pass on a REFUSED or CLOSED route, and what to do instead."""
-    path = route.label
-    if route.kind is Kind.REFUSED:
-        return HTTPError(REFUSED_STATUS, f"lora-router does not forward {path}: {route.why}")
-    return HTTPError(
-        REFUSED_STATUS,
-        f"lora-router does not forward {path}: it routes only /v1/completions and "
-        "/v1/chat/completions (by prefix affinity, behind the adapter fence), and this call "
-        f"would reach one replica with neither. Start the router with --forward-path {path} "
-        "to forward it to one replica as it is.",
-    )
-
-
-def fence_error(refusal: FenceRefusal) -> HTTPError:
-    """The fence's refusal as vLLM would answer it (fleet/fence.py keeps no HTTP)."""
-    if isinstance(refusal, UnknownAdapter):
-        return HTTPError(404, refusal.message, param="model")
-    if isinstance(refusal, StillLoading):
-        return HTTPError(503, refusal.message)
-    if isinstance(refusal, LoadRefused) and refusal.in_place:
-        return bad_request(refusal.message, param="load_inplace")
-    return HTTPError(400, refusal.message, type="InvalidUserInput")
-
-
-def _send(conn: ClientConnection, reply: Reply) -> None:
-    conn.send(reply.status, reply.body, reply.headers)
