@@ -56,8 +56,8 @@ from lora_router.http.target import canonical
 from lora_router.metrics import RequestStats
 from lora_router.proxy.answers import cleartext_warning, refusal
 from lora_router.proxy.body import CompletionReader
+from lora_router.proxy.retry import RetryBudget
 from lora_router.proxy.routed import ROUTED, RoutedPath
-from lora_router.retry_budget import RetryBudget
 from lora_router.routes import REPLICA, Kind, Route, lookup, with_forward_paths
 from lora_router.routing.keys import Lineages
 from lora_router.routing.policy import Policy

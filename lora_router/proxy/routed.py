@@ -1,17 +1,16 @@
 """The routed path: one `RoutedRequest` from the fence to its end, and the retry rule.
 
-Routed: `POST /v1/completions` and `/v1/chat/completions`. The body is read and
-  validated once for `model` and the prompt (proxy/body.py); the request waits at the adapter fence
-  if its adapter is being loaded (fleet/fence.py: forwarded only once every live replica
-  acknowledged the adapter, and only to a replica that holds it); routing gets one `RouteKey`
-  (routing/keys.py) and the fleet's kept candidates for the model (`Fleet.routable`), and its
-  policy picks one; the key is dropped at once (a stream holds no copy of the prompt's parsed
-  forms), and `completion` keeps only the retry loop below. `Fleet.started`/`finished` count
-  the request around the exchange. With no replica to take it, the answer is 503 with
-  `Retry-After`, naming why the replicas are out (never vLLM's 404: a name the fleet served,
-  the base model or a live adapter, still exists; and before any replica has listed its
-  models, whether a name exists is unknown). The body goes out byte for byte and the answer streams
-  back untouched.
+Routed: `POST /v1/completions` and `/v1/chat/completions`. admit: the body is read and
+validated once for `model` and the prompt (proxy/body.py); the request waits at the adapter
+fence while its adapter is being loaded (fleet/fence.py: forwarded only once every live
+replica acknowledged it, only to a replica that holds it), then is counted by the fence and the
+retry budget. key: routing gets one `RouteKey` (routing/keys.py). pick: the policy picks one of
+the fleet's kept candidates (`Fleet.routable`); the key is dropped at once (a stream holds no
+copy of the prompt's parsed forms). send: the body goes out byte for byte and the answer
+streams back untouched, `Fleet.started`/`finished` counting the request around it. settle: the
+retry rule (proxy/retry.py) judges the outcome. With no replica to take it, the answer is 503
+with `Retry-After`, naming why the replicas are out (never vLLM's 404: a name the fleet served
+still exists; before any replica has listed its models, whether a name exists is unknown).
 
 Two paths for a routed completion, one rule. The general path is a Task (`handle`, then
 `completion` and its retry loop `attempts`). THE FAST PATH (`handle_now`) is the same steps
@@ -27,20 +26,11 @@ answer passed on (a failure, a held-back 5xx or 404, a re-send on a fresh connec
 through the same outcome rule (`settle`) and retry loop as the general path, so nothing the
 general path retries is lost on the fast one.
 
-Retries (the data plane's whole rule; http/upstream.py adds only the re-send of a request that
-met a pooled connection the replica had closed). A routed request is tried on the next replica
-the policy picks, at most `config.retries` times, when nothing of its answer has reached the
-client and one of these happened:
-- the exchange failed before a single response byte arrived (connection refused or reset,
-  replica gone; not a timeout: the replica may still be working on it);
-- the replica's head says 5xx (but 503 while the fleet is paused: vLLM refusing work on
-  purpose), and the retry budget allows it (retry_budget.py: 5xx retries of the last 10 s below
-  `--retry-budget` of the routed requests of those 10 s, so a sick fleet is not hammered; the
-  other two cases cost the replicas nothing and are not budgeted). The head and its body are
-  held back (by its `RoutedRequest`, the sink) only when a retry will be made; otherwise they
-  reach the client as the replica sent them;
-- the replica answered 404 for an adapter the fence says is live (it lost it: a restart);
-  when no retry is left the router answers itself (`replica_errors.lost_adapter`).
+Retries: the data plane's whole rule is proxy/retry.py's `verdict` (http/upstream.py adds only
+the re-send of a request that met a pooled connection the replica had closed). A 5xx head is
+held back (by its `RoutedRequest`, the sink) only when a retry will be made, otherwise it
+reaches the client as the replica sent it; a 404 for a live adapter is always held back, and
+with no retry left the router answers itself (`lost_adapter`).
 Once a head has been passed on, nothing is retried: a stream that vLLM begins with a 200 and
 then fails in error frames is the client's to retry. Every routed outcome is reported to the
 health monitor (fleet/health.py): failures and 5xx count against the replica's circuit breaker
@@ -72,7 +62,14 @@ from lora_router.http.upstream import Exchange, UpstreamConnection, UpstreamErro
 from lora_router.metrics import RequestStats
 from lora_router.proxy.answers import fence_error
 from lora_router.proxy.body import Completion, CompletionReader
-from lora_router.retry_budget import RetryBudget
+from lora_router.proxy.retry import (
+    Outcome,
+    RetryBudget,
+    Verdict,
+    counted,
+    most_failing,
+    verdict,
+)
 from lora_router.routing.keys import Lineages, RouteKey, Seeds, completion_key
 from lora_router.routing.policy import Policy
 
@@ -427,16 +424,19 @@ class RoutedPath:
         job.replica = replica
         job.tokens = decision.tokens
         if job.diverted:  # the last attempt's head was held back: this one's goes through
+            if job.diverted != 404 and counted(self._failing(None), replica.breaker.failures > 0):
+                self.budget.spend(self._loop.time())
             job.diverted = 0
             job.write = job.conn.write
         return replica
 
     def settle(self, job: RoutedRequest, replica: Replica, failure: UpstreamError | None) -> bool:
-        """The outcome of one attempt, by the retry rule (module docstring): True when the
-        request is answered, False for another attempt; raises the router's own answer."""
+        """The outcome of one attempt, by the retry rule (retry.py): True when the request is
+        answered, False for another attempt; raises the router's own answer."""
         if failure is not None:
             self.health.report_failure(replica)
-            if not (failure.retryable and self._may_retry(job.tried, "transport")):
+            outcome = Outcome.TRANSPORT if failure.retryable else Outcome.UNSAFE
+            if not self._retried(job.tried, outcome):
                 raise exchange_failed(replica, failure)
             return False
         if not job.diverted:
@@ -444,36 +444,53 @@ class RoutedPath:
             return True
         if job.diverted != 404:  # a 5xx held back: the rule granted the retry
             self.health.report_status(replica, job.diverted)
+            self.budget.made(Outcome.STATUS_5XX)
             return False
         model = job.model
         assert model is not None
         self.health.report_missing_adapter(replica, model)
-        if not self._may_retry(job.tried, "missing_adapter"):
+        if not self._retried(job.tried, Outcome.LOST_ADAPTER):
             raise lost_adapter(model, job.tried, self.fence.state(model))
         return False
 
+    def _retried(self, tried: list[Replica], outcome: Outcome) -> bool:
+        """The retry rule for a failure that costs the replicas nothing: retried (and counted
+        by reason) while attempts are left."""
+        rule = verdict(outcome, 0, len(tried), self.config.retries, False, True, False, False)
+        if rule is Verdict.ANSWER:
+            return False
+        self.budget.made(outcome)
+        return True
+
     def diverts(self, status: int, model: str | None, adapter: bool, tried: list[Replica]) -> bool:
-        """The retry rule for a replica's 404 or 5xx head (module docstring): hold it back and
-        try another replica? Called before any byte of the answer reached the client."""
+        """The retry rule (retry.py) for a replica's 404 or 5xx head: hold it back and try
+        another replica? Called before any byte of the answer reached the client; held back
+        only if it will be retried, so with no replica left the client gets this answer rather
+        than the router's 503."""
         if status == 404:
             return adapter  # the router answers a lost adapter itself, retried or not
-        if status == 503 and self.fleet.pause.paused:
-            return False  # paused on purpose: every replica would say the same
-        # Held back only if it will be retried: a replica to try (else the client gets this
-        # answer rather than the router's 503), an attempt and budget left.
-        return (
-            len(tried) <= self.config.retries
-            and bool(self.fleet.routable(model, tried))
-            and self.budget.allow(self._loop.time())
+        fleet = self.fleet
+        rule = verdict(
+            Outcome.STATUS_5XX,
+            status,
+            len(tried),
+            self.config.retries,
+            fleet.pause.paused,
+            bool(fleet.routable(model, tried)),
+            self._failing(tried[-1]),
+            self.budget.room(self._loop.time()),
         )
+        if rule is Verdict.DENIED:
+            self.budget.denied += 1
+        return rule is Verdict.FREE or rule is Verdict.COUNTED
 
-    def _may_retry(self, tried: list[Replica], reason: str) -> bool:
-        """Whether one more attempt may be made after a failure that cost the replica nothing
-        (not budgeted, see the module docstring)."""
-        if len(tried) > self.config.retries:
-            return False
-        self.budget.unbudgeted(reason)
-        return True
+    def _failing(self, just_failed: Replica | None) -> bool:
+        """Whether most of the live fleet is failing (retry.py), `just_failed` counted as
+        failing: its failure is not reported yet."""
+        live = self.fleet.live()
+        return most_failing(
+            sum(1 for r in live if r.breaker.failures or r is just_failed), len(live)
+        )
 
     async def forward_one(self, request: Request, conn: ClientConnection) -> None:
         """A read-only route (or a --forward-path): one replica answers, as a single server
