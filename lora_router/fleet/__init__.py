@@ -23,6 +23,7 @@ The rest, by what each part knows:
 - `telemetry.py`: the replicas' own `/metrics`, read-only;
 - `failure.py`: why a replica failed, named once (cause and fix), pure: what the log,
   `last_error`, `/health`, `top` and `--check` say;
-- `replica_errors.py`: the router's own error answers about replicas (none in service, a
-  refusal passed on, a lost adapter).
+- `refusals.py`: the fleet's refusals as values (none in service, a replica's refusal passed
+  on, a load timed out), which proxy/answers.py renders: the fleet speaks no HTTP;
+- `report.py`: one replica's `/metrics` scrape, kept on its `Replica`.
 """

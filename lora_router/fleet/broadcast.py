@@ -86,10 +86,20 @@ from lora_router.fleet.fence import (
 )
 from lora_router.fleet.fleet import Fleet, PauseIntent
 from lora_router.fleet.lifecycle import OUT, State
+from lora_router.fleet.refusals import (
+    Conflict,
+    FleetRefusal,
+    Misbehaved,
+    ReplicaRefused,
+    TimedOut,
+    Unavailable,
+    named,
+    no_replica_in_service,
+    reason,
+    replica_failure,
+)
 from lora_router.fleet.replica import Replica
-from lora_router.fleet.replica_errors import named, no_replica_in_service, reason, replica_failure
 from lora_router.fleet.telemetry import SyncClock
-from lora_router.http.errors import HTTPError, bad_request
 from lora_router.http.headers import HOP_BY_HOP, REPLICA_HEADER
 
 log = logging.getLogger(__name__)
@@ -210,9 +220,9 @@ class Broadcaster:
 
     # -- loads ------------------------------------------------------------------------------
 
-    async def load(self, body: bytes) -> Reply:
-        """`POST /v1/load_lora_adapter`, all-or-nothing on the live replicas."""
-        name, path, inplace = _load_fields(body)
+    async def load(self, name: str, path: str, inplace: bool, body: bytes) -> Reply:
+        """`POST /v1/load_lora_adapter` (its fields read from `body`, which goes to the replicas
+        as it is), all-or-nothing on the live replicas."""
         # At arrival, not in its turn: completions naming it from now on wait at the fence.
         try:
             entry = self.fence.begin_load(name, path, body, inplace)
@@ -259,7 +269,7 @@ class Broadcaster:
                 reply = await self._broadcast_load(entry, name, path, body, abandoned)
                 ok, outcome = True, "reloaded" if entry.replacing else "ok"
                 return reply
-        except HTTPError as exc:
+        except FleetRefusal as exc:
             failure, outcome = exc.message, "failed"
             raise
         finally:
@@ -276,15 +286,14 @@ class Broadcaster:
         if self.config.down_replica_policy == "fail":
             down = [r for r in fleet.replicas if r.state in OUT or r.state is State.REPLAYING]
             if down:
-                raise HTTPError(
-                    503,
+                raise Unavailable(
                     f"Cannot load adapter '{name}': {named(down)} "
                     f"{'is' if len(down) == 1 else 'are'} out of service"
                     f"{reason(down[0])} and --down-replica-policy is 'fail'.",
                 )
         targets = fleet.live()
         if not targets:
-            raise HTTPError(503, f"Cannot load adapter '{name}': no replica is in service.")
+            raise Unavailable(f"Cannot load adapter '{name}': no replica is in service.")
         if replace:
             # As for an unload: requests admitted under the old weights are answered first.
             left = await self.fence.drain(name, self.config.unload_wait)
@@ -344,9 +353,7 @@ class Broadcaster:
         )
         if not failed:
             down = [o.replica for o in outcomes]
-            raise HTTPError(
-                503, f"Cannot load adapter '{name}': {named(down)} could not be reached."
-            )
+            raise Unavailable(f"Cannot load adapter '{name}': {named(down)} could not be reached.")
         raise _load_failure(name, path, min(failed, key=_failure_rank), self.config)
 
     async def load_on(
@@ -554,9 +561,9 @@ class Broadcaster:
 
     # -- unloads ----------------------------------------------------------------------------
 
-    async def unload(self, body: bytes) -> Reply:
-        """`POST /v1/unload_lora_adapter`: unroutable at once, then dropped everywhere."""
-        name = _unload_name(body)
+    async def unload(self, name: str, body: bytes) -> Reply:
+        """`POST /v1/unload_lora_adapter` (`name` read from `body`): unroutable at once, then
+        dropped everywhere."""
         entry = self.fence.begin_unload(name)
         self._note_queue(f"unload {name!r}")
         return await self._queue(self._unload_op(entry, name, body))
@@ -579,7 +586,7 @@ class Broadcaster:
                     )
                 targets = self.fleet.live()
                 if not targets:
-                    raise HTTPError(503, f"Cannot unload adapter '{name}': no replica in service.")
+                    raise Unavailable(f"Cannot unload adapter '{name}': no replica in service.")
                 known = bool(entry.path) or any(name in r.adapters for r in self.fleet.replicas)
                 answers = await asyncio.gather(
                     *(self.call(r, "POST", "/v1/unload_lora_adapter", body=body) for r in targets)
@@ -610,7 +617,7 @@ class Broadcaster:
                     )
                 text = f"Success: LoRA adapter '{name}' removed successfully."
                 return Reply(200, text.encode(), _copied_headers([], _replicas(answers)))
-        except HTTPError as exc:
+        except FleetRefusal as exc:
             detail = exc.message
             raise
         finally:
@@ -638,7 +645,7 @@ class Broadcaster:
                     self.fleet.pause = PauseIntent(known=True)
                 targets = self.fleet.live()
                 if not targets:
-                    raise HTTPError(503, f"Cannot {op}: no replica is in service.")
+                    raise Unavailable(f"Cannot {op}: no replica is in service.")
                 # A replica taken out of service while paused, with requests still running on
                 # it (ejected for its listing, say), is resumed too, best effort: else they
                 # would wait, paused, for its replay.
@@ -660,7 +667,7 @@ class Broadcaster:
                     raise replica_failure(failed[0], f"/{op} failed")
                 done = [a for a in answers if a.status == 200]
                 if not done:
-                    raise HTTPError(503, f"Cannot {op}: {named(targets)} could not be reached.")
+                    raise Unavailable(f"Cannot {op}: {named(targets)} could not be reached.")
                 outcome = "ok"
                 payload = done[0].body
                 if op == "reset_prefix_cache":
@@ -670,7 +677,7 @@ class Broadcaster:
                     success = all(isinstance(d, dict) and d.get("success") is True for d in docs)
                     payload = orjson.dumps({"success": success})
                 return Reply(200, payload, _copied_headers(done[0].headers, _replicas(done)))
-        except HTTPError as exc:
+        except FleetRefusal as exc:
             detail = exc.message
             raise
         finally:
@@ -695,14 +702,14 @@ class Broadcaster:
         )
         bad = next((a for a in answers if a.status != 200), None)
         if bad is not None:
-            raise HTTPError(503, f"{bad.replica.describe()} is not healthy: {bad.failure(path)}.")
+            raise Unavailable(f"{bad.replica.describe()} is not healthy: {bad.failure(path)}.")
         return Reply(200, b"", _copied_headers([], _replicas(answers)))
 
     async def models(self) -> Reply:
         """`/v1/models` from one healthy replica, listing only names that passed the fence."""
         candidates = sorted(self.fleet.routable(None), key=lambda r: r.in_flight)
         if not candidates:
-            raise HTTPError(503, "No replica is in service.")
+            raise Unavailable("No replica is in service.")
         last: Answer | None = None
         for replica in candidates[:3]:  # a few tries, never the whole fleet
             answer = await self.call(replica, "GET", "/v1/models")
@@ -736,41 +743,6 @@ class Broadcaster:
                 }
             out.append(card)
         return out
-
-
-# -- request bodies ---------------------------------------------------------------------------
-
-
-def _json_object(body: bytes) -> dict[str, Any]:
-    try:
-        doc = orjson.loads(body) if body else None
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc.msg}.") from None
-    if not isinstance(doc, dict):
-        raise bad_request("The request body must be a JSON object.")
-    return doc
-
-
-def _load_fields(body: bytes) -> tuple[str, str, bool]:
-    doc = _json_object(body)
-    name, path = doc.get("lora_name"), doc.get("lora_path")
-    if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
-        raise HTTPError(
-            400, "Both 'lora_name' and 'lora_path' must be provided.", type="InvalidUserInput"
-        )
-    inplace = doc.get("load_inplace", False)
-    if not isinstance(inplace, bool):
-        raise bad_request("`load_inplace` must be a boolean.", param="load_inplace")
-    return name, path, inplace
-
-
-def _unload_name(body: bytes) -> str:
-    name = _json_object(body).get("lora_name")
-    if not isinstance(name, str) or not name:
-        raise HTTPError(
-            400, "'lora_name' needs to be provided to unload an adapter.", type="InvalidUserInput"
-        )
-    return name
 
 
 # -- answers ----------------------------------------------------------------------------------
@@ -822,25 +794,22 @@ def _why_reload(entry: AdapterEntry, files: str | None, path: str) -> str:
     return "its files differ from the ones the router loaded under it"
 
 
-def _load_failure(name: str, path: str, o: Outcome, config: Config) -> HTTPError:
+def _load_failure(name: str, path: str, o: Outcome, config: Config) -> FleetRefusal:
     who = o.replica.describe()
     if o.kind == "timeout":
-        return HTTPError(
-            504,
+        return TimedOut(
             f"{who} did not load adapter '{name}' within {config.load_deadline:g} s "
             f"(--load-deadline); last answer: {o.detail}",
         )
     if o.kind == "abandoned":
-        return HTTPError(
-            503,
+        return Unavailable(
             f"The client that asked to load adapter '{name}' disconnected while {who} still "
             f"answered 'No adapter found' for {o.detail}; the load was abandoned.",
         )
     if o.kind == "down":
-        return HTTPError(503, f"Cannot load adapter '{name}': {who} is unreachable: {o.detail}")
+        return Unavailable(f"Cannot load adapter '{name}': {who} is unreachable: {o.detail}")
     if o.kind == "reset":
-        return HTTPError(
-            502,
+        return Misbehaved(
             f"Cannot reload adapter '{name}': {who} did not reset its prefix cache "
             f"({o.detail}); the router resets it so that no KV computed with the previous "
             "weights is served. Start the replica with VLLM_SERVER_DEV_MODE=1.",
@@ -848,13 +817,13 @@ def _load_failure(name: str, path: str, o: Outcome, config: Config) -> HTTPError
     if o.kind == "conflict":
         assert o.answer is not None  # vLLM's 400 "already loaded"
         held = f"from '{o.detail}'" if o.detail else "at a path its /v1/models does not show"
-        return HTTPError(
-            400,
+        return Conflict(
             f"{who} answered: {o.answer.message()} It holds it {held}, not '{path}'. "
             f"{RESTARTED_TRAINER_FIX}",
-            type="InvalidUserInput",
         )
     assert o.answer is not None
     if o.answer.status == 404:  # never "No adapter found" (retried, then 504)
-        return HTTPError(404, f"Cannot load adapter '{name}': {who}: {o.answer.failure(_LOAD)}.")
+        return ReplicaRefused(
+            f"Cannot load adapter '{name}': {who}: {o.answer.failure(_LOAD)}.", 404
+        )
     return replica_failure(o.answer, f"Cannot load adapter '{name}'")

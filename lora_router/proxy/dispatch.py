@@ -55,7 +55,7 @@ from lora_router.http.server import ClientConnection, Request
 from lora_router.http.target import canonical
 from lora_router.metrics import RequestStats
 from lora_router.proxy.answers import cleartext_warning, refusal
-from lora_router.proxy.body import CompletionReader
+from lora_router.proxy.body import CompletionReader, load_fields, unload_name
 from lora_router.proxy.retry import RetryBudget
 from lora_router.proxy.routed import ROUTED, RoutedPath
 from lora_router.routes import REPLICA, Kind, Route, lookup, with_forward_paths
@@ -172,10 +172,11 @@ class RouterApp(RoutedPath):
     # -- broadcasts and read-only routes ----------------------------------------------------
 
     async def load_adapter(self, request: Request, conn: ClientConnection) -> None:
-        _send(conn, await self.broadcaster.load(request.body))
+        name, path, inplace = load_fields(request.body)
+        _send(conn, await self.broadcaster.load(name, path, inplace, request.body))
 
     async def unload_adapter(self, request: Request, conn: ClientConnection) -> None:
-        _send(conn, await self.broadcaster.unload(request.body))
+        _send(conn, await self.broadcaster.unload(unload_name(request.body), request.body))
 
     async def dev_broadcast(self, request: Request, conn: ClientConnection) -> None:
         path = request.path.decode("latin-1")

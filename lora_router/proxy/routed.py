@@ -47,20 +47,21 @@ from lora_router.config import Config
 from lora_router.fleet.fence import AdapterFence, FenceRefusal
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
+from lora_router.fleet.refusals import FleetRefusal, no_replica_in_service
 from lora_router.fleet.replica import Replica
-from lora_router.fleet.replica_errors import (
-    exchange_failed,
-    lost_adapter,
-    no_replica_for,
-    no_replica_in_service,
-)
 from lora_router.http.auth import authenticate
 from lora_router.http.errors import HTTPError
 from lora_router.http.headers import upstream_request_head
 from lora_router.http.server import ClientConnection, Request
 from lora_router.http.upstream import Exchange, UpstreamConnection, UpstreamError
 from lora_router.metrics import RequestStats
-from lora_router.proxy.answers import fence_error
+from lora_router.proxy.answers import (
+    exchange_failed,
+    fence_error,
+    fleet_error,
+    lost_adapter,
+    no_replica_for,
+)
 from lora_router.proxy.body import Completion, CompletionReader
 from lora_router.proxy.retry import (
     Outcome,
@@ -263,6 +264,8 @@ class RoutedPath:
                 await work
             except FenceRefusal as refusal:
                 raise fence_error(refusal) from None
+            except FleetRefusal as refusal:
+                raise fleet_error(refusal) from None
         except HTTPError as exc:
             # Answered by the router itself after this returns (unless a stream had begun).
             self._observe(request, conn, started, conn.status or exc.status)
@@ -349,7 +352,7 @@ class RoutedPath:
             if not self.fleet.base_models and not self.fleet.live():
                 # No replica has listed what it serves yet: the name may well be the base
                 # model; whether it exists is unknown, so not vLLM's 404 but "not now".
-                raise no_replica_in_service(self.fleet, self.config)
+                raise fleet_error(no_replica_in_service(self.fleet, self.config))
             await self.fence.wait(model)
         job, key = self.admit(request, conn, chat, fields, self._loop.time())
         del fields  # the key holds the prompt now, and only until a replica is chosen
