@@ -53,16 +53,14 @@ with an adapter the other half lacks.
 Read-only calls: `/health` and `/ping` ask every live replica; `/v1/models` comes from one
 healthy replica, filtered to the names that passed the fence, base model first.
 
-Errors name the replica by index and URL (`Replica 2 (https://host:8000)`); the bearer token
-lives only in the session's default headers and never appears in a message or a log line.
-This module must never let a name become live before every live replica acknowledged it, and
-never run two broadcasts at once.
+Refusals are values (refusals.py) naming the replica by index and URL; the bearer token never
+appears in a message or a log line. This module must never let a name become live before
+every live replica acknowledged it, and never run two broadcasts at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import Counter
@@ -76,7 +74,6 @@ from lora_router.config import Config
 from lora_router.fleet.adapter_files import read_digest
 from lora_router.fleet.client import Answer as ReplicaAnswer
 from lora_router.fleet.client import ReplicaClient
-from lora_router.fleet.failure import Failure
 from lora_router.fleet.fence import (
     RESTARTED_TRAINER_FIX,
     AdapterEntry,
@@ -99,6 +96,14 @@ from lora_router.fleet.refusals import (
     replica_failure,
 )
 from lora_router.fleet.replica import Replica
+from lora_router.fleet.replica_loads import (
+    FAILED,
+    LOAD,
+    Outcome,
+    ReplicaLoads,
+    failure_rank,
+    forget,
+)
 from lora_router.fleet.telemetry import SyncClock
 from lora_router.http.headers import HOP_BY_HOP, REPLICA_HEADER
 
@@ -109,9 +114,6 @@ Answer = ReplicaAnswer[Replica]
 # Headers of a replica's answer that describe its connection or framing, not the message; the
 # router frames its own answer.
 _NOT_COPIED = HOP_BY_HOP | {b"content-length", REPLICA_HEADER}
-_MOUNT_LAG = "No adapter found"
-_ALREADY_LOADED = "already been loaded"
-_LOAD = "/v1/load_lora_adapter"
 
 
 @dataclass(slots=True)
@@ -123,47 +125,20 @@ class Reply:
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
 
 
-@dataclass(slots=True)
-class Outcome:
-    """What one replica did with one adapter load."""
-
-    replica: Replica
-    kind: str  # loaded | present | conflict | failed | reset | timeout | abandoned | down
-    answer: Answer | None = None
-    detail: str = ""
-
-
-@dataclass(slots=True)
-class MountWait:
-    """A replica answering "No adapter found" to a load the router keeps retrying."""
-
-    replica: Replica
-    name: str
-    path: str
-    since: float  # loop time of the first such answer
-    logged: float  # loop time of the last line logged about it
-
-
-class Broadcaster:
-    """Broadcasts, one at a time, and the read-only fan-ins (module docstring)."""
-
-    # Seconds between two log lines about a replica that still cannot see an adapter.
-    mount_wait_log_interval = 30.0
+class Broadcaster(ReplicaLoads):
+    """Broadcasts, one at a time, and the read-only fan-ins (module docstring), on top of
+    the per-replica adapter calls (replica_loads.py)."""
 
     def __init__(
         self, config: Config, client: ReplicaClient, fleet: Fleet, fence: AdapterFence
     ) -> None:
-        self.config = config
-        self.client = client
-        self.call = client.call
+        super().__init__(config, client)
         self.fleet = fleet
         self.fence = fence
         # The broadcast lock: held by every broadcast, and by the last step of a replay, so a
         # replica is admitted between two broadcasts, never during one.
         self.lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
-        # Loads being retried because a replica does not see the files yet: (rid, name) -> wait.
-        self.mount_waits: dict[tuple[int, str], MountWait] = {}
         self.received = 0  # broadcasts received since start
         self.pending = 0  # broadcasts received and not yet answered (queued or running)
         # Plain counters for metrics: (operation, outcome) -> count / seconds.
@@ -328,10 +303,10 @@ class Broadcaster:
         for o in outcomes:
             if o.kind == "down":
                 assert o.answer is not None  # a "down" outcome carries its answer (status 0)
-                failure = o.answer.failure(_LOAD)
+                failure = o.answer.failure(LOAD)
                 o.replica.life.eject(f"unreachable during the load of '{name}': {failure}")
         accepted = [o for o in outcomes if o.kind in ("loaded", "present")]
-        failed = [o for o in outcomes if o.kind in _FAILED]
+        failed = [o for o in outcomes if o.kind in FAILED]
         if self.config.down_replica_policy == "fail":
             failed += [o for o in outcomes if o.kind == "down"]
         if accepted and not failed:
@@ -354,85 +329,7 @@ class Broadcaster:
         if not failed:
             down = [o.replica for o in outcomes]
             raise Unavailable(f"Cannot load adapter '{name}': {named(down)} could not be reached.")
-        raise _load_failure(name, path, min(failed, key=_failure_rank), self.config)
-
-    async def load_on(
-        self,
-        replica: Replica,
-        name: str,
-        path: str,
-        body: bytes,
-        digest: str | None,
-        deadline: float,
-        abandoned: asyncio.Event | None = None,
-    ) -> Outcome:
-        """Load on one replica, retrying mount lag until `deadline`, or until `abandoned` is
-        set (the client that asked has gone). `digest`: the files' (None: a name found at
-        start, or a load whose turn has not come; a copy already there then counts)."""
-        loop = asyncio.get_running_loop()
-        last = "no answer"
-        started = loop.time()
-        key = (replica.rid, name)
-        dropped = False  # a copy the router did not load was unloaded (once)
-        try:
-            async with asyncio.timeout_at(deadline):
-                while True:  # bounded by the deadline
-                    answer = await self.call(replica, "POST", _LOAD, body=body)
-                    if answer.status == 200:
-                        replica.load_seconds = loop.time() - started
-                        if digest is not None:
-                            replica.loaded[name] = digest
-                        return Outcome(replica, "loaded", answer)
-                    if answer.status == 0:
-                        return Outcome(replica, "down", answer, answer.error)
-                    message = answer.message()
-                    if answer.status == 404 and _MOUNT_LAG in message:
-                        last = message
-                        self._mount_lag(key, replica, name, path, deadline)
-                        if abandoned is None:
-                            await asyncio.sleep(self.config.load_retry_interval)
-                            continue
-                        with contextlib.suppress(TimeoutError):
-                            async with asyncio.timeout(self.config.load_retry_interval):
-                                await abandoned.wait()
-                        if abandoned.is_set():
-                            waited = loop.time() - started
-                            return Outcome(replica, "abandoned", None, f"{waited:.1f} s ({last})")
-                        continue
-                    if answer.status == 400 and _ALREADY_LOADED in message:
-                        found = await self._reconcile(replica, name, path, answer, digest)
-                        if found.kind != "stale":
-                            return found
-                        if dropped:  # it was unloaded a moment ago: someone else loads it
-                            return Outcome(replica, "failed", answer, message)
-                        dropped = True
-                        log.warning(
-                            "load %r: %s holds a copy of it that this router did not load "
-                            "(%s): unloading it and loading the files again",
-                            name,
-                            replica.describe(),
-                            found.detail,
-                        )
-                        gone = await self._drop_copy(replica, name)
-                        if gone is not None:
-                            return gone
-                        continue
-                    return Outcome(replica, "failed", answer, message)
-        except TimeoutError:
-            return Outcome(replica, "timeout", None, last)
-        finally:
-            if self.mount_waits.pop(key, None) is not None:
-                log.info(
-                    "load %r: %s stopped waiting for the adapter files after %.1f s",
-                    name,
-                    replica.describe(),
-                    loop.time() - started,
-                )
-
-    def mount_wait_seconds(self) -> list[tuple[MountWait, float]]:
-        """Every load still waiting for a replica to see its files, with how long so far."""
-        now = asyncio.get_running_loop().time()
-        return [(w, now - w.since) for w in self.mount_waits.values()]
+        raise _load_failure(name, path, min(failed, key=failure_rank), self.config)
 
     def _note_queue(self, op: str) -> None:
         """Say why an operation will wait, when what it waits behind is a load that a
@@ -448,116 +345,6 @@ class Broadcaster:
             wait.replica.describe(),
             seconds,
         )
-
-    def _mount_lag(
-        self, key: tuple[int, str], replica: Replica, name: str, path: str, deadline: float
-    ) -> None:
-        """Record and log a "No adapter found": once when it starts, then every
-        `mount_wait_log_interval` seconds while it lasts."""
-        now = asyncio.get_running_loop().time()
-        wait = self.mount_waits.get(key)
-        if wait is None:
-            self.mount_waits[key] = MountWait(replica, name, path, now, now)
-            log.info(
-                "load %r: %s answers 'No adapter found' for %s (its mount has not caught up?); "
-                "retrying every %g s for up to %.0f s (--load-deadline)",
-                name,
-                replica.describe(),
-                path,
-                self.config.load_retry_interval,
-                deadline - now,
-            )
-        elif now - wait.logged >= self.mount_wait_log_interval:
-            wait.logged = now
-            log.warning(
-                "load %r: %s still answers 'No adapter found' for %s after %.1f s; giving up "
-                "in %.0f s (--load-deadline), or when the client that asked disconnects",
-                name,
-                replica.describe(),
-                path,
-                now - wait.since,
-                max(deadline - now, 0.0),
-            )
-
-    async def _reconcile(
-        self, replica: Replica, name: str, path: str, answer: Answer, digest: str | None
-    ) -> Outcome:
-        """ "Already loaded": present if the replica holds the name at the same path with the
-        files this router loaded there; "stale" if at that path with unknown files."""
-        held = await self.client.listing(replica)
-        if isinstance(held, Failure):
-            return Outcome(replica, "failed", answer, answer.message())
-        root = held.adapters.get(name)
-        if root != path:
-            return Outcome(replica, "conflict", answer, root or "")
-        recorded = replica.loaded.get(name)
-        if digest is None or recorded == digest:
-            return Outcome(replica, "present", answer)
-        why = "other files" if recorded is not None else "put there by another process"
-        return Outcome(replica, "stale", answer, why)
-
-    async def _replace_on(
-        self,
-        replica: Replica,
-        name: str,
-        path: str,
-        body: bytes,
-        digest: str | None,
-        deadline: float,
-        abandoned: asyncio.Event | None = None,
-    ) -> Outcome:
-        """A reload on one replica: its copy dropped (`_drop_copy`), then the files loaded."""
-        try:
-            async with asyncio.timeout_at(deadline):
-                gone = await self._drop_copy(replica, name)
-        except TimeoutError:
-            return Outcome(replica, "timeout", None, "its prefix cache could not be reset")
-        if gone is not None:
-            return gone
-        return await self.load_on(replica, name, path, body, digest, deadline, abandoned)
-
-    async def _drop_copy(self, replica: Replica, name: str) -> Outcome | None:
-        """Unload `name` from one replica and reset its prefix cache (its KV blocks computed
-        with those weights would be hit again under the name); None once done. Runs under its
-        caller's deadline: the reset is retried while the replica answers `success: false`."""
-        body = orjson.dumps({"lora_name": name})
-        answer = await self.call(replica, "POST", "/v1/unload_lora_adapter", body=body)
-        if answer.status == 0:
-            return Outcome(replica, "down", answer, answer.error)
-        if answer.status not in (200, 404):
-            return Outcome(replica, "failed", answer, answer.message())
-        _forget(replica, name)
-        while True:  # bounded by the caller's deadline
-            # reset_running_requests: vLLM preempts running requests (they are recomputed)
-            # instead of refusing while they hold blocks.
-            answer = await self.call(
-                replica, "POST", "/reset_prefix_cache", query="reset_running_requests=true"
-            )
-            if answer.status == 0:
-                return Outcome(replica, "down", answer, answer.error)
-            if answer.status != 200:
-                return Outcome(replica, "reset", answer, answer.summary())
-            doc = answer.parsed()
-            if isinstance(doc, dict) and doc.get("success") is True:
-                return None
-            await asyncio.sleep(self.config.load_retry_interval)
-
-    async def unload_from(self, name: str, replicas: Sequence[Replica]) -> list[Answer]:
-        body = orjson.dumps({"lora_name": name})
-        answers = await asyncio.gather(
-            *(self.call(r, "POST", "/v1/unload_lora_adapter", body=body) for r in replicas)
-        )
-        for a in answers:
-            if a.status in (200, 404):
-                _forget(a.replica, name)
-            else:
-                log.warning(
-                    "could not unload adapter %r from %s: %s",
-                    name,
-                    a.replica.describe(),
-                    a.message(),
-                )
-        return list(answers)
 
     # -- unloads ----------------------------------------------------------------------------
 
@@ -593,7 +380,7 @@ class Broadcaster:
                 )
                 for a in answers:
                     if a.status in (200, 404):
-                        _forget(a.replica, name)
+                        forget(a.replica, name)
                     elif a.status == 0:
                         # Its replay on return drops the name (it mirrors the fleet).
                         failure = a.failure("/v1/unload_lora_adapter")
@@ -745,9 +532,6 @@ class Broadcaster:
         return out
 
 
-# -- answers ----------------------------------------------------------------------------------
-
-
 def _copied_headers(
     headers: Sequence[tuple[bytes, bytes]], acked: Sequence[Replica]
 ) -> list[tuple[bytes, bytes]]:
@@ -767,21 +551,6 @@ def _loaded_reply(name: str, answer: Answer | None, acked: Sequence[Replica]) ->
         return Reply(200, answer.body, _copied_headers(answer.headers, acked))
     text = f"Success: LoRA adapter '{name}' added successfully."
     return Reply(200, text.encode(), _copied_headers([], acked))
-
-
-_FAILED = ("conflict", "failed", "reset", "timeout", "abandoned")
-
-
-def _failure_rank(o: Outcome) -> tuple[int, int]:
-    # A replica's own refusal explains more than a timeout, which explains more than silence.
-    order = {"conflict": 0, "failed": 0, "reset": 0, "timeout": 1, "abandoned": 1, "down": 2}
-    return order[o.kind], o.replica.rid
-
-
-def _forget(replica: Replica, name: str) -> None:
-    """The replica no longer holds `name` (unloaded, or unknown to it)."""
-    replica.adapters.pop(name, None)
-    replica.loaded.pop(name, None)
 
 
 def _why_reload(entry: AdapterEntry, files: str | None, path: str) -> str:
@@ -824,6 +593,6 @@ def _load_failure(name: str, path: str, o: Outcome, config: Config) -> FleetRefu
     assert o.answer is not None
     if o.answer.status == 404:  # never "No adapter found" (retried, then 504)
         return ReplicaRefused(
-            f"Cannot load adapter '{name}': {who}: {o.answer.failure(_LOAD)}.", 404
+            f"Cannot load adapter '{name}': {who}: {o.answer.failure(LOAD)}.", 404
         )
     return replica_failure(o.answer, f"Cannot load adapter '{name}'")
