@@ -4,8 +4,9 @@
                                  [--tokens 1000] [--compare REV[,REV]] [--out FILE]
 
 A `PrefixAffinity` of the default table size in front of 2 replicas routes distinct token-id
-prompts (differing from their first token, so every one is a new family) as app.py does: the
-JSON body read and validated by `CompletionReader`, its `RouteKey` built by `completion_key`,
+prompts (differing from their first token, so every one is a new family) as the
+routed path (proxy/routed.py) does: the JSON body read and validated by `CompletionReader`, its
+`RouteKey` built by `completion_key`,
 `choose`. After each step it reports the process's RSS over its RSS before the first prompt,
 that figure per anchor held, and the bytes of the policy's and the table's hash tables
 (`sys.getsizeof` of every dict among their attributes). With no request handling around it,
@@ -48,7 +49,7 @@ def table_bytes(policy: object) -> int:
 
 
 def child(args: argparse.Namespace) -> None:
-    from lora_router.body import CompletionReader
+    from lora_router.proxy.body import CompletionReader
     from lora_router.routing.keys import Lineages, completion_key
     from lora_router.routing.policy import Candidates, PrefixAffinity
 

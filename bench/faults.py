@@ -35,14 +35,15 @@ starts once half of step N's groups are done. A rollout attempt that fails (non-
 connection error, a body cut short) is retried by the client as TRL's client does, after 1, 2,
 4 s, at most 3 times; a failed load ends the run (TRL would die of it) and is reported.
 
-Faults. Episodes start at 10, 26, 42 ... s, on replicas 1, 2, 1 ... (default: `rollout`,
-`load`, `5xx`, `unload`, `listing`). A kill SIGKILLs one replica — `rollout`: while rollouts
-are in flight and no sync is under way; `load`: 0.1 s into an adapter load broadcast, so the
-victim dies in the middle of a load — waits `--down` s, and starts it again, empty, on the same
-port. `5xx`: the replica answers 500 to every completion for `--down` s while its /health
-stays 200 (`POST /emulator/faults {"error_rate": 1}`). `unload`: the next sync, just before it
-names vN, sends a last burst of 48 rollouts naming v(N-1) (the worker names the current
-version until the trainer moves on), names vN, and 50 ms later unloads v(N-1) while its
+Faults. Episodes start at 10, 26, 42 ... s, on replicas 1, 2, 1 ... (default: `rollout`, `load`,
+`5xx`, `unload`, `listing`; `5xx-all` on demand). A kill SIGKILLs one replica — `rollout`: while
+rollouts are in flight and no sync is under way; `load`: 0.1 s into an adapter load broadcast,
+so the victim dies in the middle of a load — waits `--down` s, and starts it again, empty, on
+the same port. `5xx`: the replica answers 500 to every completion for `--down` s while its
+/health stays 200 (`POST /emulator/faults {"error_rate": 1}`); `5xx-all`: every replica does, a
+fleet-wide failure, whose retries the router's budget bounds. `unload`: the next sync, just
+before it names vN, sends a last burst of 48 rollouts naming v(N-1) (the worker names the
+current version until the trainer moves on), names vN, and 50 ms later unloads v(N-1) while its
 rollouts are in flight and queued in the router. `listing`: for 10 s every other /v1/models
 answer of the replica lists no adapter and it accepts loads of names it holds (a load balancer
 over two vLLM servers: `{"hide_adapters": 2}`); the episode lasts until it serves again.
@@ -226,7 +227,14 @@ async def measure(settings: Settings, cluster: Cluster, adapters: Path) -> dict[
         "replay_reference_s": [round(t, 4) for t in ref],
         "episodes": episodes,
         "soft_episodes": soft,
-        "client_visible_5xx": sum(a.status >= 500 for a in attempts),
+        # A fleet-wide 5xx (`5xx-all`) reaches the client by design: counted in its episode.
+        "client_visible_5xx": sum(
+            a.status >= 500
+            for a in attempts
+            if not any(
+                r.episode.phase == "5xx-all" and r.killed <= a.started <= r.ended + 1 for r in runs
+            )
+        ),
         "client_404s": sum(a.status == 404 for a in attempts),
         "router_retries": router_status.get("retries", {}),
         "failures": failures,

@@ -17,7 +17,7 @@ by ring order: the costliest case for `HashRing.first_of`. With it, ties are as 
 are under real prompts.
 
 - *routable*: `Fleet.routable(model)` alone, the routed path's "who may take it?";
-- *fresh*: a prompt nobody sent before, as app.py routes it: its key built from a validated
+- *fresh*: a prompt nobody sent before, as proxy/routed.py routes it: its key built from a validated
   `Completion` (ids packed by validation), the policy's choice among the routable replicas
   (its chain computed and the table scanned, a new family dealt);
 - *known*: a sibling of a prompt routed before (the G samples of a GRPO prompt), from its raw
@@ -65,7 +65,7 @@ def per_call_us(fn: Callable[[], object]) -> float:
 
 async def measure(n: int, args: argparse.Namespace, seed: int) -> dict[str, float]:
     """One fleet size's figures, in the lora_router on sys.path."""
-    body = importlib.import_module("lora_router.body")
+    body = importlib.import_module("lora_router.proxy.body")
     config_mod = importlib.import_module("lora_router.config")
     fleet_mod = importlib.import_module("lora_router.fleet.fleet")
     keys = importlib.import_module("lora_router.routing.keys")

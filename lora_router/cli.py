@@ -342,8 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=d.retry_budget,
         metavar="SHARE",
-        help="retries of a 5xx allowed while below this share of the routed requests of the "
-        "last 10 s (10 per 10 s always are), so a sick fleet is not hammered",
+        help="counted retries of a 5xx (made while most of the fleet fails, or onto a failing "
+        "replica) allowed below this share of the routed requests of the last 10 s (10 per "
+        "10 s always are), so a sick fleet is not hammered; a retry off one sick replica onto "
+        "a healthy one is free",
     )
 
     g = p.add_argument_group("adapter broadcasts")

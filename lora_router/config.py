@@ -238,8 +238,9 @@ class Config:
     max_prompt_tokens: int = 1_000_000
     max_upstream_connections: int = 1024  # per replica
     retries: int = 2  # other replicas tried when nothing was received yet
-    # Retries of a 5xx allowed while below this share of the routed requests of the last 10 s
-    # (10 per 10 s always are): see retry_budget.py.
+    # Counted 5xx retries (made while most of the fleet fails, or onto a failing replica)
+    # allowed below this share of the routed requests of the last 10 s (10 per 10 s always
+    # are): see proxy/retry.py.
     retry_budget: float = 0.2
 
     # Adapter broadcasts

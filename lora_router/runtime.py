@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from lora_router.app import RouterApp, cleartext_warning
 from lora_router.config import Config
 from lora_router.fleet.broadcast import Broadcaster
 from lora_router.fleet.client import ReplicaClient
@@ -26,6 +25,8 @@ from lora_router.fleet.replay import Replay
 from lora_router.fleet.telemetry import Telemetry
 from lora_router.http.server import ConnectionCount, serve
 from lora_router.metrics import MetricsCollector, RequestStats, make_registry
+from lora_router.proxy.answers import cleartext_warning
+from lora_router.proxy.dispatch import RouterApp
 from lora_router.routing.keys import DEFAULT_BLOCK_SIZE
 from lora_router.routing.policy import make_policy
 from lora_router.status import metric_families, summary_line

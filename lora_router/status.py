@@ -22,9 +22,10 @@ from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
 from lora_router.fleet.lifecycle import State
 from lora_router.fleet.replica import Replica
-from lora_router.fleet.telemetry import WINDOW_S, Report, Telemetry, fleet_figures
+from lora_router.fleet.report import Report
+from lora_router.fleet.telemetry import WINDOW_S, Telemetry, fleet_figures
 from lora_router.metrics import RequestStats, Rows, counter, gauge
-from lora_router.retry_budget import RetryBudget
+from lora_router.proxy.retry import RetryBudget
 from lora_router.routing.policy import Policy
 
 

@@ -6,7 +6,10 @@
   emulator itself do;
 - in the router, only fleet/client.py opens an aiohttp session (the control plane's requests
   to replicas; the data plane has http/upstream.py); demo.py and top.py are clients of the
-  router, not part of it.
+  router, not part of it;
+- proxy/ (the request path) may import fleet/ and routing/; fleet/ imports neither proxy/ nor
+  http/errors.py: it returns outcome values, which proxy/answers.py renders as vLLM's answers;
+- the router has no import cycle, type-only imports (under `TYPE_CHECKING`) included.
 """
 
 from __future__ import annotations
@@ -84,3 +87,66 @@ def test_only_the_replica_client_opens_an_aiohttp_session_in_the_router() -> Non
     router = {m for m in MODULES if not m.startswith(clients)}
     users = {m for m in router if "aiohttp" in imports(m)}
     assert users == {"lora_router.fleet.client"}
+
+
+def test_the_fleet_imports_neither_the_proxy_nor_http_errors() -> None:
+    for module in (m for m in MODULES if m.startswith("lora_router.fleet")):
+        bad = {
+            i
+            for i in imports(module)
+            if i.startswith(("lora_router.proxy", "lora_router.http.errors"))
+        }
+        assert not bad, f"{module} imports {bad}"
+
+
+def test_the_proxy_is_imported_only_by_the_wiring_and_the_views() -> None:
+    outside = {
+        m for m in importers_of("lora_router.proxy") if not m.startswith("lora_router.proxy")
+    }
+    assert outside == {"lora_router.runtime", "lora_router.status"}
+
+
+def cycle(modules: set[str]) -> list[str] | None:
+    """One import cycle among `modules` (every import counts, type-only ones too), or None."""
+    graph = {m: {i for i in imports(m) if i in modules and i != m} for m in modules}
+    done: set[str] = set()
+    for start in sorted(modules):
+        path: list[str] = []
+        on_path: set[str] = set()
+        todo = [(start, iter(sorted(graph[start])))] if start not in done else []
+        if todo:
+            path.append(start)
+            on_path.add(start)
+        while todo:
+            node, rest = todo[-1]
+            nxt = next(rest, None)
+            if nxt is None:
+                todo.pop()
+                path.pop()
+                on_path.discard(node)
+                done.add(node)
+            elif nxt in on_path:
+                return [*path[path.index(nxt) :], nxt]
+            elif nxt not in done:
+                todo.append((nxt, iter(sorted(graph[nxt]))))
+                path.append(nxt)
+                on_path.add(nxt)
+    return None
+
+
+def test_the_router_has_no_import_cycle() -> None:
+    router = {m for m in MODULES if not m.startswith("lora_router.emulator")}
+    assert cycle(router) is None
+
+
+def test_a_type_only_import_closes_a_cycle_too() -> None:
+    """The check reads imports under `TYPE_CHECKING` (as `ast.walk` does every import)."""
+    source = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lora_router.b import B\n"
+    )
+    MODULES["lora_router.a"] = ast.parse(source)
+    MODULES["lora_router.b"] = ast.parse("from lora_router.a import A\n")
+    try:
+        assert cycle({"lora_router.a", "lora_router.b"}) is not None
+    finally:
+        del MODULES["lora_router.a"], MODULES["lora_router.b"]

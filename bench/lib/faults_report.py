@@ -280,16 +280,20 @@ def analyse_soft(
         "started_at_s": round(run.killed - t0, 3),
         "lasted_s": round(run.ended - run.killed, 3),
     }
-    if phase == "5xx":
+    if phase in ("5xx", "5xx-all"):
         window = [a for a in attempts if run.killed <= a.started <= run.ended]
-        answered = [
-            a
-            for inc in range(cluster.incarnations[rid] + 1)
-            for a in read_access_log(cluster.access_log(rid, inc))
+        every = [
+            (i, a)
+            for i in range(len(cluster.ports))
+            for inc in range(cluster.incarnations[i] + 1)
+            for a in read_access_log(cluster.access_log(i, inc))
             if a.path in GENERATION_PATHS and run.killed <= a.arrived <= run.ended
         ]
+        answered = [a for i, a in every if phase == "5xx-all" or i == rid]
         out |= {
             "attempts_during": len(window),
+            # Completions the replicas answered beyond the client's attempts: the router's.
+            "router_retries_during": max(0, len(every) - len(window)),
             "victim_answered_5xx": sum(a.status >= 500 for a in answered),
             "client_visible_5xx_during": sum(a.status >= 500 for a in window),
             "failed_attempts_during": sum(a.kind != "ok" for a in window),
@@ -345,7 +349,22 @@ def targets(result: dict[str, Any]) -> dict[str, Any]:
     soft = result["soft_episodes"]
     listing = [e for e in soft if e["phase"] == "listing"]
     unloads = [e for e in soft if e["phase"] == "unload"]
+    fleet_wide = [e for e in soft if e["phase"] == "5xx-all"]
     return {
+        "fleet_wide_5xx_retries_within_budget": {
+            # The budget: MIN_RETRIES counted per 10 s window (or 20 % of its requests).
+            "met": all(
+                e["router_retries_during"]
+                <= 10 * (1 + math.ceil(e["lasted_s"] / 10)) + 0.2 * e["attempts_during"]
+                for e in fleet_wide
+            ),
+            "figure": "; ".join(
+                f"{e['router_retries_during']} router retries for {e['attempts_during']} "
+                f"attempts over {e['lasted_s']} s"
+                for e in fleet_wide
+            )
+            or "no 5xx-all episode",
+        },
         "client_visible_5xx": {
             "met": result["client_visible_5xx"] == 0,
             "figure": f"{result['client_visible_5xx']} rollout attempts answered 5xx; the "

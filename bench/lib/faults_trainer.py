@@ -312,7 +312,7 @@ class EpisodeRun:
 
 
 KILLS = ("rollout", "load")
-SOFT = ("5xx", "unload", "listing")
+SOFT = ("5xx", "5xx-all", "unload", "listing")
 
 
 async def inject(
@@ -357,7 +357,8 @@ async def inject(
 async def soft_fault(
     run: EpisodeRun, cluster: Cluster, trainer: Trainer, prober: Prober, down: float
 ) -> None:
-    """`5xx`: the victim answers 500 to every completion (its /health stays 200) for `down` s.
+    """`5xx`: the victim answers 500 to every completion (its /health stays 200) for `down` s;
+    `5xx-all`: every replica does.
     `unload`: the next sync also unloads the version it supersedes, with its rollouts in
     flight. `listing`: every other /v1/models answer of the victim lists no adapter (a load
     balancer over two servers) for LISTING_S, then the episode lasts until it serves again."""
@@ -375,6 +376,13 @@ async def soft_fault(
             return
         run.unload_call = call
         run.ended = run.admitted = call.ended
+        return
+    if phase == "5xx-all":  # every replica at once: a fleet-wide failure, for `down` s
+        urls = [cluster.url(i) for i in range(len(cluster.ports))]
+        await asyncio.gather(*(set_fault(prober.http, u, {"error_rate": 1.0}) for u in urls))
+        await asyncio.sleep(down)
+        await asyncio.gather(*(set_fault(prober.http, u, {"error_rate": 0.0}) for u in urls))
+        run.ended = run.admitted = time.time()
         return
     switch, value = ("error_rate", 1.0) if phase == "5xx" else ("hide_adapters", 2)
     await set_fault(prober.http, url, {switch: value})

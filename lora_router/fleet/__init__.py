@@ -18,11 +18,14 @@ The rest, by what each part knows:
 - `fence.py`: the version fence (which adapter names are live), pure, with its own refusals;
 - `broadcast.py`: the broadcaster (one operation at a time: all-or-nothing loads, unloads,
   pause/resume/reset) and the `/health` and `/v1/models` fan-ins;
+- `replica_loads.py`: the per-replica half of loads and unloads (mount-lag retries, a copy
+  already there), under broadcasts and replays;
 - `replay.py`: discovery at start and the replay that brings a replica to the fleet's state;
 - `health.py`: active checks and passive reports, which decide when to report an event;
 - `telemetry.py`: the replicas' own `/metrics`, read-only;
 - `failure.py`: why a replica failed, named once (cause and fix), pure: what the log,
   `last_error`, `/health`, `top` and `--check` say;
-- `replica_errors.py`: the router's own error answers about replicas (none in service, a
-  refusal passed on, a lost adapter).
+- `refusals.py`: the fleet's refusals as values (none in service, a replica's refusal passed
+  on, a load timed out), which proxy/answers.py renders: the fleet speaks no HTTP;
+- `report.py`: one replica's `/metrics` scrape, kept on its `Replica`.
 """

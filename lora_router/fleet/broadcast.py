@@ -53,16 +53,14 @@ with an adapter the other half lacks.
 Read-only calls: `/health` and `/ping` ask every live replica; `/v1/models` comes from one
 healthy replica, filtered to the names that passed the fence, base model first.
 
-Errors name the replica by index and URL (`Replica 2 (https://host:8000)`); the bearer token
-lives only in the session's default headers and never appears in a message or a log line.
-This module must never let a name become live before every live replica acknowledged it, and
-never run two broadcasts at once.
+Refusals are values (refusals.py) naming the replica by index and URL; the bearer token never
+appears in a message or a log line. This module must never let a name become live before
+every live replica acknowledged it, and never run two broadcasts at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import Counter
@@ -76,7 +74,6 @@ from lora_router.config import Config
 from lora_router.fleet.adapter_files import read_digest
 from lora_router.fleet.client import Answer as ReplicaAnswer
 from lora_router.fleet.client import ReplicaClient
-from lora_router.fleet.failure import Failure
 from lora_router.fleet.fence import (
     RESTARTED_TRAINER_FIX,
     AdapterEntry,
@@ -86,10 +83,28 @@ from lora_router.fleet.fence import (
 )
 from lora_router.fleet.fleet import Fleet, PauseIntent
 from lora_router.fleet.lifecycle import OUT, State
+from lora_router.fleet.refusals import (
+    Conflict,
+    FleetRefusal,
+    Misbehaved,
+    ReplicaRefused,
+    TimedOut,
+    Unavailable,
+    named,
+    no_replica_in_service,
+    reason,
+    replica_failure,
+)
 from lora_router.fleet.replica import Replica
-from lora_router.fleet.replica_errors import named, no_replica_in_service, reason, replica_failure
+from lora_router.fleet.replica_loads import (
+    FAILED,
+    LOAD,
+    Outcome,
+    ReplicaLoads,
+    failure_rank,
+    forget,
+)
 from lora_router.fleet.telemetry import SyncClock
-from lora_router.http.errors import HTTPError, bad_request
 from lora_router.http.headers import HOP_BY_HOP, REPLICA_HEADER
 
 log = logging.getLogger(__name__)
@@ -99,9 +114,6 @@ Answer = ReplicaAnswer[Replica]
 # Headers of a replica's answer that describe its connection or framing, not the message; the
 # router frames its own answer.
 _NOT_COPIED = HOP_BY_HOP | {b"content-length", REPLICA_HEADER}
-_MOUNT_LAG = "No adapter found"
-_ALREADY_LOADED = "already been loaded"
-_LOAD = "/v1/load_lora_adapter"
 
 
 @dataclass(slots=True)
@@ -113,47 +125,20 @@ class Reply:
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
 
 
-@dataclass(slots=True)
-class Outcome:
-    """What one replica did with one adapter load."""
-
-    replica: Replica
-    kind: str  # loaded | present | conflict | failed | reset | timeout | abandoned | down
-    answer: Answer | None = None
-    detail: str = ""
-
-
-@dataclass(slots=True)
-class MountWait:
-    """A replica answering "No adapter found" to a load the router keeps retrying."""
-
-    replica: Replica
-    name: str
-    path: str
-    since: float  # loop time of the first such answer
-    logged: float  # loop time of the last line logged about it
-
-
-class Broadcaster:
-    """Broadcasts, one at a time, and the read-only fan-ins (module docstring)."""
-
-    # Seconds between two log lines about a replica that still cannot see an adapter.
-    mount_wait_log_interval = 30.0
+class Broadcaster(ReplicaLoads):
+    """Broadcasts, one at a time, and the read-only fan-ins (module docstring), on top of
+    the per-replica adapter calls (replica_loads.py)."""
 
     def __init__(
         self, config: Config, client: ReplicaClient, fleet: Fleet, fence: AdapterFence
     ) -> None:
-        self.config = config
-        self.client = client
-        self.call = client.call
+        super().__init__(config, client)
         self.fleet = fleet
         self.fence = fence
         # The broadcast lock: held by every broadcast, and by the last step of a replay, so a
         # replica is admitted between two broadcasts, never during one.
         self.lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
-        # Loads being retried because a replica does not see the files yet: (rid, name) -> wait.
-        self.mount_waits: dict[tuple[int, str], MountWait] = {}
         self.received = 0  # broadcasts received since start
         self.pending = 0  # broadcasts received and not yet answered (queued or running)
         # Plain counters for metrics: (operation, outcome) -> count / seconds.
@@ -210,9 +195,9 @@ class Broadcaster:
 
     # -- loads ------------------------------------------------------------------------------
 
-    async def load(self, body: bytes) -> Reply:
-        """`POST /v1/load_lora_adapter`, all-or-nothing on the live replicas."""
-        name, path, inplace = _load_fields(body)
+    async def load(self, name: str, path: str, inplace: bool, body: bytes) -> Reply:
+        """`POST /v1/load_lora_adapter` (its fields read from `body`, which goes to the replicas
+        as it is), all-or-nothing on the live replicas."""
         # At arrival, not in its turn: completions naming it from now on wait at the fence.
         try:
             entry = self.fence.begin_load(name, path, body, inplace)
@@ -259,7 +244,7 @@ class Broadcaster:
                 reply = await self._broadcast_load(entry, name, path, body, abandoned)
                 ok, outcome = True, "reloaded" if entry.replacing else "ok"
                 return reply
-        except HTTPError as exc:
+        except FleetRefusal as exc:
             failure, outcome = exc.message, "failed"
             raise
         finally:
@@ -276,15 +261,14 @@ class Broadcaster:
         if self.config.down_replica_policy == "fail":
             down = [r for r in fleet.replicas if r.state in OUT or r.state is State.REPLAYING]
             if down:
-                raise HTTPError(
-                    503,
+                raise Unavailable(
                     f"Cannot load adapter '{name}': {named(down)} "
                     f"{'is' if len(down) == 1 else 'are'} out of service"
                     f"{reason(down[0])} and --down-replica-policy is 'fail'.",
                 )
         targets = fleet.live()
         if not targets:
-            raise HTTPError(503, f"Cannot load adapter '{name}': no replica is in service.")
+            raise Unavailable(f"Cannot load adapter '{name}': no replica is in service.")
         if replace:
             # As for an unload: requests admitted under the old weights are answered first.
             left = await self.fence.drain(name, self.config.unload_wait)
@@ -319,10 +303,10 @@ class Broadcaster:
         for o in outcomes:
             if o.kind == "down":
                 assert o.answer is not None  # a "down" outcome carries its answer (status 0)
-                failure = o.answer.failure(_LOAD)
+                failure = o.answer.failure(LOAD)
                 o.replica.life.eject(f"unreachable during the load of '{name}': {failure}")
         accepted = [o for o in outcomes if o.kind in ("loaded", "present")]
-        failed = [o for o in outcomes if o.kind in _FAILED]
+        failed = [o for o in outcomes if o.kind in FAILED]
         if self.config.down_replica_policy == "fail":
             failed += [o for o in outcomes if o.kind == "down"]
         if accepted and not failed:
@@ -344,88 +328,8 @@ class Broadcaster:
         )
         if not failed:
             down = [o.replica for o in outcomes]
-            raise HTTPError(
-                503, f"Cannot load adapter '{name}': {named(down)} could not be reached."
-            )
-        raise _load_failure(name, path, min(failed, key=_failure_rank), self.config)
-
-    async def load_on(
-        self,
-        replica: Replica,
-        name: str,
-        path: str,
-        body: bytes,
-        digest: str | None,
-        deadline: float,
-        abandoned: asyncio.Event | None = None,
-    ) -> Outcome:
-        """Load on one replica, retrying mount lag until `deadline`, or until `abandoned` is
-        set (the client that asked has gone). `digest`: the files' (None: a name found at
-        start, or a load whose turn has not come; a copy already there then counts)."""
-        loop = asyncio.get_running_loop()
-        last = "no answer"
-        started = loop.time()
-        key = (replica.rid, name)
-        dropped = False  # a copy the router did not load was unloaded (once)
-        try:
-            async with asyncio.timeout_at(deadline):
-                while True:  # bounded by the deadline
-                    answer = await self.call(replica, "POST", _LOAD, body=body)
-                    if answer.status == 200:
-                        replica.load_seconds = loop.time() - started
-                        if digest is not None:
-                            replica.loaded[name] = digest
-                        return Outcome(replica, "loaded", answer)
-                    if answer.status == 0:
-                        return Outcome(replica, "down", answer, answer.error)
-                    message = answer.message()
-                    if answer.status == 404 and _MOUNT_LAG in message:
-                        last = message
-                        self._mount_lag(key, replica, name, path, deadline)
-                        if abandoned is None:
-                            await asyncio.sleep(self.config.load_retry_interval)
-                            continue
-                        with contextlib.suppress(TimeoutError):
-                            async with asyncio.timeout(self.config.load_retry_interval):
-                                await abandoned.wait()
-                        if abandoned.is_set():
-                            waited = loop.time() - started
-                            return Outcome(replica, "abandoned", None, f"{waited:.1f} s ({last})")
-                        continue
-                    if answer.status == 400 and _ALREADY_LOADED in message:
-                        found = await self._reconcile(replica, name, path, answer, digest)
-                        if found.kind != "stale":
-                            return found
-                        if dropped:  # it was unloaded a moment ago: someone else loads it
-                            return Outcome(replica, "failed", answer, message)
-                        dropped = True
-                        log.warning(
-                            "load %r: %s holds a copy of it that this router did not load "
-                            "(%s): unloading it and loading the files again",
-                            name,
-                            replica.describe(),
-                            found.detail,
-                        )
-                        gone = await self._drop_copy(replica, name)
-                        if gone is not None:
-                            return gone
-                        continue
-                    return Outcome(replica, "failed", answer, message)
-        except TimeoutError:
-            return Outcome(replica, "timeout", None, last)
-        finally:
-            if self.mount_waits.pop(key, None) is not None:
-                log.info(
-                    "load %r: %s stopped waiting for the adapter files after %.1f s",
-                    name,
-                    replica.describe(),
-                    loop.time() - started,
-                )
-
-    def mount_wait_seconds(self) -> list[tuple[MountWait, float]]:
-        """Every load still waiting for a replica to see its files, with how long so far."""
-        now = asyncio.get_running_loop().time()
-        return [(w, now - w.since) for w in self.mount_waits.values()]
+            raise Unavailable(f"Cannot load adapter '{name}': {named(down)} could not be reached.")
+        raise _load_failure(name, path, min(failed, key=failure_rank), self.config)
 
     def _note_queue(self, op: str) -> None:
         """Say why an operation will wait, when what it waits behind is a load that a
@@ -442,121 +346,11 @@ class Broadcaster:
             seconds,
         )
 
-    def _mount_lag(
-        self, key: tuple[int, str], replica: Replica, name: str, path: str, deadline: float
-    ) -> None:
-        """Record and log a "No adapter found": once when it starts, then every
-        `mount_wait_log_interval` seconds while it lasts."""
-        now = asyncio.get_running_loop().time()
-        wait = self.mount_waits.get(key)
-        if wait is None:
-            self.mount_waits[key] = MountWait(replica, name, path, now, now)
-            log.info(
-                "load %r: %s answers 'No adapter found' for %s (its mount has not caught up?); "
-                "retrying every %g s for up to %.0f s (--load-deadline)",
-                name,
-                replica.describe(),
-                path,
-                self.config.load_retry_interval,
-                deadline - now,
-            )
-        elif now - wait.logged >= self.mount_wait_log_interval:
-            wait.logged = now
-            log.warning(
-                "load %r: %s still answers 'No adapter found' for %s after %.1f s; giving up "
-                "in %.0f s (--load-deadline), or when the client that asked disconnects",
-                name,
-                replica.describe(),
-                path,
-                now - wait.since,
-                max(deadline - now, 0.0),
-            )
-
-    async def _reconcile(
-        self, replica: Replica, name: str, path: str, answer: Answer, digest: str | None
-    ) -> Outcome:
-        """ "Already loaded": present if the replica holds the name at the same path with the
-        files this router loaded there; "stale" if at that path with unknown files."""
-        held = await self.client.listing(replica)
-        if isinstance(held, Failure):
-            return Outcome(replica, "failed", answer, answer.message())
-        root = held.adapters.get(name)
-        if root != path:
-            return Outcome(replica, "conflict", answer, root or "")
-        recorded = replica.loaded.get(name)
-        if digest is None or recorded == digest:
-            return Outcome(replica, "present", answer)
-        why = "other files" if recorded is not None else "put there by another process"
-        return Outcome(replica, "stale", answer, why)
-
-    async def _replace_on(
-        self,
-        replica: Replica,
-        name: str,
-        path: str,
-        body: bytes,
-        digest: str | None,
-        deadline: float,
-        abandoned: asyncio.Event | None = None,
-    ) -> Outcome:
-        """A reload on one replica: its copy dropped (`_drop_copy`), then the files loaded."""
-        try:
-            async with asyncio.timeout_at(deadline):
-                gone = await self._drop_copy(replica, name)
-        except TimeoutError:
-            return Outcome(replica, "timeout", None, "its prefix cache could not be reset")
-        if gone is not None:
-            return gone
-        return await self.load_on(replica, name, path, body, digest, deadline, abandoned)
-
-    async def _drop_copy(self, replica: Replica, name: str) -> Outcome | None:
-        """Unload `name` from one replica and reset its prefix cache (its KV blocks computed
-        with those weights would be hit again under the name); None once done. Runs under its
-        caller's deadline: the reset is retried while the replica answers `success: false`."""
-        body = orjson.dumps({"lora_name": name})
-        answer = await self.call(replica, "POST", "/v1/unload_lora_adapter", body=body)
-        if answer.status == 0:
-            return Outcome(replica, "down", answer, answer.error)
-        if answer.status not in (200, 404):
-            return Outcome(replica, "failed", answer, answer.message())
-        _forget(replica, name)
-        while True:  # bounded by the caller's deadline
-            # reset_running_requests: vLLM preempts running requests (they are recomputed)
-            # instead of refusing while they hold blocks.
-            answer = await self.call(
-                replica, "POST", "/reset_prefix_cache", query="reset_running_requests=true"
-            )
-            if answer.status == 0:
-                return Outcome(replica, "down", answer, answer.error)
-            if answer.status != 200:
-                return Outcome(replica, "reset", answer, answer.summary())
-            doc = answer.parsed()
-            if isinstance(doc, dict) and doc.get("success") is True:
-                return None
-            await asyncio.sleep(self.config.load_retry_interval)
-
-    async def unload_from(self, name: str, replicas: Sequence[Replica]) -> list[Answer]:
-        body = orjson.dumps({"lora_name": name})
-        answers = await asyncio.gather(
-            *(self.call(r, "POST", "/v1/unload_lora_adapter", body=body) for r in replicas)
-        )
-        for a in answers:
-            if a.status in (200, 404):
-                _forget(a.replica, name)
-            else:
-                log.warning(
-                    "could not unload adapter %r from %s: %s",
-                    name,
-                    a.replica.describe(),
-                    a.message(),
-                )
-        return list(answers)
-
     # -- unloads ----------------------------------------------------------------------------
 
-    async def unload(self, body: bytes) -> Reply:
-        """`POST /v1/unload_lora_adapter`: unroutable at once, then dropped everywhere."""
-        name = _unload_name(body)
+    async def unload(self, name: str, body: bytes) -> Reply:
+        """`POST /v1/unload_lora_adapter` (`name` read from `body`): unroutable at once, then
+        dropped everywhere."""
         entry = self.fence.begin_unload(name)
         self._note_queue(f"unload {name!r}")
         return await self._queue(self._unload_op(entry, name, body))
@@ -579,14 +373,14 @@ class Broadcaster:
                     )
                 targets = self.fleet.live()
                 if not targets:
-                    raise HTTPError(503, f"Cannot unload adapter '{name}': no replica in service.")
+                    raise Unavailable(f"Cannot unload adapter '{name}': no replica in service.")
                 known = bool(entry.path) or any(name in r.adapters for r in self.fleet.replicas)
                 answers = await asyncio.gather(
                     *(self.call(r, "POST", "/v1/unload_lora_adapter", body=body) for r in targets)
                 )
                 for a in answers:
                     if a.status in (200, 404):
-                        _forget(a.replica, name)
+                        forget(a.replica, name)
                     elif a.status == 0:
                         # Its replay on return drops the name (it mirrors the fleet).
                         failure = a.failure("/v1/unload_lora_adapter")
@@ -610,7 +404,7 @@ class Broadcaster:
                     )
                 text = f"Success: LoRA adapter '{name}' removed successfully."
                 return Reply(200, text.encode(), _copied_headers([], _replicas(answers)))
-        except HTTPError as exc:
+        except FleetRefusal as exc:
             detail = exc.message
             raise
         finally:
@@ -638,7 +432,7 @@ class Broadcaster:
                     self.fleet.pause = PauseIntent(known=True)
                 targets = self.fleet.live()
                 if not targets:
-                    raise HTTPError(503, f"Cannot {op}: no replica is in service.")
+                    raise Unavailable(f"Cannot {op}: no replica is in service.")
                 # A replica taken out of service while paused, with requests still running on
                 # it (ejected for its listing, say), is resumed too, best effort: else they
                 # would wait, paused, for its replay.
@@ -660,7 +454,7 @@ class Broadcaster:
                     raise replica_failure(failed[0], f"/{op} failed")
                 done = [a for a in answers if a.status == 200]
                 if not done:
-                    raise HTTPError(503, f"Cannot {op}: {named(targets)} could not be reached.")
+                    raise Unavailable(f"Cannot {op}: {named(targets)} could not be reached.")
                 outcome = "ok"
                 payload = done[0].body
                 if op == "reset_prefix_cache":
@@ -670,7 +464,7 @@ class Broadcaster:
                     success = all(isinstance(d, dict) and d.get("success") is True for d in docs)
                     payload = orjson.dumps({"success": success})
                 return Reply(200, payload, _copied_headers(done[0].headers, _replicas(done)))
-        except HTTPError as exc:
+        except FleetRefusal as exc:
             detail = exc.message
             raise
         finally:
@@ -695,14 +489,14 @@ class Broadcaster:
         )
         bad = next((a for a in answers if a.status != 200), None)
         if bad is not None:
-            raise HTTPError(503, f"{bad.replica.describe()} is not healthy: {bad.failure(path)}.")
+            raise Unavailable(f"{bad.replica.describe()} is not healthy: {bad.failure(path)}.")
         return Reply(200, b"", _copied_headers([], _replicas(answers)))
 
     async def models(self) -> Reply:
         """`/v1/models` from one healthy replica, listing only names that passed the fence."""
         candidates = sorted(self.fleet.routable(None), key=lambda r: r.in_flight)
         if not candidates:
-            raise HTTPError(503, "No replica is in service.")
+            raise Unavailable("No replica is in service.")
         last: Answer | None = None
         for replica in candidates[:3]:  # a few tries, never the whole fleet
             answer = await self.call(replica, "GET", "/v1/models")
@@ -738,44 +532,6 @@ class Broadcaster:
         return out
 
 
-# -- request bodies ---------------------------------------------------------------------------
-
-
-def _json_object(body: bytes) -> dict[str, Any]:
-    try:
-        doc = orjson.loads(body) if body else None
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc.msg}.") from None
-    if not isinstance(doc, dict):
-        raise bad_request("The request body must be a JSON object.")
-    return doc
-
-
-def _load_fields(body: bytes) -> tuple[str, str, bool]:
-    doc = _json_object(body)
-    name, path = doc.get("lora_name"), doc.get("lora_path")
-    if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
-        raise HTTPError(
-            400, "Both 'lora_name' and 'lora_path' must be provided.", type="InvalidUserInput"
-        )
-    inplace = doc.get("load_inplace", False)
-    if not isinstance(inplace, bool):
-        raise bad_request("`load_inplace` must be a boolean.", param="load_inplace")
-    return name, path, inplace
-
-
-def _unload_name(body: bytes) -> str:
-    name = _json_object(body).get("lora_name")
-    if not isinstance(name, str) or not name:
-        raise HTTPError(
-            400, "'lora_name' needs to be provided to unload an adapter.", type="InvalidUserInput"
-        )
-    return name
-
-
-# -- answers ----------------------------------------------------------------------------------
-
-
 def _copied_headers(
     headers: Sequence[tuple[bytes, bytes]], acked: Sequence[Replica]
 ) -> list[tuple[bytes, bytes]]:
@@ -797,21 +553,6 @@ def _loaded_reply(name: str, answer: Answer | None, acked: Sequence[Replica]) ->
     return Reply(200, text.encode(), _copied_headers([], acked))
 
 
-_FAILED = ("conflict", "failed", "reset", "timeout", "abandoned")
-
-
-def _failure_rank(o: Outcome) -> tuple[int, int]:
-    # A replica's own refusal explains more than a timeout, which explains more than silence.
-    order = {"conflict": 0, "failed": 0, "reset": 0, "timeout": 1, "abandoned": 1, "down": 2}
-    return order[o.kind], o.replica.rid
-
-
-def _forget(replica: Replica, name: str) -> None:
-    """The replica no longer holds `name` (unloaded, or unknown to it)."""
-    replica.adapters.pop(name, None)
-    replica.loaded.pop(name, None)
-
-
 def _why_reload(entry: AdapterEntry, files: str | None, path: str) -> str:
     if files is None:
         return f"the router cannot read its files at {path}"
@@ -822,25 +563,22 @@ def _why_reload(entry: AdapterEntry, files: str | None, path: str) -> str:
     return "its files differ from the ones the router loaded under it"
 
 
-def _load_failure(name: str, path: str, o: Outcome, config: Config) -> HTTPError:
+def _load_failure(name: str, path: str, o: Outcome, config: Config) -> FleetRefusal:
     who = o.replica.describe()
     if o.kind == "timeout":
-        return HTTPError(
-            504,
+        return TimedOut(
             f"{who} did not load adapter '{name}' within {config.load_deadline:g} s "
             f"(--load-deadline); last answer: {o.detail}",
         )
     if o.kind == "abandoned":
-        return HTTPError(
-            503,
+        return Unavailable(
             f"The client that asked to load adapter '{name}' disconnected while {who} still "
             f"answered 'No adapter found' for {o.detail}; the load was abandoned.",
         )
     if o.kind == "down":
-        return HTTPError(503, f"Cannot load adapter '{name}': {who} is unreachable: {o.detail}")
+        return Unavailable(f"Cannot load adapter '{name}': {who} is unreachable: {o.detail}")
     if o.kind == "reset":
-        return HTTPError(
-            502,
+        return Misbehaved(
             f"Cannot reload adapter '{name}': {who} did not reset its prefix cache "
             f"({o.detail}); the router resets it so that no KV computed with the previous "
             "weights is served. Start the replica with VLLM_SERVER_DEV_MODE=1.",
@@ -848,13 +586,13 @@ def _load_failure(name: str, path: str, o: Outcome, config: Config) -> HTTPError
     if o.kind == "conflict":
         assert o.answer is not None  # vLLM's 400 "already loaded"
         held = f"from '{o.detail}'" if o.detail else "at a path its /v1/models does not show"
-        return HTTPError(
-            400,
+        return Conflict(
             f"{who} answered: {o.answer.message()} It holds it {held}, not '{path}'. "
             f"{RESTARTED_TRAINER_FIX}",
-            type="InvalidUserInput",
         )
     assert o.answer is not None
     if o.answer.status == 404:  # never "No adapter found" (retried, then 504)
-        return HTTPError(404, f"Cannot load adapter '{name}': {who}: {o.answer.failure(_LOAD)}.")
+        return ReplicaRefused(
+            f"Cannot load adapter '{name}': {who}: {o.answer.failure(LOAD)}.", 404
+        )
     return replica_failure(o.answer, f"Cannot load adapter '{name}'")

@@ -10,8 +10,9 @@ and replays (replay.py), the restart check (health.py), load reconciliation (bro
 
 Health checks, broadcasts, replays and the `/metrics` scrapes (telemetry.py) all go through
 `call`; the routed path does not (http/upstream.py, its own pools). The control plane's retry
-rule is stated beside the data plane's, in app.py's module docstring; `call`'s own part of it
-is the one resend of a request that met a pooled connection the replica had closed while idle.
+rule is stated in proxy/dispatch.py's module docstring, the data plane's in proxy/routed.py's;
+`call`'s own part of it is the one resend of a request that met a pooled connection the replica
+had closed while idle.
 
 Redirects are never followed: the token goes only to the replica's own URL. A 3xx is an
 answer like any other non-200 (a failed check, a failed broadcast, a `--check` finding) whose

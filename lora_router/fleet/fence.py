@@ -44,8 +44,9 @@ broadcaster finds the same files (live again, nothing sent) or reloads the name 
 
 Pure state and waiting: no I/O, and no HTTP. A refusal is one of the fence's own outcome types
 (`UnknownAdapter`, `StillLoading`, `LoadRefused`, all `FenceRefusal`s), which the HTTP layer
-renders as vLLM's answers (app.py, `fence_error`). It must never let a completion through for
-a name that is not live (a reloaded one included), nor refuse as unknown a name still loading.
+renders as vLLM's answers (proxy/answers.py, `fence_error`). It must never let a completion
+through for a name that is not live (a reloaded one included), nor refuse as unknown a name
+still loading.
 """
 
 from __future__ import annotations

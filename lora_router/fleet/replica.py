@@ -15,15 +15,13 @@ replays and broadcasts report. Only a serving replica receives traffic or broadc
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lora_router.config import ReplicaAddress
 from lora_router.fleet.breaker import CircuitBreaker
 from lora_router.fleet.lifecycle import Lifecycle, State
+from lora_router.fleet.report import Report
 from lora_router.http.upstream import UpstreamPool
-
-if TYPE_CHECKING:
-    from lora_router.fleet.telemetry import Report
 
 
 class Replica:

@@ -51,12 +51,13 @@ import re
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from lora_router.config import Config
 from lora_router.fleet.client import ReplicaClient
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.replica import Replica
+from lora_router.fleet.report import Report, ratio
 from lora_router.metrics import Histogram
 
 log = logging.getLogger(__name__)
@@ -101,55 +102,6 @@ _IDENTITY = {"Accept-Encoding": "identity"}
 WINDOW_S = 300.0  # how far back `busy_share` and the paused share look
 SYNC_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 RECENT_SYNCS = 10  # shown in /router/status
-
-
-@dataclass(frozen=True, slots=True)
-class Report:
-    """One replica's `/metrics` at one scrape; counters are since the replica started."""
-
-    at: float  # time.monotonic() when the answer arrived
-    running: int
-    waiting: int
-    kv_cache_usage: float  # 0..1
-    prefix_queries: float  # tokens looked up in the prefix cache
-    prefix_hits: float  # tokens found there
-    generation_tokens: float
-    prompt_tokens: float
-    adapters_running: tuple[str, ...] | None  # None: the replica has no LoRA metrics
-    adapters_waiting: tuple[str, ...] | None
-    max_lora: int | None
-    # Changes since the previous report (interval 0.0: there was none).
-    interval: float = 0.0
-    interval_queries: float = 0.0
-    interval_hits: float = 0.0
-    interval_generation_tokens: float = 0.0
-
-    @property
-    def hit_rate(self) -> float | None:
-        """Prefix-cache hit rate over the last interval (None: no lookups in it)."""
-        return _ratio(self.interval_hits, self.interval_queries)
-
-    @property
-    def hit_rate_total(self) -> float | None:
-        """Prefix-cache hit rate since the replica started."""
-        return _ratio(self.prefix_hits, self.prefix_queries)
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        """Generated tokens per second over the last interval."""
-        return self.interval_generation_tokens / self.interval if self.interval > 0 else None
-
-    def following(self, previous: Report | None) -> Report:
-        """This report with its interval figures taken against `previous`."""
-        if previous is None or self.at <= previous.at:
-            return self
-        return replace(
-            self,
-            interval=self.at - previous.at,
-            interval_queries=_delta(self.prefix_queries, previous.prefix_queries),
-            interval_hits=_delta(self.prefix_hits, previous.prefix_hits),
-            interval_generation_tokens=_delta(self.generation_tokens, previous.generation_tokens),
-        )
 
 
 class MetricsError(ValueError):
@@ -345,11 +297,11 @@ def fleet_figures(replicas: Iterable[Replica], telemetry: Telemetry) -> FleetFig
         reporting=len(reports),
         running=sum(rep.running for _, rep in reports),
         waiting=sum(rep.waiting for _, rep in reports),
-        hit_rate=_ratio(
+        hit_rate=ratio(
             sum(rep.interval_hits for _, rep in reports),
             sum(rep.interval_queries for _, rep in reports),
         ),
-        hit_rate_total=_ratio(
+        hit_rate_total=ratio(
             sum(rep.prefix_hits for _, rep in reports),
             sum(rep.prefix_queries for _, rep in reports),
         ),
@@ -413,15 +365,6 @@ class SyncClock:
     def recent(self, now: float) -> list[tuple[float, float]]:
         """The last few finished syncs as (seconds since it ended, duration), newest first."""
         return [(now - end, end - start) for start, end in reversed(self._last)]
-
-
-def _delta(now: float, before: float) -> float:
-    # A counter that went down was reset (the replica restarted): it counted from zero since.
-    return now - before if now >= before else now
-
-
-def _ratio(part: float, whole: float) -> float | None:
-    return part / whole if whole > 0 else None
 
 
 def _adapters(label: str) -> tuple[str, ...]:

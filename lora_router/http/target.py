@@ -20,8 +20,9 @@ router did not apply. The path (the target before its `?`) is judged as follows:
 A `#` anywhere in the target (a fragment: never part of a request target) is refused by the
 server itself (http/server.py), before any route is looked at.
 
-What is forwarded is what was judged: app.py matches the judged path and sends the replica the
-canonical path of the route it applied (plus the original query), never the client's spelling.
+What is forwarded is what was judged: proxy/dispatch.py matches the judged path and sends the
+replica the canonical path of the route it applied (plus the original query), never the
+client's spelling.
 
 The hot path pays nothing: a path found as it is in the route table (routes.py) is canonical by
 construction; `canonical` runs only on a miss. This module is pure: no I/O, no state.

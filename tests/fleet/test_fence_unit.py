@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from lora_router.app import fence_error
 from lora_router.fleet.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from lora_router.fleet.fence import AdapterEntry, AdapterFence, AdapterState, FenceRefusal
+from lora_router.proxy.answers import fence_error
 
 
 async def test_the_base_model_named_or_omitted_passes_at_once() -> None:

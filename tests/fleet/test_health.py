@@ -12,10 +12,10 @@ import aiohttp
 import orjson
 import pytest
 
-from lora_router.app import RouterApp
 from lora_router.emulator import Emulator
 from lora_router.fleet.replica import Replica
 from lora_router.http.server import Request
+from lora_router.proxy.dispatch import RouterApp
 from lora_router.runtime import RouterRuntime
 
 from .conftest import (

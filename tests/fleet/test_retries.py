@@ -1,15 +1,17 @@
 """A replica's 5xx is retried on another replica while nothing has reached the client, within
-`--retries` and the retry budget; a 4xx never counts against a replica; a stream that has begun
-is never retried."""
+`--retries`; the budget counts only what amplifies load (lora_router/proxy/retry.py); a 4xx never
+counts against a replica; a stream that has begun is never retried."""
 
 from __future__ import annotations
+
+import asyncio
 
 import aiohttp
 import orjson
 import pytest
 
 from lora_router.emulator import Emulator
-from lora_router.retry_budget import MIN_RETRIES, WINDOW_S, RetryBudget
+from lora_router.proxy.retry import MIN_RETRIES, WINDOW_S, RetryBudget
 from lora_router.runtime import RouterRuntime
 
 from .conftest import StartEmulators, StartRouter, call, complete
@@ -92,8 +94,48 @@ async def test_retries_of_5xx_stop_at_the_budget(
     n = MIN_RETRIES + 5
     statuses = [(await complete(client, rt.url, prompt=[i] * 20))[0] for i in range(n)]
     assert statuses == [500] * n  # the replica's own 500 when no retry is left
-    assert completions(emus[0]) + completions(emus[1]) == n + MIN_RETRIES
-    assert rt.app.budget.denied == 5
+    # The first retry is free: it moved off the replica that failed onto one not failing yet.
+    # From then on both are failing, and each retry is counted until the budget refuses.
+    assert completions(emus[0]) + completions(emus[1]) == n + 1 + MIN_RETRIES
+    assert rt.app.budget.denied == n - 1 - MIN_RETRIES
+
+
+async def burst(client: aiohttp.ClientSession, url: str, step: int) -> list[int]:
+    """One TRL step's burst: 16 concurrent completions (distinct prompts)."""
+    sent = [complete(client, url, prompt=[step * 16 + i + 1] * 20) for i in range(16)]
+    return [status for status, _ in await asyncio.gather(*sent)]
+
+
+async def test_one_replica_answering_500_among_healthy_ones_costs_no_burst_anything(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(3)
+    emus[0].faults.error_rate = 1.0  # every completion 500
+    rt = await router(emus, policy="round-robin", breaker_failures=100)
+    assert rt.app is not None
+    statuses = [s for step in range(3) for s in await burst(client, rt.url, step)]
+    assert statuses == [200] * 48
+    sick = completions(emus[0])
+    assert sick > MIN_RETRIES  # more 5xx than the budget's minimum: every one retried, free
+    assert rt.app.budget.retries["5xx"] == sick and rt.app.budget.denied == 0
+
+
+async def test_a_fleet_answering_500_everywhere_gets_retries_only_within_the_budget(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(3)
+    for emu in emus:
+        emu.faults.error_rate = 1.0
+    rt = await router(emus, policy="round-robin", breaker_failures=100, retry_budget=0.0)
+    assert rt.app is not None
+    statuses = [s for step in range(3) for s in await burst(client, rt.url, step)]
+    assert statuses == [500] * 48
+    retries = sum(completions(e) for e in emus) - 48
+    assert retries == rt.app.budget.retries["5xx"]
+    # The retries free of the budget are those made before most of the fleet had failed once:
+    # at most one burst's; every later one is counted, and the budget refused the rest.
+    assert MIN_RETRIES <= retries <= MIN_RETRIES + 16
+    assert rt.app.budget.denied >= 48 - 16 - MIN_RETRIES
 
 
 async def test_a_stream_that_began_is_never_retried(
@@ -111,25 +153,33 @@ async def test_a_stream_that_began_is_never_retried(
     assert completions(emus[0]) + completions(emus[1]) == 1
 
 
+def spend_all(budget: RetryBudget, now: float, at_most: int) -> int:
+    """Counted retries spent at `now` while the budget has room, up to `at_most`."""
+    n = 0
+    while n < at_most and budget.room(now):
+        budget.spend(now)
+        n += 1
+    return n
+
+
 def test_the_budget_keeps_a_minimum_then_a_share_of_the_window() -> None:
     budget = RetryBudget(0.2)
     for _ in range(100):
         budget.request(0.0)
-    assert [budget.allow(0.0) for _ in range(21)] == [True] * 20 + [False]
-    assert budget.denied == 1 and budget.retries["5xx"] == 20
+    assert spend_all(budget, 0.0, 100) == 20
     # A lone request on an idle router may still retry, up to the minimum.
     lone = RetryBudget(0.2)
     lone.request(0.0)
-    assert [lone.allow(0.0) for _ in range(MIN_RETRIES + 1)] == [True] * MIN_RETRIES + [False]
+    assert spend_all(lone, 0.0, 100) == MIN_RETRIES
 
 
 def test_the_budget_window_slides() -> None:
     budget = RetryBudget(0.0)
     budget.request(0.0)
-    assert all(budget.allow(0.0) for _ in range(MIN_RETRIES))
-    assert not budget.allow(WINDOW_S / 2)  # still in the window
-    assert budget.allow(WINDOW_S + 0.01)  # the first bucket has left it
-    assert budget.allow(10 * WINDOW_S)  # idle for long: a fresh window
+    assert spend_all(budget, 0.0, 100) == MIN_RETRIES
+    assert not budget.room(WINDOW_S / 2)  # still in the window
+    assert budget.room(WINDOW_S + 0.01)  # the first bucket has left it
+    assert spend_all(budget, 10 * WINDOW_S, 100) == MIN_RETRIES  # idle for long: a fresh window
 
 
 async def test_a_503_while_the_fleet_is_paused_is_not_retried_nor_counted(

@@ -7,7 +7,7 @@ import gc
 
 import aiohttp
 
-from lora_router.body import Completion
+from lora_router.proxy.body import Completion
 from lora_router.routing.keys import PromptKey, RouteKey
 
 from .conftest import StartEmulators, StartRouter

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from xxhash import xxh3_64_intdigest
 
-from lora_router.body import CompletionReader, read_completion
 from lora_router.http.errors import HTTPError
+from lora_router.proxy.body import CompletionReader, read_completion
 
 
 def read(body: bytes, chat: bool = False):

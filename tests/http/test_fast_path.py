@@ -1,4 +1,4 @@
-"""The fast path (app.py `handle_now`): a routed completion sent upstream from the parser
+"""The fast path (proxy/routed.py `handle_now`): a routed completion sent upstream from the parser
 callback, with no Task, when the chosen replica has an idle pooled connection; and every retry
 the general path makes, made the same way after a fast first attempt.
 
@@ -17,7 +17,7 @@ import orjson
 import pytest
 from http_harness import FakeReplica, Received, ReplicaConn, completion, json_response, request
 
-from lora_router.app import RouterApp
+from lora_router.proxy.dispatch import RouterApp
 from lora_router.runtime import RouterRuntime
 
 StartReplica = Callable[..., Awaitable[FakeReplica]]

@@ -24,7 +24,8 @@ _PACKAGE = os.path.dirname(lora_router.__file__)
 # the dispatcher. (body.py's parsed prompt forms are the routing step's to drop.)
 _PROXY_FILES = (
     os.path.join(_PACKAGE, "http") + os.sep,
-    os.path.join(_PACKAGE, "app.py"),
+    os.path.join(_PACKAGE, "proxy", "dispatch.py"),
+    os.path.join(_PACKAGE, "proxy", "routed.py"),
 )
 
 

@@ -13,7 +13,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lora_router.body import read_completion
+from lora_router.proxy.body import read_completion
 from lora_router.routing import keys as keys_module
 from lora_router.routing.keys import (
     TEXT_SEED,

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from routing_doubles import Rep, fleet, watch
 
-from lora_router.body import read_completion
+from lora_router.proxy.body import read_completion
 from lora_router.routing import affinity, keys
 from lora_router.routing.keys import Lineages, prompt_key, wire_key
 from lora_router.routing.policy import PrefixAffinity

@@ -1,4 +1,5 @@
-"""What the router reads of a completion body: the model, the prompt to key on, and `stream`.
+"""What the router reads of a body: a completion's model, prompt to key on and `stream`, and an
+adapter load's or unload's fields (`load_fields`, `unload_name`).
 
 The body is decoded once with msgspec and forwarded byte for byte; nothing here re-encodes it.
 Validation covers only what the router itself relies on, and answers like vLLM would (400,
@@ -21,7 +22,7 @@ range (every id below 2**32) can only be checked by parsing it, which is also wh
 needs; so the first body carrying a given prompt text parses it into an `array('I')` at once,
 and `CompletionReader` remembers the last few prompt texts it parsed, exactly, so the G - 1
 siblings of a GRPO prompt (same prompt, their own seeds) skip the parse: they are routed by a
-hash of the raw text (see app.py) and never need their ids. Everything else (batches, text,
+hash of the raw text (see routed.py) and never need their ids. Everything else (batches, text,
 chat) is decoded whole.
 
 No memory of whole bodies: TRL 1.16 gives each of the G samples its own `seed`, so no two
@@ -36,13 +37,13 @@ import re
 from array import array
 from collections import OrderedDict
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 import orjson
 from xxhash import xxh3_64_intdigest
 
-from lora_router.http.errors import bad_request
+from lora_router.http.errors import HTTPError, bad_request
 from lora_router.routing.keys import TEXT_BYTES_PER_TOKEN
 
 
@@ -276,3 +277,40 @@ def _messages_text(messages: object, limit: int) -> bytes:
     except orjson.JSONEncodeError:  # nested deeper than the encoder goes (255 levels)
         raise _too_deep() from None
     return b"".join(parts)[:limit]
+
+
+# -- adapter loads and unloads (their bodies go to the replicas as they are) ------------
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        doc = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc.msg}.") from None
+    if not isinstance(doc, dict):
+        raise bad_request("The request body must be a JSON object.")
+    return doc
+
+
+def load_fields(body: bytes) -> tuple[str, str, bool]:
+    """A load's `lora_name`, `lora_path` and `load_inplace`, validated as vLLM does."""
+    doc = _json_object(body)
+    name, path = doc.get("lora_name"), doc.get("lora_path")
+    if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+        raise HTTPError(
+            400, "Both 'lora_name' and 'lora_path' must be provided.", type="InvalidUserInput"
+        )
+    inplace = doc.get("load_inplace", False)
+    if not isinstance(inplace, bool):
+        raise bad_request("`load_inplace` must be a boolean.", param="load_inplace")
+    return name, path, inplace
+
+
+def unload_name(body: bytes) -> str:
+    """An unload's `lora_name`, validated as vLLM does."""
+    name = _json_object(body).get("lora_name")
+    if not isinstance(name, str) or not name:
+        raise HTTPError(
+            400, "'lora_name' needs to be provided to unload an adapter.", type="InvalidUserInput"
+        )
+    return name

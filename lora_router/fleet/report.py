@@ -1,0 +1,68 @@
+"""One replica's `/metrics` at one scrape, as the router keeps it (`Report`).
+
+Its own module, below both `replica.py` (which holds a replica's last report) and
+`telemetry.py` (which scrapes and parses them), so neither imports the other: no import cycle,
+type-only ones included (tests/test_import_graph.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """One replica's `/metrics` at one scrape; counters are since the replica started."""
+
+    at: float  # time.monotonic() when the answer arrived
+    running: int
+    waiting: int
+    kv_cache_usage: float  # 0..1
+    prefix_queries: float  # tokens looked up in the prefix cache
+    prefix_hits: float  # tokens found there
+    generation_tokens: float
+    prompt_tokens: float
+    adapters_running: tuple[str, ...] | None  # None: the replica has no LoRA metrics
+    adapters_waiting: tuple[str, ...] | None
+    max_lora: int | None
+    # Changes since the previous report (interval 0.0: there was none).
+    interval: float = 0.0
+    interval_queries: float = 0.0
+    interval_hits: float = 0.0
+    interval_generation_tokens: float = 0.0
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Prefix-cache hit rate over the last interval (None: no lookups in it)."""
+        return ratio(self.interval_hits, self.interval_queries)
+
+    @property
+    def hit_rate_total(self) -> float | None:
+        """Prefix-cache hit rate since the replica started."""
+        return ratio(self.prefix_hits, self.prefix_queries)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Generated tokens per second over the last interval."""
+        return self.interval_generation_tokens / self.interval if self.interval > 0 else None
+
+    def following(self, previous: Report | None) -> Report:
+        """This report with its interval figures taken against `previous`."""
+        if previous is None or self.at <= previous.at:
+            return self
+        return replace(
+            self,
+            interval=self.at - previous.at,
+            interval_queries=delta(self.prefix_queries, previous.prefix_queries),
+            interval_hits=delta(self.prefix_hits, previous.prefix_hits),
+            interval_generation_tokens=delta(self.generation_tokens, previous.generation_tokens),
+        )
+
+
+def delta(now: float, before: float) -> float:
+    # A counter that went down was reset (the replica restarted): it counted from zero since.
+    return now - before if now >= before else now
+
+
+def ratio(part: float, whole: float) -> float | None:
+    return part / whole if whole > 0 else None

@@ -1,0 +1,11 @@
+"""The proxy: a client's request from its route to its answer.
+
+- `dispatch.py`: the route table's use (routes.py, which config.py reads too, stays beside
+  config), the control and admin handlers;
+- `routed.py`: the routed path, one `RoutedRequest` through admit, key, pick, send and settle,
+  on the general path (a Task) or THE FAST PATH (parser callbacks), one retry rule;
+- `answers.py`: every rendering of a domain outcome (the fleet's, the fence's) as vLLM's answer;
+- `body.py`: a completion's body, read and validated once.
+
+The proxy imports the fleet and routing; neither imports the proxy (tests/test_import_graph.py).
+"""

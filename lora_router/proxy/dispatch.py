@@ -1,0 +1,272 @@
+"""The dispatcher: what each route is (routes.py), the control and admin handlers.
+
+A request's path is judged once (http/target.py) and matched against the route table
+(routes.py), whose entry says what happens; a path found there as written is not decoded at
+all. Whatever is forwarded carries the canonical path of the route applied, never the client's
+spelling. Unknown paths answer 404, a known path with another method 405, as vLLM does.
+
+- **Routed**: `POST /v1/completions` and `/v1/chat/completions`: the routed path
+  (proxy/routed.py).
+- **Broadcast**: adapter loads and unloads, `/pause`, `/resume` and the cache resets — to every
+  serving replica, serialized, through the broadcaster (fleet/broadcast.py).
+- **Answered by the router**: `/health` and `/ping` (every live replica must be healthy),
+  `/v1/models` (one replica's list, filtered by the fence), `/metrics`, `/router/status`, and
+  the operators' membership routes under `/router/replicas` (a new replica's URL must be inside
+  `--replica-hosts`: `Config.replica_allowed`).
+- **Forwarded to one healthy replica**: the read-only routes (`/server_info`, `/tokenize`,
+  `/version`, ...) and the operator's `--forward-path`s, like a single vLLM server answers them.
+- **Refused** (501, naming why): the calls that would change one engine's state or weights
+  while the others keep theirs, such as vLLM's merged-weight sync, which TRL falls back to
+  without LoRA, `/sleep` or `/collective_rpc`; and the other generation APIs, which
+  `--forward-path` can open.
+
+Retries on the control plane (the whole rule; fleet/client.py and fleet/broadcast.py hold it):
+- `ReplicaClient.call` resends a request once, only when it met a pooled connection the replica
+  had closed while idle (every control request is safe to send twice); any other transport
+  failure comes back as an answer with status 0, never retried by the client;
+- a load a replica answers 404 "No adapter found" (its mount has not caught up) is resent every
+  `--load-retry-interval` until `--load-deadline`, or until the client that asked disconnects;
+- nothing else is retried in place: a replica unreachable during a broadcast is ejected and
+  gets the fleet's state by a replay on its return, and health checks count failures against
+  their thresholds (`--health-failures`, `--health-successes`) instead of retrying.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from functools import partial
+
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import CollectorRegistry
+
+from lora_router.config import Config, ReplicaAddress
+from lora_router.fleet.broadcast import Broadcaster, Reply
+from lora_router.fleet.fence import AdapterFence
+from lora_router.fleet.fleet import Fleet
+from lora_router.fleet.health import HealthMonitor
+from lora_router.http.auth import authenticate
+from lora_router.http.errors import HTTPError, bad_request, method_not_allowed, not_found
+from lora_router.http.server import ClientConnection, Request
+from lora_router.http.target import canonical
+from lora_router.metrics import RequestStats
+from lora_router.proxy.answers import cleartext_warning, refusal
+from lora_router.proxy.body import CompletionReader, load_fields, unload_name
+from lora_router.proxy.retry import RetryBudget
+from lora_router.proxy.routed import ROUTED, RoutedPath
+from lora_router.routes import REPLICA, Kind, Route, lookup, with_forward_paths
+from lora_router.routing.keys import Lineages
+from lora_router.routing.policy import Policy
+from lora_router.status import RouterState, replica_json, status
+
+log = logging.getLogger(__name__)
+
+_JSON = [(b"content-type", b"application/json")]
+_ADMIN = b"/router/replicas"
+_LOOPBACK = (b"127.", b"::1", b"::ffff:127.")
+
+Handler = Callable[[Request, ClientConnection], Awaitable[None]]
+
+
+class RouterApp(RoutedPath):
+    """Everything a request needs, wired once at start."""
+
+    def __init__(
+        self,
+        config: Config,
+        fleet: Fleet,
+        policy: Policy,
+        fence: AdapterFence,
+        broadcaster: Broadcaster,
+        health: HealthMonitor,
+        stats: RequestStats,
+        registry: CollectorRegistry,
+        block_size: int,
+    ) -> None:
+        self.config = config
+        self.fleet = fleet
+        self.policy = policy
+        self.fence = fence
+        self.broadcaster = broadcaster
+        self.health = health
+        self.stats = stats
+        self.reader = CompletionReader(config.max_prompt_tokens)
+        self.budget = RetryBudget(config.retry_budget)
+        self.state = RouterState(fleet, fence, broadcaster, health, policy, stats, self.budget)
+        self._registry = registry
+        self._loop = asyncio.get_running_loop()
+        self._debug = log.isEnabledFor(logging.DEBUG)
+        self.block_size = block_size  # of the replicas' KV cache: prompt keys use it
+        self.lineages = Lineages(config.lineage_pattern)  # placement keys (routing/keys.py)
+        # Without a key every request passes (http/auth.py): the fast path skips the call.
+        self._keyed = bool(config.api_key)
+        token = config.token.reveal()
+        self._authorization = f"Bearer {token}".encode() if token else None
+        # Request ids for requests that come without one: unique per process and cheap (a
+        # counter behind a random prefix, not a uuid4 and its getrandom call per request).
+        # 32 hex digits like a uuid4's: 16 random, then a 64-bit counter.
+        # A C-level callable: no Python frame per id.
+        ids = map((os.urandom(8).hex().encode() + b"%016x").__mod__, itertools.count(1))
+        self._new_request_id: Callable[[], bytes] = ids.__next__
+        # The route table with the operator's --forward-paths, its metric labels, and one
+        # handler per path.
+        self.table = with_forward_paths(config.forward_paths)
+        self.labels = {path: route.label for path, route in self.table.items()}
+        self._handlers = {path: self._handler(route) for path, route in self.table.items()}
+        self._handlers[REPLICA.path] = self.remove_replica
+
+    def _handler(self, route: Route) -> Handler:
+        """What answers `route` (routes.py says which kind it is)."""
+        kind, path = route.kind, route.path
+        if kind is Kind.ROUTED:
+            return partial(self.completion, chat=ROUTED[path])
+        if kind is Kind.FORWARD:
+            return self.forward_one
+        if kind is Kind.BROADCAST:
+            adapters = {b"/v1/load_lora_adapter": self.load_adapter}
+            adapters[b"/v1/unload_lora_adapter"] = self.unload_adapter
+            return adapters.get(path, self.dev_broadcast)
+        if kind is Kind.LOCAL:
+            local: dict[bytes, Handler] = {
+                b"/health": self.health_check,
+                b"/ping": self.health_check,
+                b"/v1/models": self.models,
+                b"/metrics": self.metrics,
+                b"/router/status": self.router_status,
+                _ADMIN: self.membership,
+            }
+            return local[path]  # a LOCAL route without a handler fails at start
+        return partial(self._refuse, route)
+
+    def handle(self, request: Request, conn: ClientConnection) -> Awaitable[None]:
+        """Answer one request and count it (route, status, replica, latency, first byte): the
+        general path, awaited in a Task."""
+        conn.replica = b"-"
+        return self._observed(request, conn, self._loop.time(), self._route(request, conn))
+
+    async def _route(self, request: Request, conn: ClientConnection) -> None:
+        route = self.table.get(request.path)  # found as written: canonical (routes.py)
+        if route is None:
+            route = self._judged(request)
+        authenticate(request, self.config)
+        if route is None:
+            raise not_found()
+        if route.methods is not None and request.method not in route.methods:
+            raise method_not_allowed(route.methods)
+        await self._handlers[route.path](request, conn)
+
+    def _judged(self, request: Request) -> Route | None:
+        """The path rule (http/target.py) for a path not found as written: a 400, or the
+        route of its canonical form, which `request` carries from now on (so it is what a
+        replica receives and what auth and the metrics read)."""
+        path = canonical(request.path)
+        if path != request.path:
+            request.target = path + request.target[len(request.path) :]
+            request.path = path
+        return lookup(path, self.table)
+
+    # -- broadcasts and read-only routes ----------------------------------------------------
+
+    async def load_adapter(self, request: Request, conn: ClientConnection) -> None:
+        name, path, inplace = load_fields(request.body)
+        _send(conn, await self.broadcaster.load(name, path, inplace, request.body))
+
+    async def unload_adapter(self, request: Request, conn: ClientConnection) -> None:
+        _send(conn, await self.broadcaster.unload(unload_name(request.body), request.body))
+
+    async def dev_broadcast(self, request: Request, conn: ClientConnection) -> None:
+        path = request.path.decode("latin-1")
+        query = request.query.decode("latin-1")
+        _send(conn, await self.broadcaster.dev_broadcast(path[1:], path, query, request.body))
+
+    async def health_check(self, request: Request, conn: ClientConnection) -> None:
+        _send(conn, await self.broadcaster.health(request.path.decode("latin-1")))
+
+    async def models(self, request: Request, conn: ClientConnection) -> None:
+        _send(conn, await self.broadcaster.models())
+
+    async def metrics(self, request: Request, conn: ClientConnection) -> None:
+        """Prometheus exposition of the request counters and the live fleet state."""
+        body = generate_latest(self._registry)
+        conn.send(200, body, [(b"content-type", CONTENT_TYPE_LATEST.encode())])
+
+    async def router_status(self, request: Request, conn: ClientConnection) -> None:
+        """What an operator reads first when training stalls (see status.py)."""
+        conn.send(200, orjson.dumps(status(self.state), option=orjson.OPT_INDENT_2), _JSON)
+
+    # -- membership (operators) -------------------------------------------------------------
+
+    def _admin_allowed(self, request: Request) -> None:
+        # With an API key, `authenticate` has already checked it; without one the router
+        # trusts only this machine, whatever address it listens on.
+        if not self.config.api_key and not request.client_ip.startswith(_LOOPBACK):
+            raise HTTPError(
+                403,
+                "Membership changes are accepted from loopback clients only, unless the "
+                "router has an API key (--api-key-env).",
+            )
+
+    async def _refuse(self, route: Route, request: Request, conn: ClientConnection) -> None:
+        raise refusal(route)  # a new error each time: a raised one keeps its traceback
+
+    async def membership(self, request: Request, conn: ClientConnection) -> None:
+        if request.method == b"POST":
+            await self.add_replica(request, conn)
+        else:
+            await self.list_replicas(request, conn)
+
+    async def list_replicas(self, request: Request, conn: ClientConnection) -> None:
+        self._admin_allowed(request)
+        payload = {"replicas": [replica_json(r) for r in self.fleet.replicas]}
+        conn.send(200, orjson.dumps(payload), _JSON)
+
+    async def add_replica(self, request: Request, conn: ClientConnection) -> None:
+        """`POST /router/replicas {"url": ...}`: replayed, then serving (200), or, when it does
+        not answer or its replay fails, kept out of service and retried by its health check
+        (202)."""
+        self._admin_allowed(request)
+        try:
+            doc = orjson.loads(request.body)
+        except orjson.JSONDecodeError:
+            doc = None
+        url = doc.get("url") if isinstance(doc, dict) else None
+        if not isinstance(url, str):
+            raise bad_request('Expected a JSON object {"url": "http(s)://host:port"}.', "url")
+        try:
+            address = ReplicaAddress.parse(url)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="url") from None
+        if not self.config.replica_allowed(address):
+            raise HTTPError(
+                403,
+                f"{address.name} is outside the hosts replicas may be added from (the token "
+                "goes to every replica): start the router with --replica-hosts naming it "
+                "(a host glob, host:port or network).",
+            )
+        existing = self.fleet.by_name(address.name)
+        if existing is not None:
+            raise HTTPError(409, f"{existing.describe()} is already in the fleet.")
+        if self.config.cleartext_token(address):
+            log.warning("%s", cleartext_warning(address.name))
+        replica = await self.health.add(address, "admin")
+        status = 200 if replica.live else 202
+        conn.send(status, orjson.dumps(replica_json(replica)), _JSON)
+
+    async def remove_replica(self, request: Request, conn: ClientConnection) -> None:
+        """`DELETE /router/replicas/{id}`: no new work at once, removed once drained."""
+        self._admin_allowed(request)
+        tail = request.path[len(_ADMIN) + 1 :]
+        replica = self.fleet.find(int(tail)) if tail.isdigit() else None
+        if replica is None:
+            raise HTTPError(404, f"No replica with id {tail.decode('latin-1')!r} in the fleet.")
+        drained = await self.health.remove(replica)
+        payload = {**replica_json(replica), "drained": drained}
+        conn.send(200, orjson.dumps(payload), _JSON)
+
+
+def _send(conn: ClientConnection, reply: Reply) -> None:
+    conn.send(reply.status, reply.body, reply.headers)
