@@ -602,9 +602,3 @@ def summary(result: DemoResult) -> str:
     lines.append("")
     lines.append("OK: the run completed." if result.ok else "FAILED: some requests failed.")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":  # `python -m lora_router.demo`: the demo's own flags only
-    from lora_router.demo_command import run_demo
-
-    sys.exit(run_demo(sys.argv[1:]))

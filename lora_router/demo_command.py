@@ -77,7 +77,7 @@ def run_demo(
     out: TextIO | None = None,
     router: Mapping[str, Any] | None = None,
 ) -> int:
-    """`python -m lora_router.demo ARGV`: the demo's own flags only."""
+    """The demo run on its own flags only (`lora-router --demo` adds the routing flags)."""
     return demo_command(build_parser().parse_args(argv if argv is not None else []), out, router)
 
 
