@@ -24,12 +24,13 @@ from lora_router.fleet.health import HealthMonitor
 from lora_router.fleet.replay import Replay
 from lora_router.fleet.telemetry import Telemetry
 from lora_router.http.server import ConnectionCount, serve
-from lora_router.metrics import MetricsCollector, RequestStats, make_registry
+from lora_router.observe.families import metric_families
+from lora_router.observe.metrics import MetricsCollector, RequestStats, make_registry
+from lora_router.observe.status import summary_line
 from lora_router.proxy.answers import cleartext_warning
 from lora_router.proxy.dispatch import RouterApp
 from lora_router.routing.keys import DEFAULT_BLOCK_SIZE
 from lora_router.routing.policy import make_policy
-from lora_router.status import metric_families, summary_line
 
 log = logging.getLogger("lora_router")
 

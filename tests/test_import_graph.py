@@ -9,6 +9,10 @@
   router, not part of it;
 - proxy/ (the request path) may import fleet/ and routing/; fleet/ imports neither proxy/ nor
   http/errors.py: it returns outcome values, which proxy/answers.py renders as vLLM's answers;
+- observe/ reads, never writes: it imports none of the writers (proxy/, http/, the runtime,
+  the command line, tools/), and its views assign no attribute; its metrics.py,
+  which the request path and the fleet record into, imports nothing of the router, and is all
+  that fleet/, routing/ and http/ may import of observe/;
 - the router has no import cycle, type-only imports (under `TYPE_CHECKING`) included.
 """
 
@@ -103,7 +107,68 @@ def test_the_proxy_is_imported_only_by_the_wiring_and_the_views() -> None:
     outside = {
         m for m in importers_of("lora_router.proxy") if not m.startswith("lora_router.proxy")
     }
-    assert outside == {"lora_router.runtime", "lora_router.status"}
+    assert outside == {"lora_router.runtime"}
+
+
+OBSERVE = "lora_router.observe"
+WRITERS = (
+    "lora_router.proxy",
+    "lora_router.http",
+    "lora_router.runtime",
+    "lora_router.cli",
+    "lora_router.tools",
+)
+
+
+def test_observe_imports_no_writer() -> None:
+    for module in (m for m in MODULES if m.startswith(OBSERVE)):
+        bad = {i for i in imports(module) if i.startswith(WRITERS)}
+        assert not bad, f"{module} imports {bad}"
+
+
+def test_the_views_write_no_attribute() -> None:
+    """observe/'s views (all but metrics.py, which is written to) assign or delete no attribute
+    of anything, at any depth (`a.b = x`, `a.b[k] = x`, `a.b += x`): they read."""
+    views = (m for m in MODULES if m.startswith(OBSERVE) and m != f"{OBSERVE}.metrics")
+    for module in views:
+        for node in ast.walk(MODULES[module]):
+            if isinstance(node, ast.Assign | ast.Delete):
+                targets = node.targets
+            elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+                targets = [node.target]
+            else:
+                continue
+            for target in targets:
+                assert not writes_attribute(target), (
+                    f"{module}:{node.lineno} writes {ast.unparse(target)}"
+                )
+
+
+def writes_attribute(target: ast.expr) -> bool:
+    """Whether assigning to `target` changes an attribute: `a.b`, `a.b[k]`, `(x, a.b)`; not
+    `x` or `x[a.b]` (a local, indexed by what it reads)."""
+    if isinstance(target, ast.Tuple | ast.List):
+        return any(writes_attribute(element) for element in target.elts)
+    if isinstance(target, ast.Starred):
+        return writes_attribute(target.value)
+    while isinstance(target, ast.Subscript):
+        target = target.value
+    return isinstance(target, ast.Attribute)
+
+
+def test_the_recorded_counters_import_nothing_of_the_router() -> None:
+    assert not {i for i in imports(f"{OBSERVE}.metrics") if i.startswith("lora_router")}
+
+
+def test_the_core_imports_only_the_recorded_counters_of_observe() -> None:
+    core = ("lora_router.fleet", "lora_router.routing", "lora_router.http")
+    for module in (m for m in MODULES if m.startswith(core)):
+        bad = {
+            i
+            for i in imports(module)
+            if i.startswith(OBSERVE) and not i.startswith(f"{OBSERVE}.metrics")
+        }
+        assert not bad, f"{module} imports {bad}"
 
 
 def cycle(modules: set[str]) -> list[str] | None:
@@ -150,3 +215,15 @@ def test_a_type_only_import_closes_a_cycle_too() -> None:
         assert cycle({"lora_router.a", "lora_router.b"}) is not None
     finally:
         del MODULES["lora_router.a"], MODULES["lora_router.b"]
+
+
+def test_an_attribute_write_is_seen_at_any_depth() -> None:
+    def target(source: str) -> ast.expr:
+        statement = ast.parse(source).body[0]
+        assert isinstance(statement, ast.Assign | ast.AugAssign)
+        return statement.targets[0] if isinstance(statement, ast.Assign) else statement.target
+
+    assert all(
+        map(writes_attribute, map(target, ["a.b = 1", "a.b[k] = 1", "x, a.b = y", "a.b += 1"]))
+    )
+    assert not any(map(writes_attribute, map(target, ["x = a.b", "x[a.b] = 1", "x += a.b"])))

@@ -58,7 +58,7 @@ from lora_router.fleet.client import ReplicaClient
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.replica import Replica
 from lora_router.fleet.report import Report, ratio
-from lora_router.metrics import Histogram
+from lora_router.observe.metrics import Histogram
 
 log = logging.getLogger(__name__)
 

@@ -53,7 +53,8 @@ from lora_router.http.auth import authenticate
 from lora_router.http.errors import HTTPError, bad_request, method_not_allowed, not_found
 from lora_router.http.server import ClientConnection, Request
 from lora_router.http.target import canonical
-from lora_router.metrics import RequestStats
+from lora_router.observe.metrics import RequestStats
+from lora_router.observe.status import RouterState, replica_json, status
 from lora_router.proxy.answers import cleartext_warning, refusal
 from lora_router.proxy.body import CompletionReader, load_fields, unload_name
 from lora_router.proxy.retry import RetryBudget
@@ -61,7 +62,6 @@ from lora_router.proxy.routed import ROUTED, RoutedPath
 from lora_router.routes import REPLICA, Kind, Route, lookup, with_forward_paths
 from lora_router.routing.keys import Lineages
 from lora_router.routing.policy import Policy
-from lora_router.status import RouterState, replica_json, status
 
 log = logging.getLogger(__name__)
 

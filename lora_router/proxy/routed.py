@@ -54,7 +54,7 @@ from lora_router.http.errors import HTTPError
 from lora_router.http.headers import upstream_request_head
 from lora_router.http.server import ClientConnection, Request
 from lora_router.http.upstream import Exchange, UpstreamConnection, UpstreamError
-from lora_router.metrics import RequestStats
+from lora_router.observe.metrics import RequestStats
 from lora_router.proxy.answers import (
     exchange_failed,
     fence_error,

@@ -10,7 +10,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from lora_router.status import summary_line
+from lora_router.observe.status import summary_line
 
 from .conftest import Adapter, StartEmulators, StartRouter, call, complete, load
 
