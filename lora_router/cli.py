@@ -534,7 +534,7 @@ def demo_router_flags(
 def run_demo(parser: argparse.ArgumentParser, argv: Sequence[str]) -> int:
     """`lora-router --demo ...`: the demo's own flags (its usage line) and the routing flags
     its router takes, in any order; `--help` after `--demo` is the demo's."""
-    from lora_router import demo_command as demo
+    from lora_router.tools import demo_command as demo
 
     own, rest = demo.build_parser().parse_known_args([a for a in argv if a != "--demo"])
     routing = demo_router_flags(parser, parser.parse_args([*rest, "--demo"]), demo.ROUTER_FLAGS)
@@ -551,7 +551,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _command(argv: list[str]) -> int:
     if argv[:1] == ["top"]:  # a subcommand; every other form is the router's own flags
-        from lora_router.top import main as top
+        from lora_router.tools.top import main as top
 
         return top(argv[1:])
     parser = build_parser()
@@ -564,7 +564,7 @@ def _command(argv: list[str]) -> int:
         print(f"lora-router: error: {exc}", file=sys.stderr)
         return 2
     if args.check:
-        from lora_router.check import run_check
+        from lora_router.tools.check import run_check
 
         return run_check(config)
     logging.basicConfig(

@@ -18,10 +18,10 @@ import aiohttp
 import pytest
 
 from lora_router import cli
-from lora_router.check import check, report
 from lora_router.config import Config, ReplicaAddress, Secret
 from lora_router.emulator import EmulatorConfig, start_emulator, write_adapter
 from lora_router.emulator.faults import Faults
+from lora_router.tools.check import check, report
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -383,7 +383,7 @@ def test_a_secret_pasted_in_place_of_a_variable_name_is_refused_and_never_echoed
 
 
 def test_top_does_not_echo_a_key_pasted_in_place_of_its_variable_name(capsys) -> None:
-    from lora_router.top import main as top
+    from lora_router.tools.top import main as top
 
     assert top(["--api-key-env", PASTED[0], "--once"]) == 2
     assert PASTED[0] not in capsys.readouterr().err

@@ -13,8 +13,9 @@ import pytest
 from interrupt import assert_one_line, interrupt_when_ready
 
 from lora_router import cli
-from lora_router.demo import DemoPlan, run, summary
-from lora_router.demo_command import build_parser, run_demo
+from lora_router.tools.demo import DemoPlan, run
+from lora_router.tools.demo_command import build_parser, run_demo
+from lora_router.tools.demo_report import summary
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -2,17 +2,19 @@
 
 - routing/ is pure: it imports neither http/ nor fleet/;
 - nothing imports cli (the command line is the outermost layer);
-- the router never imports the emulator: only demo.py (the emulator's client) and the
+- the router never imports the emulator: only tools/demo.py (the emulator's client) and the
   emulator itself do;
 - in the router, only fleet/client.py opens an aiohttp session (the control plane's requests
-  to replicas; the data plane has http/upstream.py); demo.py and top.py are clients of the
-  router, not part of it;
+  to replicas; the data plane has http/upstream.py); tools/ holds clients of the router, not
+  parts of it;
 - proxy/ (the request path) may import fleet/ and routing/; fleet/ imports neither proxy/ nor
   http/errors.py: it returns outcome values, which proxy/answers.py renders as vLLM's answers;
 - observe/ reads, never writes: it imports none of the writers (proxy/, http/, the runtime,
   the command line, tools/), and its views assign no attribute; its metrics.py,
   which the request path and the fleet record into, imports nothing of the router, and is all
   that fleet/, routing/ and http/ may import of observe/;
+- tools/ imports only the package's public entry points (`PUBLIC`, tools/__init__.py says
+  why each one), and nothing but cli imports tools/;
 - the router has no import cycle, type-only imports (under `TYPE_CHECKING`) included.
 """
 
@@ -79,7 +81,7 @@ def test_nothing_imports_cli() -> None:
 
 
 def test_the_router_never_imports_the_emulator() -> None:
-    assert importers_of("lora_router.emulator") == {"lora_router.demo"}
+    assert importers_of("lora_router.emulator") == {"lora_router.tools.demo"}
 
 
 def test_the_fence_imports_no_http() -> None:
@@ -87,7 +89,7 @@ def test_the_fence_imports_no_http() -> None:
 
 
 def test_only_the_replica_client_opens_an_aiohttp_session_in_the_router() -> None:
-    clients = ("lora_router.emulator", "lora_router.demo", "lora_router.top")
+    clients = ("lora_router.emulator", "lora_router.tools")
     router = {m for m in MODULES if not m.startswith(clients)}
     users = {m for m in router if "aiohttp" in imports(m)}
     assert users == {"lora_router.fleet.client"}
@@ -169,6 +171,34 @@ def test_the_core_imports_only_the_recorded_counters_of_observe() -> None:
             if i.startswith(OBSERVE) and not i.startswith(f"{OBSERVE}.metrics")
         }
         assert not bad, f"{module} imports {bad}"
+
+
+TOOLS = "lora_router.tools"
+# What a tool may import of the package (tools/__init__.py says why each one).
+PUBLIC = {
+    "lora_router.config",
+    "lora_router.command",
+    "lora_router.runtime",
+    "lora_router.fleet.client",
+    "lora_router.fleet.failure",
+    "lora_router.routing",
+}
+
+
+def public(name: str) -> bool:
+    """Whether `name` (a module, or a name imported from one) is a public entry point."""
+    module = name if name in MODULES else name.rpartition(".")[0]
+    return module in PUBLIC or module.startswith(("lora_router.emulator", TOOLS))
+
+
+def test_tools_import_only_public_entry_points() -> None:
+    for module in (m for m in MODULES if m.startswith(TOOLS)):
+        bad = {i for i in imports(module) if i.startswith("lora_router.") and not public(i)}
+        assert not bad, f"{module} imports {bad}"
+
+
+def test_only_the_command_line_imports_the_tools() -> None:
+    assert importers_of(TOOLS) == {"lora_router.cli"}
 
 
 def cycle(modules: set[str]) -> list[str] | None:

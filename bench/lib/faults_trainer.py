@@ -17,8 +17,8 @@ import aiohttp
 import grpo_trace as bench_trace
 import orjson
 
-from lora_router.demo import check_answer
 from lora_router.emulator import write_adapter
+from lora_router.tools.demo import check_answer
 
 from .faults_setup import (
     ATTEMPT_TIMEOUT_S,

@@ -20,7 +20,7 @@ this package does I/O, reads a clock, draws random numbers, logs, or changes a r
 step of a routed request's choice walks the fleet (policy.py states each step's cost).
 """
 
-from .keys import PromptKey, RouteKey, completion_key, prompt_key, text_key, wire_key
+from .keys import Lineages, PromptKey, RouteKey, completion_key, prompt_key, text_key, wire_key
 from .policy import (
     POLICIES,
     Candidates,
@@ -41,6 +41,7 @@ __all__ = [
     "DecisionCounts",
     "HashRing",
     "LeastLoaded",
+    "Lineages",
     "Policy",
     "PrefixAffinity",
     "PromptKey",

@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from lora_router.config import Secret
-from lora_router.top import compact, verdict
+from lora_router.tools.top import compact, verdict
 
 from .conftest import Adapter, StartEmulators, StartRouter, call, synced_traffic, until
 

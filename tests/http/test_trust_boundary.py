@@ -13,10 +13,10 @@ import orjson
 import pytest
 from http_harness import API_KEY, TOKEN, RawClient, json_response, request
 
-from lora_router.check import probe_replica
 from lora_router.config import Secret
 from lora_router.fleet.client import ReplicaClient
 from lora_router.routes import REPLICA, ROUTES
+from lora_router.tools.check import probe_replica
 
 
 class Recorder:

@@ -24,7 +24,7 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lora_router.routing.keys import Lineages
+from lora_router.routing import Lineages
 
 Finding = tuple[str, str, bool]  # what, fix, note
 

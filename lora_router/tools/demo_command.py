@@ -2,7 +2,8 @@
 
 `lora-router --demo` (cli.py) takes the flags of `build_parser` (the demo's usage line) and the
 routing flags of `ROUTER_FLAGS` for the demo's router, in any order; every other router flag is
-refused there, since the demo would ignore it. The run itself is demo.py.
+refused there, since the demo would ignore it. The run itself is demo.py,
+its closing table demo_report.py.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 from lora_router.command import HelpFormatter, Parser, interrupted
-from lora_router.demo import DemoError, DemoPlan, run, summary
-from lora_router.routing.policy import POLICIES
+from lora_router.routing import POLICIES
+from lora_router.tools.demo import DemoError, DemoPlan, run
+from lora_router.tools.demo_report import summary
 
 # The router flags `lora-router --demo` passes to the demo's router; any other router flag has
 # no meaning there (it is refused, not ignored).

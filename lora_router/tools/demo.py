@@ -22,9 +22,10 @@ version fence is for: the router holds those requests until every replica holds 
 in an asynchronous trainer, the next sync starts while half of the previous step's rollouts are
 still in flight, so `pause?mode=keep` freezes real work.
 
-At the end a table says what happened: requests per replica, affinity (the share of siblings
-that ran on their group's majority replica), the prefix-cache hit rate read from each replica's
-`/metrics`, fence waits, loads and their time. The demo exits 1 if any request failed.
+At the end a table says what happened (demo_report.py): requests per replica, affinity (the
+share of siblings that ran on their group's majority replica), the prefix-cache hit rate read
+from each replica's `/metrics`, fence waits, loads and their time. The demo exits 1 if any
+request failed.
 
 This module is a client of the router, never a part of it: it reads the router's behaviour
 from HTTP answers only (the `x-lora-router-replica` header says which replica answered).
@@ -38,7 +39,6 @@ import logging
 import os
 import random
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -57,7 +57,6 @@ from lora_router.emulator import Emulator, EmulatorConfig, Faults, start_emulato
 from lora_router.emulator.prefix_cache import PrefixCache, block_hashes
 from lora_router.emulator.tokens import apply_chat_template
 from lora_router.runtime import RouterRuntime
-from lora_router.table import render_table
 
 REPLICA_HEADER = "x-lora-router-replica"
 BLOCK_SIZE = 16  # the emulated replicas' KV block size (vLLM's default)
@@ -533,72 +532,3 @@ def _metric_sum(exposition: str, name: str) -> float:
         if bare in (name, name + "_total"):
             total += float(value)
     return total
-
-
-# --- the report -----------------------------------------------------------------------------
-
-
-def summary(result: DemoResult) -> str:
-    """The closing table and the lines under it."""
-    plan = result.plan
-    rows = [
-        (
-            f"{i}  {r.name}",
-            r.requests,
-            f"{100 * r.requests / max(1, result.requests):.0f}%",
-            f"{100 * r.hit_rate:.1f}%",
-        )
-        for i, r in enumerate(result.replicas)
-    ]
-    lagging = plan.mount_lag > 0 and plan.replicas > 1
-    waits = sorted(result.fence_waits)
-    loads = sorted(result.load_times)
-    lines = [
-        "",
-        f"lora-router demo: {plan.steps} steps x {plan.prompts} prompts x G={plan.group} "
-        f"over {plan.replicas} emulated replicas, --policy {plan.policy}"
-        + "".join(f", --{k.replace('_', '-')} {v}" for k, v in plan.routing)
-        + f", {result.wall:.1f} s",
-        "",
-        render_table(("replica", "requests", "share", "prefix-cache hits"), rows),
-        "",
-        f"  requests      {result.requests} ({result.streamed} streamed), "
-        f"{len(result.failures)} failed",
-        f"  affinity      {100 * result.affinity:.1f}% of samples ran on their group's "
-        "majority replica",
-        f"  prefix cache  {100 * result.hit_rate:.1f}% of prompt tokens were cache hits; "
-        f"the best any routing could do: {100 * result.ideal_hit_rate:.1f}%",
-        "                (each replica's vllm:prefix_cache_hits / vllm:prefix_cache_queries)",
-    ]
-    if waits:
-        lines.append(
-            f"  fence         {len(waits)} requests waited for their adapter's load to finish: "
-            f"median {statistics.median(waits):.2f} s, max {waits[-1]:.2f} s"
-        )
-        lines.append(
-            f"                expected: the demo sends {plan.eager_groups} groups a step while "
-            "their adapter is still loading\n"
-            "                (an eager client); TRL names vN only once its load has answered, "
-            "so with TRL\n                these waits are rare"
-        )
-    else:
-        lines.append("  fence         no request had to wait")
-    if loads:
-        lines.append(
-            f"  loads         {len(loads)} (v1..v{len(loads)}), each answered when every replica "
-            f"had it: median {statistics.median(loads):.2f} s, "
-            f"max {loads[-1]:.2f} s"
-        )
-    if lagging:
-        lines.append(
-            f"                replica {plan.replicas - 1}'s mount lags: 404 to the first "
-            f"{plan.mount_lag} attempt(s) of each load, retried by the router"
-        )
-    lines.append(
-        f"  unloads       {result.unloads} (v(N-{plan.max_staleness + 1}) after each sync)"
-    )
-    for failure in result.failures[:5]:
-        lines.append(f"  FAILED: {failure}")
-    lines.append("")
-    lines.append("OK: the run completed." if result.ok else "FAILED: some requests failed.")
-    return "\n".join(lines)

@@ -53,7 +53,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from lora_router import leftovers
 from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.client import (
     AGREEMENT,
@@ -64,7 +63,8 @@ from lora_router.fleet.client import (
     parse_server_info,
 )
 from lora_router.fleet.failure import FIX, Cause
-from lora_router.table import render_table
+from lora_router.tools import leftovers
+from lora_router.tools.table import render_table
 
 PROBE_TIMEOUT = 10.0  # seconds for one probe's whole answer
 
