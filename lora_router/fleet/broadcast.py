@@ -1,54 +1,35 @@
 """The broadcaster: adapter broadcasts behind the fence and the fleet-wide dev-mode calls, one at
 a time; plus the read-only fan-ins (`/health`, `/v1/models`). Every request to a replica goes
 through the replica client (client.py); every change of a replica's service state is an event
-reported to its lifecycle (lifecycle.py).
+reported to its lifecycle (lifecycle.py). Why each rule: docs/design/fleet.md#broadcasts.
 
-Broadcasts (`load`, `unload`, `pause`, `resume`, `reset_prefix_cache`) are **serialized**: one
-at a time, in arrival order (an `asyncio.Lock`, which wakes its waiters first come first
-served), each sent to every live replica concurrently. A broadcast runs in a task of its own,
-shielded from the client: a trainer that disconnects mid-load must not leave half the fleet
-with an adapter the other half lacks.
-
-- **Load** is all-or-nothing. A 404 "No adapter found" (the replica's mount has not caught up)
-  is retried every `load_retry_interval` until `load_deadline`; past it the answer is **504,
-  never 404** (TRL reads 404 as "runtime LoRA updating is off"). Any real failure unloads
-  the adapter from the replicas that took it and answers with the first failure, naming the
-  replica. Success answers vLLM's own body and headers (plain text, no Content-Type).
+- **Serialized**: one broadcast at a time, in arrival order (an `asyncio.Lock`, first come
+  first served), each sent to every live replica concurrently, in a task shielded from the
+  client: a trainer that disconnects mid-load must not leave the fleet split.
+- **Load** is all-or-nothing. A 404 "No adapter found" (mount lag) is retried every
+  `load_retry_interval` until `load_deadline`, then answered **504, never 404**. Any real
+  failure unloads the adapter from the replicas that took it and answers the first failure,
+  naming the replica. Success answers vLLM's own body and headers.
 - **A replica's copy counts only if this router loaded those files onto it** (`Replica.loaded`,
-  digests from adapter_files.py). A "400 already loaded" is a conflict when its `/v1/models`
-  shows the name at another `root` (explained, with `--unload-stale`); at the same root it is
-  present if the router loaded the same files there (its own resend, a replay), and otherwise
-  the copy is dropped (unload, prefix cache reset) and the files loaded again.
-- **A load of a live name** (the fence's reload, fence.py) reads the files first: the same
-  files the router loaded under it answer vLLM's success with nothing sent; other files, a
-  name found on the replicas at start, or files the router cannot read are reloaded on every
-  live replica behind the fence (logged as a warning): requests admitted under the old weights
-  drain as for an unload, then each replica unloads the name, resets its prefix cache (vLLM
-  keys KV blocks by name and path, so the old weights' blocks would be hit again) and loads it.
-- **A load that cannot succeed** (a mistyped path: "No adapter found" until the deadline) is
-  logged when a replica's wait starts and every 30 s while it lasts, shown in
-  `/router/status` and the metrics (`mount_waits`), and abandoned as soon as the client that
-  asked disconnects: operations queued behind it (a `/resume`) wait for it, at most until
-  the deadline or that disconnect.
-- **Unload**: the fence stops routing the name when the request arrives; in its turn, the
-  broadcast waits until every request admitted under the name has been answered (its response
-  head arrived: vLLM keeps serving a request whose adapter it unregistered) or ended, at most
-  `--unload-wait`, then drops it everywhere; 404 "cannot be found" counts as done. So a request
-  that passed the fence an instant before the unload arrived never meets a replica that
-  dropped the name. Unloading frees the name, not the memory: vLLM keeps the weights
-  until its LRU evicts them, so `--max-loras` must cover every version in use
-  (`max_staleness + 2` for TRL, which loads the new version before unloading the old).
+  digests from adapter_files.py): a "400 already loaded" at another `root` is a conflict; at
+  the same root it is present if the router loaded the same files there, else the copy is
+  dropped (unload, prefix cache reset) and loaded again.
+- **A load of a live name** (the fence's reload, fence.py): the same files answer success with
+  nothing sent; other files, or files the router cannot read, are reloaded on every live replica
+  behind the fence: drain as for an unload, unload, reset the prefix cache, load.
+- **A load that cannot succeed** is logged when a replica's wait starts and every 30 s, shown
+  in `/router/status` and the metrics (`mount_waits`), and abandoned as soon as the client that
+  asked disconnects.
+- **Unload**: the fence stops routing the name when the request arrives; in its turn the
+  broadcast waits until every request admitted under it has its response head or ended (at
+  most `--unload-wait`), then drops it everywhere; 404 "cannot be found" counts as done.
 - **Pause / resume / reset_prefix_cache** go out with the query string intact; 200 only when
   every replica answered 200. A resume also reaches, best effort, replicas out of service that
-  still run routed requests (ejected while paused), so those requests do not wait for a
-  replay. The pause state last asked for is remembered on the fleet (`Fleet.pause`) and
-  replayed onto replicas that come back; `syncs` times each pause → resume (a weight sync).
-- A replica that cannot be reached during a broadcast is ejected (health.py re-admits it with a
-  replay). For loads, `--down-replica-policy` decides the rest: `replay` (default) proceeds
-  with the live replicas, so training goes on and the returning replica gets the adapter before
-  it serves; `fail` refuses a load while any member replica is down or unreachable, for
-  operators who prefer a stopped trainer to a smaller fleet. The fence's invariant holds
-  either way, because a replica serves nothing before its replay.
+  still run routed requests. The pause last asked for is kept (`Fleet.pause`) and replayed onto
+  replicas that come back; `syncs` times each pause → resume (a weight sync).
+- A replica unreachable during a broadcast is ejected (health.py re-admits it with a replay).
+  For loads `--down-replica-policy` decides the rest: `replay` (default) proceeds with the live
+  replicas; `fail` refuses a load while any member replica is down or unreachable.
 
 Read-only calls: `/health` and `/ping` ask every live replica; `/v1/models` comes from one
 healthy replica, filtered to the names that passed the fence, base model first.

@@ -5,48 +5,37 @@ THE INVARIANT this package exists for:
     A completion naming adapter A is forwarded only to a replica that has A loaded, and only
     after every live replica has acknowledged loading A.
 
-The fence holds the first half of it ("only after every live replica acknowledged"): a name is
-*live* here only once its load broadcast succeeded on every live replica (broadcast.py). The
-second half ("only to a replica that has A loaded") is `Fleet.routable`, which lists only
-replicas whose acknowledged adapters include A; a replica coming back serves only after every
-live adapter was replayed onto it (replay.py; its lifecycle, lifecycle.py, admits it).
+The fence holds the first half of it: a name is *live* here only once its load broadcast
+succeeded on every live replica (broadcast.py). The second half is `Fleet.routable`, which
+lists only replicas whose acknowledged adapters include A; a replica coming back serves only
+after every live adapter was replayed onto it (replay.py, admitted by lifecycle.py).
 
 Each name the router knows is in one state:
-
-- **loading**: a load was asked for (set when the request *arrives*, not when its turn in the
-  control queue comes, so an eager client may name the version right after asking for it);
-  completions for it wait here, up to `fence_timeout`, then get a clear 503;
+- **loading**: set when the load request *arrives* (so an eager client may name the version
+  right after asking for it); completions for it wait here, up to `fence_timeout`, then get
+  a clear 503;
 - **live**: completions pass;
-- **unloading**: set when the unload request arrives: the name stops being routable at once
-  (new completions get vLLM's 404) while in-flight ones finish on their replicas.
-
-Requests admitted under a name are counted until they are answered (`hold` as they pass,
-`release` when the replica's response head arrives or the request ends). An unload is broadcast
-only once the count of its name is zero (`drain`, bounded by `--unload-wait`), so a request that
-passed the fence an instant before the unload arrived never meets a replica that already dropped
-the name: no client gets a 404 for a name that was live when its request arrived.
-
+- **unloading**: set when the unload request arrives: new completions get vLLM's 404 at once,
+  while in-flight ones finish on their replicas.
 A name in none of these states is unknown: vLLM's own 404 `model_not_found`, answered by the
-router rather than by a random replica. The base model (and `model` absent) always passes.
+router. The base model (and `model` absent) always passes.
 
-Every request arriving for a name creates or joins an *entry*; the control plane applies
-operations in arrival order and reports each outcome back on the entry it was given, so a
-late outcome never overwrites a newer request's state (an unload that arrived after a load
-supersedes it even if the load finishes later). Loading the same name at two paths, or
-re-pointing a live name with `load_inplace`, is refused here: replicas would disagree on its
-weights while the broadcast runs.
+Requests admitted under a name are counted until answered (`hold` as they pass, `release` when
+the replica's response head arrives or the request ends); an unload is broadcast only once its
+name's count is zero (`drain`, bounded by `--unload-wait`): no client gets a 404 for a name
+that was live when its request arrived.
 
-A load of a live name at its path is a **reload** (a trainer resumed from a checkpoint
-publishes its names again, with new weights): like any load it takes the name out of service
-when it arrives, as a new loading entry (`replacing`; `held`: the `files` digest of what the
-fleet serves, fleet/adapter_files.py, None for names found at start). In its turn the
-broadcaster finds the same files (live again, nothing sent) or reloads the name everywhere.
+Every request for a name creates or joins an *entry*; outcomes are reported back on the entry
+they were given, so a late outcome never overwrites a newer request's state. Loading one name
+at two paths, or re-pointing a live name (`load_inplace`), is refused. A load of a live name at
+its path is a **reload**: a new loading entry (`replacing`; `held`: the `files` digest of what
+the fleet serves) takes the name out of service until the broadcaster settles it. Why:
+docs/design/fleet.md#the-fence.
 
 Pure state and waiting: no I/O, and no HTTP. A refusal is one of the fence's own outcome types
-(`UnknownAdapter`, `StillLoading`, `LoadRefused`, all `FenceRefusal`s), which the HTTP layer
-renders as vLLM's answers (proxy/answers.py, `fence_error`). It must never let a completion
-through for a name that is not live (a reloaded one included), nor refuse as unknown a name
-still loading.
+(`UnknownAdapter`, `StillLoading`, `LoadRefused`, all `FenceRefusal`s), which proxy/answers.py
+renders as vLLM's answers. It must never let a completion through for a name that is not live
+(a reloaded one included), nor refuse as unknown a name still loading.
 """
 
 from __future__ import annotations

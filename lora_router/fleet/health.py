@@ -2,67 +2,32 @@
 
 This module decides *when* a replica's state should change and reports that as an event to the
 replica's lifecycle (lifecycle.py), which alone changes it. It is given the replica client, the
-fleet, the fence and the replay (replay.py) explicitly.
+fleet, the fence and the replay (replay.py) explicitly. What a routed answer proves, and how
+soon a restart shows: docs/design/fleet.md#health.
 
-Each replica has a watcher task that, every `health_interval`, asks its `/health` (bounded by
+Each replica's watcher task asks its `/health` every `health_interval` (bounded by
 `health_timeout`):
+- a serving replica that fails `health_failures` checks in a row is **ejected**; one that
+  passes is also asked its `/v1/models`: lacking an adapter that was live before the question,
+  it restarted (vLLM keeps adapters in process memory) and is ejected at once, then replayed;
+- an ejected replica that passes `health_successes` checks in a row is **re-admitted** through
+  a replay (replay.py); only then does it become routable.
 
-- a serving replica that fails `health_failures` checks in a row is **ejected** (no traffic,
-  no broadcasts). A serving replica that passes is also asked
-  for its `/v1/models`: if it lacks an adapter that was live before the question, it restarted
-  (vLLM keeps adapters in process memory) and is ejected at once, then replayed;
-- an ejected replica that passes `health_successes` checks in a row is **re-admitted**: every
-  live adapter is loaded onto it (with the mount-lag retries of a broadcast), stale names are
-  unloaded and the fleet's pause state applied (replay.py) — only then does it
-  become routable. Until then no request for any adapter reaches it.
+**Passive health** (`report_status`): a serving replica's check uses what its routed answers
+proved since the previous check began:
+- a whole 2xx answer skips its `/health` probe for that interval and ends its run of failed
+  checks; a 4xx counts for nothing; a 5xx or a transport failure is a failure;
+- its `/v1/models` listing is skipped only when a 2xx came for an adapter its last listing
+  showed, with that name's fence entry unchanged since; the first check after a re-admission
+  always lists; a suspect replica is always probed; an idle one is checked as before;
+- a connection refused or reset, a timeout or a 5xx counts against the circuit breaker
+  (breaker.py) and marks the replica *suspect*, which wakes its watcher: one failed check then
+  ejects it. A 404 for an adapter the fence says is live is a restart: ejected at once and
+  replayed. A 503 while the fleet is paused is vLLM refusing work on purpose, never counted.
 
-**Passive health.** Routed traffic is evidence too, and with a large fleet under load the
-probes above are most of the router's background work, so a serving replica's check uses what
-its routed answers proved since the previous check began (`report_status`), under these rules:
-
-- a 2xx answer to a routed request (a whole response: a stream cut short is a failure) proves
-  the replica is up, so its `/health` probe is skipped for that interval and its run of failed
-  checks ends. A 4xx proves less (vLLM's front end can refuse a request as invalid while
-  its engine is dead) and counts for nothing here; a 5xx or a transport failure is a
-  failure, as below;
-- its `/v1/models` listing is skipped only when a 2xx came for an adapter that the replica's
-  last listing showed it holding, with the fence entry of that name unchanged since (never
-  unloaded and loaded again). vLLM keeps adapters in process memory: a process restarted
-  after that listing lacks the name, so a request for it sent to the new process answers 404
-  and one in flight across the restart is cut, never 2xx. Such an answer therefore proves no
-  restart between that listing and itself. A 2xx for the base model, for an adapter loaded
-  after the listing (it may have been loaded onto a restarted process), or for one a replica
-  held on its own when it joined (static `--lora-modules`, which a restarted process loads
-  again) proves nothing about adapters: the listing runs;
-- after a re-admission no listing has been seen yet: the first check asks it whatever the
-  traffic (it is also how a replay that did not stick shows);
-- a suspect replica (below) is always probed, and a replica out of service is checked exactly
-  as an idle one. An idle replica (no routed 2xx in the interval) is checked as before.
-
-So a restart is still noticed on the first request naming a lost adapter (its 404, at once),
-or else by a listing at most two intervals after it (one interval when no proof skipped a
-listing): a restart just after a proving answer leaves that check's listing skipped, and no
-answer after it can prove anything again.
-
-Passive reports come from the routed path: a connection refused or reset, a timeout or a 5xx
-counts against the replica's circuit breaker (breaker.py) and marks it *suspect*, which wakes
-its watcher at once; a suspect replica that then fails one check is ejected without waiting
-for the threshold, so a crashed replica leaves the fleet within one round trip rather than
-within `health_failures` intervals. A 404 for an adapter the fence says is live means the
-replica restarted between two checks: it is ejected at once and replayed (the routed path has
-already sent that request elsewhere). 503 answers while the fleet is paused are
-vLLM 0.33 refusing work by request, not failures, and are not counted.
-
-A replay that did not stick is a replica that lacks a live adapter again (in its listing or
-answering 404) soon after it was re-admitted, or whose replay failed because it answers that an
-adapter is already loaded while its listing does not show it: its loads were accepted but do
-not show, as when the replica URL is a load balancer over several vLLM servers. Re-admitting
-it at once would make it flap for ever (eject, replay, re-admit, eject); instead its lifecycle
-*backs off* (each such replay doubles the wait before the next one, lifecycle.py), one warning
-names the replica and what it lacks, and `listing_flaps` counts it for the metrics. And a
-listing alone never ejects the last serving replica: with no other one to take its traffic, the
-lifecycle refuses that event and the router keeps it serving (a real restart still shows, as a
-404 on its first request for a lost adapter).
+A replay that did not stick (the replica lacks a live adapter again soon after re-admission, or
+answers "already loaded" for a name its listing does not show) puts its lifecycle in back-off
+(lifecycle.py); one warning names the replica and what it lacks, `listing_flaps` counts it.
 
 Operators add and remove replicas at run time (`add`, `remove`): an added replica is replayed
 before it serves; a removed one stops taking requests at once and leaves the fleet when its

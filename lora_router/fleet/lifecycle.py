@@ -32,9 +32,8 @@ Health checks (health.py), replays (replay.py) and broadcasts (broadcast.py) rep
 by calling these methods; they never set a state themselves. A method returns whether its
 event changed anything; an event the current state does not accept (a replay finishing for a
 replica ejected meanwhile, an eject of a draining replica) is refused: it returns False and
-leaves the state as it was. Two rules of the faults work live here: the back-off above, and "a
-listing alone never ejects the last serving replica" (`listing_lacks` with no other replica
-serving is refused and counted in `listing_kept`).
+leaves the state as it was. A listing alone never ejects the last serving replica
+(`listing_lacks` with no other replica serving is refused, counted in `listing_kept`).
 
 Pure bookkeeping, like breaker.py: the caller passes the clock; no I/O, no tasks. It must never
 let a replica serve without a replay that succeeded after its last ejection.

@@ -3,10 +3,9 @@ weight syncs as the router saw them.
 
 Every `health_interval` (the first time one interval after start) one task asks the `/metrics`
 of the next `scrape_budget` members, round robin, at once, through the replica client
-(client.py) (so with the replica's token), each call bounded by `health_timeout`, and keeps the
-answer as a frozen `Report` on `Replica.report`. The budget bounds the background cost of a
-large fleet (a real vLLM page is ~75 KB): with n members each report is at most ceil(n / budget)
-intervals old, and shows its age (`/router/status`'s `age_s`, `lora-router top`). What is read:
+(client.py, so with the replica's token), each call bounded by `health_timeout`, and keeps the
+answer as a frozen `Report` on `Replica.report`. With n members each report is at most
+ceil(n / budget) intervals old, and shows its age (`/router/status`'s `age_s`, `top`). Read:
 
 - queue: `vllm:num_requests_running`, `vllm:num_requests_waiting`;
 - KV use: `vllm:kv_cache_usage_perc` (0..1);
@@ -14,19 +13,12 @@ intervals old, and shows its age (`/router/status`'s `age_s`, `lora-router top`)
   the interval since the previous report and since the replica started;
 - generated tokens per second: the change of `vllm:generation_tokens_total` over the interval;
 - adapters running and waiting: the labels `running_lora_adapters` / `waiting_lora_adapters`
-  (and `max_lora`) of `vllm:lora_requests_info`. vLLM sets that gauge to the current time under
-  a new label set at every step and never drops the old ones, so the current set is the sample
-  with the largest value.
+  (and `max_lora`) of `vllm:lora_requests_info`'s newest sample (largest value).
 
-Samples of several engines (data parallel) add up; KV use is their mean. Only the sample lines
-of the families read here are looked at: one regular-expression scan of the bytes finds the
-lines that begin with their names (the other ~700 lines of a real vLLM 0.32 are skipped by the
-scan, not split or decoded), and each found line is read by `_sample`, which follows the text
-format (labels quoted with `\\`, `\"` and `\n` escapes; a value; an optional timestamp) and
-refuses a line that breaks it. Of `vllm:lora_requests_info` only the newest line (largest value
-field) is read in full, since vLLM keeps every label set it ever set — thousands over a long
-run. prometheus-client's own endpoint gzips its answer when asked to (aiohttp asks by default),
-so the scrape asks for `identity`.
+Samples of several engines (data parallel) add up; KV use is their mean. One scan of the bytes
+finds the sample lines of the families read (the rest are skipped, not split or decoded), and
+`_sample` reads each by the text format, refusing a line that breaks it; the scrape asks for
+`identity` encoding. How, and why it costs what it does: docs/design/fleet.md#telemetry.
 
 A replica whose `/metrics` fails, is missing a family, or answers something that does not parse
 gets `report = None` ("unknown") and `report_error` saying why; nothing else changes. Each

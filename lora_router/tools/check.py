@@ -3,7 +3,8 @@
 It asks every replica, with the router's token and TLS settings, the questions whose wrong
 answer would otherwise surface an hour into a run as a fatal TRL error, and prints them as one
 table plus a numbered list of problems, each with the fix. Exit status 0 only when the fleet is
-ready. What is probed (and why TRL 1.16 needs it: docs/trl-guide.md, steps 2 and 4):
+ready. What is probed (why TRL 1.16 needs each: docs/trl-guide.md, steps 2 and 4; why each
+probe reads as it does: docs/design/check.md):
 
 | question | probe | a "no" |
 | --- | --- | --- |
@@ -16,22 +17,12 @@ ready. What is probed (and why TRL 1.16 needs it: docs/trl-guide.md, steps 2 and
 | runtime loading | `POST /v1/load_lora_adapter` with `{}` | 404 `{"detail":"Not Found"}` |
 
 The load probe never loads anything: `lora_name` and `lora_path` are required fields, so a
-server that has the route answers the empty body with its 400 validation error, and a server
-started without `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` has no such route and answers FastAPI's
-404 — the very 404 TRL would misread at its first sync.
-
-Two listings that disagree mean the URL is not one vLLM server (typically a load balancer over
-several): a load reaches one of them and the listing comes from any, so the router would take
-the replica for one that keeps restarting. (A fleet with no adapter loaded lists the same
-base model everywhere, so this shows only once something is loaded; --check loads nothing.)
+server that has the route answers the empty body with its 400 validation error.
 
 Then the fleet as a whole: replicas must agree on base model, `max_lora_rank`, `max_loras` and
 block size; `max_loras` must be at least `--max-staleness + 2` (TRL raises otherwise);
-`data_parallel_size` must be 1.
-
-A URL with a path (`http://host:8000/v1`, the OpenAI base-URL habit) under which `/health` and
-`/v1/models` both answer 404 is that one problem ("give the server's root URL"), not the
-missing routes it would otherwise look like.
+`data_parallel_size` must be 1. A URL with a path under which `/health` and `/v1/models` both
+answer 404 is one problem ("give the server's root URL"), not missing routes.
 
 Leftover adapters (listed after the base card) are judged by name, by leftovers.py: fatal only
 when the trainer may load the same name again (`--lineage-pattern`), and fine once
@@ -40,9 +31,9 @@ when the trainer may load the same name again (`--lineage-pattern`), and fine on
 Probing is I/O (`probe_replica`), over the router's own replica client and its parser of
 `/v1/models` and `/server_info` (fleet/client.py), so `--check` reads a replica exactly as the
 router will; the facts every replica must agree on are the client's `AGREEMENT`, and the fixes
-are the ones the router's own reports give (fleet/failure.py). Judging is a
-pure function of what was seen (`judge`), so each rule is testable without sockets. This
-module must never change a replica's state: no load, no unload, no pause.
+are the ones the router's own reports give (fleet/failure.py). Judging is a pure function of
+what was seen (`judge`), so each rule is testable without sockets. This module must never
+change a replica's state: no load, no unload, no pause.
 """
 
 from __future__ import annotations
