@@ -1,14 +1,24 @@
-"""Suite-wide settings: the Hypothesis profile (tests/hypothesis_profiles.py: `dev` by default,
-`ci` with HYPOTHESIS_PROFILE=ci or CI set), applied to every collected property test.
+"""Suite-wide settings and fixtures.
 
-Every test stays bounded by pytest-timeout; no example has a time limit.
+- The Hypothesis profile (tests/hypothesis_profiles.py: `dev` by default, `ci` with
+  HYPOTHESIS_PROFILE=ci or CI set), applied to every collected property test. Every test stays
+  bounded by pytest-timeout; no example has a time limit.
+- `client`, an HTTP client session, and `adapter`, adapter directories as TRL lays them out:
+  the fixtures every folder uses (the shared helpers are tests/helpers.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
 import pytest
+from helpers import Adapter
 from hypothesis import settings
 from hypothesis_profiles import PROFILE, scaled
+
+from lora_router.emulator import write_adapter
 
 settings.load_profile(PROFILE)
 
@@ -21,3 +31,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         given = getattr(test, "_hypothesis_internal_use_settings", None)
         if isinstance(given, settings):
             test._hypothesis_internal_use_settings = scaled(given)  # type: ignore[union-attr]
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+@pytest.fixture
+def adapter(tmp_path: Path) -> Adapter:
+    """Write an adapter directory as TRL lays it out (`rank` its LoRA rank); its absolute path."""
+
+    def write(name: str = "trl-policy-v1", rank: int = 1) -> str:
+        return str(write_adapter(tmp_path / ".vllm_lora" / name, rank=rank))
+
+    return write

@@ -11,11 +11,11 @@ import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
 import pytest
+from helpers import router_config
 
 from lora_router import cli
 from lora_router.config import Config, ReplicaAddress, Secret
@@ -34,10 +34,6 @@ async def replicas(*configs: EmulatorConfig) -> AsyncIterator[list[Any]]:
     finally:
         for emulator in started:
             await emulator.stop()
-
-
-def fleet_config(emulators: list[Any], **changes: Any) -> Config:
-    return Config(replicas=tuple(ReplicaAddress.parse(e.url) for e in emulators), **changes)
 
 
 async def run_check(config: Config) -> tuple[int, str]:
@@ -101,7 +97,7 @@ async def test_each_failure_fails_the_check_by_name(
     name: str, configs: list[EmulatorConfig], expected: str
 ) -> None:
     async with replicas(*configs) as emus:
-        status, text = await run_check(fleet_config(emus))
+        status, text = await run_check(router_config(e.url for e in emus))
     assert status == 1, text
     assert expected in text
     assert "NOT READY" in text.splitlines()[-1]
@@ -112,7 +108,7 @@ async def test_an_unreachable_replica_is_named() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again at once: nothing listens there
     async with replicas(EmulatorConfig()) as emus:
-        config = fleet_config(emus)
+        config = router_config(e.url for e in emus)
         dead = ReplicaAddress.parse(f"http://127.0.0.1:{port}")
         status, text = await run_check(Config(replicas=(*config.replicas, dead)))
     assert status == 1
@@ -122,7 +118,7 @@ async def test_an_unreachable_replica_is_named() -> None:
 async def check_with_token(token: str) -> tuple[int, str]:
     """`--check` with `token` against a replica whose API key is "right"."""
     async with replicas(EmulatorConfig(api_key="right")) as emus:
-        return await run_check(fleet_config(emus, token=Secret(token)))
+        return await run_check(router_config((e.url for e in emus), token=Secret(token)))
 
 
 async def test_a_rejected_token_is_unauthorized() -> None:
@@ -147,15 +143,17 @@ async def test_leftover_adapters_fail_unless_unload_stale_covers_them(tmp_path: 
             ) as resp,
         ):
             assert resp.status == 200
-        status, text = await run_check(fleet_config(emus))
-        covered, covered_text = await run_check(fleet_config(emus, unload_stale="trl-policy-*"))
+        status, text = await run_check(router_config(e.url for e in emus))
+        covered, covered_text = await run_check(
+            router_config((e.url for e in emus), unload_stale="trl-policy-*")
+        )
     assert status == 1 and "leftover adapter(s) from an earlier run: trl-policy-v1" in text
     assert covered == 0 and "will be unloaded at start" in covered_text
 
 
 async def test_the_check_changes_nothing_on_the_replicas() -> None:
     async with replicas(EmulatorConfig()) as emus:
-        status, _ = await run_check(fleet_config(emus))
+        status, _ = await run_check(router_config(e.url for e in emus))
         emu = emus[0]
         assert status == 0
         assert emu.state.adapters == {} and not emu.state.paused
@@ -172,8 +170,10 @@ async def test_tls_replicas_are_checked_with_the_ca_file(tmp_path: Path) -> None
     ca.cert_pem.write_to_path(str(ca_file))
     async with replicas(EmulatorConfig(ssl=server_ctx)) as emus:
         assert emus[0].url.startswith("https://")
-        trusted, trusted_text = await run_check(fleet_config(emus, ca_file=str(ca_file)))
-        untrusted, untrusted_text = await run_check(fleet_config(emus))
+        trusted, trusted_text = await run_check(
+            router_config((e.url for e in emus), ca_file=str(ca_file))
+        )
+        untrusted, untrusted_text = await run_check(router_config(e.url for e in emus))
     assert trusted == 0, trusted_text
     assert untrusted == 1 and "TLS certificate not trusted" in untrusted_text
     assert "--ca-file" in untrusted_text
@@ -205,7 +205,7 @@ async def test_the_command_line_passes_max_staleness(monkeypatch: pytest.MonkeyP
 async def test_an_https_url_on_a_plain_http_replica_reports_the_tls_error() -> None:
     async with replicas(EmulatorConfig()) as emus:
         url = emus[0].url.replace("http://", "https://")
-        status, text = await run_check(fleet_config([SimpleNamespace(url=url)]))
+        status, text = await run_check(router_config([url]))
     assert status == 1
     assert "TLS handshake failed" in text and "http://" in text
     assert "Operation not permitted" not in text
@@ -213,7 +213,7 @@ async def test_an_https_url_on_a_plain_http_replica_reports_the_tls_error() -> N
 
 async def test_a_fleet_without_lora_is_told_that_trl_falls_back_to_merged_weight_sync() -> None:
     async with replicas(EmulatorConfig(enable_lora=False)) as emus:
-        status, text = await run_check(fleet_config(emus))
+        status, text = await run_check(router_config(e.url for e in emus))
     assert status == 1
     assert "merged-weight sync" in text and "lora-router refuses it" in text
 
@@ -231,7 +231,9 @@ async def test_a_replica_whose_two_listings_disagree_is_flagged(tmp_path: Path) 
             ) as resp,
         ):
             assert resp.status == 200
-        status, text = await run_check(fleet_config(emus, unload_stale="trl-policy-*"))
+        status, text = await run_check(
+            router_config((e.url for e in emus), unload_stale="trl-policy-*")
+        )
     assert status == 1, text
     assert "two reads of /v1/models disagree (trl-policy-v1; then no adapter)" in text
     assert "its own --replicas URL" in text

@@ -8,10 +8,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
+from helpers import load
 
 from lora_router.emulator import Emulator, write_adapter
 
-from .conftest import StartEmulator, load
+from .conftest import StartEmulator
 
 LOAD = "/v1/load_lora_adapter"
 UNLOAD = "/v1/unload_lora_adapter"
@@ -35,7 +36,7 @@ async def test_loading_a_loaded_name_again_is_400_invalid_user_input(
     emu: Emulator, client: aiohttp.ClientSession, adapter: Callable[..., str]
 ) -> None:
     path = adapter()
-    await load(client, emu, "trl-policy-v1", path)
+    assert (await load(client, emu.url, "trl-policy-v1", path))[0] == 200
     async with client.post(
         emu.url + LOAD, json={"lora_name": "trl-policy-v1", "lora_path": path}
     ) as r:
@@ -55,7 +56,7 @@ async def test_loading_a_loaded_name_again_is_400_invalid_user_input(
 async def test_load_inplace_repoints_a_loaded_name(
     emu: Emulator, client: aiohttp.ClientSession, adapter: Callable[..., str]
 ) -> None:
-    await load(client, emu, "policy", adapter("a"))
+    assert (await load(client, emu.url, "policy", adapter("a")))[0] == 200
     new_path = adapter("b")
     async with client.post(
         emu.url + LOAD, json={"lora_name": "policy", "lora_path": new_path, "load_inplace": True}
@@ -99,7 +100,7 @@ async def test_adapter_config_is_read_from_the_directory(
     emu: Emulator, client: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     path = write_adapter(tmp_path / "a", rank=4, alpha=16, target_modules=("q_proj", "v_proj"))
-    await load(client, emu, "a", str(path))
+    assert (await load(client, emu.url, "a", str(path)))[0] == 200
     adapter = emu.state.registry.get("a")
     assert adapter is not None
     assert (adapter.spec.rank, adapter.spec.alpha) == (4, 16.0)
@@ -131,7 +132,7 @@ async def test_legacy_bin_weights_are_accepted(
 ) -> None:
     path = write_adapter(tmp_path / "a")
     (path / "adapter_model.safetensors").rename(path / "adapter_model.bin")
-    await load(client, emu, "a", str(path))
+    assert (await load(client, emu.url, "a", str(path)))[0] == 200
 
 
 async def test_missing_field_is_400_bad_request(
@@ -160,7 +161,7 @@ async def test_non_json_content_type_is_400(emu: Emulator, client: aiohttp.Clien
 async def test_unload_answers_200_plain_text(
     emu: Emulator, client: aiohttp.ClientSession, adapter: Callable[..., str]
 ) -> None:
-    await load(client, emu, "trl-policy-v1", adapter())
+    assert (await load(client, emu.url, "trl-policy-v1", adapter()))[0] == 200
     async with client.post(emu.url + UNLOAD, json={"lora_name": "trl-policy-v1"}) as r:
         assert r.status == 200
         assert "Content-Type" not in r.headers
@@ -185,7 +186,7 @@ async def test_unload_of_an_unknown_name_is_404(
 async def test_unload_keeps_the_weights_in_memory_until_evicted(
     emu: Emulator, client: aiohttp.ClientSession, adapter: Callable[..., str]
 ) -> None:
-    await load(client, emu, "v1", adapter())
+    assert (await load(client, emu.url, "v1", adapter()))[0] == 200
     lora_id = emu.state.registry.get("v1").lora_id  # type: ignore[union-attr]
     async with client.post(emu.url + UNLOAD, json={"lora_name": "v1"}) as r:
         assert r.status == 200
@@ -196,7 +197,7 @@ async def test_models_lists_the_base_model_first_then_each_adapter(
     emu: Emulator, client: aiohttp.ClientSession, adapter: Callable[..., str]
 ) -> None:
     path = adapter()
-    await load(client, emu, "trl-policy-v1", path)
+    assert (await load(client, emu.url, "trl-policy-v1", path))[0] == 200
     async with client.get(emu.url + "/v1/models") as r:
         assert r.status == 200
         body = await r.json()
@@ -217,7 +218,8 @@ async def test_loads_of_different_names_run_concurrently(
     emu.faults.load_delay_s = 0.2
     loop = asyncio.get_running_loop()
     began = loop.time()
-    await asyncio.gather(*(load(client, emu, f"v{i}", adapter(f"v{i}")) for i in range(4)))
+    loads = (load(client, emu.url, f"v{i}", adapter(f"v{i}")) for i in range(4))
+    assert [status for status, _ in await asyncio.gather(*loads)] == [200] * 4
     # Four serial loads would take 0.8 s.
     assert loop.time() - began < 0.6
     assert len(emu.state.adapters) == 4

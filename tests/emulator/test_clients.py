@@ -10,8 +10,9 @@ import aiohttp
 import openai
 import pytest
 import trustme
+from helpers import call
 
-from .conftest import StartEmulator, call
+from .conftest import StartEmulator
 
 
 async def test_openai_sdk_reads_a_completion(start: StartEmulator) -> None:
@@ -81,8 +82,8 @@ async def test_an_https_replica_serves_with_a_private_ca(start: StartEmulator) -
     client_context = ssl.create_default_context()
     ca.configure_trust(client_context)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=client_context)) as client:
-        assert await call(client, "GET", emu.url + "/health") == (200, b"")
-        status, _ = await call(
+        assert (await call(client, "GET", emu.url + "/health"))[:2] == (200, b"")
+        status, _, _ = await call(
             client,
             "POST",
             emu.url + "/v1/completions",
@@ -109,7 +110,10 @@ async def test_the_command_serves_a_replica(fast: bool, unused_tcp_port: int) ->
         assert f"127.0.0.1:{unused_tcp_port}".encode() in banner
         async with aiohttp.ClientSession() as client:
             url = f"http://127.0.0.1:{unused_tcp_port}"
-            assert await call(client, "GET", url + "/version") == (200, b'{"version":"0.27.1"}')
+            assert (await call(client, "GET", url + "/version"))[:2] == (
+                200,
+                b'{"version":"0.27.1"}',
+            )
     finally:
         process.terminate()
         assert await asyncio.wait_for(process.wait(), timeout=10) == 0

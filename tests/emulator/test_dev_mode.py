@@ -10,17 +10,21 @@ from typing import Any
 
 import aiohttp
 import pytest
+from helpers import call, completed, load, until
 
 from lora_router.emulator import Emulator
 
-from .conftest import StartEmulator, call, complete, eventually, frames_of, load
+from .conftest import StartEmulator, frames_of
 
 COMPLETIONS = "/v1/completions"
 SLOW = {"decode_s_per_token": 0.01}  # 100 tokens take a second: long enough to act mid-way
 
 
 async def test_pause_answers_paused(emu: Emulator, client: aiohttp.ClientSession) -> None:
-    assert await call(client, "POST", emu.url + "/pause?mode=keep") == (200, b'{"status":"paused"}')
+    assert (await call(client, "POST", emu.url + "/pause?mode=keep"))[:2] == (
+        200,
+        b'{"status":"paused"}',
+    )
     assert emu.state.paused
 
 
@@ -28,27 +32,27 @@ async def test_is_paused_says_so_after_a_pause(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
     await call(client, "POST", emu.url + "/pause?mode=keep")
-    assert await call(client, "GET", emu.url + "/is_paused") == (200, b'{"is_paused":true}')
+    assert (await call(client, "GET", emu.url + "/is_paused"))[:2] == (200, b'{"is_paused":true}')
 
 
 async def test_resume_without_a_pause_answers_resumed(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
-    assert await call(client, "POST", emu.url + "/resume") == (200, b'{"status":"resumed"}')
+    assert (await call(client, "POST", emu.url + "/resume"))[:2] == (200, b'{"status":"resumed"}')
 
 
 async def test_resume_after_a_pause_answers_resumed_with_is_paused_false(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
     await call(client, "POST", emu.url + "/pause")
-    assert await call(client, "POST", emu.url + "/resume") == (200, b'{"status":"resumed"}')
-    assert await call(client, "GET", emu.url + "/is_paused") == (200, b'{"is_paused":false}')
+    assert (await call(client, "POST", emu.url + "/resume"))[:2] == (200, b'{"status":"resumed"}')
+    assert (await call(client, "GET", emu.url + "/is_paused"))[:2] == (200, b'{"is_paused":false}')
 
 
 async def test_pause_with_an_unknown_mode_is_400(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
-    status, body = await call(client, "POST", emu.url + "/pause?mode=sometimes")
+    status, body, _ = await call(client, "POST", emu.url + "/pause?mode=sometimes")
     assert status == 400
     assert json.loads(body)["error"]["type"] == "Bad Request"
 
@@ -63,8 +67,8 @@ async def test_027_and_032_queue_a_request_sent_while_paused_until_resume(
     # 0.32's EngineCore.pause_scheduler: "All pause modes queue new adds".
     emu = await start(vllm_version=version)
     await call(client, "POST", emu.url + f"/pause?mode={mode}")
-    pending = asyncio.create_task(complete(client, emu))
-    await eventually(lambda: emu.state.num_waiting == 1)
+    pending = asyncio.create_task(completed(client, emu.url))
+    await until(lambda: emu.state.num_waiting == 1)
     assert not pending.done()
     await call(client, "POST", emu.url + "/resume")
     body = await pending
@@ -76,7 +80,7 @@ async def test_033_rejects_a_request_while_paused_in_abort_mode(
 ) -> None:
     emu = await start(vllm_version="0.33")
     await call(client, "POST", emu.url + "/pause?mode=abort")
-    status, body = await call(client, "POST", emu.url + COMPLETIONS, json={"prompt": [1]})
+    status, body, _ = await call(client, "POST", emu.url + COMPLETIONS, json={"prompt": [1]})
     assert status == 503
     assert json.loads(body) == {
         "error": {
@@ -93,7 +97,7 @@ async def test_033_rejects_a_request_while_paused_in_wait_mode(
 ) -> None:
     emu = await start(vllm_version="0.33")
     await call(client, "POST", emu.url + "/pause?mode=wait")
-    status, _ = await call(client, "POST", emu.url + COMPLETIONS, json={"prompt": [1]})
+    status, _, _ = await call(client, "POST", emu.url + COMPLETIONS, json={"prompt": [1]})
     assert status == 503
 
 
@@ -102,8 +106,8 @@ async def test_033_queues_a_request_while_paused_in_keep_mode(
 ) -> None:
     emu = await start(vllm_version="0.33")
     await call(client, "POST", emu.url + "/pause?mode=keep")
-    pending = asyncio.create_task(complete(client, emu))
-    await eventually(lambda: emu.state.num_waiting == 1)
+    pending = asyncio.create_task(completed(client, emu.url))
+    await until(lambda: emu.state.num_waiting == 1)
     await call(client, "POST", emu.url + "/resume")
     await pending
 
@@ -133,7 +137,7 @@ async def test_027_paused_stream_sends_headers_at_once_then_waits_for_resume(
         json={"prompt": [1], "max_tokens": 2, "stream": True, "ignore_eos": True},
     ) as r:
         assert r.status == 200  # the headers arrived while paused
-        await eventually(lambda: emu.state.num_waiting == 1)
+        await until(lambda: emu.state.num_waiting == 1)
         assert not r.content.is_eof()
         await call(client, "POST", emu.url + "/resume")
         frames = frames_of(await r.read())
@@ -145,8 +149,8 @@ async def test_pause_abort_finishes_in_flight_requests_with_abort(
     start: StartEmulator, client: aiohttp.ClientSession
 ) -> None:
     emu = await start(**SLOW)
-    pending = asyncio.create_task(complete(client, emu, max_tokens=100, ignore_eos=True))
-    await eventually(lambda: emu.state.num_running == 1)
+    pending = asyncio.create_task(completed(client, emu.url, max_tokens=100, ignore_eos=True))
+    await until(lambda: emu.state.num_running == 1)
     await call(client, "POST", emu.url + "/pause?mode=abort")
     body = await pending
     assert body["choices"][0]["finish_reason"] == "abort"  # type: ignore[index]
@@ -172,9 +176,9 @@ async def test_pause_wait_returns_after_in_flight_requests_finish(
     start: StartEmulator, client: aiohttp.ClientSession
 ) -> None:
     emu = await start(decode_s_per_token=0.005)
-    pending = asyncio.create_task(complete(client, emu, max_tokens=20, ignore_eos=True))
-    await eventually(lambda: emu.state.num_running == 1)
-    status, _ = await call(client, "POST", emu.url + "/pause?mode=wait")
+    pending = asyncio.create_task(completed(client, emu.url, max_tokens=20, ignore_eos=True))
+    await until(lambda: emu.state.num_running == 1)
+    status, _, _ = await call(client, "POST", emu.url + "/pause?mode=wait")
     assert status == 200
     assert pending.done()
     assert (await pending)["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
@@ -184,10 +188,10 @@ async def test_pause_keep_freezes_in_flight_requests_until_resume(
     start: StartEmulator, client: aiohttp.ClientSession
 ) -> None:
     emu = await start(decode_s_per_token=0.002)
-    pending = asyncio.create_task(complete(client, emu, max_tokens=50, ignore_eos=True))
-    await eventually(lambda: emu.state.num_running == 1)
+    pending = asyncio.create_task(completed(client, emu.url, max_tokens=50, ignore_eos=True))
+    await until(lambda: emu.state.num_running == 1)
     await call(client, "POST", emu.url + "/pause?mode=keep")
-    await eventually(lambda: len(emu.state._frozen) == 1)
+    await until(lambda: len(emu.state._frozen) == 1)
     generated = emu.state.counters.generated_tokens
     assert not pending.done()
     await call(client, "POST", emu.url + "/resume")
@@ -199,7 +203,7 @@ async def test_pause_keep_freezes_in_flight_requests_until_resume(
 async def test_pause_clears_the_prefix_cache_by_default(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
-    await complete(client, emu)
+    await completed(client, emu.url)
     assert len(emu.state.cache) > 0
     await call(client, "POST", emu.url + "/pause?mode=abort")
     assert len(emu.state.cache) == 0
@@ -208,7 +212,7 @@ async def test_pause_clears_the_prefix_cache_by_default(
 async def test_pause_with_clear_cache_false_keeps_the_prefix_cache(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
-    await complete(client, emu)
+    await completed(client, emu.url)
     await call(client, "POST", emu.url + "/pause?mode=abort&clear_cache=false")
     assert len(emu.state.cache) > 0
 
@@ -216,9 +220,12 @@ async def test_pause_with_clear_cache_false_keeps_the_prefix_cache(
 async def test_reset_prefix_cache_empties_the_cache(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
-    await complete(client, emu)
-    assert await call(client, "POST", emu.url + "/reset_prefix_cache") == (200, b'{"success":true}')
-    again = await complete(client, emu)
+    await completed(client, emu.url)
+    assert (await call(client, "POST", emu.url + "/reset_prefix_cache"))[:2] == (
+        200,
+        b'{"success":true}',
+    )
+    again = await completed(client, emu.url)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # type: ignore[index]
 
 
@@ -226,9 +233,9 @@ async def test_reset_prefix_cache_fails_while_requests_run(
     start: StartEmulator, client: aiohttp.ClientSession
 ) -> None:
     emu = await start(**SLOW)
-    pending = asyncio.create_task(complete(client, emu, max_tokens=20, ignore_eos=True))
-    await eventually(lambda: emu.state.num_running == 1)
-    assert await call(client, "POST", emu.url + "/reset_prefix_cache") == (
+    pending = asyncio.create_task(completed(client, emu.url, max_tokens=20, ignore_eos=True))
+    await until(lambda: emu.state.num_running == 1)
+    assert (await call(client, "POST", emu.url + "/reset_prefix_cache"))[:2] == (
         200,
         b'{"success":false}',
     )
@@ -239,7 +246,7 @@ async def test_server_info_json_reports_the_configured_engine_settings(
     start: StartEmulator, client: aiohttp.ClientSession
 ) -> None:
     emu = await start(max_lora_rank=1, max_loras=6, max_cpu_loras=8, block_size=32)
-    status, body = await call(client, "GET", emu.url + "/server_info?config_format=json")
+    status, body, _ = await call(client, "GET", emu.url + "/server_info?config_format=json")
     assert status == 200
     info = json.loads(body)
     assert set(info) == {"vllm_config", "vllm_env", "system_env"}
@@ -255,14 +262,14 @@ async def test_server_info_without_lora_reports_null_lora_config(
     start: StartEmulator, client: aiohttp.ClientSession
 ) -> None:
     emu = await start(enable_lora=False)
-    _, body = await call(client, "GET", emu.url + "/server_info?config_format=json")
+    _, body, _ = await call(client, "GET", emu.url + "/server_info?config_format=json")
     assert json.loads(body)["vllm_config"]["lora_config"] is None
 
 
 async def test_server_info_text_form_has_no_lora_config(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
-    _, body = await call(client, "GET", emu.url + "/server_info")
+    _, body, _ = await call(client, "GET", emu.url + "/server_info")
     config = json.loads(body)["vllm_config"]
     assert isinstance(config, str)
     assert "lora" not in config
@@ -272,30 +279,30 @@ async def test_dev_mode_routes_are_404_without_dev_mode(
     start: StartEmulator, client: aiohttp.ClientSession
 ) -> None:
     emu = await start(dev_mode=False)
-    assert await call(client, "POST", emu.url + "/pause") == (404, b'{"detail":"Not Found"}')
+    assert (await call(client, "POST", emu.url + "/pause"))[:2] == (404, b'{"detail":"Not Found"}')
 
 
 async def test_wrong_method_is_405(emu: Emulator, client: aiohttp.ClientSession) -> None:
-    assert await call(client, "GET", emu.url + "/pause") == (
+    assert (await call(client, "GET", emu.url + "/pause"))[:2] == (
         405,
         b'{"detail":"Method Not Allowed"}',
     )
 
 
 async def test_health_answers_200_empty(emu: Emulator, client: aiohttp.ClientSession) -> None:
-    assert await call(client, "GET", emu.url + "/health") == (200, b"")
+    assert (await call(client, "GET", emu.url + "/health"))[:2] == (200, b"")
 
 
 async def test_ping_answers_200_empty_to_either_method(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
-    assert await call(client, "GET", emu.url + "/ping") == (200, b"")
-    assert await call(client, "POST", emu.url + "/ping") == (200, b"")
+    assert (await call(client, "GET", emu.url + "/ping"))[:2] == (200, b"")
+    assert (await call(client, "POST", emu.url + "/ping"))[:2] == (200, b"")
 
 
 async def test_health_stays_200_while_paused(emu: Emulator, client: aiohttp.ClientSession) -> None:
     await call(client, "POST", emu.url + "/pause?mode=keep")
-    assert await call(client, "GET", emu.url + "/health") == (200, b"")
+    assert (await call(client, "GET", emu.url + "/health"))[:2] == (200, b"")
 
 
 async def test_version_reports_the_emulated_release(
@@ -303,7 +310,7 @@ async def test_version_reports_the_emulated_release(
 ) -> None:
     for version, release in (("0.27", b"0.27.1"), ("0.32", b"0.32.0"), ("0.33", b"0.33.0")):
         emu = await start(vllm_version=version)
-        assert await call(client, "GET", emu.url + "/version") == (
+        assert (await call(client, "GET", emu.url + "/version"))[:2] == (
             200,
             b'{"version":"%s"}' % release,
         )
@@ -311,7 +318,7 @@ async def test_version_reports_the_emulated_release(
 
 async def tokenize_2_plus_2(emu: Emulator, client: aiohttp.ClientSession) -> dict[str, Any]:
     """The emulator's `/tokenize` answer for the text "2+2"."""
-    _, body = await call(client, "POST", emu.url + "/tokenize", json={"prompt": "2+2"})
+    _, body, _ = await call(client, "POST", emu.url + "/tokenize", json={"prompt": "2+2"})
     tokenized: dict[str, Any] = json.loads(body)
     return tokenized
 
@@ -329,7 +336,7 @@ async def test_detokenize_gives_back_the_text_tokenize_took(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
     tokenized = await tokenize_2_plus_2(emu, client)
-    _, body = await call(
+    _, body, _ = await call(
         client, "POST", emu.url + "/detokenize", json={"tokens": tokenized["tokens"]}
     )
     assert json.loads(body) == {"prompt": "2+2"}
@@ -338,9 +345,9 @@ async def test_detokenize_gives_back_the_text_tokenize_took(
 async def test_metrics_count_the_prefix_cache_in_tokens(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
-    await complete(client, emu, prompt=list(range(40)))
-    await complete(client, emu, prompt=list(range(40)))
-    status, body = await call(client, "GET", emu.url + "/metrics")
+    await completed(client, emu.url, prompt=list(range(40)))
+    await completed(client, emu.url, prompt=list(range(40)))
+    status, body, _ = await call(client, "GET", emu.url + "/metrics")
     assert status == 200
     text = body.decode()
     assert (
@@ -359,15 +366,15 @@ async def metrics_with_v1_running_v2_waiting(
     """`/metrics` of one sequence at a time while trl-policy-v1 runs and trl-policy-v2 waits;
     both requests then finish."""
     emu = await start(max_num_seqs=1, **SLOW)
-    await load(client, emu, "trl-policy-v1", adapter("v1"))
-    await load(client, emu, "trl-policy-v2", adapter("v2"))
+    assert (await load(client, emu.url, "trl-policy-v1", adapter("v1")))[0] == 200
+    assert (await load(client, emu.url, "trl-policy-v2", adapter("v2")))[0] == 200
     first = asyncio.create_task(
-        complete(client, emu, model="trl-policy-v1", max_tokens=20, ignore_eos=True)
+        completed(client, emu.url, model="trl-policy-v1", max_tokens=20, ignore_eos=True)
     )
-    await eventually(lambda: emu.state.num_running == 1)
-    second = asyncio.create_task(complete(client, emu, model="trl-policy-v2", max_tokens=1))
-    await eventually(lambda: emu.state.num_waiting == 1)
-    _, body = await call(client, "GET", emu.url + "/metrics")
+    await until(lambda: emu.state.num_running == 1)
+    second = asyncio.create_task(completed(client, emu.url, model="trl-policy-v2", max_tokens=1))
+    await until(lambda: emu.state.num_waiting == 1)
+    _, body, _ = await call(client, "GET", emu.url + "/metrics")
     yield body.decode()
     await asyncio.gather(first, second)
 
@@ -398,10 +405,10 @@ async def test_kv_cache_usage_of_an_idle_replica_is_zero_however_full_its_prefix
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
     # A real vLLM 0.32 replica reports 0 when idle: cached blocks no request holds are free.
-    await complete(client, emu, prompt=list(range(40)))
-    await complete(client, emu, prompt=list(range(40, 80)))
+    await completed(client, emu.url, prompt=list(range(40)))
+    await completed(client, emu.url, prompt=list(range(40, 80)))
     assert len(emu.state.cache) >= 4
-    status, body = await call(client, "GET", emu.url + "/metrics")
+    status, body, _ = await call(client, "GET", emu.url + "/metrics")
     assert status == 200
     assert kv_usage(body) == 0.0
 
@@ -412,10 +419,12 @@ async def test_kv_cache_usage_counts_the_blocks_running_samples_hold_shared_bloc
     # No sample emits a token while the test looks: each holds exactly its prompt's blocks.
     emu = await start(cache_blocks=64, decode_s_per_token=60.0)
     prompts = [list(range(40)), list(range(40)), list(range(100, 120))]
-    tasks = [asyncio.create_task(complete(client, emu, prompt=p, max_tokens=4)) for p in prompts]
+    tasks = [
+        asyncio.create_task(completed(client, emu.url, prompt=p, max_tokens=4)) for p in prompts
+    ]
     try:
-        await eventually(lambda: emu.state.num_running == 3)
-        _, body = await call(client, "GET", emu.url + "/metrics")
+        await until(lambda: emu.state.num_running == 3)
+        _, body, _ = await call(client, "GET", emu.url + "/metrics")
         # 40 tokens: 2 full blocks the two siblings share, and a partial block each;
         # 20 tokens: 1 full block and a partial one.
         assert kv_usage(body) == (2 + 1 + 1 + 2) / 64
@@ -437,6 +446,6 @@ async def test_kv_cache_usage_counts_the_blocks_running_samples_hold_shared_bloc
 async def test_the_tokenizer_routes_answer_bad_input_400(
     emu: Emulator, client: aiohttp.ClientSession, path: str, body: dict[str, object]
 ) -> None:
-    status, raw = await call(client, "POST", emu.url + path, json=body)
+    status, raw, _ = await call(client, "POST", emu.url + path, json=body)
     assert status == 400, raw
     assert json.loads(raw)["error"]["code"] == 400

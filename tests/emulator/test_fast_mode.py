@@ -7,8 +7,9 @@ import json
 from collections.abc import Callable
 
 import aiohttp
+from helpers import call, load
 
-from .conftest import StartEmulator, call, frames_of, load
+from .conftest import StartEmulator, frames_of
 
 COMPLETIONS = "/v1/completions"
 
@@ -17,7 +18,7 @@ async def test_fast_mode_answers_a_completion_with_every_requested_field(
     start: StartEmulator, client: aiohttp.ClientSession
 ) -> None:
     emu = await start(fast=True)
-    status, raw = await call(
+    status, raw, _ = await call(
         client,
         "POST",
         emu.url + COMPLETIONS,
@@ -47,17 +48,17 @@ async def test_fast_mode_answers_the_routes_a_router_needs_to_start(
     start: StartEmulator, client: aiohttp.ClientSession
 ) -> None:
     emu = await start(fast=True, max_lora_rank=1)
-    assert await call(client, "GET", emu.url + "/health") == (200, b"")
-    _, raw = await call(client, "GET", emu.url + "/server_info?config_format=json")
+    assert (await call(client, "GET", emu.url + "/health"))[:2] == (200, b"")
+    _, raw, _ = await call(client, "GET", emu.url + "/server_info?config_format=json")
     assert json.loads(raw)["vllm_config"]["lora_config"]["max_lora_rank"] == 1
-    _, raw = await call(client, "GET", emu.url + "/v1/models")
+    _, raw, _ = await call(client, "GET", emu.url + "/v1/models")
     assert json.loads(raw)["data"][0]["max_model_len"] == 4096
 
 
 async def fast_with_v1(start: StartEmulator, client: aiohttp.ClientSession, path: str) -> str:
     """A fast-mode emulator with trl-policy-v1 loaded; returns its URL."""
     emu = await start(fast=True)
-    await load(client, emu, "trl-policy-v1", path)
+    assert (await load(client, emu.url, "trl-policy-v1", path))[0] == 200
     return emu.url
 
 
@@ -65,7 +66,7 @@ async def test_fast_mode_serves_a_loaded_adapter(
     start: StartEmulator, client: aiohttp.ClientSession, adapter: Callable[..., str]
 ) -> None:
     url = await fast_with_v1(start, client, adapter())
-    status, raw = await call(
+    status, raw, _ = await call(
         client, "POST", url + COMPLETIONS, json={"model": "trl-policy-v1", "prompt": [1]}
     )
     assert status == 200
@@ -87,7 +88,7 @@ async def test_fast_mode_answers_404_for_an_unknown_model(
     start: StartEmulator, client: aiohttp.ClientSession
 ) -> None:
     emu = await start(fast=True)
-    status, raw = await call(
+    status, raw, _ = await call(
         client, "POST", emu.url + COMPLETIONS, json={"model": "x", "prompt": [1]}
     )
     assert status == 404
@@ -127,7 +128,7 @@ async def test_fast_mode_requires_the_api_key(
 ) -> None:
     emu = await start(fast=True, api_key="k")
     assert (await call(client, "POST", emu.url + COMPLETIONS, json={"prompt": [1]}))[0] == 401
-    status, _ = await call(
+    status, _, _ = await call(
         client,
         "POST",
         emu.url + COMPLETIONS,
@@ -141,8 +142,8 @@ async def test_fast_mode_restarts_on_the_same_port(
     start: StartEmulator, client: aiohttp.ClientSession, adapter: Callable[..., str]
 ) -> None:
     emu = await start(fast=True)
-    await load(client, emu, "v1", adapter())
+    assert (await load(client, emu.url, "v1", adapter()))[0] == 200
     await emu.crash()
     await emu.restart()
     assert emu.state.adapters == {}
-    assert await call(client, "GET", emu.url + "/health") == (200, b"")
+    assert (await call(client, "GET", emu.url + "/health"))[:2] == (200, b"")

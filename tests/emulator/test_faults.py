@@ -9,10 +9,11 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from helpers import call, completed, load, until
 
 from lora_router.emulator import Emulator, write_adapter
 
-from .conftest import StartEmulator, call, complete, eventually, frames_of, load
+from .conftest import StartEmulator, frames_of
 
 LOAD = "/v1/load_lora_adapter"
 COMPLETIONS = "/v1/completions"
@@ -25,10 +26,10 @@ async def test_mount_lag_answers_404_for_the_first_k_attempts_of_a_path(
     path = adapter()
     body = {"lora_name": "trl-policy-v1", "lora_path": path}
     for _ in range(2):
-        status, raw = await call(client, "POST", emu.url + LOAD, json=body)
+        status, raw, _ = await call(client, "POST", emu.url + LOAD, json=body)
         assert status == 404
         assert json.loads(raw)["error"]["message"].endswith("No adapter found for <path>")
-    status, _ = await call(client, "POST", emu.url + LOAD, json=body)
+    status, _, _ = await call(client, "POST", emu.url + LOAD, json=body)
     assert status == 200
 
 
@@ -37,7 +38,7 @@ async def test_load_failures_answer_500_then_loads_succeed(
 ) -> None:
     emu.faults.load_failures = 1
     body = {"lora_name": "v1", "lora_path": adapter()}
-    status, raw = await call(client, "POST", emu.url + LOAD, json=body)
+    status, raw, _ = await call(client, "POST", emu.url + LOAD, json=body)
     assert status == 500
     assert json.loads(raw)["error"]["type"] == "InternalServerError"
     assert (await call(client, "POST", emu.url + LOAD, json=body))[0] == 200
@@ -49,7 +50,7 @@ async def test_slow_loads_take_the_configured_time(
     emu.faults.load_delay_s = 0.1
     loop = asyncio.get_running_loop()
     began = loop.time()
-    await load(client, emu, "v1", adapter())
+    assert (await load(client, emu.url, "v1", adapter()))[0] == 200
     assert loop.time() - began >= 0.1
 
 
@@ -58,7 +59,7 @@ async def test_error_rate_one_fails_every_completion_with_the_chosen_status(
 ) -> None:
     emu.faults.error_rate = 1.0
     emu.faults.error_status = 503
-    status, raw = await call(client, "POST", emu.url + COMPLETIONS, json={"prompt": [1]})
+    status, raw, _ = await call(client, "POST", emu.url + COMPLETIONS, json={"prompt": [1]})
     assert status == 503
     assert json.loads(raw)["error"]["code"] == 503
 
@@ -88,8 +89,8 @@ async def test_stall_holds_completions_until_released(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
     emu.faults.stall = True
-    pending = asyncio.create_task(complete(client, emu))
-    await eventually(lambda: emu.faults.stalled == 1)
+    pending = asyncio.create_task(completed(client, emu.url))
+    await until(lambda: emu.faults.stalled == 1)
     assert not pending.done()
     emu.faults.stall = False
     await pending
@@ -124,24 +125,25 @@ async def test_dead_engine_answers_503_on_health(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
     emu.faults.dead = True
-    assert await call(client, "GET", emu.url + "/health") == (503, b"")
-    assert await call(client, "GET", emu.url + "/ping") == (503, b"")
+    assert (await call(client, "GET", emu.url + "/health"))[:2] == (503, b"")
+    assert (await call(client, "GET", emu.url + "/ping"))[:2] == (503, b"")
 
 
 async def test_dead_engine_answers_500_on_completions(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
     emu.faults.dead = True
-    status, raw = await call(client, "POST", emu.url + COMPLETIONS, json={"prompt": [1]})
+    status, raw, _ = await call(client, "POST", emu.url + COMPLETIONS, json={"prompt": [1]})
     assert status == 500
     assert json.loads(raw)["error"]["type"] == "InternalServerError"
 
 
 async def set_dead_and_mount_lag(emu: Emulator, client: aiohttp.ClientSession) -> tuple[int, bytes]:
     """Set `dead` and `mount_lag=3` through the admin endpoint; returns its answer."""
-    return await call(
+    status, raw, _ = await call(
         client, "POST", emu.url + "/emulator/faults", json={"dead": True, "mount_lag": 3}
     )
+    return status, raw
 
 
 async def test_admin_endpoint_answers_the_faults_it_set(
@@ -163,7 +165,7 @@ async def test_faults_set_through_the_admin_endpoint_take_effect(
 async def test_admin_endpoint_refuses_unknown_faults(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
-    status, raw = await call(client, "POST", emu.url + "/emulator/faults", json={"meteor": True})
+    status, raw, _ = await call(client, "POST", emu.url + "/emulator/faults", json={"meteor": True})
     assert status == 400
     assert "unknown fault" in json.loads(raw)["error"]
 
@@ -171,7 +173,7 @@ async def test_admin_endpoint_refuses_unknown_faults(
 async def test_admin_endpoint_refuses_a_wrongly_typed_switch(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
-    status, _ = await call(
+    status, _, _ = await call(
         client, "POST", emu.url + "/emulator/faults", json={"error_rate": "high"}
     )
     assert status == 400
@@ -182,8 +184,8 @@ async def test_admin_endpoint_releases_a_stall(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
     emu.faults.stall = True
-    pending = asyncio.create_task(complete(client, emu))
-    await eventually(lambda: emu.faults.stalled == 1)
+    pending = asyncio.create_task(completed(client, emu.url))
+    await until(lambda: emu.faults.stalled == 1)
     await call(client, "POST", emu.url + "/emulator/faults", json={"stall": False})
     await pending
 
@@ -191,27 +193,27 @@ async def test_admin_endpoint_releases_a_stall(
 async def test_restart_keeps_the_port_with_a_fresh_engine(
     emu: Emulator, client: aiohttp.ClientSession, adapter: Callable[..., str]
 ) -> None:
-    await load(client, emu, "trl-policy-v1", adapter())
+    assert (await load(client, emu.url, "trl-policy-v1", adapter()))[0] == 200
     await call(client, "POST", emu.url + "/pause?mode=keep")
     port = emu.port
     await emu.restart()
     assert emu.port == port
     assert emu.state.adapters == {}
     assert not emu.state.paused
-    _, raw = await call(client, "GET", emu.url + "/v1/models")
+    _, raw, _ = await call(client, "GET", emu.url + "/v1/models")
     assert [card["id"] for card in json.loads(raw)["data"]] == ["Qwen/Qwen2.5-Math-1.5B"]
 
 
 async def test_restart_over_http_forgets_adapters(
     emu: Emulator, client: aiohttp.ClientSession, adapter: Callable[..., str]
 ) -> None:
-    await load(client, emu, "trl-policy-v1", adapter())
+    assert (await load(client, emu.url, "trl-policy-v1", adapter()))[0] == 200
     first = emu.state
-    assert await call(client, "POST", emu.url + "/emulator/restart") == (
+    assert (await call(client, "POST", emu.url + "/emulator/restart"))[:2] == (
         200,
         b'{"status":"restarting"}',
     )
-    await eventually(lambda: emu.state is not first and emu.listening)
+    await until(lambda: emu.state is not first and emu.listening)
     assert emu.state.adapters == {}
 
 
@@ -222,7 +224,7 @@ async def test_crash_refuses_connections_until_restart(
     with pytest.raises(aiohttp.ClientConnectorError):
         await call(client, "GET", emu.url + "/health")
     await emu.restart()
-    assert await call(client, "GET", emu.url + "/health") == (200, b"")
+    assert (await call(client, "GET", emu.url + "/health"))[:2] == (200, b"")
 
 
 async def test_crash_cuts_an_open_stream(
@@ -243,10 +245,10 @@ async def test_client_disconnect_cancels_the_generation(
     start: StartEmulator, client: aiohttp.ClientSession
 ) -> None:
     emu = await start(decode_s_per_token=0.01)
-    pending = asyncio.create_task(complete(client, emu, max_tokens=500, ignore_eos=True))
-    await eventually(lambda: emu.state.num_running == 1)
+    pending = asyncio.create_task(completed(client, emu.url, max_tokens=500, ignore_eos=True))
+    await until(lambda: emu.state.num_running == 1)
     pending.cancel()
-    await eventually(lambda: emu.state.cancelled == 1)
+    await until(lambda: emu.state.cancelled == 1)
     assert emu.state.num_running == 0
 
 
@@ -255,10 +257,10 @@ async def test_a_client_leaving_a_request_queued_while_paused_is_counted(
 ) -> None:
     emu = await start(vllm_version="0.27")
     await call(client, "POST", emu.url + "/pause?mode=keep")
-    pending = asyncio.create_task(complete(client, emu))
-    await eventually(lambda: emu.state.num_waiting == 1)
+    pending = asyncio.create_task(completed(client, emu.url))
+    await until(lambda: emu.state.num_waiting == 1)
     pending.cancel()
-    await eventually(lambda: emu.state.cancelled == 1)
+    await until(lambda: emu.state.cancelled == 1)
     assert emu.state.num_waiting == 0
 
 
@@ -272,7 +274,7 @@ async def test_closing_a_stream_cancels_the_generation(
     ) as r:
         await r.content.readuntil(b"\n\n")
         r.close()
-    await eventually(lambda: emu.state.cancelled == 1)
+    await until(lambda: emu.state.cancelled == 1)
     assert emu.state.num_running == 0
 
 
@@ -281,10 +283,12 @@ async def test_an_evicted_adapter_whose_files_are_gone_kills_the_engine(
 ) -> None:
     emu = await start(max_loras=1, max_cpu_loras=1)
     first = write_adapter(tmp_path / "v1")
-    await load(client, emu, "v1", str(first))
-    await load(client, emu, "v2", str(write_adapter(tmp_path / "v2")))  # evicts v1
+    assert (await load(client, emu.url, "v1", str(first)))[0] == 200
+    assert (await load(client, emu.url, "v2", str(write_adapter(tmp_path / "v2"))))[
+        0
+    ] == 200  # evicts v1
     (first / "adapter_config.json").unlink()
-    status, _ = await call(
+    status, _, _ = await call(
         client, "POST", emu.url + COMPLETIONS, json={"model": "v1", "prompt": [1]}
     )
     assert status == 500
@@ -295,9 +299,9 @@ async def test_an_evicted_adapter_is_re_read_on_its_next_request(
     start: StartEmulator, client: aiohttp.ClientSession, adapter: Callable[..., str]
 ) -> None:
     emu = await start(max_loras=1, max_cpu_loras=1)
-    await load(client, emu, "v1", adapter("v1"))
-    await load(client, emu, "v2", adapter("v2"))
-    await complete(client, emu, model="v1")
+    assert (await load(client, emu.url, "v1", adapter("v1")))[0] == 200
+    assert (await load(client, emu.url, "v2", adapter("v2")))[0] == 200
+    await completed(client, emu.url, model="v1")
     assert emu.state.slots.disk_reads == 1
     assert emu.state.slots.evictions == 2
 
@@ -307,8 +311,10 @@ async def test_an_engine_death_after_the_headers_is_an_error_frame_then_done(
 ) -> None:
     emu = await start(max_loras=1, max_cpu_loras=1)
     first = write_adapter(tmp_path / "v1")
-    await load(client, emu, "v1", str(first))
-    await load(client, emu, "v2", str(write_adapter(tmp_path / "v2")))  # evicts v1
+    assert (await load(client, emu.url, "v1", str(first)))[0] == 200
+    assert (await load(client, emu.url, "v2", str(write_adapter(tmp_path / "v2"))))[
+        0
+    ] == 200  # evicts v1
     (first / "adapter_config.json").unlink()
     async with client.post(
         emu.url + COMPLETIONS, json={"model": "v1", "prompt": [1], "stream": True}
@@ -323,11 +329,13 @@ async def test_a_request_admitted_after_its_adapter_was_unloaded_still_runs(
     start: StartEmulator, client: aiohttp.ClientSession, adapter: Callable[..., str]
 ) -> None:
     emu = await start(vllm_version="0.27", max_loras=1, max_cpu_loras=1)
-    await load(client, emu, "v1", adapter("v1"))
-    await load(client, emu, "v2", adapter("v2"))  # evicts v1: it must be re-read to run
+    assert (await load(client, emu.url, "v1", adapter("v1")))[0] == 200
+    assert (await load(client, emu.url, "v2", adapter("v2")))[
+        0
+    ] == 200  # evicts v1: it must be re-read to run
     await call(client, "POST", emu.url + "/pause?mode=keep")
-    pending = asyncio.create_task(complete(client, emu, model="v1"))
-    await eventually(lambda: emu.state.num_waiting == 1)
+    pending = asyncio.create_task(completed(client, emu.url, model="v1"))
+    await until(lambda: emu.state.num_waiting == 1)
     await call(client, "POST", emu.url + "/v1/unload_lora_adapter", json={"lora_name": "v1"})
     await call(client, "POST", emu.url + "/resume")
     await pending

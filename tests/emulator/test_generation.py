@@ -7,10 +7,11 @@ import math
 from collections.abc import Callable
 
 import aiohttp
+from helpers import call, completed, load
 
 from lora_router.emulator import Emulator, tokens
 
-from .conftest import StartEmulator, call, complete, frames_of, load
+from .conftest import StartEmulator, frames_of
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -19,9 +20,9 @@ CHAT = "/v1/chat/completions"
 async def test_token_id_prompt_is_answered_with_a_logprob_per_token_id(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
-    body = await complete(
+    body = await completed(
         client,
-        emu,
+        emu.url,
         prompt=[151644, 8948, 198] * 10,
         max_tokens=12,
         return_token_ids=True,
@@ -38,26 +39,26 @@ async def test_token_id_prompt_is_answered_with_a_logprob_per_token_id(
 async def test_text_prompt_is_tokenized_as_utf8_bytes(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
-    body = await complete(client, emu, prompt="héllo", max_tokens=1)
+    body = await completed(client, emu.url, prompt="héllo", max_tokens=1)
     assert body["usage"]["prompt_tokens"] == len("héllo".encode())  # type: ignore[index]
 
 
 async def test_batched_prompts_get_one_choice_each_indexed_in_order(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
-    body = await complete(client, emu, prompt=[[1, 2, 3], [4, 5, 6, 7]], n=2, max_tokens=3)
+    body = await completed(client, emu.url, prompt=[[1, 2, 3], [4, 5, 6, 7]], n=2, max_tokens=3)
     choices = body["choices"]
     assert [c["index"] for c in choices] == [0, 1, 2, 3]  # type: ignore[union-attr]
     assert body["usage"]["prompt_tokens"] == 3 + 4  # type: ignore[index]
 
 
 async def test_list_of_strings_is_a_batch(emu: Emulator, client: aiohttp.ClientSession) -> None:
-    body = await complete(client, emu, prompt=["a", "bc"], max_tokens=2)
+    body = await completed(client, emu.url, prompt=["a", "bc"], max_tokens=2)
     assert len(body["choices"]) == 2  # type: ignore[arg-type]
 
 
 async def test_samples_of_one_request_differ(emu: Emulator, client: aiohttp.ClientSession) -> None:
-    body = await complete(client, emu, n=4, max_tokens=6, seed=5, return_token_ids=True)
+    body = await completed(client, emu.url, n=4, max_tokens=6, seed=5, return_token_ids=True)
     samples = [tuple(c["token_ids"]) for c in body["choices"]]  # type: ignore[union-attr]
     assert len(set(samples)) == 4
 
@@ -65,8 +66,8 @@ async def test_samples_of_one_request_differ(emu: Emulator, client: aiohttp.Clie
 async def test_unseeded_sibling_requests_differ(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
-    a = await complete(client, emu, max_tokens=6, return_token_ids=True)
-    b = await complete(client, emu, max_tokens=6, return_token_ids=True)
+    a = await completed(client, emu.url, max_tokens=6, return_token_ids=True)
+    b = await completed(client, emu.url, max_tokens=6, return_token_ids=True)
     assert a["choices"][0]["token_ids"] != b["choices"][0]["token_ids"]  # type: ignore[index]
 
 
@@ -74,28 +75,32 @@ async def test_a_seeded_request_is_reproducible_across_replicas(
     start: StartEmulator, client: aiohttp.ClientSession
 ) -> None:
     first, second = await start(), await start()
-    a = await complete(client, first, seed=7, max_tokens=10, return_token_ids=True, logprobs=2)
-    b = await complete(client, second, seed=7, max_tokens=10, return_token_ids=True, logprobs=2)
+    a = await completed(client, first.url, seed=7, max_tokens=10, return_token_ids=True, logprobs=2)
+    b = await completed(
+        client, second.url, seed=7, max_tokens=10, return_token_ids=True, logprobs=2
+    )
     assert a["choices"] == b["choices"]
 
 
 async def test_the_seed_changes_the_tokens(emu: Emulator, client: aiohttp.ClientSession) -> None:
-    a = await complete(client, emu, seed=1, max_tokens=6, return_token_ids=True)
-    b = await complete(client, emu, seed=2, max_tokens=6, return_token_ids=True)
+    a = await completed(client, emu.url, seed=1, max_tokens=6, return_token_ids=True)
+    b = await completed(client, emu.url, seed=2, max_tokens=6, return_token_ids=True)
     assert a["choices"][0]["token_ids"] != b["choices"][0]["token_ids"]  # type: ignore[index]
 
 
 async def test_the_adapter_changes_the_tokens(
     emu: Emulator, client: aiohttp.ClientSession, adapter: Callable[..., str]
 ) -> None:
-    await load(client, emu, "v1", adapter("v1"))
-    base = await complete(client, emu, seed=1, max_tokens=6, return_token_ids=True)
-    tuned = await complete(client, emu, model="v1", seed=1, max_tokens=6, return_token_ids=True)
+    assert (await load(client, emu.url, "v1", adapter("v1")))[0] == 200
+    base = await completed(client, emu.url, seed=1, max_tokens=6, return_token_ids=True)
+    tuned = await completed(
+        client, emu.url, model="v1", seed=1, max_tokens=6, return_token_ids=True
+    )
     assert base["choices"][0]["token_ids"] != tuned["choices"][0]["token_ids"]  # type: ignore[index]
 
 
 async def test_greedy_samples_are_identical(emu: Emulator, client: aiohttp.ClientSession) -> None:
-    body = await complete(client, emu, n=3, temperature=0, max_tokens=5, return_token_ids=True)
+    body = await completed(client, emu.url, n=3, temperature=0, max_tokens=5, return_token_ids=True)
     samples = {tuple(c["token_ids"]) for c in body["choices"]}  # type: ignore[union-attr]
     assert len(samples) == 1
 
@@ -103,7 +108,7 @@ async def test_greedy_samples_are_identical(emu: Emulator, client: aiohttp.Clien
 async def test_max_tokens_reached_finishes_with_length(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
-    body = await complete(client, emu, max_tokens=1, ignore_eos=True, return_token_ids=True)
+    body = await completed(client, emu.url, max_tokens=1, ignore_eos=True, return_token_ids=True)
     choice = body["choices"][0]  # type: ignore[index]
     assert choice["finish_reason"] == "length"
     assert len(choice["token_ids"]) == 1
@@ -113,7 +118,9 @@ async def test_max_tokens_reached_finishes_with_length(
 async def test_eos_finishes_with_stop_outside_the_text(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
-    body = await complete(client, emu, max_tokens=3000, seed=3, return_token_ids=True, logprobs=0)
+    body = await completed(
+        client, emu.url, max_tokens=3000, seed=3, return_token_ids=True, logprobs=0
+    )
     choice = body["choices"][0]  # type: ignore[index]
     assert choice["finish_reason"] == "stop"
     assert choice["stop_reason"] is None
@@ -125,7 +132,7 @@ async def test_eos_finishes_with_stop_outside_the_text(
 async def test_logprobs_have_the_completions_api_shape(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
-    body = await complete(client, emu, max_tokens=5, logprobs=2, ignore_eos=True)
+    body = await completed(client, emu.url, max_tokens=5, logprobs=2, ignore_eos=True)
     choice = body["choices"][0]  # type: ignore[index]
     logprobs = choice["logprobs"]
     assert set(logprobs) == {"text_offset", "token_logprobs", "tokens", "top_logprobs"}
@@ -145,7 +152,7 @@ async def test_logprobs_have_the_completions_api_shape(
 async def test_logprobs_zero_lists_only_the_sampled_token(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
-    body = await complete(client, emu, max_tokens=3, logprobs=0, ignore_eos=True)
+    body = await completed(client, emu.url, max_tokens=3, logprobs=0, ignore_eos=True)
     tops = body["choices"][0]["logprobs"]["top_logprobs"]  # type: ignore[index]
     assert all(len(top) == 1 for top in tops)
 
@@ -153,7 +160,7 @@ async def test_logprobs_zero_lists_only_the_sampled_token(
 async def test_without_logprobs_the_field_is_null(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
-    body = await complete(client, emu, max_tokens=3)
+    body = await completed(client, emu.url, max_tokens=3)
     choice = body["choices"][0]  # type: ignore[index]
     assert choice["logprobs"] is None
     assert "token_ids" not in choice
@@ -163,8 +170,8 @@ async def test_a_repeated_prompt_reports_cached_tokens(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
     prompt = list(range(100, 150))  # 50 tokens: 3 full blocks of 16
-    first = await complete(client, emu, prompt=prompt, max_tokens=2)
-    second = await complete(client, emu, prompt=prompt, max_tokens=2)
+    first = await completed(client, emu.url, prompt=prompt, max_tokens=2)
+    second = await completed(client, emu.url, prompt=prompt, max_tokens=2)
     assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}  # type: ignore[index]
     assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}  # type: ignore[index]
 
@@ -172,25 +179,25 @@ async def test_a_repeated_prompt_reports_cached_tokens(
 async def test_a_prompt_under_another_adapter_shares_no_cached_blocks(
     emu: Emulator, client: aiohttp.ClientSession, adapter: Callable[..., str]
 ) -> None:
-    await load(client, emu, "trl-policy-v3", adapter("v3"))
-    await load(client, emu, "trl-policy-v4", adapter("v4"))
-    await complete(client, emu, model="trl-policy-v3", max_tokens=2)
-    other = await complete(client, emu, model="trl-policy-v4", max_tokens=2)
+    assert (await load(client, emu.url, "trl-policy-v3", adapter("v3")))[0] == 200
+    assert (await load(client, emu.url, "trl-policy-v4", adapter("v4")))[0] == 200
+    await completed(client, emu.url, model="trl-policy-v3", max_tokens=2)
+    other = await completed(client, emu.url, model="trl-policy-v4", max_tokens=2)
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # type: ignore[index]
 
 
 async def test_the_response_echoes_the_adapter_name(
     emu: Emulator, client: aiohttp.ClientSession, adapter: Callable[..., str]
 ) -> None:
-    await load(client, emu, "trl-policy-v7", adapter("v7"))
-    body = await complete(client, emu, model="trl-policy-v7")
+    assert (await load(client, emu.url, "trl-policy-v7", adapter("v7")))[0] == 200
+    body = await completed(client, emu.url, model="trl-policy-v7")
     assert body["model"] == "trl-policy-v7"
 
 
 async def test_without_model_the_base_model_answers(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
-    body = await complete(client, emu)
+    body = await completed(client, emu.url)
     assert body["model"] == "Qwen/Qwen2.5-Math-1.5B"
 
 
@@ -314,7 +321,7 @@ async def test_stream_token_ids_concatenate_to_the_whole_answer(
     emu: Emulator, client: aiohttp.ClientSession
 ) -> None:
     request = {"prompt": [5, 6, 7], "max_tokens": 6, "seed": 9, "return_token_ids": True}
-    whole = await complete(client, emu, **request)
+    whole = await completed(client, emu.url, **request)
     async with client.post(emu.url + COMPLETIONS, json={**request, "stream": True}) as r:
         frames = frames_of(await r.read())
     streamed = [t for f in frames[:-1] for t in json.loads(f)["choices"][0]["token_ids"]]

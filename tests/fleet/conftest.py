@@ -1,5 +1,5 @@
 """Fixtures for the fleet tests: emulated replicas on free ports, routers started in-process with
-short timeouts, adapter directories, and the invariant monitor.
+short timeouts (`FAST`), and the invariant monitor (the shared helpers: tests/helpers.py).
 
 `FenceMonitor` watches the fence's invariant from the replicas' side: every time an emulated
 replica resolves the model of a completion naming an adapter, it records a violation unless
@@ -8,17 +8,15 @@ that replica holds the adapter and every replica the router counts as live holds
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 import uvloop
+from helpers import call, complete, load, router_config
 
-from lora_router.config import Config, ReplicaAddress
-from lora_router.emulator import Emulator, EmulatorConfig, Engine, start_emulator, write_adapter
+from lora_router.emulator import Emulator, EmulatorConfig, Engine, start_emulator
 from lora_router.runtime import RouterRuntime
 
 # Short deadlines so every timeout path ends within a test's budget; no background health
@@ -41,16 +39,10 @@ FAST = dict(
 
 StartEmulators = Callable[..., Awaitable[list[Emulator]]]
 StartRouter = Callable[..., Awaitable[RouterRuntime]]
-Adapter = Callable[[str], str]  # the `adapter` fixture: a version name -> its directory
 
 
 def pytest_asyncio_loop_factories(config: Any, item: Any) -> dict[str, Callable[[], Any]]:
     return {"uvloop": uvloop.new_event_loop}
-
-
-def router_config(emulators: Iterable[Emulator], **overrides: Any) -> Config:
-    settings: dict[str, Any] = {**FAST, **overrides}
-    return Config(replicas=tuple(ReplicaAddress.parse(e.url) for e in emulators), **settings)
 
 
 class FenceMonitor:
@@ -114,7 +106,7 @@ async def router(monitor: FenceMonitor) -> AsyncIterator[StartRouter]:
     started: list[RouterRuntime] = []
 
     async def start(emus: Iterable[Emulator], **overrides: Any) -> RouterRuntime:
-        runtime = RouterRuntime(router_config(emus, **overrides))
+        runtime = RouterRuntime(router_config((e.url for e in emus), **{**FAST, **overrides}))
         await runtime.start()
         started.append(runtime)
         monitor.router = runtime
@@ -123,53 +115,6 @@ async def router(monitor: FenceMonitor) -> AsyncIterator[StartRouter]:
     yield start
     for runtime in started:
         await runtime.stop(grace=0.0)
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-@pytest.fixture
-def adapter(tmp_path: Path) -> Callable[[str], str]:
-    """Write an adapter directory as TRL lays it out; returns its absolute path."""
-
-    def write(name: str) -> str:
-        return str(write_adapter(tmp_path / ".vllm_lora" / name))
-
-    return write
-
-
-async def call(
-    client: aiohttp.ClientSession, method: str, url: str, json: Any = None
-) -> tuple[int, bytes, Any]:
-    """One request, read whole: status, body, headers."""
-    async with client.request(method, url, json=json) as response:
-        return response.status, await response.read(), response.headers
-
-
-async def load(client: aiohttp.ClientSession, url: str, name: str, path: str) -> tuple[int, bytes]:
-    body = {"lora_name": name, "lora_path": path, "load_inplace": False}
-    status, data, _ = await call(client, "POST", url + "/v1/load_lora_adapter", body)
-    return status, data
-
-
-async def unload(client: aiohttp.ClientSession, url: str, name: str) -> tuple[int, bytes]:
-    status, data, _ = await call(
-        client, "POST", url + "/v1/unload_lora_adapter", {"lora_name": name}
-    )
-    return status, data
-
-
-async def complete(
-    client: aiohttp.ClientSession, url: str, model: str | None = None, **fields: Any
-) -> tuple[int, Any]:
-    body: dict[str, Any] = {"prompt": list(range(40)), "max_tokens": 4, **fields}
-    if model is not None:
-        body["model"] = model
-    status, data, _ = await call(client, "POST", url + "/v1/completions", body)
-    return status, _json(data)
 
 
 async def synced_traffic(client: aiohttp.ClientSession, rt: Any, name: str, path: str) -> None:
@@ -184,22 +129,6 @@ async def synced_traffic(client: aiohttp.ClientSession, rt: Any, name: str, path
         prompt = [i * 100 + t for t in range(48)]
         assert (await complete(client, rt.url, name, prompt=prompt))[0] == 200
     await rt.telemetry.scrape_all()
-
-
-def _json(data: bytes) -> Any:
-    import orjson
-
-    try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return data
-
-
-async def until(predicate: Callable[[], bool], timeout: float = 5.0, step: float = 0.01) -> None:
-    """Wait for a condition the router reaches on its own (a health check, a replay)."""
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(step)
 
 
 def paths_of(emu: Emulator, route: str) -> list[str | None]:

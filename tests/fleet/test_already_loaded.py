@@ -9,8 +9,9 @@ import logging
 import aiohttp
 import orjson
 import pytest
+from helpers import Adapter, load
 
-from .conftest import Adapter, StartEmulators, StartRouter, load
+from .conftest import StartEmulators, StartRouter
 
 pytestmark = pytest.mark.timeout(30)
 

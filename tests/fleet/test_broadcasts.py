@@ -8,23 +8,13 @@ import logging
 import aiohttp
 import orjson
 import pytest
+from helpers import Adapter, call, complete, load, unload, until
 from multidict import CIMultiDictProxy
 
 from lora_router.emulator import Emulator
 from lora_router.runtime import RouterRuntime
 
-from .conftest import (
-    Adapter,
-    FenceMonitor,
-    StartEmulators,
-    StartRouter,
-    call,
-    complete,
-    load,
-    paths_of,
-    unload,
-    until,
-)
+from .conftest import FenceMonitor, StartEmulators, StartRouter, paths_of
 
 
 async def load_on_three(

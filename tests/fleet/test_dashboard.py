@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from helpers import Adapter, call
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import Adapter, StartEmulators, StartRouter, call, synced_traffic
+from .conftest import StartEmulators, StartRouter, synced_traffic
 
 DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana" / "lora-router.json"
 

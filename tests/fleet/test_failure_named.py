@@ -22,10 +22,11 @@ from typing import Any
 import orjson
 import pytest
 from aiohttp import ClientSession, web
+from helpers import Adapter, load, until
 
 from lora_router.config import Secret
 
-from .conftest import Adapter, StartEmulators, StartRouter, load, until
+from .conftest import StartEmulators, StartRouter
 from .test_top import run_top
 
 pytestmark = pytest.mark.timeout(30)

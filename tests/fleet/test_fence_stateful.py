@@ -27,6 +27,7 @@ from typing import Any
 
 import aiohttp
 import uvloop
+from helpers import call, router_config
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -41,7 +42,7 @@ from hypothesis_profiles import scaled
 from lora_router.emulator import Emulator, EmulatorConfig, start_emulator, write_adapter
 from lora_router.runtime import RouterRuntime
 
-from .conftest import FenceMonitor, call, router_config
+from .conftest import FAST, FenceMonitor
 
 MONITOR: FenceMonitor | None = None  # set by the test function (the patched Engine reports here)
 
@@ -123,7 +124,10 @@ class FleetMachine(RuleBasedStateMachine):
                 self.emus.append(emu)
             MONITOR.emulators = list(self.emus)
             self.rt = RouterRuntime(
-                router_config(self.emus, load_deadline=DEADLINE, load_retry_interval=0.01)
+                router_config(
+                    (e.url for e in self.emus),
+                    **{**FAST, "load_deadline": DEADLINE, "load_retry_interval": 0.01},
+                )
             )
             await self.rt.start()
             MONITOR.router = self.rt

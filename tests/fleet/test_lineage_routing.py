@@ -8,11 +8,12 @@ import random
 from typing import Any
 
 import aiohttp
+from helpers import Adapter, load, until
 
 from lora_router.emulator import Emulator
 from lora_router.runtime import RouterRuntime
 
-from .conftest import Adapter, StartEmulators, StartRouter, load, until
+from .conftest import StartEmulators, StartRouter
 
 G = 8
 

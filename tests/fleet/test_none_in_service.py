@@ -7,8 +7,9 @@ from __future__ import annotations
 import aiohttp
 import orjson
 import pytest
+from helpers import Adapter, load, until
 
-from .conftest import Adapter, StartEmulators, StartRouter, load, until
+from .conftest import StartEmulators, StartRouter
 
 pytestmark = pytest.mark.timeout(30)
 

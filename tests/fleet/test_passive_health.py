@@ -12,10 +12,11 @@ import asyncio
 import math
 
 import aiohttp
+from helpers import Adapter, call, complete, load, until
 
 from lora_router.emulator import Emulator
 
-from .conftest import Adapter, StartEmulators, StartRouter, call, complete, load, until
+from .conftest import StartEmulators, StartRouter
 
 PROMPT = list(range(100, 148))
 

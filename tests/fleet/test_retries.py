@@ -9,12 +9,13 @@ import asyncio
 import aiohttp
 import orjson
 import pytest
+from helpers import call, complete
 
 from lora_router.emulator import Emulator
 from lora_router.proxy.retry import MIN_RETRIES, WINDOW_S, RetryBudget
 from lora_router.runtime import RouterRuntime
 
-from .conftest import StartEmulators, StartRouter, call, complete
+from .conftest import StartEmulators, StartRouter
 
 
 def completions(emu: object) -> int:

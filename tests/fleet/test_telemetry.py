@@ -11,12 +11,13 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from helpers import Adapter, call, complete, load, until
 
 from lora_router.emulator import Emulator, EmulatorConfig, Engine, start_emulator
 from lora_router.emulator import control as emulator_control
 from lora_router.emulator import metrics as emulator_metrics
 
-from .conftest import Adapter, StartEmulators, StartRouter, call, complete, load, until
+from .conftest import StartEmulators, StartRouter
 from .test_visibility import samples
 
 

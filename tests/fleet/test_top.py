@@ -11,11 +11,12 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from helpers import Adapter, call, until
 
 from lora_router.config import Secret
 from lora_router.tools.top import compact, verdict
 
-from .conftest import Adapter, StartEmulators, StartRouter, call, synced_traffic, until
+from .conftest import StartEmulators, StartRouter, synced_traffic
 
 
 def status(busy: float | None, paused: float, reporting: int = 2) -> dict[str, Any]:

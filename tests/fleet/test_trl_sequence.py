@@ -9,10 +9,11 @@ from typing import Any
 
 import aiohttp
 import orjson
+from helpers import call
 
 from lora_router.emulator import write_adapter
 
-from .conftest import FenceMonitor, StartEmulators, StartRouter, call
+from .conftest import FenceMonitor, StartEmulators, StartRouter
 
 STALENESS = 4
 G = 8  # samples per prompt: G separate requests, the same prompt, each its own seed (as TRL)

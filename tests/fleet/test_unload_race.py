@@ -6,19 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+from helpers import Adapter, complete, load, unload, until
 
 from lora_router.fleet.fence import AdapterState
 
-from .conftest import (
-    Adapter,
-    FenceMonitor,
-    StartEmulators,
-    StartRouter,
-    complete,
-    load,
-    unload,
-    until,
-)
+from .conftest import FenceMonitor, StartEmulators, StartRouter
 
 
 async def test_a_request_admitted_before_an_unload_is_answered_by_a_replica_still_holding_it(

@@ -8,11 +8,12 @@ import logging
 import aiohttp
 import orjson
 import pytest
+from helpers import Adapter, call, complete, load
 from prometheus_client.parser import text_string_to_metric_families
 
 from lora_router.observe.status import summary_line
 
-from .conftest import Adapter, StartEmulators, StartRouter, call, complete, load
+from .conftest import StartEmulators, StartRouter
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

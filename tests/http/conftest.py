@@ -15,15 +15,16 @@ from typing import Any
 
 import pytest
 import uvloop
+from helpers import router_config
 from http_harness import (
     RECEIVED,
+    TEST_CONFIG,
     TOKEN,
     FakeReplica,
     LogCapture,
     RawClient,
     Responder,
     ok_responder,
-    router_config,
 )
 
 from lora_router.runtime import RouterRuntime
@@ -57,7 +58,7 @@ async def router_factory() -> AsyncIterator[Callable[..., Awaitable[RouterRuntim
     started: list[RouterRuntime] = []
 
     async def make(*urls: str, **overrides: Any) -> RouterRuntime:
-        runtime = RouterRuntime(router_config(*urls, **overrides))
+        runtime = RouterRuntime(router_config(urls, **{**TEST_CONFIG, **overrides}))
         await runtime.start()
         started.append(runtime)
         return runtime

@@ -12,7 +12,7 @@ from typing import Any
 
 import httptools
 
-from lora_router.config import Config, ReplicaAddress, Secret
+from lora_router.config import Secret
 
 TOKEN = "hf_tok3n-NEVER-LEAK-7d1c"
 API_KEY = "client-key-5b2e"
@@ -245,11 +245,6 @@ TEST_CONFIG = dict(
     # answer 404 (tests/http/test_routes.py).
     forward_paths=tuple(f"/{name}" for name in FORWARDED_NAMES),
 )
-
-
-def router_config(*urls: str, **overrides: Any) -> Config:
-    settings: dict[str, Any] = {**TEST_CONFIG, **overrides}
-    return Config(replicas=tuple(ReplicaAddress.parse(u) for u in urls), **settings)
 
 
 # -- a raw client -----------------------------------------------------------------------------

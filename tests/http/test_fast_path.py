@@ -90,7 +90,8 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     return str(request.param)
 
 
-async def complete(router: RouterRuntime, **fields: Any) -> tuple[int, bytes | None]:
+async def answered_by(router: RouterRuntime, **fields: Any) -> tuple[int, bytes | None]:
+    """A completion through `router`: its status and the replica that answered it."""
     response = await request(router.url, "POST", "/v1/completions", completion(**fields))
     return response.status, response.header(b"x-lora-router-replica")
 
@@ -100,7 +101,7 @@ async def warm(router: RouterRuntime, replicas: list[Replica], **fields: Any) ->
     for _ in range(2 * len(replicas)):
         if all(r.tasks for r in replicas):
             return
-        assert (await complete(router, **fields))[0] == 200
+        assert (await answered_by(router, **fields))[0] == 200
     raise AssertionError("round-robin did not reach every replica")
 
 
@@ -110,7 +111,7 @@ async def test_a_completion_on_an_idle_pooled_connection_is_sent_without_a_task(
     replica = await Replica(ok).start(replica_factory)
     assert replica.fake is not None
     router = await router_factory(replica.fake.url)
-    statuses = [(await complete(router))[0] for _ in range(3)]
+    statuses = [(await answered_by(router))[0] for _ in range(3)]
     assert statuses == [200] * 3
     # The first had no pooled connection yet: the general path connected (a Task). The next
     # ones found the connection it left in the pool: sent from the parser callback.
@@ -124,7 +125,7 @@ async def test_the_general_path_is_taken_when_the_fast_path_is_off(
     assert replica.fake is not None
     router = await router_factory(replica.fake.url)
     for _ in range(3):
-        assert (await complete(router))[0] == 200
+        assert (await answered_by(router))[0] == 200
     assert replica.tasks == ([1, 0, 0] if path == "fast" else [1, 1, 1])
 
 
@@ -137,8 +138,8 @@ async def test_a_pooled_connection_reset_before_answering_is_resent_on_a_fresh_o
     replica = await Replica(answer).start(replica_factory)
     assert replica.fake is not None
     router = await router_factory(replica.fake.url, breaker_failures=100)
-    assert (await complete(router))[0] == 200
-    assert (await complete(router))[0] == 200
+    assert (await answered_by(router))[0] == 200
+    assert (await answered_by(router))[0] == 200
     fake = replica.fake
     assert [r.conn for r in fake.requests] == [0, 0, 1]  # the reset one, again on a new one
     first, again = fake.requests[1], fake.requests[2]
@@ -171,7 +172,7 @@ async def retried_elsewhere(
     await warm(router, replicas, **fields)
     for _ in range(4):  # round-robin: within two more, one goes to replica 0 first
         answered = len(replicas[1].tasks)
-        status, label = await complete(router, **fields)
+        status, label = await answered_by(router, **fields)
         assert status == 200
         if len(replicas[0].tasks) > 1:
             break
@@ -197,13 +198,18 @@ async def test_a_500_under_the_retry_rule_is_retried_on_the_next_replica(
 async def test_a_404_for_a_live_adapter_is_retried_on_the_next_replica(
     path: str, replica_factory: StartReplica, router_factory: StartRouter
 ) -> None:
-    async def load(router: RouterRuntime) -> None:
+    async def load_pol_v1(router: RouterRuntime) -> None:
         body = orjson.dumps({"lora_name": "pol-v1", "lora_path": "/adapters/pol-v1"})
         loaded = await request(router.url, "POST", "/v1/load_lora_adapter", body)
         assert loaded.status == 200, loaded.body
 
     await retried_elsewhere(
-        fails_from(1, adapter_404), path, replica_factory, router_factory, load, model="pol-v1"
+        fails_from(1, adapter_404),
+        path,
+        replica_factory,
+        router_factory,
+        load_pol_v1,
+        model="pol-v1",
     )
 
 
@@ -224,7 +230,7 @@ async def test_a_client_leaving_during_a_fast_exchange_stops_the_replicas_work(
     replica = await Replica(answer).start(replica_factory)
     assert replica.fake is not None
     router = await router_factory(replica.fake.url)
-    assert (await complete(router))[0] == 200
+    assert (await answered_by(router))[0] == 200
     client = await clients(router.url)
     body = completion()
     head = b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-length: %d\r\n\r\n" % len(body)

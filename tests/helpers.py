@@ -1,0 +1,79 @@
+"""What the tests share, defined once: a client's calls to a router or a replica, the settings of
+a router under test, and waiting for a condition that has no event to await.
+
+The fixtures every test folder uses (`client`, `adapter`) are in tests/conftest.py; each folder's
+conftest.py adds only what its tests alone need.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import aiohttp
+import orjson
+from multidict import CIMultiDictProxy
+
+from lora_router.config import Config, ReplicaAddress
+
+Adapter = Callable[..., str]  # the `adapter` fixture: (name, rank=1) -> the directory written
+
+
+async def call(
+    client: aiohttp.ClientSession, method: str, url: str, json: Any = None, **kwargs: Any
+) -> tuple[int, bytes, CIMultiDictProxy[str]]:
+    """One request, read whole: status, body, headers."""
+    async with client.request(method, url, json=json, **kwargs) as response:
+        return response.status, await response.read(), response.headers
+
+
+async def load(client: aiohttp.ClientSession, url: str, name: str, path: str) -> tuple[int, bytes]:
+    """`POST /v1/load_lora_adapter` as TRL sends it; status and body."""
+    body = {"lora_name": name, "lora_path": path, "load_inplace": False}
+    status, data, _ = await call(client, "POST", url + "/v1/load_lora_adapter", body)
+    return status, data
+
+
+async def unload(client: aiohttp.ClientSession, url: str, name: str) -> tuple[int, bytes]:
+    status, data, _ = await call(
+        client, "POST", url + "/v1/unload_lora_adapter", {"lora_name": name}
+    )
+    return status, data
+
+
+async def complete(
+    client: aiohttp.ClientSession, url: str, model: str | None = None, **fields: Any
+) -> tuple[int, Any]:
+    """A non-streamed completion (a 40-token prompt, 4 tokens, unless `fields` say otherwise):
+    its status and its JSON body (the raw bytes when they are not JSON)."""
+    body: dict[str, Any] = {"prompt": list(range(40)), "max_tokens": 4, **fields}
+    if model is not None:
+        body["model"] = model
+    status, data, _ = await call(client, "POST", url + "/v1/completions", body)
+    try:
+        return status, orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return status, data
+
+
+async def completed(
+    client: aiohttp.ClientSession, url: str, model: str | None = None, **fields: Any
+) -> Any:
+    """A completion that must succeed (a setup step): its JSON body."""
+    status, body = await complete(client, url, model, **fields)
+    assert status == 200, body
+    return body
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 5.0, step: float = 0.005) -> None:
+    """Wait until `predicate()` holds, for state that has no event to await (a health check, a
+    replay, a request reaching a replica's queue)."""
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(step)
+
+
+def router_config(urls: Iterable[str], **settings: Any) -> Config:
+    """A router's settings for the replicas at `urls`."""
+    return Config(replicas=tuple(ReplicaAddress.parse(url) for url in urls), **settings)
