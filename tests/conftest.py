@@ -3,17 +3,21 @@
 - The Hypothesis profile (tests/hypothesis_profiles.py: `dev` by default, `ci` with
   HYPOTHESIS_PROFILE=ci or CI set), applied to every collected property test. Every test stays
   bounded by pytest-timeout; no example has a time limit.
+- Every async test runs on uvloop, the router's own loop.
 - `client`, an HTTP client session, and `adapter`, adapter directories as TRL lays them out:
-  the fixtures every folder uses (the shared helpers are tests/helpers.py).
+  the fixtures every folder uses; tests/emulated_fleet.py adds emulated replicas and a router
+  in front of them (the shared helpers are tests/helpers.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
+import uvloop
 from helpers import Adapter
 from hypothesis import settings
 from hypothesis_profiles import PROFILE, scaled
@@ -21,6 +25,8 @@ from hypothesis_profiles import PROFILE, scaled
 from lora_router.emulator import write_adapter
 
 settings.load_profile(PROFILE)
+
+pytest_plugins = ["emulated_fleet"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -47,3 +53,7 @@ def adapter(tmp_path: Path) -> Adapter:
         return str(write_adapter(tmp_path / ".vllm_lora" / name, rank=rank))
 
     return write
+
+
+def pytest_asyncio_loop_factories(config: Any, item: Any) -> dict[str, Callable[[], Any]]:
+    return {"uvloop": uvloop.new_event_loop}

@@ -1,5 +1,6 @@
 """What the tests share, defined once: a client's calls to a router or a replica, the settings of
-a router under test, and waiting for a condition that has no event to await.
+a router under test, waiting for a condition that has no event to await, a `/metrics` page's
+samples, and `lora-router top` run as a command.
 
 The fixtures every test folder uses (`client`, `adapter`) are in tests/conftest.py; each folder's
 conftest.py adds only what its tests alone need.
@@ -8,12 +9,15 @@ conftest.py adds only what its tests alone need.
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import aiohttp
 import orjson
 from multidict import CIMultiDictProxy
+from prometheus_client.parser import text_string_to_metric_families
 
 from lora_router.config import Config, ReplicaAddress
 
@@ -77,3 +81,30 @@ async def until(predicate: Callable[[], bool], timeout: float = 5.0, step: float
 def router_config(urls: Iterable[str], **settings: Any) -> Config:
     """A router's settings for the replicas at `urls`."""
     return Config(replicas=tuple(ReplicaAddress.parse(url) for url in urls), **settings)
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of an exposition, keyed by name and sorted labels."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+async def run_top(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """`lora-router top ARGS` in a process of its own: exit status, stdout, stderr."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "lora_router.cli",
+        "top",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+    )
+    async with asyncio.timeout(60):
+        out, err = await proc.communicate()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()

@@ -9,9 +9,8 @@ import logging
 import aiohttp
 import orjson
 import pytest
+from emulated_fleet import StartEmulators, StartRouter
 from helpers import Adapter, load
-
-from .conftest import StartEmulators, StartRouter
 
 pytestmark = pytest.mark.timeout(30)
 

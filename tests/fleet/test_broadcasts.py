@@ -8,13 +8,12 @@ import logging
 import aiohttp
 import orjson
 import pytest
+from emulated_fleet import FenceMonitor, StartEmulators, StartRouter, paths_of
 from helpers import Adapter, call, complete, load, unload, until
 from multidict import CIMultiDictProxy
 
 from lora_router.emulator import Emulator
 from lora_router.runtime import RouterRuntime
-
-from .conftest import FenceMonitor, StartEmulators, StartRouter, paths_of
 
 
 async def load_on_three(

@@ -21,13 +21,12 @@ import orjson
 import pytest
 from dnslib import QTYPE, RCODE, RR, SRV, A, DNSRecord
 from dnslib.server import BaseResolver, DNSServer
+from emulated_fleet import FenceMonitor, StartEmulators, StartRouter
 from helpers import Adapter, call, complete, load, until
 
 from lora_router.emulator import Emulator, Faults
 from lora_router.fleet.discovery import FileSource, SourceError
 from lora_router.runtime import RouterRuntime
-
-from .conftest import FenceMonitor, StartEmulators, StartRouter
 
 ALLOWED = ("127.0.0.0/8",)
 

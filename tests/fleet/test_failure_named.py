@@ -22,12 +22,10 @@ from typing import Any
 import orjson
 import pytest
 from aiohttp import ClientSession, web
-from helpers import Adapter, load, until
+from emulated_fleet import StartEmulators, StartRouter
+from helpers import Adapter, load, run_top, until
 
 from lora_router.config import Secret
-
-from .conftest import StartEmulators, StartRouter
-from .test_top import run_top
 
 pytestmark = pytest.mark.timeout(30)
 

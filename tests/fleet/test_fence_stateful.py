@@ -27,6 +27,7 @@ from typing import Any
 
 import aiohttp
 import uvloop
+from emulated_fleet import FAST, FenceMonitor
 from helpers import call, router_config
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -41,8 +42,6 @@ from hypothesis_profiles import scaled
 
 from lora_router.emulator import Emulator, EmulatorConfig, start_emulator, write_adapter
 from lora_router.runtime import RouterRuntime
-
-from .conftest import FAST, FenceMonitor
 
 MONITOR: FenceMonitor | None = None  # set by the test function (the patched Engine reports here)
 

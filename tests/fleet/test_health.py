@@ -11,6 +11,7 @@ import asyncio
 import aiohttp
 import orjson
 import pytest
+from emulated_fleet import FenceMonitor, StartEmulators, StartRouter, paths_of
 from helpers import Adapter, call, complete, load, until
 
 from lora_router.emulator import Emulator
@@ -18,8 +19,6 @@ from lora_router.fleet.replica import Replica
 from lora_router.http.server import Request
 from lora_router.proxy.dispatch import RouterApp
 from lora_router.runtime import RouterRuntime
-
-from .conftest import FenceMonitor, StartEmulators, StartRouter, paths_of
 
 
 def loads_after(emu: Emulator, start: int) -> list[str]:

@@ -8,12 +8,11 @@ import random
 from typing import Any
 
 import aiohttp
+from emulated_fleet import StartEmulators, StartRouter
 from helpers import Adapter, load, until
 
 from lora_router.emulator import Emulator
 from lora_router.runtime import RouterRuntime
-
-from .conftest import StartEmulators, StartRouter
 
 G = 8
 

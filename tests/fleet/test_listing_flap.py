@@ -10,9 +10,8 @@ import logging
 
 import aiohttp
 import pytest
+from emulated_fleet import StartEmulators, StartRouter
 from helpers import Adapter, call, complete, load, until
-
-from .conftest import StartEmulators, StartRouter
 
 
 async def test_re_admissions_of_a_replica_whose_replays_do_not_stick_back_off(

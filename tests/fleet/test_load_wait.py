@@ -10,12 +10,11 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 import pytest
+from emulated_fleet import StartEmulators, StartRouter, paths_of
 from helpers import Adapter, call, load, until
 
 from lora_router.emulator import Emulator
 from lora_router.runtime import RouterRuntime
-
-from .conftest import StartEmulators, StartRouter, paths_of
 
 
 async def _send_load_and_hang_up_later(

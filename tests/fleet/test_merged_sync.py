@@ -5,11 +5,10 @@ from __future__ import annotations
 import aiohttp
 import orjson
 import pytest
+from emulated_fleet import StartEmulators, StartRouter
 from helpers import call
 
 from lora_router.emulator import Emulator
-
-from .conftest import StartEmulators, StartRouter
 
 # What TRL 1.16's VLLMClient posts when `select_adapter_sync` returned False
 # (trl/experimental/async_grpo/vllm_client.py, init_weight_transfer_engine .. finish_weight_update).

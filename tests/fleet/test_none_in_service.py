@@ -7,9 +7,8 @@ from __future__ import annotations
 import aiohttp
 import orjson
 import pytest
+from emulated_fleet import StartEmulators, StartRouter
 from helpers import Adapter, load, until
-
-from .conftest import StartEmulators, StartRouter
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -12,11 +12,10 @@ import asyncio
 import math
 
 import aiohttp
+from emulated_fleet import StartEmulators, StartRouter
 from helpers import Adapter, call, complete, load, until
 
 from lora_router.emulator import Emulator
-
-from .conftest import StartEmulators, StartRouter
 
 PROMPT = list(range(100, 148))
 

@@ -12,12 +12,11 @@ from pathlib import Path
 import aiohttp
 import orjson
 import pytest
+from emulated_fleet import FenceMonitor, StartEmulators, StartRouter
 from helpers import Adapter, call, complete, load, until
 
 from lora_router.emulator import Emulator, write_adapter
 from lora_router.fleet.adapter_files import MAX_FILES, read_digest
-
-from .conftest import FenceMonitor, StartEmulators, StartRouter
 
 V1 = "trl-policy-v1"
 LOAD, UNLOAD, RESET = "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/reset_prefix_cache"

@@ -9,13 +9,12 @@ import asyncio
 import aiohttp
 import orjson
 import pytest
+from emulated_fleet import StartEmulators, StartRouter
 from helpers import call, complete
 
 from lora_router.emulator import Emulator
 from lora_router.proxy.retry import MIN_RETRIES, WINDOW_S, RetryBudget
 from lora_router.runtime import RouterRuntime
-
-from .conftest import StartEmulators, StartRouter
 
 
 def completions(emu: object) -> int:

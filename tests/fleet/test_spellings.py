@@ -14,14 +14,13 @@ from urllib.parse import unquote
 import httptools
 import orjson
 import pytest
+from emulated_fleet import StartEmulators, StartRouter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lora_router.emulator import Emulator
 from lora_router.routes import REPLICA, ROUTES, Kind, Route
 from lora_router.runtime import RouterRuntime
-
-from .conftest import StartEmulators, StartRouter
 
 GUARDED = [r for r in ROUTES if r.kind is not Kind.FORWARD] + [REPLICA]
 CANONICAL = {r.path for r in ROUTES}

@@ -6,11 +6,10 @@ from __future__ import annotations
 import gc
 
 import aiohttp
+from emulated_fleet import StartEmulators, StartRouter
 
 from lora_router.proxy.body import Completion
 from lora_router.routing.keys import PromptKey, RouteKey
-
-from .conftest import StartEmulators, StartRouter
 
 
 def routing_objects() -> list[object]:

@@ -11,14 +11,12 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from helpers import Adapter, call, complete, load, until
+from emulated_fleet import StartEmulators, StartRouter
+from helpers import Adapter, call, complete, load, samples, until
 
 from lora_router.emulator import Emulator, EmulatorConfig, Engine, start_emulator
 from lora_router.emulator import control as emulator_control
 from lora_router.emulator import metrics as emulator_metrics
-
-from .conftest import StartEmulators, StartRouter
-from .test_visibility import samples
 
 
 async def status_of(client: aiohttp.ClientSession, url: str) -> dict[str, Any]:

@@ -9,11 +9,10 @@ from typing import Any
 
 import aiohttp
 import orjson
+from emulated_fleet import FenceMonitor, StartEmulators, StartRouter
 from helpers import call
 
 from lora_router.emulator import write_adapter
-
-from .conftest import FenceMonitor, StartEmulators, StartRouter
 
 STALENESS = 4
 G = 8  # samples per prompt: G separate requests, the same prompt, each its own seed (as TRL)

@@ -6,11 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+from emulated_fleet import FenceMonitor, StartEmulators, StartRouter
 from helpers import Adapter, complete, load, unload, until
 
 from lora_router.fleet.fence import AdapterState
-
-from .conftest import FenceMonitor, StartEmulators, StartRouter
 
 
 async def test_a_request_admitted_before_an_unload_is_answered_by_a_replica_still_holding_it(

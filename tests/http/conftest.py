@@ -1,9 +1,8 @@
 """Fixtures for the data-plane tests: fake replicas, routers started in-process with short
 timeouts, raw-socket clients, and the token scan.
 
-Every test here runs on uvloop (the production loop). The replica token is `TOKEN`; after each
-test, every log record the router produced (at debug level) and every byte a `RawClient`
-received is searched for it.
+The replica token is `TOKEN`; after each test, every log record the router produced (at debug
+level) and every byte a `RawClient` received is searched for it.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-import uvloop
 from helpers import router_config
 from http_harness import (
     RECEIVED,
@@ -28,10 +26,6 @@ from http_harness import (
 )
 
 from lora_router.runtime import RouterRuntime
-
-
-def pytest_asyncio_loop_factories(config: Any, item: Any) -> dict[str, Callable[[], Any]]:
-    return {"uvloop": uvloop.new_event_loop}
 
 
 @pytest.fixture

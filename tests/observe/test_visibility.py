@@ -8,21 +8,10 @@ import logging
 import aiohttp
 import orjson
 import pytest
-from helpers import Adapter, call, complete, load
-from prometheus_client.parser import text_string_to_metric_families
+from emulated_fleet import StartEmulators, StartRouter
+from helpers import Adapter, call, complete, load, samples
 
 from lora_router.observe.status import summary_line
-
-from .conftest import StartEmulators, StartRouter
-
-
-def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of an exposition, keyed by name and sorted labels."""
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 async def test_metrics_count_each_request_by_its_route_status_replica(

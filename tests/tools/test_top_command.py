@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import re
 
+from emulated_fleet import StartEmulators, StartRouter
+from helpers import run_top
 from interrupt import assert_one_line, interrupt_when_ready
-
-from .conftest import StartEmulators, StartRouter
-from .test_top import run_top
 
 
 async def test_top_once_takes_host_and_port(emulators: StartEmulators, router: StartRouter) -> None:

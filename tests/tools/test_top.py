@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
-from helpers import Adapter, call, until
+from emulated_fleet import StartEmulators, StartRouter, synced_traffic
+from helpers import Adapter, call, run_top, until
 
 from lora_router.config import Secret
 from lora_router.tools.top import compact, verdict
-
-from .conftest import StartEmulators, StartRouter, synced_traffic
 
 
 def status(busy: float | None, paused: float, reporting: int = 2) -> dict[str, Any]:
@@ -54,23 +50,6 @@ def test_no_verdict_without_a_reporting_replica() -> None:
 
 def pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
-
-
-async def run_top(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "lora_router.cli",
-        "top",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, **(env or {})},
-    )
-    async with asyncio.timeout(60):
-        out, err = await proc.communicate()
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
 
 
 async def test_top_once_prints_each_replicas_reported_figures(

@@ -10,10 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from emulated_fleet import StartEmulators, StartRouter, synced_traffic
 from helpers import Adapter, call
 from prometheus_client.parser import text_string_to_metric_families
-
-from .conftest import StartEmulators, StartRouter, synced_traffic
 
 DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana" / "lora-router.json"
 

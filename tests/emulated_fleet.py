@@ -1,5 +1,6 @@
-"""Fixtures for the fleet tests: emulated replicas on free ports, routers started in-process with
-short timeouts (`FAST`), and the invariant monitor (the shared helpers: tests/helpers.py).
+"""An emulated fleet behind an in-process router, for every test folder (a plugin of
+tests/conftest.py): `emulators` on free ports, a `router` started with short timeouts (`FAST`),
+and the invariant monitor.
 
 `FenceMonitor` watches the fence's invariant from the replicas' side: every time an emulated
 replica resolves the model of a completion naming an adapter, it records a violation unless
@@ -13,7 +14,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-import uvloop
 from helpers import call, complete, load, router_config
 
 from lora_router.emulator import Emulator, EmulatorConfig, Engine, start_emulator
@@ -39,10 +39,6 @@ FAST = dict(
 
 StartEmulators = Callable[..., Awaitable[list[Emulator]]]
 StartRouter = Callable[..., Awaitable[RouterRuntime]]
-
-
-def pytest_asyncio_loop_factories(config: Any, item: Any) -> dict[str, Callable[[], Any]]:
-    return {"uvloop": uvloop.new_event_loop}
 
 
 class FenceMonitor:
