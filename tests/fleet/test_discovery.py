@@ -155,7 +155,18 @@ async def test_a_source_that_fails_keeps_its_last_good_set(
     assert "cannot read it" in _source(rt)["error"]
     members.write_text("# nothing here\n")  # empty: a failed read too, never an empty fleet
     await until(lambda: _source(rt)["error"] == "it names no replica", timeout=10)
-    await asyncio.sleep(1.0)  # past the grace (0.5 s): the kept set is still the fleet
+    # Two more discovery steps (one a second), past the grace (0.5 s): either would have
+    # drained the member; the kept set is still the fleet.
+    assert rt.discovery is not None
+    discovery, steps = rt.discovery, []
+    step = discovery.step
+
+    async def counted_step() -> None:
+        await step()
+        steps.append(1)
+
+    discovery.step = counted_step  # type: ignore[method-assign]
+    await until(lambda: len(steps) >= 2, timeout=10)
     assert urls(rt, serving=True) == {first.url, member.url}
     doc = await status(client, rt)
     assert doc["discovery"][0]["errors"] >= 2 and doc["discovery"][0]["members"] == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from helpers import until
 
 from lora_router.fleet.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from lora_router.fleet.fence import AdapterEntry, AdapterFence, AdapterState, FenceRefusal
@@ -32,8 +33,8 @@ async def test_a_loading_name_waits_then_passes_when_live() -> None:
     fence = AdapterFence(5.0)
     entry = fence.begin_load("v1", "/a/v1", b"{}", inplace=False)
     waiter = asyncio.create_task(fence.wait("v1"))
-    await asyncio.sleep(0.01)
-    assert not waiter.done() and fence.waiting == 1
+    await until(lambda: fence.waiting == 1)
+    assert not waiter.done()
     fence.finish_load(entry, ok=True)
     await asyncio.wait_for(waiter, 1.0)
     assert fence.state("v1") is AdapterState.LIVE
@@ -141,7 +142,7 @@ async def test_a_load_of_a_live_name_takes_it_out_of_service_until_the_load_sett
     assert not fence.admits("v1") and fence.state("v1") is AdapterState.LOADING
     assert not fence.current(first) and fence.current(reload)
     waiter = asyncio.create_task(fence.wait("v1"))
-    await asyncio.sleep(0.01)
+    await until(lambda: fence.waiting == 1)
     assert not waiter.done()
     reload.files = "sha256:new"
     fence.finish_load(reload, ok=True)

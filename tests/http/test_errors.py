@@ -7,6 +7,7 @@ import os
 
 import orjson
 import pytest
+from helpers import until
 from http_harness import TOKEN, RawClient, Received, ReplicaConn, completion, json_response, request
 
 
@@ -90,15 +91,13 @@ async def test_thousands_of_bad_requests_leak_nothing(router, replica, clients):
         bad.close()
 
     await burst()  # warm up
-    await asyncio.sleep(0.05)
+    await until(lambda: not router.connections.open)
     fds = len(os.listdir("/proc/self/fd"))
     tasks = len(asyncio.all_tasks())
     for _ in range(10):
         await asyncio.gather(*(burst() for _ in range(10)))  # 2000 bad requests in all
-    async with asyncio.timeout(5):
-        while router.connections.open:
-            await asyncio.sleep(0.01)
-    await asyncio.sleep(0.05)
+    await until(lambda: not router.connections.open)
+    await until(lambda: len(os.listdir("/proc/self/fd")) <= fds)  # the transports' own closing
     assert len(os.listdir("/proc/self/fd")) <= fds
     assert len(asyncio.all_tasks()) <= tasks
     assert replica.requests == []
@@ -345,7 +344,8 @@ async def test_in_flight_requests_per_replica_are_capped(router_factory, replica
         for _ in range(5)
     ]
     await replica.wait_requests(2)
-    await asyncio.sleep(0.1)
+    with pytest.raises(TimeoutError):  # a third would arrive now if the limit did not hold
+        await replica.wait_requests(3, timeout=0.1)
     assert len(replica.requests) == 2 and replica.peak_active <= 2
     release.set()
     assert [r.status for r in await asyncio.gather(*pending)] == [200] * 5

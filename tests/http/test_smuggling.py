@@ -183,7 +183,8 @@ async def test_expect_continue_behind_a_pipelined_request_waits_for_its_turn(
         b"POST /next HTTP/1.1\r\nhost: r\r\nexpect: 100-continue\r\ncontent-length: 2\r\n\r\n"
     )
     await replica.wait_requests(1)
-    await asyncio.sleep(0.05)
+    with pytest.raises(TimeoutError):  # no 100 Continue while /slow is unanswered
+        await asyncio.wait_for(client.reader.readuntil(b"HTTP/1.1 100 Continue\r\n\r\n"), 0.05)
     release.set()
     async with asyncio.timeout(5):
         raw = await client.reader.readuntil(b"HTTP/1.1 100 Continue\r\n\r\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
+from helpers import until
 from http_harness import FakeReplica
 
 from lora_router.config import ReplicaAddress
@@ -113,8 +114,8 @@ async def test_waiters_for_a_full_pool_get_freed_slots_in_turn_minus_the_cancell
         first = [asyncio.create_task(send(i)) for i in range(4)]
         await replica.wait_requests(4)
         waiting = [asyncio.create_task(send(i)) for i in range(4, 7)]
-        await asyncio.sleep(0.05)
-        assert len(replica.requests) == 4  # the other three wait for a slot
+        await until(lambda: len(pool._waiters) == 3)  # the other three wait for a slot
+        assert len(replica.requests) == 4
         waiting[0].cancel()  # gives up before its turn: its place goes to the next in line
         release.set()
         async with asyncio.timeout(5):
