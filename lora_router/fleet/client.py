@@ -6,7 +6,7 @@ never an exception), the answer type (`Answer.failure` names what went wrong, fa
 and the one parser of what a replica says about itself:
 `/v1/models` and `/server_info?config_format=json` become a frozen `Facts`, read by discovery
 and replays (replay.py), the restart check (health.py), load reconciliation (broadcast.py) and
-`lora-router --check` (check.py) alike. `AGREEMENT` lists the facts every replica must share.
+`lora-router --check` (tools/check.py) alike. `AGREEMENT` lists the facts every replica must share.
 
 Health checks, broadcasts, replays and the `/metrics` scrapes (telemetry.py) all go through
 `call`; the routed path does not (http/upstream.py, its own pools). The control plane's retry
