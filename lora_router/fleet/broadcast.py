@@ -40,9 +40,10 @@ with an adapter the other half lacks.
   (`max_staleness + 2` for TRL, which loads the new version before unloading the old).
 - **Pause / resume / reset_prefix_cache** go out with the query string intact; 200 only when
   every replica answered 200. A resume also reaches, best effort, replicas out of service that
-  still run routed requests (ejected while paused), so those requests do not wait for a
-  replay. The pause state last asked for is remembered on the fleet (`Fleet.pause`) and
-  replayed onto replicas that come back; `syncs` times each pause → resume (a weight sync).
+  still run routed requests (ejected, or draining: leaving, while paused), so those requests
+  do not wait for a replay or for ever. The pause state last asked for is remembered on the
+  fleet (`Fleet.pause`) and replayed onto replicas that come back; `syncs` times each pause →
+  resume (a weight sync).
 - A replica that cannot be reached during a broadcast is ejected (health.py re-admits it with a
   replay). For loads, `--down-replica-policy` decides the rest: `replay` (default) proceeds
   with the live replicas, so training goes on and the returning replica gets the adapter before
@@ -434,8 +435,8 @@ class Broadcaster(ReplicaLoads):
                 if not targets:
                     raise Unavailable(f"Cannot {op}: no replica is in service.")
                 # A replica taken out of service while paused, with requests still running on
-                # it (ejected for its listing, say), is resumed too, best effort: else they
-                # would wait, paused, for its replay.
+                # it (ejected for its listing, or draining), is resumed too, best effort: else
+                # they would wait, paused, for its replay or until it is removed.
                 stranded = [] if op != "resume" else self._stranded()
                 answers, _ = await asyncio.gather(
                     asyncio.gather(
@@ -473,8 +474,9 @@ class Broadcaster(ReplicaLoads):
             self._record(op, outcome, started, detail=detail)
 
     def _stranded(self) -> list[Replica]:
-        """Replicas out of service (not removed) that still have routed requests running."""
-        out = (*OUT, State.REPLAYING)
+        """Replicas out of service (not removed) that still have routed requests running,
+        draining ones included: paused, a leaving member's requests would never finish."""
+        out = (*OUT, State.REPLAYING, State.DRAINING)
         return [r for r in self.fleet.replicas if r.in_flight and r.state in out]
 
     # -- read-only --------------------------------------------------------------------------

@@ -365,3 +365,30 @@ async def test_srv_records_give_hosts_and_ports(
     )
     await until(lambda: urls(rt, serving=True) == {first.url, one.url, two.url}, timeout=10)
     assert _source(rt)["source"] == "srv:_vllm._tcp.fleet.test"
+
+
+async def test_a_member_leaving_while_the_fleet_is_paused_is_resumed_with_the_fleet(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """Its requests were frozen by the pause: the fleet's /resume must reach it while it drains,
+    or they never finish (it would be removed at the shutdown grace with them cut)."""
+    first, leaving = await emulators(2, decode_s_per_token=0.01)
+    members = tmp_path / "replicas"
+    write_members(members, leaving)
+    rt = await file_router(
+        router, [first], members, discovery_grace=0.0, policy="round-robin", shutdown_grace=30.0
+    )
+    await until(lambda: len(urls(rt, serving=True)) == 2, timeout=10)
+    slow = [
+        asyncio.create_task(complete(client, rt.url, prompt=[i] * 40, max_tokens=20))
+        for i in range(2)
+    ]
+    await until(lambda: leaving.state.num_running == 1)
+    assert (await call(client, "POST", rt.url + "/pause?mode=keep"))[0] == 200
+    write_members(members, first)  # the static member only: the leaver is absent
+    assert rt.fleet is not None
+    await until(lambda: any(r.name == leaving.url and not r.live for r in rt.fleet.replicas))
+    assert (await call(client, "POST", rt.url + "/resume"))[0] == 200
+    assert not leaving.state.paused
+    assert [(await t)[0] for t in slow] == [200] * 2
+    await until(lambda: leaving.url not in urls(rt), timeout=10)
