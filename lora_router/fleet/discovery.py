@@ -264,15 +264,17 @@ class Discovery:
         return members, skipped
 
     def _reconcile(self, now: float) -> None:
+        """O(members): the wanted set, the fleet's names and the absences are each read once."""
         wanted: dict[str, _Member] = {}
         for members in self._wanted.values():
             for name, member in members.items():
                 wanted.setdefault(name, member)
+        present = {r.name for r in self.fleet.replicas}
         for name, member in wanted.items():
             self._missing.pop(name, None)
-            if self.fleet.by_name(name) is None and name not in self._busy:
+            if name not in present and name not in self._busy:
                 self._change(name, self._join(member))
-        self._missing = {n: t for n, t in self._missing.items() if self.fleet.by_name(n)}
+        self._missing = {n: t for n, t in self._missing.items() if n in present}
         for replica in list(self.fleet.replicas):
             if replica.origin in STATIC_ORIGINS or replica.name in wanted:
                 continue
