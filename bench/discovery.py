@@ -383,8 +383,6 @@ def report(results: dict[str, Any]) -> str:
         + ".",
         "",
     ]
-    if results.get("notes"):
-        lines += [results["notes"].strip(), ""]
     return "\n".join(lines)
 
 
@@ -413,7 +411,6 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--grace", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--out", type=Path, default=RESULTS / "discovery")
-    parser.add_argument("--notes", type=Path, help="a file whose text is appended to the report")
     args = parser.parse_args(argv)
     rounds = uvloop.run(main(args))
     problems = sorted({p for r in rounds for p in r["problems"]})
@@ -424,7 +421,6 @@ def run(argv: list[str]) -> int:
         "ok": not problems,
         "problems": problems,
         "rounds": rounds,
-        "notes": args.notes.read_text() if args.notes else "",
     }
     args.out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(report(results))

@@ -14,7 +14,7 @@ import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import orjson
@@ -22,8 +22,10 @@ import pytest
 from dnslib import QTYPE, RCODE, RR, SRV, A, DNSRecord
 from dnslib.server import BaseResolver, DNSServer
 
+from lora_router.config import Config
 from lora_router.emulator import Emulator, Faults
-from lora_router.fleet.discovery import FileSource, SourceError
+from lora_router.fleet.discovery import Discovery, FileSource, SourceError, make_sources
+from lora_router.fleet.fleet import Fleet
 from lora_router.runtime import RouterRuntime
 
 from .conftest import (
@@ -392,3 +394,30 @@ async def test_a_member_leaving_while_the_fleet_is_paused_is_resumed_with_the_fl
     assert not leaving.state.paused
     assert [(await t)[0] for t in slow] == [200] * 2
     await until(lambda: leaving.url not in urls(rt), timeout=10)
+
+
+async def test_a_rewritten_file_is_judged_entry_by_entry_as_before(tmp_path: Path) -> None:
+    """Entries a previous read held keep their verdict (member or skipped, with why); new
+    ones are judged, and the ones gone are forgotten."""
+    path = tmp_path / "replicas"
+    config = Config(replicas=(), replicas_files=(str(path),), replica_hosts=("127.0.0.1",))
+    fleet = Fleet(config)
+    discovery = Discovery(config, fleet, cast(Any, None), make_sources(config))
+    write_lines(path, "http://127.0.0.1:8001", "not a url", "http://127.0.0.2:8002")
+    await discovery._read(0, discovery.sources[0])
+    state = discovery.states[0]
+    assert state.members == ("http://127.0.0.1:8001",) and len(state.skipped) == 2
+    write_lines(path, "not a url", "http://127.0.0.1:8003", "http://127.0.0.1:8001")
+    await discovery._read(0, discovery.sources[0])
+    assert state.members == ("http://127.0.0.1:8003", "http://127.0.0.1:8001")
+    assert len(state.skipped) == 1 and "not a url" in state.skipped[0]
+    assert set(discovery._verdicts[0]) == {
+        "not a url",
+        "http://127.0.0.1:8003",
+        "http://127.0.0.1:8001",
+    }
+    fleet.close()
+
+
+def write_lines(path: Path, *lines: str) -> None:
+    os.replace(_aside(path, "".join(f"{line}\n" for line in lines)), path)
