@@ -8,8 +8,11 @@ Measured in this process, with the router's own objects (lora_router/fleet/disco
   (1,000) URLs is unchanged (a `stat`, then the reconcile), against a fleet that already holds
   every member, so nothing joins or leaves;
 - *file poll, rewritten*: the same step after the file was replaced atomically with the same
-  members in a new order (stat, read, parse, judge every entry against `--replica-hosts`, then
-  the reconcile); writing the file is not counted;
+  members in a new order (stat, read, split, each entry's verdict reused from the last read,
+  then the reconcile); writing the file is not counted;
+- *read, every entry new*: the read of a file replaced with 1,000 URLs none of which it named
+  before (each parsed and judged against `--replica-hosts`), without the reconcile (which
+  would start 1,000 joins: those are measured below);
 - *reconcile*: `Discovery._reconcile` alone, the part of every tick that compares the wanted set
   with the fleet;
 - *256 A records*: one read of a `--replicas-dns` source (dnspython, as in production) answered
@@ -91,10 +94,18 @@ async def file_costs(members: int, repeats: int, tmp: Path) -> dict[str, float]:
 
     unchanged_ms = await _median_ms(repeats, unchanged)
     rewritten = []
-    for k in range(repeats):
+    for k in range(1, repeats + 1):
         _write(path, urls[k % members :] + urls[: k % members])
         rewritten.append(await _median_ms(1, unchanged))
         assert not discovery._changes
+    source = discovery.sources[0]
+    fresh = []  # a read whose every entry is new: each one parsed and judged
+    for k in range(repeats):
+        _write(path, _urls(members, base=30000 + k * members))
+        fresh.append(await _median_ms(1, lambda: discovery._read(0, source)))
+    _write(path, urls)
+    await discovery._read(0, source)
+    assert len(discovery.states[0].members) == members
     now = time.monotonic()
 
     async def reconcile() -> None:
@@ -105,6 +116,7 @@ async def file_costs(members: int, repeats: int, tmp: Path) -> dict[str, float]:
     return {
         "file_unchanged_ms": unchanged_ms,
         "file_rewritten_ms": statistics.median(rewritten),
+        "file_all_new_ms": statistics.median(fresh),
         "reconcile_ms": reconcile_ms,
     }
 
@@ -253,6 +265,8 @@ def report(results: dict[str, Any], command: str) -> str:
         f"{f['file_unchanged_ms']:.2f} ms |",
         f"| poll of a rewritten {results['members']}-member file (step) | "
         f"{f['file_rewritten_ms']:.1f} ms |",
+        f"| read of a rewritten {results['members']}-member file, every entry new | "
+        f"{f['file_all_new_ms']:.1f} ms |",
         f"| reconcile, {results['members']} members | {f['reconcile_ms']:.2f} ms |",
         f"| read of {results['records']} A records (loopback DNS server) | "
         f"{f['dns_a_records_ms']:.1f} ms |",
