@@ -28,7 +28,9 @@ and 1,000 by default). One process (`discovery_cost.py farm`) serves J emulated 
 (`python -m lora_router.cli`) runs with one static replica, `--replicas-file`, `--replica-hosts
 127.0.0.1`, an adapter loaded (so every join replays it) and the fleet resumed; the file is then
 replaced with the J URLs, and `/router/replicas` is polled every 50 ms until all J serve. The
-figure is file written -> first poll showing all of them serving.
+figure is file written -> first poll showing all of them serving (`inf` when they did not all
+serve within 300 s). An older revision runs the same way from a `git archive` of it on
+PYTHONPATH (the router process inherits it).
 """
 
 from __future__ import annotations
@@ -244,8 +246,9 @@ async def joins_at_once(joins: int, procs: Procs, round_: int) -> dict[str, floa
         took = time.monotonic() - written
     for proc in (router, farm, static):
         procs.stop(proc)
-    if serving != joins + 1:
-        raise RuntimeError(f"{joins} joins: only {serving - 1} serving after {took:.0f} s")
+    if serving != joins + 1:  # reported as such: an older revision may not make it in time
+        print(f"{joins} joins: only {serving - 1} serving after {took:.0f} s", flush=True)
+        return {"seconds": float("inf")}
     return {"seconds": took}
 
 
