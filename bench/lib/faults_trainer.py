@@ -101,7 +101,7 @@ class Trainer:
         # while that version's rollouts are still in flight; the sync reports it here.
         self.early_unload: asyncio.Future[tuple[str, ControlCall]] | None = None
         self.unloaded: set[int] = set()
-        self.extra: list[asyncio.Task[None]] = []  # rollouts outside the steps (`unload`)
+        self.extra: list[asyncio.Task[Rollout]] = []  # rollouts outside the steps (`unload`)
         spec = bench_trace.TraceSpec(
             steps=10_000,  # generated lazily, one step at a time
             prompts_per_step=settings.prompts,
