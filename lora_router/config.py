@@ -19,6 +19,7 @@ given in its place.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import ipaddress
 import math
 import os
@@ -176,6 +177,12 @@ class HostPattern:
             return ipaddress.ip_address(address.host) in self.network
         except ValueError:
             return False  # a name: never resolved here
+
+
+@functools.lru_cache(maxsize=8)
+def _host_patterns(hosts: tuple[str, ...]) -> tuple[HostPattern, ...]:
+    """`--replica-hosts`, parsed once (discovery judges every entry it reads against them)."""
+    return tuple(HostPattern.parse(p) for p in hosts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,7 +355,7 @@ class Config:
         and port: any local process can listen on another port of a loopback replica's host)."""
         if not self.replica_hosts:
             return any((r.host, r.port) == (address.host, address.port) for r in self.replicas)
-        return any(HostPattern.parse(p).matches(address) for p in self.replica_hosts)
+        return any(p.matches(address) for p in _host_patterns(self.replica_hosts))
 
     def cleartext_token(self, address: ReplicaAddress) -> bool:
         """Whether the token would cross a network in the clear to reach `address`."""

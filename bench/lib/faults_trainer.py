@@ -53,6 +53,7 @@ class Attempt:
     detail: str = ""
     frames: int = 0  # SSE data frames received (streams)
     model: str = ""  # the adapter the attempt named (the version read when it was sent)
+    completion: list[int] = field(default_factory=list)  # its token ids (whole answers only)
 
 
 @dataclass(slots=True)
@@ -100,7 +101,7 @@ class Trainer:
         # while that version's rollouts are still in flight; the sync reports it here.
         self.early_unload: asyncio.Future[tuple[str, ControlCall]] | None = None
         self.unloaded: set[int] = set()
-        self.extra: list[asyncio.Task[None]] = []  # rollouts outside the steps (`unload`)
+        self.extra: list[asyncio.Task[Rollout]] = []  # rollouts outside the steps (`unload`)
         spec = bench_trace.TraceSpec(
             steps=10_000,  # generated lazily, one step at a time
             prompts_per_step=settings.prompts,
@@ -225,7 +226,7 @@ class Trainer:
         await asyncio.gather(*(group(i, p) for i, p in enumerate(prompts)))
         half.set()
 
-    async def rollout(self, n: int, prompt: list[int], seed: int, stream: bool) -> None:
+    async def rollout(self, n: int, prompt: list[int], seed: int, stream: bool) -> Rollout:
         record = Rollout(n, stream)
         self.rollouts.append(record)
         for attempt in range(len(BACKOFF_S) + 1):
@@ -233,9 +234,10 @@ class Trainer:
             result = await self.attempt(self.body(prompt, seed, stream), stream)
             record.attempts.append(result)
             if result.kind == "ok" or attempt == len(BACKOFF_S):
-                return
+                break
             self.client_retries += 1
             await asyncio.sleep(BACKOFF_S[attempt])
+        return record
 
     def body(self, prompt: list[int], seed: int, stream: bool) -> bytes:
         body: dict[str, Any] = {
@@ -282,7 +284,10 @@ class Trainer:
             return Attempt(started, ended, status, replica, "status", _error_message(raw), 0, model)
         problem = check_answer(status, raw, stream)
         kind = "ok" if problem is None else "cut"
-        return Attempt(started, ended, status, replica, kind, problem or "", 0, model)
+        ids: list[int] = []
+        if problem is None and not stream:  # what a later turn's prompt carries on
+            ids = orjson.loads(raw)["choices"][0].get("token_ids") or []
+        return Attempt(started, ended, status, replica, kind, problem or "", 0, model, ids)
 
 
 def _error_message(raw: bytes) -> str:

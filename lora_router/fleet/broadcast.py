@@ -25,8 +25,8 @@ reported to its lifecycle (lifecycle.py). Why each rule: docs/design/fleet.md#br
   most `--unload-wait`), then drops it everywhere; 404 "cannot be found" counts as done.
 - **Pause / resume / reset_prefix_cache** go out with the query string intact; 200 only when
   every replica answered 200. A resume also reaches, best effort, replicas out of service that
-  still run routed requests. The pause last asked for is kept (`Fleet.pause`) and replayed onto
-  replicas that come back; `syncs` times each pause → resume (a weight sync).
+  still run routed requests (ejected, or draining while paused). The pause last asked for is
+  kept (`Fleet.pause`) and replayed onto replicas that come back; `syncs` times pause → resume.
 - A replica unreachable during a broadcast is ejected (health.py re-admits it with a replay).
   For loads `--down-replica-policy` decides the rest: `replay` (default) proceeds with the live
   replicas; `fail` refuses a load while any member replica is down or unreachable.
@@ -415,8 +415,8 @@ class Broadcaster(ReplicaLoads):
                 if not targets:
                     raise Unavailable(f"Cannot {op}: no replica is in service.")
                 # A replica taken out of service while paused, with requests still running on
-                # it (ejected for its listing, say), is resumed too, best effort: else they
-                # would wait, paused, for its replay.
+                # it (ejected for its listing, or draining), is resumed too, best effort: else
+                # they would wait, paused, for its replay or until it is removed.
                 stranded = [] if op != "resume" else self._stranded()
                 answers, _ = await asyncio.gather(
                     asyncio.gather(
@@ -454,8 +454,9 @@ class Broadcaster(ReplicaLoads):
             self._record(op, outcome, started, detail=detail)
 
     def _stranded(self) -> list[Replica]:
-        """Replicas out of service (not removed) that still have routed requests running."""
-        out = (*OUT, State.REPLAYING)
+        """Replicas out of service (not removed) that still have routed requests running,
+        draining ones included: paused, a leaving member's requests would never finish."""
+        out = (*OUT, State.REPLAYING, State.DRAINING)
         return [r for r in self.fleet.replicas if r.in_flight and r.state in out]
 
     # -- read-only --------------------------------------------------------------------------

@@ -20,7 +20,8 @@ the health monitor, as an operator's `POST`/`DELETE /router/replicas` does:
 A file is polled every `FILE_POLL_S` and read again when its inode, size or modification time
 changes (a writer may replace it atomically). One URL a line, `#` starts a comment. A read whose
 last line has no newline and that differs from the previous read is taken as a write in
-progress: it is used once a later poll finds it unchanged. DNS names are resolved every
+progress: it is used once a later poll finds it unchanged. An entry the source's previous read
+held keeps its verdict (member or skipped). DNS names are resolved every
 `--dns-interval` with dnspython, through the system's resolvers or `--dns-server`; members are
 `http://ADDRESS:PORT`, for SRV records each target's addresses with the record's port.
 """
@@ -186,6 +187,8 @@ class Discovery:
     states: list[SourceState] = field(init=False)
     _wanted: dict[int, dict[str, _Member]] = field(init=False, default_factory=dict)
     _missing: dict[str, float] = field(init=False, default_factory=dict)
+    # source -> entry -> its member, or why it was skipped, as its last good read judged it
+    _verdicts: dict[int, dict[str, _Member | str]] = field(init=False, default_factory=dict)
     _due: list[float] = field(init=False)
     _changes: set[asyncio.Task[object]] = field(init=False, default_factory=set)
     _busy: set[str] = field(init=False, default_factory=set)
@@ -239,7 +242,7 @@ class Discovery:
                 )
             state.error = str(exc)
             return
-        members, skipped = self._judge(entries, state.label)
+        members, skipped = self._judge(i, entries, state.label)
         if state.error:
             log.info("discovery %s: read again, %d members", state.label, len(members))
         for entry in sorted(set(skipped) - set(state.skipped)):
@@ -248,31 +251,48 @@ class Discovery:
         state.members = tuple(members)
         self._wanted[i] = members
 
-    def _judge(self, entries: Iterable[str], origin: str) -> tuple[dict[str, _Member], list[str]]:
+    def _judge(
+        self, i: int, entries: Iterable[str], origin: str
+    ) -> tuple[dict[str, _Member], list[str]]:
+        """The members and the skipped entries of a read of source `i`. An entry its previous
+        read held is judged as then (the same text, the same allow-list): a rewrite that adds
+        one URL to 1,000 parses one."""
+        before = self._verdicts.get(i, {})
+        verdicts: dict[str, _Member | str] = {}
         members: dict[str, _Member] = {}
         skipped: list[str] = []
         for entry in entries:
-            try:
-                address = ReplicaAddress.parse(entry)
-            except ValueError as exc:
-                skipped.append(f"{entry[:200]!r}: {exc}")
-                continue
-            if not self.config.replica_allowed(address):
-                skipped.append(f"{address.name}: outside --replica-hosts (the token goes to it)")
-                continue
-            members.setdefault(address.name, _Member(address, origin))
+            verdict = verdicts.get(entry) or before.get(entry) or self._verdict(entry, origin)
+            verdicts[entry] = verdict
+            if isinstance(verdict, str):
+                skipped.append(verdict)
+            else:
+                members.setdefault(verdict.address.name, verdict)
+        self._verdicts[i] = verdicts
         return members, skipped
 
+    def _verdict(self, entry: str, origin: str) -> _Member | str:
+        """The member an entry names, or why it is skipped."""
+        try:
+            address = ReplicaAddress.parse(entry)
+        except ValueError as exc:
+            return f"{entry[:200]!r}: {exc}"
+        if not self.config.replica_allowed(address):
+            return f"{address.name}: outside --replica-hosts (the token goes to it)"
+        return _Member(address, origin)
+
     def _reconcile(self, now: float) -> None:
+        """O(members): the wanted set, the fleet's names and the absences are each read once."""
         wanted: dict[str, _Member] = {}
         for members in self._wanted.values():
             for name, member in members.items():
                 wanted.setdefault(name, member)
+        present = {r.name for r in self.fleet.replicas}
         for name, member in wanted.items():
             self._missing.pop(name, None)
-            if self.fleet.by_name(name) is None and name not in self._busy:
+            if name not in present and name not in self._busy:
                 self._change(name, self._join(member))
-        self._missing = {n: t for n, t in self._missing.items() if self.fleet.by_name(n)}
+        self._missing = {n: t for n, t in self._missing.items() if n in present}
         for replica in list(self.fleet.replicas):
             if replica.origin in STATIC_ORIGINS or replica.name in wanted:
                 continue

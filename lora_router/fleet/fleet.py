@@ -19,6 +19,12 @@ half-open is driven by the clock, not by an event, so the replicas whose breaker
 (`_trial`, usually none) are asked per request; one that lets its trial through is added to
 that request's candidates. `started`/`finished` keep each kept set's `in_flight` total and
 tell the policy (`on_load`), so no step of a routed request walks the fleet.
+
+Membership changes reach the policy (`on_members`, its ring and ranks) at the next `routable`,
+once for all the changes since the last one: a burst of joins (a discovery source naming 1,000
+new members) costs one ring update, not one per member, which made such a burst quadratic.
+The policy only ever chooses among a `routable` set, so it never sees a membership older than
+the candidates it is given.
 """
 
 from __future__ import annotations
@@ -65,8 +71,10 @@ class Fleet:
         self.base_models: set[str] = set()  # names that are the base model, not an adapter
         # Set by the broadcaster when a /pause or /resume is asked (before its outcome).
         self.pause = PauseIntent()
-        # Called with every member after each add or remove (the policy's ring).
+        # Called with every member at the next `routable` after adds or removes (module
+        # docstring: the policy's ring).
         self.on_members: Callable[[Sequence[Replica]], None] | None = None
+        self._members_stale = False
         # Called after each change of a replica's request counts (the policy's dealing ranks).
         self.on_load: Callable[[Replica], None] | None = None
         self._sets: dict[str | None, Candidates[Replica]] = {}  # model -> its candidates
@@ -138,6 +146,10 @@ class Fleet:
         (module docstring); O(n) to rebuild after a change, and O(n) for a retry's `exclude`
         or a breaker's trial, which build that request's own set.
         """
+        if self._members_stale:
+            self._members_stale = False
+            if self.on_members is not None:
+                self.on_members(self.replicas)
         if self._stale:
             self._sets.clear()
             self._trial = [r for r in self.replicas if r.breaker.state != CLOSED]
@@ -198,9 +210,7 @@ class Fleet:
         self._stale = True
 
     def _members_changed(self) -> None:
-        self._stale = True
-        if self.on_members is not None:
-            self.on_members(self.replicas)
+        self._stale = self._members_stale = True
 
     def close(self) -> None:
         for replica in self.replicas:

@@ -33,7 +33,7 @@ Contract with the caller: one `choose(key, routable)` per attempt, `key` the req
 filtered `Candidates`, its `in_flight` the sum over its replicas. `choose` never changes
 `in_flight` or `in_flight_tokens`: the caller adds 1 and `Decision.tokens` for the request it
 sends, takes them off on every exit and calls `load_changed` after each change; `set_members`
-gets the full membership at start and on every change. Not thread-safe.
+gets the full membership at start and before the next `choose` after any change. Not thread-safe.
 
 Never: I/O, clocks, randomness, logging (the caller logs decisions), mutating replicas, reading
 what replicas report of themselves (their telemetry).
@@ -140,8 +140,8 @@ class Policy(Protocol):
     counts: DecisionCounts
 
     def set_members(self, members: Sequence[Replica]) -> None:
-        """The full membership (the ring), with each member's load now; called at start and
-        on every add or remove."""
+        """The full membership (the ring), with each member's load now; called at start and,
+        after adds or removes, before the next `choose` (once for several)."""
 
     def load_changed(self, replica: Replica) -> None:
         """`replica`'s `in_flight` or `in_flight_tokens` changed (the caller calls it after
@@ -216,9 +216,10 @@ class PrefixAffinity:
         self._ranks = Ranks()
 
     def set_members(self, members: Sequence[Replica]) -> None:
-        """O(n * vnodes log) for the ring; membership changes are rare."""
+        """O(n log n) for the ranks, plus the ring's `with_members`: O(n * vnodes) and the
+        new members' points; membership changes are rare."""
         names = [r.name for r in members]
-        self.ring = HashRing(names, self.ring.vnodes)
+        self.ring = self.ring.with_members(names)
         floor = min(self._dealt.values(), default=0)
         self._dealt = {name: self._dealt.get(name, floor) for name in names}
         self._dealt_total = sum(self._dealt.values())

@@ -8,6 +8,10 @@ first from here?" (dealing's ties) `first_of` answers without walking the ring: 
 in each name's own points, or a walk of about n / k points when the k names are many.
 Removing a replica moves only the arcs that ended at its points, and with many points per
 replica those arcs are spread over all the survivors rather than handed to one neighbour.
+`with_members` builds the ring of a changed membership from this one: the names it keeps keep
+their points, only the new names are hashed, and their points are merged into the sorted ring
+(O(N + k vnodes log N), N the ring's points, k the new names), so a ring followed through many
+single joins is never rebuilt from scratch; it equals the ring built from the names.
 
 Pure: no I/O, no clock, no randomness, no knowledge of load or health (the policy filters).
 """
@@ -40,15 +44,39 @@ class HashRing:
             raise ValueError("vnodes must be at least 1")
         self.vnodes = vnodes
         self._names = frozenset(names)
-        # Sorting on (point, name) makes the ring independent of the order names were given,
-        # even in the (2^-64) case of two names landing on one point.
-        placed = sorted((point(name, i), name) for name in self._names for i in range(vnodes))
+        self._own: dict[str, list[int]] = {}
+        self._points: list[int] = []
+        self._owners: list[str] = []
+        self._place([], self._names)
+
+    def _place(self, kept: list[tuple[int, str]], new: Iterable[str]) -> None:
+        """Fill the ring from `kept`, sorted (point, name) pairs of members already placed,
+        and the `new` names, hashed here. Sorting on (point, name) makes the ring independent
+        of the order names were given, even in the (2^-64) case of two names landing on one
+        point; `kept` and the new points are two sorted runs, which the sort merges."""
+        added = sorted((point(name, i), name) for name in new for i in range(self.vnodes))
+        for p, name in added:  # each member's own points, sorted: where it first appears
+            self._own.setdefault(name, []).append(p)
+        placed = kept + added if kept else added
+        placed.sort()
         self._points = [p for p, _ in placed]
         self._owners = [name for _, name in placed]
-        # Each member's own points, sorted: where it first appears from any position.
-        self._own: dict[str, list[int]] = {name: [] for name in self._names}
-        for p, name in placed:
-            self._own[name].append(p)
+
+    def with_members(self, names: Iterable[str]) -> HashRing:
+        """The ring of `names` (module docstring): this ring's points for the names it keeps."""
+        wanted = frozenset(names)
+        if wanted == self._names:
+            return self
+        ring = HashRing((), self.vnodes)
+        ring._names = wanted
+        ring._own = {name: own for name, own in self._own.items() if name in wanted}
+        pairs = zip(self._points, self._owners, strict=True)
+        if len(ring._own) == len(self._names):
+            kept = list(pairs)
+        else:
+            kept = [(p, name) for p, name in pairs if name in wanted]
+        ring._place(kept, wanted - self._names)
+        return ring
 
     @property
     def names(self) -> frozenset[str]:

@@ -14,7 +14,7 @@ import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import orjson
@@ -24,8 +24,10 @@ from dnslib.server import BaseResolver, DNSServer
 from emulated_fleet import FenceMonitor, StartEmulators, StartRouter
 from helpers import Adapter, call, complete, load, until
 
+from lora_router.config import Config
 from lora_router.emulator import Emulator, Faults
-from lora_router.fleet.discovery import FileSource, SourceError
+from lora_router.fleet.discovery import Discovery, FileSource, SourceError, make_sources
+from lora_router.fleet.fleet import Fleet
 from lora_router.runtime import RouterRuntime
 
 ALLOWED = ("127.0.0.0/8",)
@@ -367,3 +369,57 @@ async def test_srv_records_give_hosts_and_ports(
     )
     await until(lambda: urls(rt, serving=True) == {first.url, one.url, two.url}, timeout=10)
     assert _source(rt)["source"] == "srv:_vllm._tcp.fleet.test"
+
+
+async def test_a_member_leaving_while_the_fleet_is_paused_is_resumed_with_the_fleet(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """Its requests were frozen by the pause: the fleet's /resume must reach it while it drains,
+    or they never finish (it would be removed at the shutdown grace with them cut)."""
+    first, leaving = await emulators(2, decode_s_per_token=0.01)
+    members = tmp_path / "replicas"
+    write_members(members, leaving)
+    rt = await file_router(
+        router, [first], members, discovery_grace=0.0, policy="round-robin", shutdown_grace=30.0
+    )
+    await until(lambda: len(urls(rt, serving=True)) == 2, timeout=10)
+    slow = [
+        asyncio.create_task(complete(client, rt.url, prompt=[i] * 40, max_tokens=20))
+        for i in range(2)
+    ]
+    await until(lambda: leaving.state.num_running == 1)
+    assert (await call(client, "POST", rt.url + "/pause?mode=keep"))[0] == 200
+    write_members(members, first)  # the static member only: the leaver is absent
+    assert rt.fleet is not None
+    await until(lambda: any(r.name == leaving.url and not r.live for r in rt.fleet.replicas))
+    assert (await call(client, "POST", rt.url + "/resume"))[0] == 200
+    assert not leaving.state.paused
+    assert [(await t)[0] for t in slow] == [200] * 2
+    await until(lambda: leaving.url not in urls(rt), timeout=10)
+
+
+async def test_a_rewritten_file_is_judged_entry_by_entry_as_before(tmp_path: Path) -> None:
+    """Entries a previous read held keep their verdict (member or skipped, with why); new
+    ones are judged, and the ones gone are forgotten."""
+    path = tmp_path / "replicas"
+    config = Config(replicas=(), replicas_files=(str(path),), replica_hosts=("127.0.0.1",))
+    fleet = Fleet(config)
+    discovery = Discovery(config, fleet, cast(Any, None), make_sources(config))
+    write_lines(path, "http://127.0.0.1:8001", "not a url", "http://127.0.0.2:8002")
+    await discovery._read(0, discovery.sources[0])
+    state = discovery.states[0]
+    assert state.members == ("http://127.0.0.1:8001",) and len(state.skipped) == 2
+    write_lines(path, "not a url", "http://127.0.0.1:8003", "http://127.0.0.1:8001")
+    await discovery._read(0, discovery.sources[0])
+    assert state.members == ("http://127.0.0.1:8003", "http://127.0.0.1:8001")
+    assert len(state.skipped) == 1 and "not a url" in state.skipped[0]
+    assert set(discovery._verdicts[0]) == {
+        "not a url",
+        "http://127.0.0.1:8003",
+        "http://127.0.0.1:8001",
+    }
+    fleet.close()
+
+
+def write_lines(path: Path, *lines: str) -> None:
+    os.replace(_aside(path, "".join(f"{line}\n" for line in lines)), path)

@@ -44,18 +44,35 @@ async def test_only_live_replicas_with_a_closed_breaker_are_routable() -> None:
     assert a.life.ejections == 1 and a.life.last_error == "test" and not a.live
 
 
-async def test_membership_changes_are_announced_with_every_member() -> None:
+async def test_membership_changes_are_announced_with_every_member_before_the_next_choice() -> None:
     fleet = fleet_of(2)
+    fleet.routable(None)
     seen: list[list[str]] = []
     fleet.on_members = lambda members: seen.append([r.name for r in members])
     added = fleet.add(ReplicaAddress.parse("http://127.0.0.1:9100"), "admin")
     assert added.rid == 2 and not added.live
+    fleet.routable(None)
     fleet.remove(fleet.replicas[0])
+    fleet.routable(None)
+    fleet.routable(None)  # nothing changed since: nothing announced
     assert seen == [
         ["http://127.0.0.1:9000", "http://127.0.0.1:9001", "http://127.0.0.1:9100"],
         ["http://127.0.0.1:9001", "http://127.0.0.1:9100"],
     ]
     assert fleet.find(0) is None and fleet.find(2) is added
+
+
+async def test_a_burst_of_joins_is_announced_once() -> None:
+    """1,000 members named at once cost the policy one ring update, not one each."""
+    fleet = fleet_of(2)
+    fleet.routable(None)
+    seen: list[int] = []
+    fleet.on_members = lambda members: seen.append(len(members))
+    for i in range(1000):
+        fleet.add(ReplicaAddress.parse(f"http://127.0.0.1:{10000 + i}"), "file:replicas")
+    assert seen == []
+    fleet.routable("v1")
+    assert seen == [1002]
 
 
 def expected(fleet: Fleet, model: str | None, now: float) -> list[Replica]:

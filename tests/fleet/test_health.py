@@ -293,10 +293,10 @@ async def test_an_added_replica_is_replayed_then_serves(
     assert added["adapters"] == ["v1", "v2"]
     assert extra.state.adapters == {"v1": adapter("v1"), "v2": adapter("v2")}
     assert extra.state.paused
-    assert extra.url in rt.app.policy.ring.names  # type: ignore[attr-defined]
     await call(client, "POST", rt.url + "/resume")
     statuses = [(await complete(client, rt.url, "v2", prompt=[i] * 40))[0] for i in range(12)]
     assert statuses == [200] * 12
+    assert extra.url in rt.app.policy.ring.names  # type: ignore[attr-defined]
     assert completions_after(extra, 0) > 0
     # The same replica twice, or a URL that is not one, is refused.
     assert (await call(client, "POST", rt.url + "/router/replicas", {"url": extra.url}))[0] == 409

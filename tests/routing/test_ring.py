@@ -109,3 +109,42 @@ def test_first_of_bisects_few_names_and_walks_many_with_the_walks_answer(members
 def test_first_of_names_outside_the_ring_is_none():
     ring = HashRing(["a", "b", "c", "d"], vnodes=8)
     assert ring.first_of(5, {"x"}) is None and ring.first_of(5, {"x", "y", "z"}) is None
+
+
+def _same_ring(a: HashRing, b: HashRing) -> bool:
+    """Equal as rings: the same members, points, owners and each member's own points."""
+    return (
+        a.names == b.names
+        and a._points == b._points
+        and a._owners == b._owners
+        and a._own == b._own
+    )
+
+
+pools = st.lists(
+    st.integers(1, 65535).map(lambda port: f"http://10.0.0.2:{port}"),
+    min_size=1,
+    max_size=12,
+    unique=True,
+)
+
+
+@settings(max_examples=60)
+@given(pools, st.lists(st.sets(st.integers(0, 11)), min_size=1, max_size=6), positions)
+def test_a_ring_followed_through_membership_changes_equals_the_ring_built_from_its_names(
+    pool, steps, key
+):
+    """`with_members` keeps the points of the names it keeps and hashes only the new ones: after
+    any sequence of joins and leaves, the ring is the one built from scratch."""
+    ring = HashRing((), vnodes=16)
+    for step in steps:
+        members = [pool[i] for i in step if i < len(pool)]
+        ring = ring.with_members(members)
+        fresh = HashRing(members, vnodes=16)
+        assert _same_ring(ring, fresh)
+        assert list(ring.walk(key)) == list(fresh.walk(key))
+
+
+def test_with_the_same_members_the_ring_is_reused():
+    ring = HashRing(["http://10.0.0.1:1", "http://10.0.0.1:2"])
+    assert ring.with_members(["http://10.0.0.1:2", "http://10.0.0.1:1"]) is ring
