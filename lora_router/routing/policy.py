@@ -26,7 +26,8 @@ Cost per request, n replicas (it must not grow with the fleet): a sibling by its
 a known prompt O(blocks), then O(1) per replica tried (a move: one ring walk, O(1 + s)); a
 spill O(1 + s), s the members the walk passes over; a new family O(log n) per rank passed over
 (`ranks`) plus O(min(k, n / k)) for k tied members, at most O(sqrt(n)), twice with the window
-open; `load_changed` O(log n). O(n) only without a key, in `LeastLoaded` and in `set_members`.
+open, plus O(log n) for each member whose load changed since the last deal; `load_changed`
+O(1). O(n) only without a key, in `LeastLoaded` and in `set_members`.
 
 Contract with the caller: one `choose(key, routable)` per attempt, `key` the request's
 `RouteKey` or None, dropped once decided (a retry builds a new one); `routable` a non-empty,
@@ -214,6 +215,9 @@ class PrefixAffinity:
         self._moved_tokens = 0  # prompt tokens priced for the moves made (`_lighter`)
         self._routed_tokens = 0  # prompt tokens of every request with a key routed (`choose`)
         self._ranks = Ranks()
+        # Members whose load changed since the ranks were last read, by name: re-filed when
+        # the ranks are next read (`_deal`), so a request that is not dealt files nothing.
+        self._unfiled: dict[str, Replica] = {}
 
     def set_members(self, members: Sequence[Replica]) -> None:
         """O(n log n) for the ranks, plus the ring's `with_members`: O(n * vnodes) and the
@@ -225,15 +229,23 @@ class PrefixAffinity:
         self._dealt_total = sum(self._dealt.values())
         self._moved = {name: self._moved.get(name, 0) for name in names}
         self._ranks = Ranks()
+        self._unfiled.clear()
         for r in members:
             self._ranks.file(r.name, (self._dealt[r.name], r.in_flight, r.in_flight_tokens))
 
     def load_changed(self, replica: Replica) -> None:
-        """Re-file a member under its new load: O(log n) (`Ranks.file`)."""
-        name = replica.name
-        rank = self._ranks.rank.get(name)
-        if rank is not None:
-            self._ranks.file(name, (rank[0], replica.in_flight, replica.in_flight_tokens))
+        """Note a member's new load: O(1). It is filed under it when the ranks are next read
+        (`_file_loads`), once however often it changed in between."""
+        self._unfiled[replica.name] = replica
+
+    def _file_loads(self) -> None:
+        """Re-file every member whose load changed (`load_changed`): O(log n) each."""
+        ranks = self._ranks
+        for name, replica in self._unfiled.items():
+            rank = ranks.rank.get(name)
+            if rank is not None:
+                ranks.file(name, (rank[0], replica.in_flight, replica.in_flight_tokens))
+        self._unfiled.clear()
 
     def cap(self, routable: Candidates[R]) -> int:
         """The in-flight count a replica may reach by taking the next request: O(1), from
@@ -390,6 +402,8 @@ class PrefixAffinity:
         finds the first in ring order in O(min(k, n / k)), at most O(sqrt(n)). The window reads
         the counts above the chosen one's the same way, up to its limit. On an idle fleet
         (every member tied) that is about one ring point: plain consistent hashing."""
+        if self._unfiled:
+            self._file_loads()
         ranks = self._ranks
         # Every member is a candidate when there are as many candidates as members (the fleet
         # routes only to members); a candidate outside the ring is caught by `get` below.
