@@ -23,7 +23,8 @@ from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
 from lora_router.fleet.replay import Replay
 from lora_router.fleet.telemetry import Telemetry
-from lora_router.http.server import ConnectionCount, serve
+from lora_router.http.request import ConnectionCount
+from lora_router.http.server import ClientConnection
 from lora_router.observe.families import metric_families
 from lora_router.observe.metrics import MetricsCollector, RequestStats, make_registry
 from lora_router.observe.status import summary_line
@@ -98,14 +99,16 @@ class RouterRuntime:
         app.state.discovery = discovery
         collector.add_source(lambda: metric_families(app.state))
         try:
-            self.server, self.connections = await serve(
-                app.handle,
-                config,
+            self.connections = count = ConnectionCount(
+                config.max_connections, config.max_buffered_bytes
+            )
+            # Bound now, accepting only once the fleet is known (`start_serving` below).
+            self.server = await asyncio.get_running_loop().create_server(
+                lambda: ClientConnection(app.handle, config, count, app.handle_now),
                 config.host,
                 config.port,
-                max_connections=config.max_connections,
+                backlog=2048,
                 start_serving=False,
-                fast=app.handle_now,
             )
         except OSError as exc:
             fleet.close()

@@ -22,7 +22,7 @@ import hmac
 
 from lora_router.config import Config
 from lora_router.http.errors import HTTPError
-from lora_router.http.server import Request
+from lora_router.http.request import Request
 
 OPEN_PATHS = frozenset({b"/health", b"/ping"})
 _OPEN_METHODS = frozenset({b"GET", b"HEAD", b"POST"})  # POST /ping: SageMaker-style

@@ -1,172 +1,65 @@
 """The client side of the proxy: one asyncio `Protocol` per client connection, parsed by httptools.
 
-A `ClientConnection` turns bytes into `Request` objects and hands each to the application
-(`handler(request, connection)`), one at a time per connection, in order. It owns the
-connection's limits and deadlines:
-
-- headers must arrive within `header_timeout`, and the body within `body_timeout` after them
-  (a fixed deadline, not an idle timer: a client trickling one byte a second is still cut off);
-- header bytes, header count and body bytes are capped (431 / 413);
-- an idle keep-alive connection is closed after `keepalive_timeout`.
-While a request is being answered the client's deadlines are off (the replica's apply); a
-pipelined request that arrives meanwhile gets its full deadlines once the answer in front of it
-is complete.
-
-The request body is buffered (it is needed whole to route and, before the first response byte,
-to retry) and released when the response head is passed on (`head`): a stream that has begun
-does not keep its request. The body bytes buffered at once over all connections of a listener
-are bounded (`ConnectionCount.buffered`, `max_buffered_bytes`): a body is counted from its head
-(its Content-Length, reserved at once; a chunked body chunk by chunk) until its answer begins
-(`head`, or the router's own `send`), its input is refused (`_fail`) or its connection is lost
-(whatever is still counted then), so the count is exact on every path; past the bound a
-request is answered 503 with `Retry-After` and its connection closed. Response bodies are never
-buffered here: the upstream side writes them straight to `transport` and uses
-`pause_writing`/`resume_writing` below to slow the replica down when the client reads slowly.
-
-End of input from the client while its request is in flight means the client is gone (as in
-nginx): the connection closes and the replica's connection with it, which makes vLLM abort the
-generation. Half-closing clients are not supported.
-
-What this module must never do: answer a malformed or ambiguous request with anything but an
-error and a closed connection (request smuggling), let trailers or anything after the headers
-add request headers, or run two requests of a connection at once.
+A `ClientConnection` turns bytes into `Request`s (http/request.py) and hands each to the
+application, one at a time per connection, in order. It owns the connection's limits:
+- headers within `header_timeout`, the body within `body_timeout` after them (fixed deadlines,
+  not idle timers: a client trickling a byte a second is still cut off); an idle keep-alive
+  connection closes after `keepalive_timeout`; while a request is answered the replica's
+  timeouts apply instead, and a pipelined request gets its deadlines once the one in front ends;
+- header bytes and count, body bytes (431 / 413) and the head rules of http/framing.py;
+- the bodies buffered over all connections (`ConnectionCount.buffered`): a body is reserved
+  from its head (chunked: chunk by chunk) until its answer begins (`head`, `send`), its input
+  is refused (`_fail`) or its connection goes; past `max_buffered_bytes`, 503 + Retry-After.
+A body is buffered whole (to route, and to retry before the first response byte) and released
+when the response head passes; response bodies are never buffered here (the upstream side writes
+to `transport`, slowed by `pause_writing`/`resume_writing`). End of input while a request is in
+flight means the client is gone: the replica's connection closes too, and vLLM aborts.
 
 Two ways a request is answered. THE FAST PATH: `fast(request, connection)`, called from the
-parser callback that completed the request (`on_message_complete`) or from the end of the
-answer in front of it, may take the request and answer it from protocol callbacks alone, with
-no Task (the app's `handle_now`: a routed completion written upstream at once on an idle pooled
-connection). It then ends with `answered()`, or passes the request on to the general path with
-`hand_over(work)`; `on_lost` tells it the client went away. When `fast` declines (returns
-False), the general path runs: a Task awaiting `handler(request, connection)`.
+callback that completed the request or from the end of the answer in front of it, may answer
+it from protocol callbacks alone, with no Task (the app's `handle_now`), ending with
+`answered()` or handing the request to the general path with `hand_over(work)`; `on_lost` tells
+it the client went away. When `fast` declines, a Task awaits `handler(request, connection)`.
 
-A connection's objects die with it, by reference counting: its parser and timer refer back to
-it, and are dropped when it is lost (a cycle would wait for the cycle collector).
+Never: answer a malformed or ambiguous request but with an error and a closed connection
+(request smuggling), let trailers add request headers, run two requests of a connection at once,
+or keep a reference cycle (a connection's parser and timer are dropped when it is lost).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
-import re
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Protocol, cast
+from typing import NoReturn, cast
 
 import httptools
-import msgspec
 
 from lora_router.http.errors import REASONS, HTTPError, error_body
+from lora_router.http.framing import (
+    CONTROL,
+    FRAMING,
+    METHODS,
+    body_framing,
+    body_too_big,
+    headers_too_big,
+    over_budget,
+)
 from lora_router.http.headers import response_head
+from lora_router.http.request import ConnectionCount, Limits, Request
 from lora_router.http.timer import LazyTimer
 
 log = logging.getLogger(__name__)
 
 _JSON = [(b"content-type", b"application/json")]
 _LINGER = 2.0  # seconds a closing connection keeps draining the client's input
-_METHODS = frozenset({b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"OPTIONS", b"PATCH"})
-# NUL and other controls (but tab) are never legitimate in a header value. llhttp already
-# refuses them in strict mode; this is the second lock, in C speed.
-_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
-# Request headers that frame the body, checked together once the head is complete.
-_FRAMING = frozenset({b"content-length", b"transfer-encoding", b"expect"})
-
-
-class Request(msgspec.Struct):
-    """One parsed client request; the body is complete. (A msgspec Struct rather than a
-    dataclass: built in C, with no Python `__init__` frame, once per request.)
-
-    `body` becomes b"" once a response head for it reaches the client (`ClientConnection.head`):
-    from then on nothing may send the request again (the retry rule, proxy/routed.py).
-    """
-
-    method: bytes
-    target: bytes  # origin-form path and query, exactly as sent
-    path: bytes  # target without the query
-    query: bytes
-    headers: list[tuple[bytes, bytes]]  # names lower-cased, values verbatim
-    body: bytes
-    keep_alive: bool
-    http11: bool
-    client_ip: bytes
-
-    def header(self, name: bytes) -> bytes | None:
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
-
-
-class Limits(Protocol):
-    """The settings a connection reads (a `Config` is one; read-only, as a frozen Config is)."""
-
-    @property
-    def header_timeout(self) -> float: ...
-    @property
-    def body_timeout(self) -> float: ...
-    @property
-    def keepalive_timeout(self) -> float: ...
-    @property
-    def max_body_bytes(self) -> int: ...
-    @property
-    def max_buffered_bytes(self) -> int: ...
-    @property
-    def max_header_bytes(self) -> int: ...
-    @property
-    def max_headers(self) -> int: ...
-
-
-class ResponseSink(Protocol):
-    """What the upstream side needs of a client connection to stream a response into it."""
-
-    @property
-    def keep_alive(self) -> bool:
-        """Whether the client's connection may stay open after this response."""
-
-    def head(self, status: int, data: bytes, body: memoryview | None = None) -> None:
-        """The response head (maybe with the first body bytes), then `body` if given: the
-        response's first write."""
-
-    def write(self, data: bytes | memoryview) -> None:
-        """Body bytes, as they arrive."""
-
-    def on_upstream(self, transport: asyncio.Transport | None) -> None: ...
 
 
 Handler = Callable[[Request, "ClientConnection"], Awaitable[None]]
 # The fast path (module docstring): True when it took the request.
 FastHandler = Callable[[Request, "ClientConnection"], bool]
-
-
-class ConnectionCount:
-    """Open client connections and the request body bytes they buffer (module docstring),
-    shared by every connection of one listening socket."""
-
-    __slots__ = ("_drained", "buffered", "limit", "max_buffered", "open")
-
-    def __init__(self, limit: int, max_buffered: int) -> None:
-        self.limit = limit
-        self.open: set[ClientConnection] = set()
-        self._drained: asyncio.Event | None = None
-        self.buffered = 0
-        self.max_buffered = max_buffered
-
-    def discard(self, conn: ClientConnection) -> None:
-        self.open.discard(conn)
-        if not self.open and self._drained is not None:
-            self._drained.set()
-
-    async def drain(self, grace: float) -> None:
-        """Close idle connections now, let busy ones finish their request, abort after `grace`."""
-        self._drained = asyncio.Event()
-        for conn in list(self.open):
-            conn.close_when_idle()
-        if self.open:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._drained.wait(), grace)
-        for conn in list(self.open):
-            conn.abort()
 
 
 class _Phase:
@@ -269,7 +162,7 @@ class ClientConnection(asyncio.Protocol):
         # Parser scratch for the request being received.
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
-        self._framing: list[tuple[bytes, bytes]] = []  # the headers in _FRAMING, in order
+        self._framing: list[tuple[bytes, bytes]] = []  # the headers in FRAMING, in order
         self._http11 = True
         self._header_bytes = 0
         self._body: list[bytes] = []
@@ -376,11 +269,11 @@ class ClientConnection(asyncio.Protocol):
             return  # a trailer of a chunked body: counted against the limit, never forwarded
         if len(self._headers) >= self._max_headers:
             self._raise(HTTPError(431, "Too many request headers."))
-        if _CONTROL.search(value) is not None:
+        if CONTROL.search(value) is not None:
             self._raise(HTTPError(400, "Control characters in a header value."))
         name = name.lower()
         self._headers.append((name, value))
-        if name in _FRAMING:
+        if name in FRAMING:
             self._framing.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -390,72 +283,45 @@ class ClientConnection(asyncio.Protocol):
             self._raise(HTTPError(505, f"HTTP/{version} is not supported."))
         self._http11 = version == "1.1"
         framing = self._framing
-        if len(framing) == 1 and framing[0][0] == b"content-length":
-            # The usual case, `_check_length` written out (it runs on every request with a body).
-            length = int(framing[0][1])  # llhttp checked the digits
-            if length > self._max_body_bytes:
-                self._body_too_big()
-            count = self._count  # `_reserve`, written out too
-            buffered = count.buffered + length
-            if buffered > count.max_buffered:
-                self._over_budget()
-            count.buffered = buffered
-            self._receiving = length
+        if len(framing) == 1 and framing[0][0] == b"content-length":  # the usual case
             self._chunked = False
+            self._reserve_length(framing[0][1])
         elif framing:
             self._check_framing(version)
 
-    def _check_length(self, value: bytes) -> None:
-        length = int(value)  # llhttp checked the digits
+    def _reserve_length(self, value: bytes) -> None:
+        """A body of Content-Length `value` (digits, checked by llhttp), refused past the body
+        limit or the buffer budget before it is sent, else counted in the budget."""
+        length = int(value)
         if length > self._max_body_bytes:
             self._body_too_big()
-        self._reserve(length)
-
-    def _reserve(self, length: int) -> None:
-        """Count a body of `length` bytes in the buffer budget, before it is read."""
         count = self._count
         buffered = count.buffered + length
         if buffered > count.max_buffered:
-            self._over_budget()  # refused before the body is sent, not after
+            self._over_budget()
         count.buffered = buffered
         self._receiving = length
 
     def _over_budget(self) -> None:
-        self._raise(
-            HTTPError(
-                503,
-                "The router holds as many request bodies as --max-buffered-bytes allows; retry.",
-                headers=[*_JSON, (b"retry-after", b"1")],
-            )
-        )
+        self._raise(over_budget())
 
     def _body_too_big(self) -> None:
-        self._raise(HTTPError(413, f"Request body over {self._max_body_bytes} bytes."))
+        self._raise(body_too_big(self._max_body_bytes))
 
     def _check_framing(self, version: str) -> None:
-        """Content-Length, Transfer-Encoding and Expect, the headers that frame the body."""
-        framing = self._framing
-        lengths = [v for k, v in framing if k == b"content-length"]
-        codings = [v for k, v in framing if k == b"transfer-encoding"]
-        if len(lengths) > 1 or (lengths and codings):
-            self._raise(HTTPError(400, "Conflicting Content-Length / Transfer-Encoding headers."))
-        if codings and (
-            version == "1.0" or len(codings) > 1 or codings[0].strip().lower() != b"chunked"
-        ):
-            # Only a plain `chunked` means the same to every parser on the way (RFC 9112 §6.1).
-            self._raise(HTTPError(400, "Only `Transfer-Encoding: chunked` (HTTP/1.1) is accepted."))
-        self._chunked = bool(codings)
-        if lengths:
-            self._check_length(lengths[0])
-        expect = [v.lower() for k, v in framing if k == b"expect"]
-        if expect:
-            if expect != [b"100-continue"]:
-                self._raise(HTTPError(417, "Only `Expect: 100-continue` is supported."))
-            if version == "1.1" and (lengths or codings):
-                if not self._busy:
-                    self._write_continue()
-                else:
-                    self._continue = True  # after the answer in front of it
+        """http/framing.py's rules applied; a `100 Continue` now, or after the answer in front."""
+        try:
+            framing = body_framing(self._framing, version)
+        except HTTPError as error:
+            self._raise(error)
+        self._chunked = framing.chunked
+        if framing.length is not None:
+            self._reserve_length(framing.length)
+        if framing.expect_continue:
+            if not self._busy:
+                self._write_continue()
+            else:
+                self._continue = True
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
@@ -475,7 +341,7 @@ class ClientConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         parser = self._parser
         method = parser.get_method()
-        if method not in _METHODS:
+        if method not in METHODS:
             self._raise(HTTPError(501, f"Method {method.decode('latin-1')} is not supported."))
         url = self._url
         if not url.startswith(b"/"):
@@ -656,13 +522,13 @@ class ClientConnection(asyncio.Protocol):
         self._body = []
         self._queue.clear()
 
-    def _raise(self, error: HTTPError) -> None:
+    def _raise(self, error: HTTPError) -> NoReturn:
         # httptools replaces an exception raised in a callback by its own error; keep ours.
         self._error = error
         raise error
 
     def _headers_too_big(self) -> None:
-        self._raise(HTTPError(431, f"Request headers over {self._max_header_bytes} bytes."))
+        self._raise(headers_too_big(self._max_header_bytes))
 
     def _write_continue(self) -> None:
         if self.transport is not None:
@@ -732,29 +598,3 @@ class ClientConnection(asyncio.Protocol):
             self.keep_alive = False
             self.send(408, error_body(408, "The request was not received in time."))
         self._close()
-
-
-async def serve(
-    handler: Handler,
-    limits: Limits,
-    host: str,
-    port: int,
-    *,
-    max_connections: int,
-    backlog: int = 2048,
-    start_serving: bool = True,
-    fast: FastHandler | None = None,
-) -> tuple[asyncio.Server, ConnectionCount]:
-    """Listen on host:port; every accepted connection becomes a `ClientConnection` (`fast`:
-    the fast path, see the module docstring). With `start_serving` False the socket is bound
-    but accepts only after `start_serving()`."""
-    loop = asyncio.get_running_loop()
-    count = ConnectionCount(max_connections, limits.max_buffered_bytes)
-    server = await loop.create_server(
-        lambda: ClientConnection(handler, limits, count, fast),
-        host,
-        port,
-        backlog=backlog,
-        start_serving=start_serving,
-    )
-    return server, count

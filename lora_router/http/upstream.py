@@ -37,113 +37,20 @@ import asyncio
 import re
 import ssl
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Final, cast
 
 import httptools
 
 from lora_router.config import ReplicaAddress
+from lora_router.http.exchange import Exchange, Then, UpstreamError
 from lora_router.http.headers import client_response_head
-from lora_router.http.server import ResponseSink
+from lora_router.http.request import ResponseSink
 from lora_router.http.timer import LazyTimer
 
 _MAX_HEAD: Final = 64 * 1024
 _COALESCE: Final = 4 * 1024  # body bytes copied behind the head rather than written beside it
 _FRAMED: Final = re.compile(rb"\r\n(?:content-length|transfer-encoding):", re.IGNORECASE)
-
-
-class UpstreamError(Exception):
-    """A replica exchange failed.
-
-    `kind` is one of connect, reset, timeout, protocol. `received` tells whether any response
-    byte arrived from the replica. Whether any reached the client is the client connection's
-    to know (`response_started`): if it did, the only thing left is to close that connection.
-    """
-
-    def __init__(self, kind: str, message: str, *, received: bool) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.received = received
-
-    @property
-    def retryable(self) -> bool:
-        """Safe to send to another replica: the replica failed without answering anything.
-
-        A timeout is not: the replica may still be working on the request (a long prefill).
-        """
-        return not self.received and self.kind != "timeout"
-
-
-Then = Callable[["UpstreamError | None"], None]
-
-
-class Exchange:
-    """Per-request state of one upstream connection.
-
-    Its end is told once, by `end`: to the general path's `done` future, or, on the fast path,
-    to `then` (None: the answer is complete; else the UpstreamError). `client_keep_alive` then
-    says whether the client connection may stay open.
-    """
-
-    __slots__ = (
-        "client_keep_alive",
-        "close_delimited",
-        "complete",
-        "dechunk",
-        "done",
-        "ended",
-        "head_buf",
-        "head_only",
-        "head_sent",
-        "pool",
-        "request",
-        "reusable",
-        "sink",
-        "status",
-        "then",
-    )
-
-    def __init__(self, sink: ResponseSink, request: bytes, head_only: bool, http11: bool) -> None:
-        self.sink = sink
-        self.done: asyncio.Future[bool] | None = None  # the general path's
-        self.then: Then | None = None  # the fast path's
-        self.pool: UpstreamPool | None = None  # the fast path's: its slot is freed at the end
-        self.ended = False
-        self.request = request  # head + body, until the first response byte (b"" after)
-        self.head_only = head_only
-        self.dechunk = not http11  # an HTTP/1.0 client cannot read chunked framing
-        self.client_keep_alive = True
-        self.head_buf = b""
-        self.head_sent = False
-        self.status = 0  # of the last head parsed
-        self.complete = False
-        # Whether the connection may carry another request. Never after HEAD: the parser still
-        # expects the body the headers announced.
-        self.reusable = False
-        self.close_delimited = False
-
-    def end(self, error: UpstreamError | None) -> None:
-        """The exchange is over (complete, or failed with `error`): tell whoever waits, once."""
-        if self.ended:
-            return
-        self.ended = True
-        done, then = self.done, self.then
-        if then is not None:
-            self.then = None  # it refers to the caller's state: not kept past the end
-            pool = self.pool
-            assert pool is not None
-            # The slot is freed before `then`, which may send the next request. With nobody
-            # queued (the usual case) that is all `_release_slot` does: written out.
-            if pool._waiters:
-                pool._release_slot()
-            else:
-                pool._busy -= 1
-            then(error)
-        elif done is not None and not done.done():
-            if error is None:
-                done.set_result(self.client_keep_alive)
-            else:
-                done.set_exception(error)
 
 
 class UpstreamConnection(asyncio.Protocol):
@@ -536,7 +443,7 @@ class UpstreamPool:
         ex.ended = True
         ex.then = None
         conn.cancel()
-        self._release_slot()
+        self.release_slot()
 
     def resend(self, ex: Exchange) -> Awaitable[bool]:
         """A fast exchange that failed on its reused connection before any response byte (the
@@ -574,7 +481,7 @@ class UpstreamPool:
                     # exchange is as new): see the retry rule above.
                     conn, fresh = None, True
         finally:
-            self._release_slot()
+            self.release_slot()
 
     async def _wait_for_slot(self) -> None:
         """Queue, first come first served, for a slot; it is handed over already counted."""
@@ -584,10 +491,10 @@ class UpstreamPool:
             await waiter
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():
-                self._release_slot()  # handed a slot, then cancelled: the next one's turn
+                self.release_slot()  # handed a slot, then cancelled: the next one's turn
             raise
 
-    def _release_slot(self) -> None:
+    def release_slot(self) -> None:
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():

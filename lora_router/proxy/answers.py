@@ -35,7 +35,7 @@ from lora_router.fleet.refusals import (
 )
 from lora_router.fleet.replica import Replica
 from lora_router.http.errors import HTTPError, bad_request, model_not_found, unavailable
-from lora_router.http.upstream import UpstreamError
+from lora_router.http.exchange import UpstreamError
 from lora_router.routes import REFUSED_STATUS, Kind, Route
 
 

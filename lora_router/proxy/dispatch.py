@@ -51,7 +51,8 @@ from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
 from lora_router.http.auth import authenticate
 from lora_router.http.errors import HTTPError, bad_request, method_not_allowed, not_found
-from lora_router.http.server import ClientConnection, Request
+from lora_router.http.request import Request
+from lora_router.http.server import ClientConnection
 from lora_router.http.target import canonical
 from lora_router.observe.metrics import RequestStats
 from lora_router.observe.status import RouterState, replica_json, status
@@ -195,7 +196,7 @@ class RouterApp(RoutedPath):
         conn.send(200, body, [(b"content-type", CONTENT_TYPE_LATEST.encode())])
 
     async def router_status(self, request: Request, conn: ClientConnection) -> None:
-        """What an operator reads first when training stalls (see status.py)."""
+        """What an operator reads first when training stalls (see observe/status.py)."""
         conn.send(200, orjson.dumps(status(self.state), option=orjson.OPT_INDENT_2), _JSON)
 
     # -- membership (operators) -------------------------------------------------------------

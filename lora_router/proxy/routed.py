@@ -51,9 +51,11 @@ from lora_router.fleet.refusals import FleetRefusal, no_replica_in_service
 from lora_router.fleet.replica import Replica
 from lora_router.http.auth import authenticate
 from lora_router.http.errors import HTTPError
+from lora_router.http.exchange import Exchange, UpstreamError
 from lora_router.http.headers import upstream_request_head
-from lora_router.http.server import ClientConnection, Request
-from lora_router.http.upstream import Exchange, UpstreamConnection, UpstreamError
+from lora_router.http.request import Request
+from lora_router.http.server import ClientConnection
+from lora_router.http.upstream import UpstreamConnection
 from lora_router.observe.metrics import RequestStats
 from lora_router.proxy.answers import (
     exchange_failed,

@@ -26,8 +26,7 @@ Cost per request, n replicas (it must not grow with the fleet): a sibling by its
 a known prompt O(blocks), then O(1) per replica tried (a move: one ring walk, O(1 + s)); a
 spill O(1 + s), s the members the walk passes over; a new family O(log n) per rank passed over
 (`ranks`) plus O(min(k, n / k)) for k tied members, at most O(sqrt(n)), twice with the window
-open, plus O(log n) for each member whose load changed since the last deal; `load_changed`
-O(1). O(n) only without a key, in `LeastLoaded` and in `set_members`.
+open, plus O(log n) per member whose load changed since; O(n) only in `LeastLoaded`, `set_members`.
 
 Contract with the caller: one `choose(key, routable)` per attempt, `key` the request's
 `RouteKey` or None, dropped once decided (a retry builds a new one); `routable` a non-empty,

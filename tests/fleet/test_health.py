@@ -16,7 +16,7 @@ from helpers import Adapter, call, complete, load, until
 
 from lora_router.emulator import Emulator
 from lora_router.fleet.replica import Replica
-from lora_router.http.server import Request
+from lora_router.http.request import Request
 from lora_router.proxy.dispatch import RouterApp
 from lora_router.runtime import RouterRuntime
 

@@ -1,0 +1,113 @@
+"""One exchange with a replica: its per-request state (`Exchange`) and how it can fail
+(`UpstreamError`), shared by the pool's two ways in (http/upstream.py).
+
+Rules: an exchange ends once (`Exchange.end`), told either to the general path's future or to
+the fast path's `then`; on the fast path its pool slot is freed before `then` runs, so `then`
+may send the next request at once. The request's bytes are held only until the first response
+byte (`request` becomes b""): a long stream does not keep them. `UpstreamError.retryable` is
+the one judgement of whether a failed exchange may go to another replica: nothing of the
+answer arrived, and it was not a timeout (the replica may still be working on it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Protocol
+
+from lora_router.http.request import ResponseSink
+
+
+class SlotPool(Protocol):
+    """What an exchange needs of its pool: to give back the slot it held."""
+
+    def release_slot(self) -> None: ...
+
+
+class UpstreamError(Exception):
+    """A replica exchange failed.
+
+    `kind` is one of connect, reset, timeout, protocol. `received` tells whether any response
+    byte arrived from the replica. Whether any reached the client is the client connection's
+    to know (`response_started`): if it did, the only thing left is to close that connection.
+    """
+
+    def __init__(self, kind: str, message: str, *, received: bool) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.received = received
+
+    @property
+    def retryable(self) -> bool:
+        """Safe to send to another replica: the replica failed without answering anything.
+
+        A timeout is not: the replica may still be working on the request (a long prefill).
+        """
+        return not self.received and self.kind != "timeout"
+
+
+Then = Callable[["UpstreamError | None"], None]
+
+
+class Exchange:
+    """Per-request state of one upstream connection.
+
+    Its end is told once, by `end`: to the general path's `done` future, or, on the fast path,
+    to `then` (None: the answer is complete; else the UpstreamError). `client_keep_alive` then
+    says whether the client connection may stay open.
+    """
+
+    __slots__ = (
+        "client_keep_alive",
+        "close_delimited",
+        "complete",
+        "dechunk",
+        "done",
+        "ended",
+        "head_buf",
+        "head_only",
+        "head_sent",
+        "pool",
+        "request",
+        "reusable",
+        "sink",
+        "status",
+        "then",
+    )
+
+    def __init__(self, sink: ResponseSink, request: bytes, head_only: bool, http11: bool) -> None:
+        self.sink = sink
+        self.done: asyncio.Future[bool] | None = None  # the general path's
+        self.then: Then | None = None  # the fast path's
+        self.pool: SlotPool | None = None  # the fast path's: its slot is freed at the end
+        self.ended = False
+        self.request = request  # head + body, until the first response byte (b"" after)
+        self.head_only = head_only
+        self.dechunk = not http11  # an HTTP/1.0 client cannot read chunked framing
+        self.client_keep_alive = True
+        self.head_buf = b""
+        self.head_sent = False
+        self.status = 0  # of the last head parsed
+        self.complete = False
+        # Whether the connection may carry another request. Never after HEAD: the parser still
+        # expects the body the headers announced.
+        self.reusable = False
+        self.close_delimited = False
+
+    def end(self, error: UpstreamError | None) -> None:
+        """The exchange is over (complete, or failed with `error`): tell whoever waits, once."""
+        if self.ended:
+            return
+        self.ended = True
+        done, then = self.done, self.then
+        if then is not None:
+            self.then = None  # it refers to the caller's state: not kept past the end
+            pool = self.pool
+            assert pool is not None
+            pool.release_slot()  # before `then`, which may send the next request
+            then(error)
+        elif done is not None and not done.done():
+            if error is None:
+                done.set_result(self.client_keep_alive)
+            else:
+                done.set_exception(error)
