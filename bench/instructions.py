@@ -50,39 +50,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lib.nginx import nginx_fleet
 from lib.overhead_setup import (
-    GROUP,
-    LOAD_CPU,
-    MODEL,
     PROMPT_TOKENS,
+    REPLIES,
+    TRACES,
     BenchFailure,
     Payload,
     check_trace,
     decisions,
-    distinct_free_ports,
-    json_reply,
-    replica_metrics,
+    reply_kind,
+    start_fleet,
     urls,
 )
 from lib.procs import Procs, free_port, git_revision, source_tree, wait_port
 
 THIS = "lora-router"
-TRACES = {"fresh": 1, "siblings": GROUP, "sse": GROUP}
-SSE_EVENTS = 200
-
-
-def sse_reply() -> str:
-    """An event stream as vLLM sends a completion's: one event a token, then `[DONE]`."""
-    event = {
-        "id": "cmpl-bench",
-        "object": "text_completion",
-        "created": 1_700_000_000,
-        "model": MODEL,
-        "choices": [{"index": 0, "text": " 4", "logprobs": None, "finish_reason": None}],
-    }
-    line = "data: " + json.dumps(event, separators=(",", ":")) + "\n\n"
-    return line * SSE_EVENTS + "data: [DONE]\n\n"
 
 
 @dataclass
@@ -172,7 +154,7 @@ def measure(router: Router, trace: str, args: argparse.Namespace, nonce: int, re
     began = time.monotonic()
     asyncio.run(send(router.port, bodies, args.connections, reply))
     counted, window = router.dump(), time.monotonic() - began
-    check_trace("fresh" if trace == "fresh" else "siblings", before, decisions(router.port))
+    check_trace(trace, before, decisions(router.port))
     return (counted - idle_rate * window) / args.requests
 
 
@@ -203,30 +185,22 @@ def main() -> None:
         trees: dict[str, Path | None] = {THIS: None}
         for rev in args.base:
             trees[f"{THIS}@{rev}"] = source_tree(rev, Path(tempfile.mkdtemp()) / rev)
-        replies = {"json": json_reply(), "sse": sse_reply()}
         nonce = 1
         for size in fleets:
-            fleet = {}
-            for kind, body in replies.items():
-                ports = distinct_free_ports(size)
-                kind_type = "text/event-stream" if kind == "sse" else "application/json"
-                nginx_fleet(procs, ports, MODEL, body, kind_type, LOAD_CPU, replica_metrics())
-                fleet[kind] = ports
+            kinds = {reply_kind(t) for t in traces}
+            fleet = {kind: start_fleet(procs, size, kind) for kind in kinds}
             for rnd in range(args.rounds):
                 names = list(trees) if rnd % 2 == 0 else list(reversed(trees))
-                for name in names:
-                    for kind in ("json", "sse"):
-                        wanted = [t for t in traces if (t == "sse") == (kind == "sse")]
-                        if not wanted:
-                            continue
-                        router = start_router(procs, name, trees[name], fleet[kind])
-                        for trace in wanted:
-                            nonce += 2
-                            ir = measure(router, trace, args, nonce, len(replies[kind]))
-                            scenario = f"{size} replicas, {trace}, c={args.connections}"
-                            results.setdefault(scenario, {}).setdefault(name, []).append(ir)
-                            print(f"round {rnd + 1} {scenario} {name}: {ir / 1e3:,.1f} kIr/req")
-                        procs.stop(router.proc)
+                for name, kind in ((name, kind) for name in names for kind in sorted(kinds)):
+                    router = start_router(procs, name, trees[name], fleet[kind])
+                    reply = len(REPLIES[kind][0]())
+                    for trace in (t for t in traces if reply_kind(t) == kind):
+                        nonce += 2
+                        ir = measure(router, trace, args, nonce, reply)
+                        scenario = f"{size} replicas, {trace}, c={args.connections}"
+                        results.setdefault(scenario, {}).setdefault(name, []).append(ir)
+                        print(f"round {rnd + 1} {scenario} {name}: {ir / 1e3:,.1f} kIr/req")
+                    procs.stop(router.proc)
     except BenchFailure as e:
         sys.exit(f"bench/instructions.py FAILED, no results written: {e}")
     finally:

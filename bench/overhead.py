@@ -11,10 +11,12 @@ core 1. The machine is shared: the report records its load average.
 The requests are TRL 1.16's (`trl/experimental/async_grpo/async_rollout_worker.py`,
 `_generate_one_turn`), byte for byte as aiohttp's `json=` writes them: a token-id prompt,
 `max_tokens`, sampling fields, `return_token_ids`, `logprobs: 0` and a `seed` of its own on
-every request. wrk builds each body in a Lua script this bench generates. Two traces:
+every request. wrk builds each body in a Lua script this bench generates. Three traces:
 - fresh: every request a prompt nobody has seen (its first tokens count up);
 - siblings: each prompt sent as G = 8 requests in a row (a GRPO group), each with its own seed;
-  one request in eight is a new prompt.
+  one request in eight is a new prompt;
+- sse: siblings with `"stream": true`, to replicas of their own that answer an event stream of
+  200 events (one a token, as vLLM streams a completion), relayed as it comes.
 lora-router's own decision counts (`/metrics`) must show the trace it was given (nearly all
 `fresh` on the fresh trace; one in eight `fresh` on the siblings trace), or the run fails.
 
@@ -22,7 +24,7 @@ Measured:
 1. Latency and CPU, 2 replicas, siblings, concurrency 1 and 64, all five contenders: req/s,
    p50/p99, p50 added over direct (same round), proxy CPU µs per request (/proc, the whole
    process tree, during the timed window only).
-2. Fleet sweep, 2/8/32/128 replicas, fresh and siblings, concurrency 64, the four proxies:
+2. Fleet sweep, 2/8/32/128 replicas, each trace, concurrency 64, the four proxies:
    CPU µs per request and req/s, and per round the ratio of 128 replicas to 2.
 3. RSS per open stream: 500, 1,000 and 2,000 SSE streams of 4,096-token prompts held open
    through each proxy to 4 replicas that send a head and a first chunk and then hold (a small
@@ -165,7 +167,8 @@ def main() -> None:
         if args.table_only:
             report.table = table(procs, start, fleet, args)
             return write_table(report, began, Path(args.out), args.quick)
-        report.samples, report.idle, report.load_before_rounds = windows(procs, start, fleet, args)
+        fleets = {"json": fleet, "sse": start_fleet(procs, max(args.fleets), "sse")}
+        report.samples, report.idle, report.load_before_rounds = windows(procs, start, fleets, args)
         if not args.windows_only:
             print("open streams", flush=True)
             report.streams = streams(procs, start, args)

@@ -44,7 +44,9 @@ WINDOW_CONTENDERS = ("direct", "nginx", "floor", "lora-router", "vllm-router")
 FLOOR = Path(__file__).resolve().parents[1] / "floor.py"
 PROXIES = WINDOW_CONTENDERS[1:]
 BASE = "lora-router@base"  # --base-tree: lora-router from another source tree
-TRACES = {"fresh": 1, "siblings": GROUP}  # trace: requests per prompt
+# trace: requests per prompt; `sse` is siblings with `"stream": true`, answered by an event stream
+TRACES = {"fresh": 1, "siblings": GROUP, "sse": GROUP}
+SSE_EVENTS = 200  # events in the `sse` trace's reply, one a token as vLLM sends them
 VARYING = 3  # leading prompt tokens that make a prompt new: the run's nonce, then its number
 
 # The issue's targets.
@@ -200,15 +202,36 @@ def distinct_free_ports(count: int) -> list[int]:
     raise BenchFailure(f"found only {len(ports)} distinct free ports of {count}")
 
 
-def start_fleet(procs: Procs, size: int) -> list[int]:
-    """The instant replicas: one nginx on `size` free ports. A port found free can be taken
-    before nginx binds it (by any outgoing connection on this busy machine): try again."""
+def sse_reply() -> str:
+    """A completion as vLLM streams it: an event a token (`SSE_EVENTS`), then `[DONE]`."""
+    event = {
+        "id": "cmpl-bench",
+        "object": "text_completion",
+        "created": 1_700_000_000,
+        "model": MODEL,
+        "choices": [{"index": 0, "text": " 4", "logprobs": None, "finish_reason": None}],
+    }
+    line = "data: " + json.dumps(event, separators=(",", ":")) + "\n\n"
+    return line * SSE_EVENTS + "data: [DONE]\n\n"
+
+
+# A fleet's kind: its reply and content type. `sse` answers the `sse` trace, `json` the others.
+REPLIES = {"json": (json_reply, "application/json"), "sse": (sse_reply, "text/event-stream")}
+
+
+def reply_kind(trace: str) -> str:
+    return "sse" if trace == "sse" else "json"
+
+
+def start_fleet(procs: Procs, size: int, kind: str = "json") -> list[int]:
+    """The instant replicas: one nginx on `size` free ports, answering `kind`'s reply. A port
+    found free can be taken before nginx binds it (by any outgoing connection on this busy
+    machine): try again."""
+    reply, content_type = REPLIES[kind]
     for attempt in range(3):
         ports = distinct_free_ports(size)
         try:
-            nginx_fleet(
-                procs, ports, MODEL, json_reply(), "application/json", LOAD_CPU, replica_metrics()
-            )
+            nginx_fleet(procs, ports, MODEL, reply(), content_type, LOAD_CPU, replica_metrics())
             return ports
         except RuntimeError as e:
             print(f"replica fleet did not start (attempt {attempt + 1}): {e}", flush=True)
@@ -338,7 +361,7 @@ def check_trace(trace: str, before: dict[str, float], after: dict[str, float]) -
     made = {k: n for k, n in made.items() if n}
     total = sum(made.values())
     fresh = made.get("fresh", 0) / max(total, 1)
-    expected = 1 / TRACES[trace]
+    expected = 1 / TRACES[trace]  # sse: siblings
     if total == 0 or abs(fresh - expected) > 0.05:
         raise BenchFailure(
             f"lora-router on the {trace} trace made {made}: {fresh:.3f} fresh, "

@@ -17,6 +17,7 @@ from .overhead_setup import (
     LOAD_CPU,
     PROMPT_TOKENS,
     PROXIES,
+    REPLIES,
     TRACES,
     WINDOW_CONTENDERS,
     BenchFailure,
@@ -25,9 +26,9 @@ from .overhead_setup import (
     Start,
     check_trace,
     decisions,
-    json_reply,
     launch,
     lua_script,
+    reply_kind,
 )
 from .procs import (
     Procs,
@@ -91,7 +92,7 @@ def measure(
     """A timed wrk window of a scenario against one contender, after a warm-up if this is the
     contender's first window since it started."""
     url = f"http://127.0.0.1:{inst.port}/v1/completions"
-    payload = Payload.make(PROMPT_TOKENS)
+    payload = Payload.make(PROMPT_TOKENS, stream=sc.trace == "sse")
     group = TRACES[sc.trace]
     began, busy0 = time.monotonic(), cpu_seconds(inst.pid) if inst.pid else 0.0
     if warm_up and args.warmup > 0:
@@ -136,24 +137,30 @@ class Idle:
 
 
 def windows(
-    procs: Procs, start: dict[str, Start], fleet: list[int], args: argparse.Namespace
+    procs: Procs,
+    start: dict[str, Start],
+    fleets: dict[str, list[int]],
+    args: argparse.Namespace,
 ) -> tuple[list[Sample], list[Idle], list[float]]:
     """Every scenario against every contender, args.rounds times; returns the samples, the
     proxies' idle CPU and the 1-minute load average before each round.
 
     Within a round, fleet sizes come one at a time: only the proxies of the size being measured
     run (started for it and stopped after it), so an idle router's health checks of 128
-    replicas never take core 0 from another contender's window."""
+    replicas never take core 0 from another contender's window. The `sse` trace's windows
+    have replicas of their own (`fleets["sse"]`), and so proxies of their own."""
     plan = scenarios(args.fleets, (BASE,) if args.base_tree else ())
-    reply = len(json_reply())
     samples: list[Sample] = []
     idle: list[Idle] = []
     loads: list[float] = []
     for rnd in range(args.rounds):
         loads.append(os.getloadavg()[0])
         round_began = time.monotonic()
-        for n in rotated(args.fleets, rnd):
-            block = [sc for sc in plan if sc.replicas == n]
+        for n, kind in rotated([(n, k) for n in args.fleets for k in fleets], rnd):
+            block = [sc for sc in plan if sc.replicas == n and reply_kind(sc.trace) == kind]
+            if not block:
+                continue
+            fleet, reply = fleets[kind], len(REPLIES[kind][0]())
             names = list(dict.fromkeys(name for sc in block for name in sc.contenders))
             instances = {name: launch(procs, start[name], name, fleet[:n]) for name in names}
             cpu_at = {name: cpu_seconds(i.pid) for name, i in instances.items() if i.pid}
