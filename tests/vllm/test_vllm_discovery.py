@@ -33,9 +33,11 @@ def test_a_replica_named_in_the_file_mid_run_is_replayed_then_serves(
     assert router.post("/v1/load_lora_adapter", {"lora_name": V1, "lora_path": path}).status == 200
     third = Replica(model=model / "model", log=logs / "replica-joining.log")
     try:
+        # Started before the rollouts, outside the fleet until the file names it: on 2 cores a
+        # vLLM starting beside two replicas under load can take more than REPLICA_START_S.
+        third.start()
+        third.wait_healthy(REPLICA_START_S)
         with Rollouts(router.url, V1, seed=7) as rollouts:
-            third.start()
-            third.wait_healthy(REPLICA_START_S)
             aside = members.with_suffix(".new")
             aside.write_text(f"# replicas that joined\n{third.url}\n")
             os.replace(aside, members)
