@@ -35,11 +35,13 @@ async def stream(
     client: aiohttp.ClientSession, url: str, prompt: list[int], frames: list[int]
 ) -> tuple[bytes, str]:
     """A streamed completion read to its end; returns what arrived and how it ended.
-    `frames` gets one count per chunk received, for the test to watch progress."""
+    `frames` gets the replica's id first, then one count per chunk received, for the test to
+    see where it went and watch its progress."""
     body = {"prompt": prompt, "max_tokens": 40, "stream": True}
     received = b""
     try:
         async with client.post(url + "/v1/completions", json=body) as resp:
+            frames.append(int(resp.headers["x-lora-router-replica"]))
             async for chunk in resp.content.iter_any():
                 received += chunk
                 frames.append(1)
@@ -59,11 +61,14 @@ async def test_a_replica_killed_mid_stream_cuts_only_its_own_stream(
     assert rt.fleet is not None
     progress: list[list[int]] = [[], [], []]
     streams = [asyncio.create_task(stream(client, rt.url, [i] * 40, progress[i])) for i in range(3)]
-    await until(lambda: all(len(p) >= 2 for p in progress))
+    await until(lambda: all(len(p) >= 3 for p in progress))
+    # Round robin gave each stream its own replica, in the order their requests arrived.
+    assert sorted(p[0] for p in progress) == [0, 1, 2]
     await emus[0].crash()
     results = [await t for t in streams]
-    assert results[0][1] == "cut" and b"data: " in results[0][0]  # started, then closed
-    assert [how for _, how in results[1:]] == ["done", "done"]
+    cut = [p[0] == 0 for p in progress]
+    assert [how for _, how in results] == ["cut" if c else "done" for c in cut]
+    assert all(b"data: " in received for received, _ in results)  # each started
     # The failure on real traffic ejected it at once (a failed probe of a suspect replica).
     fleet = rt.fleet
     await until(lambda: not fleet.replicas[0].live, timeout=1.0)
