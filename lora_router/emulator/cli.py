@@ -103,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="as without VLLM_SERVER_DEV_MODE=1 (/pause, /resume ... 404)",
     )
     g.add_argument(
+        "--no-prompt-tokens-details",
+        action="store_true",
+        help="as without --enable-prompt-tokens-details (usage.prompt_tokens_details is null)",
+    )
+    g.add_argument(
         "--sse-keep-alive-interval",
         type=float,
         default=c.sse_keepalive_s,
@@ -230,6 +235,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         enable_lora=not args.no_lora,
         runtime_lora_updating=not args.no_runtime_lora_updating,
         dev_mode=not args.no_dev_mode,
+        prompt_tokens_details=not args.no_prompt_tokens_details,
         max_lora_rank=args.max_lora_rank,
         max_loras=args.max_loras,
         max_cpu_loras=args.max_cpu_loras,

@@ -5,9 +5,9 @@ type; rendering builds the response objects field for field as vLLM's pydantic m
 them (`choices[i].token_ids` with `return_token_ids`, the completions `logprobs` object with
 `text_offset`/`token_logprobs`/`tokens`/`top_logprobs`, chat `logprobs.content`, `usage` with
 `prompt_tokens_details.cached_tokens`). Choice `index` is `prompt_index * n + sample_index`.
-vLLM fills `prompt_tokens_details` only with `--enable-prompt-tokens-details` and only when
-something was cached; the emulator always reports it (0 when nothing was), so routing quality
-can be measured from every answer.
+vLLM fills `prompt_tokens_details` only with `--enable-prompt-tokens-details`; the emulator
+runs as if given it unless told otherwise (`EmulatorConfig.prompt_tokens_details`), so routing
+quality can be measured from every answer.
 
 Pure: no I/O, no engine; `app.py` runs the generation and calls these.
 """
@@ -403,10 +403,13 @@ class Renderer:
         return {"content": content}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict[str, Any]:
+    """vLLM's `usage`; `cached_tokens` None: without --enable-prompt-tokens-details."""
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": None
+        if cached_tokens is None
+        else {"cached_tokens": cached_tokens},
     }

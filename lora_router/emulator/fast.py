@@ -4,7 +4,8 @@ pre-rendered HTTP responses, so benchmarks measure the router, not the emulator.
 What it keeps of the full emulator: the routes a router needs to start and to sync adapters
 (health, server_info, models, load/unload, pause/resume ... all through `control.py`, so with
 the same bytes), the API key, unknown-model 404s, engine death, HTTP/1.1 keep-alive and
-pipelining. What it drops for speed: the timing model, the prefix cache, per-request ids
+pipelining. What it drops for speed: the timing model, the prefix cache (so `usage` has no
+`prompt_tokens_details`, as without --enable-prompt-tokens-details), per-request ids
 (`id` is constant), request recording and the completion faults. A completion costs one JSON
 parse of the body and one `transport.write` of bytes rendered once per distinct
 (route, model, stream, output length, prompt length, options) and then reused.
@@ -120,7 +121,7 @@ class Prerendered:
         sample = tokens.generate(model, [], seed=0, index=0, max_tokens=output, ignore_eos=True)
         renderer = Renderer(params, _FAST_REQUEST_ID, model)
         choice = ChoiceState(index=0, prompt=params.prompts[0])
-        usage = completions.usage(prompt_len, output, 0)
+        usage = completions.usage(prompt_len, output, None)  # no prefix cache: no details
         if not stream:
             choice.token_ids = sample.token_ids
             choice.logprob_tokens = sample.tokens

@@ -4,7 +4,8 @@
 Rules: an exchange ends once (`Exchange.end`), told either to the general path's future or to
 the fast path's `then`; on the fast path its pool slot is freed before `then` runs, so `then`
 may send the next request at once. The request's bytes are held only until the first response
-byte (`request` becomes b""): a long stream does not keep them. `UpstreamError.retryable` is
+byte (`request` becomes b""): a long stream does not keep them; of the answer, only its last
+two reads are kept (`tail`, `prior`). `UpstreamError.retryable` is
 the one judgement of whether a failed exchange may go to another replica: nothing of the
 answer arrived, and it was not a timeout (the replica may still be working on it).
 """
@@ -68,10 +69,12 @@ class Exchange:
         "head_only",
         "head_sent",
         "pool",
+        "prior",
         "request",
         "reusable",
         "sink",
         "status",
+        "tail",
         "then",
     )
 
@@ -93,6 +96,10 @@ class Exchange:
         # expects the body the headers announced.
         self.reusable = False
         self.close_delimited = False
+        # The answer's last read and the one before it (references, never copies), for what
+        # the caller reads of its end (proxy/usage.py).
+        self.tail = b""
+        self.prior = b""
 
     def end(self, error: UpstreamError | None) -> None:
         """The exchange is over (complete, or failed with `error`): tell whoever waits, once."""

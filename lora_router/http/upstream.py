@@ -119,6 +119,8 @@ class UpstreamConnection(asyncio.Protocol):
             return
         self._last = self._loop.time()
         if ex.head_sent:
+            ex.prior = ex.tail
+            ex.tail = data
             # Parse before forwarding: bytes past the end of this response never reach the
             # client (the parser fails the exchange on them instead).
             self._feed(data)
@@ -140,7 +142,7 @@ class UpstreamConnection(asyncio.Protocol):
             # replica is streaming, not thinking: `data_received` arms the stream-idle timeout
             # unless this read ends the answer (the usual case: the pool's idle one follows).
             ex.request = b""
-        buf = ex.head_buf + data if ex.head_buf else data
+        buf = ex.tail = ex.head_buf + data if ex.head_buf else data
         while True:
             end = buf.find(b"\r\n\r\n")
             if end < 0:
@@ -393,17 +395,15 @@ class UpstreamPool:
         self._busy = 0  # exchanges in progress, at most max_connections
         self._waiters: deque[asyncio.Future[None]] = deque()
 
-    def forward(
-        self, data: bytes, sink: ResponseSink, *, head_only: bool, http11: bool
-    ) -> Awaitable[bool]:
-        """Send one request (`data` = head + body) and stream the answer into `sink` (the
-        general path: it may wait for a slot and connect).
+    def forward(self, ex: Exchange) -> Awaitable[bool]:
+        """Send one exchange's request (`Exchange.request`, head + body) and stream the answer
+        into its sink (the general path: it may wait for a slot and connect).
 
         Awaited, returns whether the client connection may stay open. Raises UpstreamError.
-        From here on `data` is held by the exchange alone, which drops it at the first response
-        byte; the caller should hold no reference to it either (pass it as an expression).
+        From here on the request's bytes are held by the exchange alone, which drops them at
+        the first response byte; the caller should hold no other reference to them.
         """
-        return self._send(Exchange(sink, data, head_only, http11), reuse=True)
+        return self._send(ex, reuse=True)
 
     def take_now(self) -> UpstreamConnection | None:
         """THE FAST PATH's precondition (module docstring): a slot free with nobody queued and

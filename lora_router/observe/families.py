@@ -1,7 +1,7 @@
 """The live Prometheus families of `/metrics`: per replica, per discovery source, the retries,
-the routing decisions, the fence, the broadcasts, what the replicas report and the weight
-syncs, built at scrape time from the state `RouterState` names (the request counters are
-`metrics.py`'s).
+the routing decisions and their accuracy (accuracy.py), the fence, the broadcasts, what the
+replicas report and the weight syncs, built at scrape time from the state `RouterState` names
+(the request counters are `metrics.py`'s).
 
 Reads, never writes: every family is built when `/metrics` is scraped, from counters the
 other modules keep as plain attributes; nothing here sits on the request path.
@@ -18,6 +18,7 @@ from lora_router.fleet.breaker import CLOSED
 from lora_router.fleet.replica import Replica
 from lora_router.fleet.report import Report
 from lora_router.fleet.telemetry import WINDOW_S, fleet_figures
+from lora_router.observe.accuracy import accuracy_families
 from lora_router.observe.metrics import Rows, counter, gauge
 from lora_router.observe.status import RouterState
 
@@ -161,6 +162,7 @@ def metric_families(state: RouterState) -> Iterator[Metric]:
     )
 
     yield from telemetry_families(state)
+    yield from accuracy_families(state.stats.cached)
 
 
 def telemetry_families(state: RouterState) -> Iterator[Metric]:

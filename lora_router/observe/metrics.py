@@ -52,12 +52,35 @@ class Histogram:
 
 
 @dataclass
+class CacheAccount:
+    """Cached prompt tokens predicted against reported (proxy/usage.py says which answers
+    count and how each figure is read): per (replica label, lineage), `[answers, predicted,
+    reported]` over the answers that carried vLLM's report; per replica label, the answers that
+    did not."""
+
+    reported: dict[tuple[bytes, str], list[int]] = field(default_factory=dict)
+    unreported: dict[bytes, int] = field(default_factory=dict)
+
+    def record(self, replica: bytes, lineage: str, predicted: int, reported: int | None) -> None:
+        if reported is None:
+            self.unreported[replica] = self.unreported.get(replica, 0) + 1
+            return
+        row = self.reported.get((replica, lineage))
+        if row is None:
+            row = self.reported[replica, lineage] = [0, 0, 0]
+        row[0] += 1
+        row[1] += predicted
+        row[2] += reported
+
+
+@dataclass
 class RequestStats:
     """What the request path records; keys are small tuples of short strings."""
 
     requests: dict[tuple[str, int, bytes], int] = field(default_factory=dict)
     latency: dict[str, Histogram] = field(default_factory=dict)
     first_byte: dict[str, Histogram] = field(default_factory=dict)
+    cached: CacheAccount = field(default_factory=CacheAccount)
 
     def observe(
         self,

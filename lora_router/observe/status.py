@@ -22,6 +22,7 @@ from lora_router.fleet.health import HealthMonitor
 from lora_router.fleet.lifecycle import State
 from lora_router.fleet.replica import Replica
 from lora_router.fleet.telemetry import WINDOW_S, Telemetry, fleet_figures
+from lora_router.observe.accuracy import accuracy_json, overpredicting, totals
 from lora_router.observe.metrics import RequestStats
 from lora_router.routing.policy import Policy
 
@@ -146,6 +147,7 @@ def status(state: RouterState) -> dict[str, object]:
             ],
         },
         "routing": state.policy.counts.as_dict(),
+        "routing_accuracy": accuracy_json(state.stats.cached),
         "requests": requests,
         "retries": {**state.budget.retries, "refused_by_budget": state.budget.denied},
         "health": {
@@ -215,11 +217,16 @@ def summary_line(state: RouterState) -> str:
     in_flight = ",".join(str(r.in_flight) for r in replicas)
     waiting = ",".join(str(r.report.waiting) if r.report else "?" for r in replicas)
     syncs = state.broadcaster.syncs
+    warning = (
+        "; routing predicts far more cached tokens than the replicas report (routing_accuracy)"
+        if overpredicting(totals(state.stats.cached.reported.values()))
+        else ""
+    )
     return (
         f"status: {serving}/{len(replicas)} replicas serving, in flight [{in_flight}], "
         f"waiting in replicas [{waiting}], "
         f"{total} requests, adapters live {live or '-'}, paused={state.fleet.pause.query or 'no'}, "
         f"{syncs.count} syncs (paused {syncs.share(time.monotonic()):.0%} of the last "
         f"{WINDOW_S:g} s), fence waits {state.fence.waits} ({state.fence.waiting} waiting), "
-        f"routing {decisions or '-'}"
+        f"routing {decisions or '-'}{warning}"
     )

@@ -73,6 +73,7 @@ from lora_router.proxy.retry import (
     most_failing,
     verdict,
 )
+from lora_router.proxy.usage import predicted_cached_tokens, reported_cached_tokens
 from lora_router.routing.keys import Lineages, RouteKey, Seeds, completion_key
 from lora_router.routing.policy import Policy
 
@@ -105,6 +106,7 @@ class RoutedRequest:
         "held",
         "model",
         "on_upstream",
+        "prompt",
         "replica",
         "request",
         "seeds",
@@ -137,9 +139,11 @@ class RoutedRequest:
         # (fleet/fence.py).
         self.held = model if adapter else None
         self.on_upstream = conn.on_upstream
-        # The current attempt, set by `pick`: its replica, prompt tokens and sink state.
+        # The current attempt, set by `pick`: its replica, prompt tokens to compute, sink state
+        # and, for a counted answer, the prompt's tokens (proxy/usage.py; 0: not counted).
         self.replica: Replica | None = None
         self.tokens = 0
+        self.prompt = 0
         self.diverted = 0
         self.write: Callable[[bytes | memoryview], None] = conn.write
         # THE FAST PATH's, set by `handle_now`: its exchange, connection and start time.
@@ -194,6 +198,8 @@ class RoutedRequest:
                     app._loop.time(),
                     conn.first_byte_at,
                 )
+                if self.prompt:
+                    app.account(self, ex)
                 conn.answered()
                 return
         elif error.retryable:
@@ -384,6 +390,7 @@ class RoutedPath:
     ) -> None:
         """The retry loop (module docstring). `how`: how an attempt the fast path handed over
         (on `job.replica`) went, `_PICK` if there is none."""
+        answer: Exchange | None = None  # the last attempt's, once sent
         try:
             while True:
                 if how is _PICK:
@@ -396,12 +403,16 @@ class RoutedPath:
                 if how is _SEND or isinstance(how, Exchange):
                     try:
                         resend = how if isinstance(how, Exchange) else None
-                        await self.send(job.request, job.conn, replica, job, job.tokens, resend)
+                        answer = await self.send(
+                            job.request, job.conn, replica, job, job.tokens, resend
+                        )
                         how = None
                     except UpstreamError as exc:
                         how = exc.with_traceback(None)  # its frames would hold `how`: a cycle
                 assert how is None or isinstance(how, UpstreamError)
                 if self.settle(job, replica, how):
+                    if answer is not None and job.prompt:
+                        self.account(job, answer)
                     return
                 how = _PICK
         finally:
@@ -417,11 +428,14 @@ class RoutedPath:
         if key is None:  # a retry: the body is still here, its prompt was validated
             fields = self.reader.read(job.request.body, chat=job.chat)
             key = completion_key(fields, job.seeds, self.block_size)
+        wire = key.wire
         decision = self.policy.choose(key, routable)
         # The stream that follows may last minutes: it must not hold the prompt's ids, packed
         # bytes and chain (issue 16); `decision` keeps the ints it needs.
         del key
         replica = decision.replica
+        # Counted only for one token-id prompt (its wire key): its token count is exact.
+        job.prompt = decision.prompt if wire is not None else 0
         if self._debug:  # one line per decision, only when asked (--log-level debug)
             log.debug("%s -> replica %d (%s)", model or "base model", replica.rid, decision.kind)
         replica.breaker.begin()
@@ -517,20 +531,18 @@ class RoutedPath:
         sink: ClientConnection | RoutedRequest,
         tokens: int = 0,
         resend: Exchange | None = None,
-    ) -> None:
-        """One exchange with `replica`, on the general path; `resend`: a fast exchange to send
-        again on a fresh connection (the pool's retry rule), its bytes as they were."""
+    ) -> Exchange:
+        """One exchange with `replica`, on the general path, returned once over; `resend`: a
+        fast exchange to send again on a fresh connection (the pool's retry rule), its bytes as
+        they were."""
         if resend is None:
             # head + body as an expression: held by the exchange alone, until the first
             # response byte (http/upstream.py).
             head = self._request_head(request, replica)
-            forwarding = replica.pool.forward(
-                head + request.body,
-                sink,
-                head_only=request.method == b"HEAD",
-                http11=request.http11,
-            )
+            ex = Exchange(sink, head + request.body, request.method == b"HEAD", request.http11)
+            forwarding = replica.pool.forward(ex)
         else:
+            ex = resend
             forwarding = replica.pool.resend(resend)
         self.fleet.started(replica, tokens)
         conn.replica = replica.label
@@ -539,3 +551,16 @@ class RoutedPath:
         finally:
             self.fleet.finished(replica, tokens)
         conn.keep_alive = conn.keep_alive and keep_alive
+        return ex
+
+    def account(self, job: RoutedRequest, answer: Exchange) -> None:
+        """A counted request's answer passed on: its cached tokens, predicted against reported
+        (proxy/usage.py)."""
+        replica = job.replica
+        if job.conn.status == 200 and replica is not None:
+            self.stats.cached.record(
+                replica.label,
+                job.seeds.lineage,
+                predicted_cached_tokens(job.prompt, job.tokens, self.block_size),
+                reported_cached_tokens(answer.tail, answer.prior),
+            )

@@ -152,11 +152,13 @@ def model_seed(model: str | None, domain: int = TOKEN_SEED) -> int:
 
 
 class Seeds(NamedTuple):
-    """The seeds of one model name's placement keys, one per domain."""
+    """The seeds of one model name's placement keys, one per domain, and the name they are
+    seeded by (an adapter's lineage, a base model's own name; "" for none)."""
 
     token: int
     text: int
     wire: int
+    lineage: str = ""
 
 
 class Lineages:
@@ -210,6 +212,7 @@ class Lineages:
             model_seed(name, TOKEN_SEED ^ tag),
             model_seed(name, TEXT_SEED ^ tag),
             model_seed(name, WIRE_SEED ^ tag),
+            name or "",
         )
         if len(self._seeds) >= _MAX_NAMES:
             self._seeds.clear()

@@ -101,6 +101,9 @@ class Decision(NamedTuple, Generic[R]):
     # continuation: those beyond the earlier prompt it extends; else all), which the caller
     # counts in `in_flight_tokens`.
     tokens: int = 0
+    # The prompt's own tokens as its key counts them (0: the policy did not look at the key), so
+    # `prompt - tokens` is what the policy expects the replica to have cached.
+    prompt: int = 0
 
 
 @dataclass(slots=True)
@@ -269,8 +272,9 @@ class PrefixAffinity:
                     home.in_flight <= self.load_slack or home.in_flight < self.cap(routable)
                 ):
                     self.counts.sibling += 1
-                    self._routed_tokens += anchor_tokens(known)
-                    return Decision(home, "sibling")
+                    tokens = anchor_tokens(known)
+                    self._routed_tokens += tokens
+                    return Decision(home, "sibling", 0, tokens)
             # Unknown, not routable or full: the whole policy decides (a full home spills).
         prompt = key.key
         if prompt is None:
@@ -310,17 +314,18 @@ class PrefixAffinity:
             if exact:
                 if replica.in_flight < cap:
                     self.counts.sibling += 1
-                    return Decision(replica, "sibling")
+                    return Decision(replica, "sibling", 0, key.tokens)
             elif replica.in_flight < follow:
                 if self.move_price and anchor_first(anchor):
                     lighter = self._lighter(anchor[3], replica, routable, cap, key.tokens)
                     if lighter is not None:
                         self._remember(key, home, lighter.name)
                         self.counts.spill += 1
-                        return Decision(lighter, "spill", key.tokens)
+                        return Decision(lighter, "spill", key.tokens, key.tokens)
                 self._remember(key, home, name)
                 self.counts.continuation += 1
-                return Decision(replica, "continuation", max(0, key.tokens - anchor_tokens(anchor)))
+                rest = max(0, key.tokens - anchor_tokens(anchor))
+                return Decision(replica, "continuation", rest, key.tokens)
 
         if known:
             replica = self._next_with_room(key.full, routable, cap)
@@ -331,7 +336,7 @@ class PrefixAffinity:
             self.counts.fresh += 1
             kind = "fresh"
         self._remember(key, home, replica.name, first=kind == "fresh")
-        return Decision(replica, kind, key.tokens)
+        return Decision(replica, kind, key.tokens, key.tokens)
 
     def _lighter(
         self, family: int, home: R, routable: Candidates[R], cap: int, tokens: int

@@ -126,6 +126,10 @@ class DemoResult:
     load_times: list[float] = field(default_factory=list)
     unloads: int = 0
     wall: float = 0.0
+    # The router's `routing_accuracy` (observe/accuracy.py): cached prompt tokens it predicted
+    # and those the replicas reported, over the answers that carried a report.
+    predicted_cached: int = 0
+    reported_cached: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -206,7 +210,7 @@ async def run(plan: DemoPlan, progress: TextIO | None = sys.stderr) -> DemoResul
         started = time.perf_counter()
         await _Run(plan, runtime.url, workdir, result, progress).drive()
         result.wall = time.perf_counter() - started
-        await _read_cache_metrics(result, [e.url for e in emulators])
+        await _read_cache_metrics(result, [e.url for e in emulators], runtime.url)
         return result
     except asyncio.CancelledError:  # Ctrl-C: stopping now fails what is in flight, on purpose
         cancelled = True
@@ -512,13 +516,17 @@ def _ideal_hit_rate(trace: Sequence[tuple[int, list[int]]], group: int) -> float
     return cache.hits / cache.queries if cache.queries else 0.0
 
 
-async def _read_cache_metrics(result: DemoResult, urls: Sequence[str]) -> None:
+async def _read_cache_metrics(result: DemoResult, urls: Sequence[str], router: str) -> None:
     async with aiohttp.ClientSession() as http:
         for stats, url in zip(result.replicas, urls, strict=True):
             async with http.get(url + "/metrics") as resp:
                 text = await resp.text()
             stats.cache_queries = _metric_sum(text, "vllm:prefix_cache_queries")
             stats.cache_hits = _metric_sum(text, "vllm:prefix_cache_hits")
+        async with http.get(router + "/router/status") as resp:
+            accuracy = (await resp.json())["routing_accuracy"]
+        result.predicted_cached = accuracy["predicted_cached_tokens"]
+        result.reported_cached = accuracy["reported_cached_tokens"]
 
 
 def _metric_sum(exposition: str, name: str) -> float:

@@ -1,6 +1,7 @@
 """The closing table of `lora-router --demo` (demo.py runs it): requests per replica, affinity,
-the prefix-cache hit rate against the best any routing could reach, fence waits, loads and
-unloads, and the failures. Pure: a function of the run's `DemoResult`, no I/O.
+the prefix-cache hit rate against the best any routing could reach, the router's predicted
+cached tokens against the reported, fence waits, loads and unloads, and the failures. Pure: a
+function of the run's `DemoResult`, no I/O.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def summary(result: DemoResult) -> str:
         f"  prefix cache  {100 * result.hit_rate:.1f}% of prompt tokens were cache hits; "
         f"the best any routing could do: {100 * result.ideal_hit_rate:.1f}%",
         "                (each replica's vllm:prefix_cache_hits / vllm:prefix_cache_queries)",
+        f"  prediction    the router expected {result.predicted_cached:,} cached prompt tokens; "
+        f"the replicas reported {result.reported_cached:,}",
+        "                (routing_accuracy in /router/status: usage.prompt_tokens_details)",
     ]
     if waits:
         lines.append(

@@ -11,13 +11,14 @@ A frame shows:
   through (live) or holds back (loading, unloading);
 - one row per replica: state, requests in flight from the router, running / waiting, KV use,
   prefix-cache hit rate (last interval / since the replica started), generated tokens per
-  second, busy share, adapters held — the figures come from the replica's own `/metrics`
-  (fleet/telemetry.py); a replica that does not report shows "unknown" and why;
+  second, busy share (from the replica's own `/metrics`, fleet/telemetry.py; "unknown" and why
+  when it does not report), cached tokens reported over predicted (`rep/pred`), adapters held;
 - under the table, each replica out of service with why it is out and the fix (its
   `last_error`, named by fleet/failure.py);
 - each discovery source (fleet/discovery.py): its members by replica id, when it was last read
   and, when its last read failed, why (its last good set is kept);
-- the fleet's totals and the recent weight syncs (pause → resume) with their durations;
+- the fleet's totals, its cache reports against the predictions (`routing_accuracy`, flagged
+  when overpredicting) and the recent weight syncs (pause → resume) with their durations;
 - a one-line verdict, with the numbers it was judged on.
 
 The verdict. Let *paused* be the share of the last window (`syncs.paused_share_window`, 300 s)
@@ -150,16 +151,19 @@ def frame(status: dict[str, Any], url: str) -> RenderableType:
     return Group(
         head,
         versions,
-        _replica_table(replicas),
+        _replica_table(replicas, status.get("routing_accuracy")),
         *_out_of_service(replicas),
         *_sources(status.get("discovery") or [], replicas),
         Text(_fleet_line(status.get("fleet") or {}, replicas)),
+        Text(_accuracy_line(status.get("routing_accuracy") or {})),
         Text(_syncs_line(status.get("syncs") or {})),
         Text("verdict: " + verdict(status), style="bold"),
     )
 
 
-def _replica_table(replicas: Sequence[dict[str, Any]]) -> Table:
+def _replica_table(
+    replicas: Sequence[dict[str, Any]], accuracy: dict[str, Any] | None = None
+) -> Table:
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
     for name, justify in (
         ("id", "right"),
@@ -170,11 +174,14 @@ def _replica_table(replicas: Sequence[dict[str, Any]]) -> Table:
         ("hit last/all", "right"),
         ("tok/s", "right"),
         ("busy", "right"),
+        ("rep/pred", "right"),
         ("adapters held", "left"),
     ):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    by_replica = (accuracy or {}).get("replicas") or {}
     for r in replicas:
         rep = r.get("reported") or {}
+        ratio = _pct((by_replica.get(str(r.get("id"))) or {}).get("ratio"))
         held = compact(r.get("adapters") or [])
         state = _state(r)
         cells = [str(r.get("id")), state, str(r.get("in_flight", 0))]
@@ -186,11 +193,12 @@ def _replica_table(replicas: Sequence[dict[str, Any]]) -> Table:
                 f"{_pct(rep.get('prefix_cache_hit_rate_total'))}",
                 _num(rep.get("generation_tokens_per_s")),
                 _pct(rep.get("busy_share")),
+                ratio,
                 held,
             ]
         else:
             why = rep.get("reason") or "not scraped"
-            cells += ["unknown", "", "", "", "", f"{held}  (figures unknown: {why})"]
+            cells += ["unknown", "", "", "", "", ratio, f"{held}  (figures unknown: {why})"]
         table.add_row(*cells)
     return table
 
@@ -271,6 +279,20 @@ def _fleet_line(fleet: dict[str, Any], replicas: Sequence[dict[str, Any]]) -> st
         f"prefix-cache hit {_pct(fleet.get('prefix_cache_hit_rate'))} "
         f"({_pct(fleet.get('prefix_cache_hit_rate_total'))} since start), "
         f"{_num(fleet.get('generation_tokens_per_s'))} tok/s{age}"
+    )
+
+
+def _accuracy_line(accuracy: dict[str, Any]) -> str:
+    """Cached tokens the routing predicted against those the replicas reported."""
+    if not accuracy.get("answers"):
+        unreported = accuracy.get("unreported", 0)
+        return f"cache reports: none ({unreported} answers without one)"
+    flag = "  [OVERPREDICTING]" if accuracy.get("overpredicting") else ""
+    return (
+        f"cache reports: {accuracy['answers']} answers, reported "
+        f"{_num(accuracy.get('reported_cached_tokens'))} of "
+        f"{_num(accuracy.get('predicted_cached_tokens'))} predicted cached tokens "
+        f"({_pct(accuracy.get('ratio'))}), {accuracy.get('unreported', 0)} unreported{flag}"
     )
 
 

@@ -9,6 +9,7 @@ from helpers import until
 from http_harness import FakeReplica
 
 from lora_router.config import ReplicaAddress
+from lora_router.http.exchange import Exchange
 from lora_router.http.upstream import UpstreamPool
 
 
@@ -56,10 +57,10 @@ async def test_a_connection_paused_by_a_slow_client_reads_again_back_in_the_pool
     pool = pool_for(replica)
     try:
         first = Sink(pausing=True)  # pauses the replica connection on the last write
-        assert await pool.forward(GET, first, head_only=False, http11=True)
+        assert await pool.forward(Exchange(first, GET, False, True))
         assert first.data.endswith(b'{"ok":true}')
         second = Sink()
-        assert await pool.forward(GET, second, head_only=False, http11=True)
+        assert await pool.forward(Exchange(second, GET, False, True))
         assert second.data.endswith(b'{"ok":true}')
         assert len(replica.conns) == 1  # the same, reused connection
     finally:
@@ -69,7 +70,7 @@ async def test_a_connection_paused_by_a_slow_client_reads_again_back_in_the_pool
 async def test_an_idle_pooled_connection_is_closed_after_its_timeout(replica):
     pool = pool_for(replica, idle_timeout=0.2)
     try:
-        await pool.forward(GET, Sink(), head_only=False, http11=True)
+        await pool.forward(Exchange(Sink(), GET, False, True))
         assert pool.open_connections == 1
         async with asyncio.timeout(2):
             await replica.conns[0].closed.wait()
@@ -81,12 +82,12 @@ async def test_an_idle_pooled_connection_is_closed_after_its_timeout(replica):
 async def test_a_replica_closing_an_idle_connection_is_noticed_in_the_pool(replica):
     pool = pool_for(replica)
     try:
-        await pool.forward(GET, Sink(), head_only=False, http11=True)
+        await pool.forward(Exchange(Sink(), GET, False, True))
         replica.conns[0].abort()
         async with asyncio.timeout(2):
             while pool.open_connections:
                 await asyncio.sleep(0.01)
-        assert await pool.forward(GET, Sink(), head_only=False, http11=True)
+        assert await pool.forward(Exchange(Sink(), GET, False, True))
         assert len(replica.conns) == 2
     finally:
         pool.close()
@@ -108,7 +109,7 @@ async def test_waiters_for_a_full_pool_get_freed_slots_in_turn_minus_the_cancell
         order: list[int] = []
 
         async def send(i: int) -> None:
-            await pool.forward(GET, sinks[i], head_only=False, http11=True)
+            await pool.forward(Exchange(sinks[i], GET, False, True))
             order.append(i)
 
         first = [asyncio.create_task(send(i)) for i in range(4)]
@@ -155,7 +156,7 @@ async def test_thousands_of_idle_client_connections_cost_bounded_memory(router):
 async def test_a_pooled_connection_the_replica_closed_leaves_the_idle_list(replica):
     pool = pool_for(replica)
     try:
-        await pool.forward(GET, Sink(), head_only=False, http11=True)
+        await pool.forward(Exchange(Sink(), GET, False, True))
         (idle,) = pool._idle
         replica.conns[0].abort()
         async with asyncio.timeout(2):

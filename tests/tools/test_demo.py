@@ -37,6 +37,10 @@ async def test_a_small_runs_numbers_add_up() -> None:
     # but never everything: the first sample of a prompt computes its own tokens.
     assert all(0.0 < r.hit_rate < 1.0 for r in result.replicas)
     assert 0.0 < result.hit_rate <= result.ideal_hit_rate < 1.0
+    # What the router read of the answers is what the replicas counted (streams without a
+    # usage frame aside); it predicted no more than that: the shared template is not a family.
+    hits = sum(r.cache_hits for r in result.replicas)
+    assert 0 < result.predicted_cached <= result.reported_cached <= hits
     # One load per step, every one answered; the oldest versions were unloaded.
     assert len(result.load_times) == plan.steps
     assert result.unloads == plan.steps - plan.max_staleness - 1

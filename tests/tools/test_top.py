@@ -84,8 +84,17 @@ async def test_top_once_prints_each_replicas_reported_figures(
         tokens = rep["generation_tokens_per_s"]
         assert row[8] == (f"{tokens:,.0f}" if tokens is not None else "-")
         assert row[9] == pct(rep["busy_share"])
-        assert row[10:] == ["trl-policy-v1"]
+        accuracy = doc["routing_accuracy"]["replicas"].get(str(replica["id"])) or {}
+        assert row[10] == pct(accuracy.get("ratio"))
+        assert row[11:] == ["trl-policy-v1"]
     assert any(line.startswith("syncs: 1, ") for line in lines)
+    accuracy = doc["routing_accuracy"]
+    assert accuracy["answers"] == 4  # synced_traffic: four completions of token-id prompts
+    reported, predicted = accuracy["reported_cached_tokens"], accuracy["predicted_cached_tokens"]
+    assert (
+        f"cache reports: 4 answers, reported {reported:,} of {predicted:,} predicted cached "
+        f"tokens ({pct(accuracy['ratio'])}), 0 unreported"
+    ) in out
     kind = verdict(doc).split(":")[0]
     assert lines[-1].startswith(f"verdict: {kind}: busy ")
 

@@ -1,0 +1,49 @@
+"""Cache accounting: the cached prompt tokens the policy expected of a replica, against those
+the replica says it reused (vLLM's `usage.prompt_tokens_details.cached_tokens`).
+
+Rules:
+- *Counted*: a routed completion of one token-id prompt (its token count is exact) that a
+  replica answered 200, on the attempt that answered; recorded per replica and lineage
+  (observe/metrics.py `CacheAccount`). Text, chat and batch prompts are not counted.
+- *Predicted*: what the policy's decision leaves cached (`Decision.prompt - Decision.tokens`:
+  a sibling all of it, a continuation the earlier prompt, a new family nothing), as vLLM counts
+  it: whole blocks only, and never the prompt's last token, which vLLM recomputes for its
+  logits (`predicted_cached_tokens`).
+- *Reported*: the last `"cached_tokens":N` in the answer's last read, else across the last
+  two (a stream's usage frame may come a read before its `[DONE]`). None when it is not there
+  or null: a replica without `--enable-prompt-tokens-details`, a stream without
+  `stream_options.include_usage`. A literal key inside a JSON string has escaped quotes, so it
+  cannot match.
+- *Zero copy*: nothing is parsed while the answer streams (http/upstream.py keeps a reference
+  to the last two reads); the end searches them once.
+
+Never: raises on what a replica sends (what does not read is unreported); allocates per
+streamed read.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+_KEY: Final = b'"cached_tokens":'
+_NUMBER: Final = re.compile(rb" *(\d{1,15})")
+# Bytes of each read around their boundary searched for a key cut in two.
+_REACH: Final = 64
+
+
+def predicted_cached_tokens(prompt: int, to_compute: int, block_size: int) -> int:
+    """What vLLM would report cached for a prompt of `prompt` tokens of which the policy
+    expects `to_compute` to be computed."""
+    return max(0, min(prompt - to_compute, prompt - 1)) // block_size * block_size
+
+
+def reported_cached_tokens(last: bytes, before: bytes) -> int | None:
+    """vLLM's `cached_tokens` in an answer whose last read was `last`, the one before it
+    `before` (b"" if none), or None if it did not report them."""
+    for data in (last, before[-_REACH:] + last[:_REACH], before):
+        at = data.rfind(_KEY)
+        if at >= 0:
+            found = _NUMBER.match(data, at + len(_KEY))
+            return int(found.group(1)) if found else None
+    return None
