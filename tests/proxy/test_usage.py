@@ -9,7 +9,7 @@ import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lora_router.proxy.usage import predicted_cached_tokens, reported_cached_tokens
+from lora_router.proxy.usage import TAIL_BYTES, predicted_cached_tokens, reported_cached_tokens
 
 
 def test_a_prediction_counts_whole_blocks_and_never_the_last_token() -> None:
@@ -41,8 +41,8 @@ def _answer(cached: int | None, text: str = "a reply") -> bytes:
 def test_the_report_is_read_wherever_the_reads_cut_the_body(
     cached: int, text: str, cuts: list[int]
 ) -> None:
-    """A body cut into reads anywhere: found from its last two reads when the key and its
-    number lie in them, as the usage object near the end of vLLM's answers does."""
+    """A body cut into reads anywhere: found from its last two reads when the key lies in
+    them and near the end, as the usage object of vLLM's answers does."""
     body = _answer(cached, text)
     at = sorted({min(c, len(body)) for c in cuts} | {0, len(body)})
     reads = [body[a:b] for a, b in itertools.pairwise(at) if b > a]
@@ -50,6 +50,7 @@ def test_the_report_is_read_wherever_the_reads_cut_the_body(
     before = reads[-2] if len(reads) > 1 else b""
     key = body.rfind(b'"cached_tokens":')
     if key >= len(body) - len(last) - len(before):
+        assert key >= len(body) - 256  # where vLLM puts it: near the end
         assert reported_cached_tokens(last, before) == cached
 
 
@@ -59,6 +60,13 @@ def test_a_stream_reports_in_its_usage_frame_before_done() -> None:
     done = b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
     assert reported_cached_tokens(done, frames) == 48
     assert reported_cached_tokens(frames + done, b"") == 48
+
+
+def test_only_the_end_of_each_read_is_searched() -> None:
+    far = _answer(16) + b" " * TAIL_BYTES
+    assert reported_cached_tokens(far, b"") is None
+    assert reported_cached_tokens(b"0\r\n\r\n", far) is None
+    assert reported_cached_tokens(b"0\r\n\r\n", _answer(16)) == 16
 
 
 def test_no_report_reads_as_none() -> None:
