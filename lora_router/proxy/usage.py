@@ -29,7 +29,7 @@ import re
 from typing import Final
 
 _KEY: Final = b'"cached_tokens":'
-_NUMBER: Final = re.compile(rb" *(\d{1,15})")
+_NUMBER: Final = re.compile(rb"\d{1,15}")
 # Bytes searched at the end of each of the last two reads (the search costs per byte: a
 # 40 KB stream read searched whole cost 20 % of the SSE path's instructions).
 TAIL_BYTES: Final = 512
@@ -38,9 +38,10 @@ _REACH: Final = 64
 
 
 def predicted_cached_tokens(prompt: int, to_compute: int, block_size: int) -> int:
-    """What vLLM would report cached for a prompt of `prompt` tokens of which the policy
-    expects `to_compute` to be computed."""
-    return max(0, min(prompt - to_compute, prompt - 1)) // block_size * block_size
+    """What vLLM would report cached for a prompt of `prompt` tokens (at least 1) of which
+    the policy expects `to_compute` (0 to `prompt`) to be computed."""
+    cached = prompt - 1 if to_compute == 0 else prompt - to_compute
+    return cached - cached % block_size
 
 
 def reported_cached_tokens(last: bytes, before: bytes) -> int | None:
@@ -49,7 +50,7 @@ def reported_cached_tokens(last: bytes, before: bytes) -> int | None:
     data = last
     at = last.rfind(_KEY, len(last) - TAIL_BYTES)
     if at < 0 and before:
-        data = before[-_REACH:] + last[:_REACH]
+        data = before[-_REACH:] + last[:_REACH]  # first: a key or number cut in two
         at = data.rfind(_KEY)
         if at < 0:
             data = before
@@ -57,4 +58,4 @@ def reported_cached_tokens(last: bytes, before: bytes) -> int | None:
     if at < 0:
         return None
     found = _NUMBER.match(data, at + len(_KEY))
-    return int(found.group(1)) if found else None
+    return int(found.group()) if found else None  # not a number: null, or cut short

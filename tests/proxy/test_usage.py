@@ -18,7 +18,6 @@ def test_a_prediction_counts_whole_blocks_and_never_the_last_token() -> None:
     assert predicted_cached_tokens(76, 12, 16) == 64  # a continuation of a 64-token prompt
     assert predicted_cached_tokens(76, 76, 16) == 0  # a new family
     assert predicted_cached_tokens(10, 0, 16) == 0  # under one block
-    assert predicted_cached_tokens(0, 0, 16) == 0
 
 
 def _answer(cached: int | None, text: str = "a reply") -> bytes:
@@ -67,6 +66,12 @@ def test_only_the_end_of_each_read_is_searched() -> None:
     assert reported_cached_tokens(far, b"") is None
     assert reported_cached_tokens(b"0\r\n\r\n", far) is None
     assert reported_cached_tokens(b"0\r\n\r\n", _answer(16)) == 16
+
+
+def test_a_number_cut_by_the_reads_is_read_whole() -> None:
+    body = _answer(123456)
+    cut = body.index(b"123456") + 3
+    assert reported_cached_tokens(body[cut:], body[:cut]) == 123456
 
 
 def test_no_report_reads_as_none() -> None:
