@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import openai
 from vllm_harness import Router
 
@@ -23,6 +25,35 @@ def test_streamed_completion_arrives_as_chunks_ending_with_a_finish_reason(
     assert all(c.object == "text_completion" and c.model == base for c in chunks)
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_a_streams_usage_frame_is_what_the_router_counts_as_reported(
+    router: Router, base: str
+) -> None:
+    """The same token-id prompt streamed twice with `include_usage`, as the SDK sends it: the
+    second finds all but the last block cached, vLLM's usage frame says so, and the router read
+    the same figures from the stream it passed through (routing_accuracy)."""
+    prompt = random.Random().choices(range(3, 480), k=300)  # no replica has seen it
+    reported = []
+    for seed in (1, 2):
+        chunks = list(
+            sdk(router).completions.create(
+                model=base,
+                prompt=prompt,
+                max_tokens=2,
+                stream=True,
+                seed=seed,
+                stream_options={"include_usage": True},
+            )
+        )
+        usage = chunks[-1].usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        reported.append(usage.prompt_tokens_details.cached_tokens)
+    assert reported[0] == 0 and reported[1] > 0, reported
+    accuracy = router.get("/router/status").json()["routing_accuracy"]
+    assert accuracy["answers"] == 2 and accuracy["unreported"] == 0, accuracy
+    assert accuracy["reported_cached_tokens"] == sum(reported)
+    assert accuracy["predicted_cached_tokens"] == sum(reported)
 
 
 def test_chat_completion_answers_with_an_assistant_message(router: Router, base: str) -> None:
