@@ -8,7 +8,8 @@ retry budget. key: routing gets one `RouteKey` (routing/keys.py). pick: the poli
 the fleet's kept candidates (`Fleet.routable`); the key is dropped at once (a stream holds no
 copy of the prompt's parsed forms). send: the body goes out byte for byte and the answer
 streams back untouched, `Fleet.started`/`finished` counting the request around it. settle: the
-retry rule (proxy/retry.py) judges the outcome. With no replica to take it, the answer is 503
+retry rule (proxy/retry.py) judges the outcome; an answer passed on has its cached tokens
+accounted (`account`, proxy/usage.py). With no replica to take it, the answer is 503
 with `Retry-After`, naming why the replicas are out (never vLLM's 404: a name the fleet served
 still exists; before any replica has listed its models, whether a name exists is unknown).
 
