@@ -37,6 +37,9 @@ parser.add_argument("--tree", help="run lora_router from this source tree")
 parser.add_argument("--requests", type=int, default=800)
 parser.add_argument("--warm-up", type=int, default=300)
 parser.add_argument("--top", type=int, default=60, help="callees listed")
+parser.add_argument(
+    "--trace", choices=("siblings", "fresh"), default="siblings", help="fresh: a new prompt each"
+)
 ARGS = parser.parse_args()
 if ARGS.tree:
     sys.path.insert(0, str(Path(ARGS.tree).resolve()))
@@ -89,10 +92,11 @@ async def run(replicas: list[int], counts: Counts) -> None:
     runtime = RouterRuntime(build_config(build_parser().parse_args(argv), os.environ))
     await runtime.start()
     payload = Payload.make(512)
+    group = 1 if ARGS.trace == "fresh" else GROUP
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
 
     async def one(i: int) -> None:
-        body = payload.body(1, i // GROUP, random.getrandbits(63))
+        body = payload.body(1, i // group, random.getrandbits(63))
         head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
         head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
         writer.write(head.encode() + body)
@@ -125,7 +129,7 @@ def main() -> None:
     finally:
         procs.close()
     n = ARGS.requests
-    print(f"lora_router from {ROUTER_CODE}; {n} requests of the siblings trace, one at a time")
+    print(f"lora_router from {ROUTER_CODE}; {n} requests of the {ARGS.trace} trace, one at a time")
     print(
         f"per request: {counts.python / n:.1f} Python calls, {counts.c / n:.1f} C calls from "
         f"router code, {counts.entries / n:.1f} entries from C into router code"

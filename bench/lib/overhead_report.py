@@ -203,6 +203,31 @@ def floor_markdown(report: Report) -> list[str]:
     return out
 
 
+def split_markdown(report: Report) -> list[str]:
+    """The A/B's CPU split: user and system time and minor page faults per request, each
+    tree's median and the per-round ratio (the kernel splits CPU time by sampled ticks)."""
+    out = [
+        "Where the CPU went (the kernel's user/system split of each window, by sampled ticks), "
+        f"lora-router and {BASE}, and per round the ratio of the two:",
+        "",
+        "| scenario | figure | lora-router | lora-router@base | ratio |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    figures = (
+        ("user_us_per_req", "user µs/req", ".1f"),
+        ("sys_us_per_req", "system µs/req", ".1f"),
+        ("minflt_per_req", "minor faults/req", ".3f"),
+    )
+    for sc in dict.fromkeys(s.scenario for s in report.samples):
+        for attr, label, spec in figures:
+            mine, base = report.stat(sc, "lora-router", attr), report.stat(sc, BASE, attr)
+            if mine is None or base is None:
+                continue
+            ratio = fmt(report.versus(sc, "lora-router", BASE, attr), ".3f")
+            out.append(f"| {sc} | {label} | {fmt(mine, spec)} | {fmt(base, spec)} | {ratio} |")
+    return out
+
+
 def markdown(report: Report, fleets: Sequence[int], goals: list[dict[str, object]]) -> str:
     loads = ", ".join(f"{x:.2f}" for x in report.load_before_rounds)
     out = [
@@ -237,6 +262,7 @@ def markdown(report: Report, fleets: Sequence[int], goals: list[dict[str, object
             attrs = ("cpu_us_per_req", "rps", "p50_us", "added_p50_us")
             cells = [fmt(report.versus(sc, "lora-router", BASE, a), ".3f") for a in attrs]
             out.append(f"| {sc} | " + " | ".join(cells) + " |")
+        out += ["", *split_markdown(report)]
     out += ["", "## Latency and CPU, 2 replicas, siblings trace", ""]
     out += [
         "| concurrency | contender | req/s | p50 µs | added p50 µs | p99 µs | CPU µs/req |",

@@ -33,6 +33,7 @@ from .overhead_setup import (
 from .procs import (
     Procs,
     cpu_seconds,
+    cpu_split,
 )
 
 T = TypeVar("T")
@@ -78,6 +79,10 @@ class Sample:
     decisions: dict[str, int] | None = None
     window_s: float = 0.0
     net_cpu_us_per_req: float | None = None  # less the proxy's idle CPU rate of that round
+    # The window's CPU split (`procs.cpu_split`): user and system µs, minor page faults.
+    user_us_per_req: float | None = None
+    sys_us_per_req: float | None = None
+    minflt_per_req: float | None = None
 
 
 def measure(
@@ -101,9 +106,11 @@ def measure(
     script = lua_script(tmp, payload, group)
     lora = inst.name.startswith("lora-router")
     before = decisions(inst.port) if lora else {}
+    split0 = cpu_split(inst.pid) if inst.pid else None
     cpu0 = cpu_seconds(inst.pid) if inst.pid else 0.0
     res = wrk(url, script, connections=sc.connections, seconds=args.seconds, cpus=LOAD_CPU)
     cpu1 = cpu_seconds(inst.pid) if inst.pid else 0.0
+    split1 = cpu_split(inst.pid) if inst.pid else None
     cpu = (cpu1 - cpu0) * 1e6 / max(res.requests, 1) if inst.pid else None
     if res.requests == 0 or res.errors or res.bytes < res.requests * reply:
         raise BenchFailure(
@@ -117,6 +124,11 @@ def measure(
     inst.busy_wall += time.monotonic() - began
     sample = Sample(sc.name, inst.name, rnd, res.rps, res.p50_us, res.p99_us, cpu)
     sample.window_s, sample.decisions = res.seconds, made
+    if split0 and split1:
+        n = max(res.requests, 1)
+        sample.user_us_per_req = (split1[0] - split0[0]) * 1e6 / n
+        sample.sys_us_per_req = (split1[1] - split0[1]) * 1e6 / n
+        sample.minflt_per_req = (split1[2] - split0[2]) / n
     return sample
 
 

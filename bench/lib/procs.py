@@ -85,6 +85,21 @@ def cpu_seconds(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK") + sum(cpu_seconds(int(c)) for c in children)
 
 
+def cpu_split(pid: int) -> tuple[float, float, int]:
+    """`cpu_seconds` as (user seconds, system seconds, minor page faults), children included.
+    The kernel splits a process's CPU time into user and system by the ticks it sampled, so a
+    split is exact only over many ticks (a 2-second window holds a few hundred)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    user = (int(fields[11]) + int(fields[13])) / tick  # utime cutime
+    system = (int(fields[12]) + int(fields[14])) / tick  # stime cstime
+    faults = int(fields[7]) + int(fields[8])  # minflt cminflt
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        u, s, f = cpu_split(int(child))
+        user, system, faults = user + u, system + s, faults + f
+    return user, system, faults
+
+
 def process_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process's own threads (no children); NaN once it is gone."""
     try:

@@ -195,12 +195,19 @@ class AffinityTable:
                         yield anchor, False
 
     def record(
-        self, key: PromptKey, replica: str, *, replace: bool = False, first: bool = False
-    ) -> None:
+        self,
+        key: PromptKey,
+        replica: str,
+        *,
+        replace: bool = False,
+        first: bool = False,
+        wire: int | None = None,
+    ) -> bool:
         """Remember that `key` went to `replica`. An existing anchor is kept (the first
         placement of a prompt is its home) unless `replace`; either way its head is refreshed.
         Only a new prompt needs the key's chain (for its head). `first` marks a new prompt as
-        a new family's first prompt (`anchor_first`)."""
+        a new family's first prompt (`anchor_first`). A new anchor is filed with `wire`, as
+        `link(key, wire)` would after, if no anchor holds that wire key; returns whether."""
         heads = self._heads
         exact = self._exact
         full = key.full
@@ -214,13 +221,13 @@ class AffinityTable:
                 else:
                     i = [a[3] for a in known].index(full)
                     known[i] = (replica, *known[i][1:])
-            return
+            return False
         level, tail, stem = key.stem()
         head = key.head(level)
-        meta = ((tail << 40 | len(key.data)) << 64 | stem) << 40 | key.tokens & _TOKENS
-        if first:
-            meta |= _FIRST
-        anchor = (replica, meta, None, full)
+        low = (key.tokens & _TOKENS | _FIRST) if first else key.tokens & _TOKENS
+        meta = ((tail << 40 | len(key.data)) << 64 | stem) << 40 | low
+        linked = wire is not None and wire not in self._wires
+        anchor = (replica, meta, wire if linked else None, full)
         entry = heads.get(head)
         if entry is None:
             heads[head] = anchor
@@ -232,10 +239,13 @@ class AffinityTable:
                 self._forget(group.pop(0))
             heads[head] = group if len(group) > 1 else anchor
         exact[full] = head
+        if linked and wire is not None:
+            self._wires[wire] = head
         while len(exact) > self.capacity:
             _, old = heads.popitem(last=False)
             for evicted in _anchors(old):
                 self._forget(evicted)
+        return linked
 
     def _forget(self, anchor: Anchor) -> None:
         """Take an evicted anchor out of the exact and wire indexes."""

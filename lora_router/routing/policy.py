@@ -25,8 +25,9 @@ placement sticks unless its replica left the ring; a decision is always one of `
 Cost per request, n replicas (it must not grow with the fleet): a sibling by its wire key O(1);
 a known prompt O(blocks), then O(1) per replica tried (a move: one ring walk, O(1 + s)); a
 spill O(1 + s), s the members the walk passes over; a new family O(log n) per rank passed over
-(`ranks`) plus O(min(k, n / k)) for k tied members, at most O(sqrt(n)), twice with the window
-open, plus O(log n) per member whose load changed since; O(n) only in `LeastLoaded`, `set_members`.
+(`ranks`) plus O(min(k, n / k)) for k tied members (at most O(sqrt(n)); twice with the window
+open) plus O(log n) per member whose load changed since, or one ring walk with at most
+`WALK_DEAL_MEMBERS` members (the same choice); O(n) only in `LeastLoaded`, `set_members`.
 
 Contract with the caller: one `choose(key, routable)` per attempt, `key` the request's
 `RouteKey` or None, dropped once decided (a retry builds a new one); `routable` a non-empty,
@@ -36,8 +37,7 @@ sends, takes them off on every exit and calls `load_changed` after each change; 
 gets the full membership at start and before the next `choose` after any change. Not thread-safe.
 
 Never: I/O, clocks, randomness, logging (the caller logs decisions), mutating replicas, reading
-what replicas report of themselves (their telemetry).
-"""
+what replicas report of themselves (their telemetry)."""
 
 from __future__ import annotations
 
@@ -71,6 +71,11 @@ MOVE_SHARE = 50
 MOVE_BUDGET = 300
 # The deal window's bound on a member's families, in means (floored): request totals within 5 %.
 DEAL_WINDOW = Fraction(21, 20)
+_WINDOW_NUM, _WINDOW_DEN = DEAL_WINDOW.numerator, DEAL_WINDOW.denominator  # read per deal
+# Fleets of at most this many members deal by one walk of the ring (`_deal_walk`), which
+# costs less there than keeping the ranks current (docs/design/overhead.md); larger ones
+# read the kept ranks. Both make the same choice.
+WALK_DEAL_MEMBERS = 4
 # One request in flight in the work the deal window compares, in prompt tokens: one
 # completion's decode (a new family has no later turns to price).
 DEAL_REQUEST_TOKENS = 40
@@ -220,6 +225,9 @@ class PrefixAffinity:
         # Members whose load changed since the ranks were last read, by name: re-filed when
         # the ranks are next read (`_deal`), so a request that is not dealt files nothing.
         self._unfiled: dict[str, Replica] = {}
+        # A fleet of at most WALK_DEAL_MEMBERS deals by a ring walk: no ranks kept.
+        self._walk_deal = True
+        self._members = 0
 
     def set_members(self, members: Sequence[Replica]) -> None:
         """O(n log n) for the ranks, plus the ring's `with_members`: O(n * vnodes) and the
@@ -232,13 +240,19 @@ class PrefixAffinity:
         self._moved = {name: self._moved.get(name, 0) for name in names}
         self._ranks = Ranks()
         self._unfiled.clear()
+        self._members = len(self._dealt)  # before a deal outside the ring adds to `_dealt`
+        self._walk_deal = self._members <= WALK_DEAL_MEMBERS
+        if self._walk_deal:
+            return  # the ranks are rebuilt here, from the loads then, if the fleet grows
         for r in members:
             self._ranks.file(r.name, (self._dealt[r.name], r.in_flight, r.in_flight_tokens))
 
     def load_changed(self, replica: Replica) -> None:
         """Note a member's new load: O(1). It is filed under it when the ranks are next read
-        (`_file_loads`), once however often it changed in between."""
-        self._unfiled[replica.name] = replica
+        (`_file_loads`), once however often it changed in between; a walk deal reads loads
+        where they are."""
+        if not self._walk_deal:
+            self._unfiled[replica.name] = replica
 
     def _file_loads(self) -> None:
         """Re-file every member whose load changed (`load_changed`): O(log n) each."""
@@ -280,8 +294,8 @@ class PrefixAffinity:
         if prompt is None:
             return self._nokey(routable)
         self._routed_tokens += prompt.tokens
-        decision = self._choose(prompt, routable)
-        if wire is not None:
+        decision = self._choose(prompt, routable, wire)
+        if wire is not None and decision.kind != "fresh":  # a fresh prompt's was filed
             # Filed with the prompt's anchor, whose replica is its home (a spill does not move
             # it), and forgotten with it.
             self.table.link(prompt, wire)
@@ -298,9 +312,9 @@ class PrefixAffinity:
         the slack (module docstring), O(1)."""
         return _cap(routable.in_flight, len(routable), self._grow, self._den, 2 * self.load_slack)
 
-    def _choose(self, key: PromptKey, routable: Candidates[R]) -> Decision[R]:
+    def _choose(self, key: PromptKey, routable: Candidates[R], wire: int | None) -> Decision[R]:
         cap = self.cap(routable)
-        follow = self.follow_cap(routable)
+        follow = -1  # `follow_cap`, computed when a continuation first needs it
         known = False
         home: str | None = None  # this exact prompt's recorded replica
         for anchor, exact in self.table.find(key):
@@ -315,7 +329,11 @@ class PrefixAffinity:
                 if replica.in_flight < cap:
                     self.counts.sibling += 1
                     return Decision(replica, "sibling", 0, key.tokens)
-            elif replica.in_flight < follow:
+            else:
+                if follow < 0:
+                    follow = self.follow_cap(routable)
+                if replica.in_flight >= follow:
+                    continue
                 if self.move_price and anchor_first(anchor):
                     lighter = self._lighter(anchor[3], replica, routable, cap, key.tokens)
                     if lighter is not None:
@@ -330,13 +348,14 @@ class PrefixAffinity:
         if known:
             replica = self._next_with_room(key.full, routable, cap)
             self.counts.spill += 1
-            kind = "spill"
-        else:
-            replica = self._deal(key.full, routable, cap)
-            self.counts.fresh += 1
-            kind = "fresh"
-        self._remember(key, home, replica.name, first=kind == "fresh")
-        return Decision(replica, kind, key.tokens, key.tokens)
+            self._remember(key, home, replica.name)
+            return Decision(replica, "spill", key.tokens, key.tokens)
+        replica = self._deal(key.full, routable, cap)
+        self.counts.fresh += 1
+        # Nothing known (no home): a new anchor, its wire key filed with it as `link` would.
+        if not self.table.record(key, replica.name, first=True, wire=wire) and wire is not None:
+            self.table.link(key, wire)
+        return Decision(replica, "fresh", key.tokens, key.tokens)
 
     def _lighter(
         self, family: int, home: R, routable: Candidates[R], cap: int, tokens: int
@@ -375,14 +394,12 @@ class PrefixAffinity:
         moved[target.name] = moved.get(target.name, 0) + 1
         return target
 
-    def _remember(
-        self, key: PromptKey, home: str | None, replica: str, *, first: bool = False
-    ) -> None:
+    def _remember(self, key: PromptKey, home: str | None, replica: str) -> None:
         """Record where a prompt went, unless it already has a home (the first placement
         sticks) that is still in the fleet; a home that left for good is replaced, since the
-        prompt's KV now grows where it went. `first`: a new family's first prompt."""
+        prompt's KV now grows where it went. (A fresh prompt is recorded by `_choose`.)"""
         if home is None:
-            self.table.record(key, replica, first=first)
+            self.table.record(key, replica)
         elif home not in self.ring:
             self.table.record(key, replica, replace=True)
 
@@ -406,6 +423,8 @@ class PrefixAffinity:
         finds the first in ring order in O(min(k, n / k)), at most O(sqrt(n)). The window reads
         the counts above the chosen one's the same way, up to its limit. On an idle fleet
         (every member tied) that is about one ring point: plain consistent hashing."""
+        if self._walk_deal:
+            return self._deal_walk(position, routable, cap)
         if self._unfiled:
             self._file_loads()
         ranks = self._ranks
@@ -424,8 +443,7 @@ class PrefixAffinity:
             best = self._unknown_to_the_ring(routable)
         else:
             # The most families a member may hold once this one is dealt.
-            limit = DEAL_WINDOW.numerator * (self._dealt_total + 1)
-            limit //= DEAL_WINDOW.denominator * len(ranks.rank)
+            limit = _WINDOW_NUM * (self._dealt_total + 1) // (_WINDOW_DEN * len(ranks.rank))
             for dealt in counts:  # the counts above the chosen one's
                 if dealt >= limit:
                     break
@@ -438,6 +456,40 @@ class PrefixAffinity:
         if best.name in ranks.rank:
             self._dealt_total += 1
             ranks.file(best.name, (dealt, best.in_flight, best.in_flight_tokens))
+        return best
+
+    def _deal_walk(self, position: int, routable: Candidates[R], cap: int) -> R:
+        """`_deal` in a fleet of at most WALK_DEAL_MEMBERS members, by one ring walk from
+        `position` and the loads read where they are: the members with room ordered by
+        (families dealt, in flight, prompt tokens in flight, ring order), the first dealt
+        unless the deal window prefers the first of the next count. The ranks' choice exactly
+        (`first` reads a count's ranks in that order, `pick` ties in ring order), in O(n log n)."""
+        dealt = self._dealt
+        ready: list[tuple[int, int, int, int, R]] = []
+        for order, name in enumerate(self.ring.walk(position)):
+            replica = routable.get(name)
+            if replica is not None and replica.in_flight < cap:
+                rank = (dealt[name], replica.in_flight, replica.in_flight_tokens, order, replica)
+                ready.append(rank)  # `order` is unique: replicas are never compared
+        if not ready:
+            best = self._unknown_to_the_ring(routable)
+            dealt[best.name] = dealt.get(best.name, 0) + 1
+            if best.name in self.ring:
+                self._dealt_total += 1
+            return best
+        ready.sort()
+        first = ready[0]
+        best = first[4]
+        limit = _WINDOW_NUM * (self._dealt_total + 1) // (_WINDOW_DEN * self._members)
+        for other in ready:
+            if other[0] > first[0]:  # the first of the next count with a member ready
+                if other[0] < limit and work_held(other[4], DEAL_REQUEST_TOKENS) < work_held(
+                    best, DEAL_REQUEST_TOKENS
+                ):
+                    best = other[4]
+                break
+        dealt[best.name] += 1
+        self._dealt_total += 1
         return best
 
     def _first_routable(

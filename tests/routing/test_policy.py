@@ -8,12 +8,14 @@ from collections import Counter
 from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
+from unittest import mock
 
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from routing_doubles import Pool, Rep, fleet, watch
 
+from lora_router.routing import policy as policy_module
 from lora_router.routing.keys import PromptKey, RouteKey, prompt_key, wire_key
 from lora_router.routing.policy import (
     DEAL_REQUEST_TOKENS,
@@ -789,16 +791,19 @@ def dealt_by_scan(policy: PrefixAffinity, position: int, routable: Sequence[Rep]
     return best
 
 
+@pytest.mark.parametrize("walk", [False, True], ids=["kept ranks", "walk deal"])
 @settings(max_examples=40, deadline=None)
 @given(st.integers(2, 40), st.integers(0, 40), st.randoms(use_true_random=False))
-def test_dealing_from_the_kept_ranks_equals_a_scan_of_the_ring(n, held, rnd):
+def test_dealing_from_the_kept_ranks_equals_a_scan_of_the_ring(walk, n, held, rnd):
     # Fresh prompts among changing loads, prompt tokens and exclusions, from `held` families a
-    # member (give or take two: the deal window opens from 20): the ranks the policy keeps
-    # must pick what a walk over every replica picks.
+    # member (give or take two: the deal window opens from 20): the ranks the policy keeps,
+    # and the walk deal of a small fleet, must pick what a walk over every replica picks.
     reps = fleet(n)
     policy = PrefixAffinity()
     policy._dealt = {r.name: held + rnd.randrange(3) for r in reps}
-    watch(policy, reps)
+    with mock.patch.object(policy_module, "WALK_DEAL_MEMBERS", n if walk else 0):
+        watch(policy, reps)
+    assert policy._walk_deal is walk
     outstanding: list[tuple[Rep, int]] = []
     for i in range(120):
         if outstanding and rnd.random() < 0.4:
