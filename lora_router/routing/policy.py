@@ -113,6 +113,7 @@ class DecisionCounts:
     fresh: int = 0  # an unknown prompt: least loaded, ties in ring order from its key
     nokey: int = 0  # no key: least loaded
     balanced: int = 0  # RoundRobin / LeastLoaded: chosen without looking at keys
+    kv: int = 0  # a new family sent where its longest prefix really is (kv_policy.py)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -124,16 +125,17 @@ class Candidates(list[R]):
     flight over all of them, which whoever counts requests keeps current (fleet/fleet.py
     keeps one per model and adds or takes one off per request: O(1) to read here)."""
 
-    __slots__ = ("get", "in_flight")
+    __slots__ = ("get", "in_flight", "model")
 
     # The name index's own `dict.get`, bound once per set: the policy and Fleet.started /
     # finished look a replica up 3 times per request, and a bound C method has no Python frame.
     get: Callable[[str], R | None]
 
-    def __init__(self, replicas: Iterable[R] = ()) -> None:
+    def __init__(self, replicas: Iterable[R] = (), model: str | None = None) -> None:
         super().__init__(replicas)
         self.get = {r.name: r for r in self}.get
         self.in_flight = sum(r.in_flight for r in self)
+        self.model = model  # the adapter they were chosen for (None: the base model)
 
 
 class Policy(Protocol):
@@ -325,13 +327,17 @@ class PrefixAffinity:
         if known:
             replica = self._next_with_room(key.full, routable, cap)
             self.counts.spill += 1
-            kind = "spill"
-        else:
-            replica = self._deal(key.full, routable, cap)
-            self.counts.fresh += 1
-            kind = "fresh"
-        self._remember(key, home, replica.name, first=kind == "fresh")
-        return Decision(replica, kind, key.tokens)
+            self._remember(key, home, replica.name)
+            return Decision(replica, "spill", key.tokens)
+        decision = self._fresh(key, routable, cap)
+        self._remember(key, home, decision.replica.name, first=True)
+        return decision
+
+    def _fresh(self, key: PromptKey, routable: Candidates[R], cap: int) -> Decision[R]:
+        """A new family's replica (rule 3, the deal); `KvAffinity` first asks where its
+        prefix really is (kv_policy.py)."""
+        self.counts.fresh += 1
+        return Decision(self._deal(key.full, routable, cap), "fresh", key.tokens)
 
     def _lighter(
         self, family: int, home: R, routable: Candidates[R], cap: int, tokens: int
