@@ -61,6 +61,7 @@ class ReplicaBlocks:
     orphans: int = 0  # stored blocks skipped: their parent was not filed
     resets: int = 0  # times everything was dropped (a gap, a restart, a clear)
     reason: str | None = None  # why the state is not live, if it is not
+    last_fault: str | None = None  # the last reason it was not live, kept once it is again
 
 
 class KvIndex:
@@ -93,6 +94,8 @@ class KvIndex:
         rep = self.replica(name)
         rep.state = state
         rep.reason = None if state == LIVE else reason
+        if state != LIVE and reason is not None:
+            rep.last_fault = reason
         if state == LIVE:
             self._live.add(name)
         else:

@@ -508,7 +508,8 @@ class LeastLoaded(_KeyBlind):
         return least_loaded(routable, turn)
 
 
-POLICIES = ("prefix", "round-robin", "least-loaded")
+# `kv` (kv_policy.py) is built with its KV index by the runtime, not by `make_policy`.
+POLICIES = ("prefix", "round-robin", "least-loaded", "kv")
 
 
 def make_policy(
@@ -533,4 +534,6 @@ def make_policy(
         return RoundRobin()
     if name == "least-loaded":
         return LeastLoaded()
+    if name == "kv":
+        raise ValueError("the kv policy needs its KV index: build kv_policy.KvAffinity")
     raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}")
