@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import zmq
@@ -134,6 +135,7 @@ class Stream:
 
     source: Source | None = None
     reason: str | None = None  # why there is no source
+    retry: bool = False  # ask for the source again at the next sync (it did not answer)
     batches: int = 0
     events: int = 0
     next_seq: int | None = None
@@ -181,12 +183,12 @@ class KvEvents:
             await self._drop(name)
         for replica in list(self.fleet.replicas):
             stream = self.streams.get(replica.name)
-            if stream is None or (stream.task is None and stream.source is None):
+            if stream is None or (stream.task is None and stream.retry):
                 await self._subscribe(replica)
 
     async def _subscribe(self, replica: Replica) -> None:
         stream = self.streams.setdefault(replica.name, Stream())
-        source, reason = await self._source(replica)
+        source, reason, stream.retry = await self._source(replica)
         stream.source, stream.reason = source, reason
         if source is None:
             self.index.set_state(replica.name, OFF, reason)
@@ -196,33 +198,43 @@ class KvEvents:
         loop = asyncio.get_running_loop()
         stream.task = loop.create_task(self._follow(replica.name, stream, source))
 
-    async def _source(self, replica: Replica) -> tuple[Source | None, str | None]:
+    async def _source(self, replica: Replica) -> tuple[Source | None, str | None, bool]:
+        """(source, why there is none, whether to ask again at the next sync)."""
         mode = self.config.kv_events
         if mode == "off":
-            return None, "--kv-events off"
+            return None, "--kv-events off", False
         host = ReplicaAddress.parse(replica.name).host
         if mode != "auto":
             pub, _, replay = mode.partition(",")
-            return Source(pub.format(host=host), replay.format(host=host) or None), None
+            return Source(pub.format(host=host), replay.format(host=host) or None), None, False
         answer = await self.client.call(
             replica, "GET", "/kv_event_sources", timeout=max(self.config.health_timeout, 1.0)
         )
         if answer.status != 200:
-            return None, str(answer.failure("/kv_event_sources"))
+            # Not answered (or not yet: a replica still starting): asked again; a 404 is a
+            # vLLM without the route, asked again only if it restarts.
+            return None, str(answer.failure("/kv_event_sources")), answer.status != 404
         source = parse_sources(answer.parsed(), host)
         if source is None:
-            return None, "its /kv_event_sources names no ZMQ publisher (no --kv-events-config)"
-        return source, None
+            return (
+                None,
+                "its /kv_event_sources names no ZMQ publisher (no --kv-events-config)",
+                False,
+            )
+        return source, None, False
 
     def restarted(self, replica: Replica) -> None:
         """The health monitor found the replica restarted: what it held is gone."""
         stream = self.streams.get(replica.name)
-        if stream is None or stream.source is None:
+        if stream is None:
+            return
+        if stream.source is None:
+            stream.retry = True  # a new process may publish now
             return
         stream.restarts += 1
         stream.next_seq = None
         if self.index.replica(replica.name).state != OFF:
-            self.index.reset(replica.name, RESTARTED, "the health monitor saw it restart")
+            self._fault(replica.name, RESTARTED, "the health monitor saw it restart")
 
     async def _follow(self, name: str, stream: Stream, source: Source) -> None:
         assert self._ctx is not None
@@ -231,29 +243,38 @@ class KvEvents:
         sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(source.endpoint)
-        poller = zmq.asyncio.Poller()
-        poller.register(sub, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
         try:
             if source.replay is not None:
                 await self._replay(name, stream, source, 0)
-            while True:
-                ready = dict(await poller.poll())
-                if monitor in ready:
-                    event = parse_monitor_message(await monitor.recv_multipart())
-                    if event["event"] == zmq.EVENT_DISCONNECTED:
-                        stream.disconnects += 1
-                        stream.verify = True  # what it published meanwhile is unknown
-                        if self.index.replica(name).state == LIVE:
-                            self.index.set_state(name, STALE, "its publisher went away")
-                if sub in ready:
-                    frames = await sub.recv_multipart()
-                    if len(frames) == 3:
-                        await self._on_batch(name, stream, source, frames[1], frames[2])
+            await self._listen(name, stream, source, sub, monitor)
+        except Exception as exc:  # a bug must not end in silence: the replica is off, visibly
+            log.exception("KV events of %s: the subscription failed", name)
+            self.index.reset(name, OFF, f"the subscription failed: {exc!r}")
         finally:
             sub.disable_monitor()
             monitor.close(linger=0)
             sub.close(linger=0)
+
+    async def _listen(
+        self, name: str, stream: Stream, source: Source, sub: zmq.asyncio.Socket, monitor: Any
+    ) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        while True:
+            ready = dict(await poller.poll())
+            if monitor in ready:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    stream.disconnects += 1
+                    stream.verify = True  # what it published meanwhile is unknown
+                    if self.index.replica(name).state == LIVE:
+                        self.index.set_state(name, STALE, "its publisher went away")
+                        log.warning("KV events of %s: its publisher went away", name)
+            if sub in ready:
+                frames = await sub.recv_multipart()
+                if len(frames) == 3:
+                    await self._on_batch(name, stream, source, frames[1], frames[2])
 
     async def _on_batch(
         self, name: str, stream: Stream, source: Source, seq_bytes: bytes, payload: bytes
@@ -265,7 +286,7 @@ class KvEvents:
             stream.undecodable += 1
             stream.gaps += 1
             stream.next_seq = seq + 1
-            self.index.reset(name, GAP, f"batch {seq} could not be decoded")
+            self._fault(name, GAP, f"batch {seq} could not be decoded")
             return
         if stream.verify:
             stream.verify = False
@@ -276,7 +297,7 @@ class KvEvents:
             if batch.ts <= stream.last_ts:
                 return  # already applied (a replay's overlap)
             stream.restarts += 1
-            self.index.reset(name, RESTARTED, f"batch {seq} after {expected - 1}: it restarted")
+            self._fault(name, RESTARTED, f"batch {seq} after {expected - 1}: it restarted")
             state = RESTARTED
         elif expected is not None and seq > expected:
             if source.replay is not None and await self._replay(name, stream, source, expected):
@@ -286,7 +307,7 @@ class KvEvents:
                     self._apply(name, stream, seq, batch, self.index.replica(name).state)
                     return
             stream.gaps += 1
-            self.index.reset(name, GAP, f"missed batches {expected} to {seq - 1}")
+            self._fault(name, GAP, f"missed batches {expected} to {seq - 1}")
             state = GAP
         elif expected is None and state == STALE:
             state = LIVE  # the first batch of a subscription
@@ -337,7 +358,7 @@ class KvEvents:
         if source.replay is None:
             stream.gaps += 1
             stream.next_seq = None
-            self.index.reset(name, GAP, "reconnected, and no replay endpoint says what it missed")
+            self._fault(name, GAP, "reconnected, and no replay endpoint says what it missed")
             return
         probe = await self._replayed(source, last, limit=1)
         if probe and probe[0][0] == last and probe[0][1].ts == stream.last_ts:
@@ -346,12 +367,12 @@ class KvEvents:
         if probe and probe[0][0] == last:
             stream.restarts += 1
             stream.next_seq = None
-            self.index.reset(name, RESTARTED, f"batch {last} was published again: it restarted")
+            self._fault(name, RESTARTED, f"batch {last} was published again: it restarted")
             await self._replay(name, stream, source, 0)
             return
         stream.gaps += 1
         stream.next_seq = None
-        self.index.reset(name, GAP, f"reconnected, and batch {last} is no longer replayable")
+        self._fault(name, GAP, f"reconnected, and batch {last} is no longer replayable")
 
     async def _replay(self, name: str, stream: Stream, source: Source, start: int) -> bool:
         """Ask the replay socket for every batch from `start` and apply those in sequence;
@@ -395,6 +416,11 @@ class KvEvents:
             return None
         finally:
             sock.close(linger=0)
+
+    def _fault(self, name: str, state: str, reason: str) -> None:
+        """Drop what the replica held: its stream can no longer say what that is."""
+        self.index.reset(name, state, reason)
+        log.warning("KV events of %s: %s; routing it by prediction until they resume", name, reason)
 
     async def _drop(self, name: str) -> None:
         stream = self.streams.pop(name)

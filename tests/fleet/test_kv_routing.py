@@ -284,3 +284,20 @@ async def test_an_endpoint_template_replaces_discovery(
 def test_sources_are_read_from_rank_0(doc: Any, expected: str | None) -> None:
     source = parse_sources(doc, "h")
     assert (source.endpoint if source else None) == expected
+
+
+async def test_a_replica_without_events_is_not_asked_again_until_it_restarts(
+    emulators: StartEmulators, router: StartRouter
+) -> None:
+    (emu,) = await emulators(1)
+    rt = await router([emu], policy="kv")
+    assert rt.kv_events is not None and rt.fleet is not None
+
+    def asked() -> int:
+        return sum(1 for r in emu.requests if r.path == "/kv_event_sources")
+
+    await rt.kv_events.sync()
+    assert asked() == 1
+    rt.kv_events.restarted(rt.fleet.replicas[0])  # a new process may publish
+    await rt.kv_events.sync()
+    assert asked() == 2
