@@ -4,12 +4,14 @@
 one the affinity table knows no family of): before the deal, it asks the KV index (kv_index.py,
 filled from the replicas' own KV events by fleet/kv_events.py) which live replicas hold the
 longest prefix of the prompt's block chain under the request's adapter name (`Candidates.model`).
-- Some routable replica among those holding it has room under the load cap: the prompt goes
-  to one of them, chosen by the deal among them alone (so it is counted as dealt, and ties
-  are broken as the deal breaks them); decision `kv`, its tokens to compute less the blocks
-  found. It is recorded as a new family's first prompt, like a fresh one.
-- No live replica holds its first block, or none of the holders is routable with room: the
-  deal over every routable replica, exactly as `prefix` (decision `fresh`).
+- Some routable replica among those holding it has room under the load cap and is inside the
+  deal window (it holds fewer families than the window allows, or no more than the fewest):
+  the prompt goes to one of them, chosen by the deal among them alone (counted as dealt, ties
+  broken as the deal breaks them); decision `kv`, its tokens to compute less the blocks found.
+  It is recorded as a new family's first prompt, like a fresh one. The window keeps a prefix
+  every family shares (a system prompt, held first by one replica) from pulling them all.
+- No live replica holds its first block, or no holder qualifies: the deal over every
+  routable replica, exactly as `prefix` (decision `fresh`).
 Every other rule is `PrefixAffinity`'s, unchanged: siblings, continuations and moves follow
 lineage placement; spills; no key. A replica whose events are not live (stale, a gap, a
 restart, another block size, no source) is never a holder: it gets today's prediction.
@@ -74,9 +76,19 @@ class KvAffinity(PrefixAffinity):
         if key.block_bytes == index.block_size * _TOKEN_BYTES and key.seed == index.root(lora):
             level, holders = index.longest(lora, key.chain)
             if level:
-                # The holders in name order (a set's order is not stable across processes).
+                # The holders in name order (a set's order is not stable across processes),
+                # routable, below the cap, and inside the deal window.
+                window = self._window()
+                dealt = self._dealt.get
                 found = (routable.get(name) for name in sorted(holders))
-                room = Candidates((r for r in found if r is not None and r.in_flight < cap), lora)
+                room = Candidates(
+                    (
+                        r
+                        for r in found
+                        if r is not None and r.in_flight < cap and dealt(r.name, 0) < window
+                    ),
+                    lora,
+                )
                 if room:
                     self.counts.kv += 1
                     cached = level * index.block_size
@@ -84,3 +96,13 @@ class KvAffinity(PrefixAffinity):
                         self._deal(key.full, room, cap), "kv", max(0, key.tokens - cached)
                     )
         return super()._fresh(key, routable, cap)
+
+    def _window(self) -> int:
+        """A holder may take a new family while it holds fewer than this many: the deal
+        window's limit, and never less than one more than the fewest any member holds (the
+        deal's own first choice). O(1): the lowest count kept may be one no member holds any
+        more, which only makes the bound stricter."""
+        if not self._ranks.rank:
+            return 1 << 62
+        counts = self._ranks.counts
+        return max(self._deal_limit(), (counts[0] if counts else 0) + 1)

@@ -424,9 +424,7 @@ class PrefixAffinity:
         if best is None:
             best = self._unknown_to_the_ring(routable)
         else:
-            # The most families a member may hold once this one is dealt.
-            limit = DEAL_WINDOW.numerator * (self._dealt_total + 1)
-            limit //= DEAL_WINDOW.denominator * len(ranks.rank)
+            limit = self._deal_limit()
             for dealt in counts:  # the counts above the chosen one's
                 if dealt >= limit:
                     break
@@ -440,6 +438,12 @@ class PrefixAffinity:
             self._dealt_total += 1
             ranks.file(best.name, (dealt, best.in_flight, best.in_flight_tokens))
         return best
+
+    def _deal_limit(self) -> int:
+        """The most families a member may hold once the next one is dealt (the deal window,
+        module docstring); needs members. O(1)."""
+        limit = DEAL_WINDOW.numerator * (self._dealt_total + 1)
+        return limit // (DEAL_WINDOW.denominator * len(self._ranks.rank))
 
     def _first_routable(
         self, position: int, routable: Candidates[R], everyone: bool, group: set[str]

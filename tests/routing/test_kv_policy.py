@@ -149,3 +149,17 @@ def test_a_text_prompt_is_never_looked_up() -> None:
     hold(index, reps[1], PROMPT)
     text_key = prompt_key(None, PROMPT, BLOCK, seed=LINEAGES.seeds(MODEL, True).text)
     assert policy.choose(RouteKey(lambda: text_key), reps).kind == "fresh"
+
+
+def test_a_prefix_every_family_shares_does_not_pull_them_all() -> None:
+    reps = pool(2)
+    policy, index = setup(reps)
+    system = list(range(40_000, 40_064))  # a system prompt only replica 0 holds
+    hold(index, reps[0], system)
+    chosen = [
+        policy.choose(route([*system, *range(1000 * i, 1000 * i + 32)]), reps).replica
+        for i in range(1, 11)
+    ]
+    # The deal window keeps families within 5 % of the mean (floored): 5 each.
+    assert chosen.count(reps[0]) == chosen.count(reps[1]) == 5
+    assert policy.counts.kv >= 1 and policy.counts.kv + policy.counts.fresh == 10
