@@ -19,9 +19,11 @@ A replica's stream state, set in the index (only `live` replicas are looked up):
 - a *restart*: a batch numbered below the next, published after the last one (its `ts`), or the
   health monitor's restart verdict (`restarted`, fleet/health.py): blocks dropped, `restarted`
   until a batch comes in sequence; an earlier batch (a replay's overlap) is skipped;
-- *stopped*: ZMQ reports the connection to the publisher gone: `stale` (blocks kept, unused)
-  until a batch proves the stream continued (or a gap or restart is found). An idle replica
-  publishes nothing (vLLM sends a batch only when its cache changes): silence is not a fault;
+- *stopped*: ZMQ reports the connection to the publisher gone: `stale` (blocks kept, unused).
+  At the next batch the replay socket is asked for the last batch applied: the same `ts`, the
+  same process (what followed is replayed); another, a restart; gone or no replay endpoint,
+  unknown (blocks dropped, `gap`). An idle replica publishes nothing (vLLM sends a batch only
+  when its cache changes): silence is not a fault;
 - a block of another size: `mismatch`, until the replica restarts.
 
 Cost: per batch O(events + blocks) (kv_index.py); nothing on the request path. Never: block
@@ -181,10 +183,12 @@ class KvEvents:
         names = {r.name for r in self.fleet.replicas}
         for name in [n for n in self.streams if n not in names]:
             await self._drop(name)
+        wanted = []
         for replica in list(self.fleet.replicas):
             stream = self.streams.get(replica.name)
             if stream is None or (stream.task is None and stream.retry):
-                await self._subscribe(replica)
+                wanted.append(self._subscribe(replica))
+        await asyncio.gather(*wanted)  # each bounded by the health timeout, all at once
 
     async def _subscribe(self, replica: Replica) -> None:
         stream = self.streams.setdefault(replica.name, Stream())
