@@ -12,9 +12,10 @@ again, the families in a shuffled order (rollouts finish when they finish). Meas
 phase 2: the replicas' own prefix-cache hit rate (tokens hit / tokens
 looked up, vLLM's counters), the share of families whose second turn went to the replica of
 their first, the requests per replica (max / mean), and the new router's decisions. Run once
-with `prefix`, once with `kv`, and once with `kv` whose deal-window rule is switched off
-(`kv-no-window`: a holder takes a family whatever the families it holds; an investigation,
-patched in this process only), on fresh replicas each time.
+with `prefix`, with `kv`, and with two variants of `kv` patched in this process only (an
+investigation): `kv-window-only` (no exception for inherited blocks: every holder must be
+inside the deal window) and `kv-no-window` (a holder takes a family whatever the families it
+holds), on fresh replicas each time.
 """
 
 from __future__ import annotations
@@ -40,10 +41,12 @@ from lora_router.emulator import (  # noqa: E402
     write_adapter,
 )
 from lora_router.emulator.kv_events import KVEventsConfig  # noqa: E402
+from lora_router.routing.kv_index import KvIndex  # noqa: E402
 from lora_router.routing.kv_policy import KvAffinity  # noqa: E402
 from lora_router.runtime import RouterRuntime  # noqa: E402
 
 MODEL = "trl-policy-v1"
+VARIANTS = ("prefix", "kv", "kv-window-only", "kv-no-window")
 G = 8
 EVENTS = KVEventsConfig(
     enable_kv_cache_events=True, endpoint="tcp://*:0", replay_endpoint="tcp://*:0"
@@ -94,13 +97,16 @@ def counters(emus: list[Emulator]) -> tuple[int, int]:
 
 async def run(variant: str, args: argparse.Namespace, adapter: str) -> dict[str, Any]:
     policy = "prefix" if variant == "prefix" else "kv"
-    window = KvAffinity._window
+    window, inherited = KvAffinity._window, KvIndex.inherited
     if variant == "kv-no-window":
         KvAffinity._window = lambda self: 1 << 62  # type: ignore[method-assign]
+    if variant == "kv-window-only":
+        KvIndex.inherited = lambda self, lora, key, name: False  # type: ignore[method-assign]
     try:
         return await _run(variant, policy, args, adapter)
     finally:
         KvAffinity._window = window  # type: ignore[method-assign]
+        KvIndex.inherited = inherited  # type: ignore[method-assign]
 
 
 async def _run(variant: str, policy: str, args: argparse.Namespace, adapter: str) -> dict[str, Any]:
@@ -190,9 +196,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "families": args.families,
             "group_size": G,
             "prompt_tokens": args.tokens,
-            "runs": [
-                await run(policy, args, adapter) for policy in ("prefix", "kv", "kv-no-window")
-            ],
+            "runs": [await run(policy, args, adapter) for policy in VARIANTS],
         }
 
 
