@@ -182,7 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy",
         choices=POLICIES,
         default=d.policy,
-        help="how completions pick a replica",
+        help="how completions pick a replica (kv: prefix, with new families sent where "
+        "the replicas' KV events say their prefix is)",
+    )
+    g.add_argument(
+        "--kv-events",
+        default=d.kv_events,
+        metavar="WHERE",
+        help="with --policy kv, where replicas publish KV events: auto (each replica's "
+        "/kv_event_sources), off, or tcp://{host}:PORT[,tcp://{host}:REPLAY_PORT]",
     )
     g.add_argument(
         "--block-size",

@@ -212,7 +212,10 @@ class Config:
     forward_paths: tuple[str, ...] = ()  # paths opened to one replica (routes.py)
 
     # Routing
-    policy: str = "prefix"  # prefix | round-robin | least-loaded
+    policy: str = "prefix"  # prefix | round-robin | least-loaded | kv
+    # With --policy kv, where replicas publish KV events: auto (/kv_event_sources), off, or
+    # ENDPOINT[,REPLAY] templates with {host} (fleet/kv_events.py).
+    kv_events: str = "auto"
     block_size: int | None = None  # None: read cache_config.block_size from the replicas, else 16
     # The policy's own defaults (routing/policy.py explains them).
     load_factor: float = DEFAULT_LOAD_FACTOR  # ε of consistent hashing with bounded loads
@@ -339,6 +342,13 @@ class Config:
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}")
+        if self.kv_events not in ("auto", "off"):
+            for template in self.kv_events.split(","):
+                if not template.startswith("tcp://") or "{host}" not in template:
+                    raise ValueError(
+                        f"--kv-events {self.kv_events!r}: expected auto, off, or "
+                        "tcp://{host}:PORT[,tcp://{host}:REPLAY_PORT]"
+                    )
         if self.max_buffered_bytes < self.max_body_bytes:
             raise ValueError(
                 "--max-buffered-bytes must be at least --max-body-bytes (one whole body)"

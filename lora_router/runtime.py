@@ -5,7 +5,9 @@ stopped together. Tests and the demo start routers in-process through this class
 Start order matters: the listening socket is bound first, before any replica is contacted, so
 a port in use fails at once with nothing to clean up; the replicas are read next (adapters
 already on them, their KV block size, `--unload-stale`), and only then does the socket accept,
-so the first request already sees the fleet as it is; the health watchers and the
+so the first request already sees the fleet as it is; with `--policy kv` the KV-event
+subscriptions start then too (fleet/kv_events.py), so that a router that just started learns
+what the replicas' replay buffers still hold before it routes; the health watchers and the
 telemetry loop start last.
 """
 
@@ -21,6 +23,7 @@ from lora_router.fleet.discovery import Discovery, make_sources
 from lora_router.fleet.fence import AdapterFence
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
+from lora_router.fleet.kv_events import KvEvents
 from lora_router.fleet.replay import Replay
 from lora_router.fleet.telemetry import Telemetry
 from lora_router.http.request import ConnectionCount
@@ -30,8 +33,10 @@ from lora_router.observe.metrics import MetricsCollector, RequestStats, make_reg
 from lora_router.observe.status import summary_line
 from lora_router.proxy.answers import cleartext_warning
 from lora_router.proxy.dispatch import RouterApp
-from lora_router.routing.keys import DEFAULT_BLOCK_SIZE
-from lora_router.routing.policy import make_policy
+from lora_router.routing.keys import DEFAULT_BLOCK_SIZE, Lineages
+from lora_router.routing.kv_index import KvIndex
+from lora_router.routing.kv_policy import KvAffinity
+from lora_router.routing.policy import Policy, make_policy
 
 log = logging.getLogger("lora_router")
 
@@ -52,6 +57,7 @@ class RouterRuntime:
         self.health: HealthMonitor | None = None
         self.telemetry: Telemetry | None = None
         self.discovery: Discovery | None = None
+        self.kv_events: KvEvents | None = None  # with --policy kv
         self.app: RouterApp | None = None
         self._summary: asyncio.Task[None] | None = None
 
@@ -70,14 +76,21 @@ class RouterRuntime:
             if config.cleartext_token(address):
                 log.warning("%s", cleartext_warning(address.name))
         self.fleet = fleet = Fleet(config, config.ssl_context())
-        policy = make_policy(
-            config.policy,
+        options = dict(
             load_factor=config.load_factor,
             vnodes=config.vnodes,
             table_size=config.affinity_table_size,
             load_slack=config.load_slack,
             move_price=config.move_price,
         )
+        index: KvIndex | None = None
+        policy: Policy
+        if config.policy == "kv":
+            lineages = Lineages(config.lineage_pattern)  # the roots of the routed prompts' keys
+            index = KvIndex(lambda lora: lineages.seeds(lora, lora is not None).token, 0)
+            policy = KvAffinity(index, **options)  # type: ignore[arg-type]
+        else:
+            policy = make_policy(config.policy, **options)  # type: ignore[arg-type]
         policy.set_members(fleet.replicas)
         fleet.on_members = policy.set_members
         fleet.on_load = policy.load_changed
@@ -122,6 +135,16 @@ class RouterRuntime:
             await self.stop()
             raise
         app.block_size = config.block_size or block_size or DEFAULT_BLOCK_SIZE
+        if index is not None:
+            index.block_size = app.block_size
+            self.kv_events = kv = KvEvents(config, client, fleet, index)
+            health.on_restart = kv.restarted
+            app.state.kv_events = kv
+            try:
+                await kv.start()
+            except BaseException:
+                await self.stop()
+                raise
         await self.server.start_serving()
         health.start()
         telemetry.start()
@@ -155,6 +178,8 @@ class RouterRuntime:
             await self.discovery.stop()
         if self.health is not None:
             await self.health.stop()
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         if self.telemetry is not None:
             await self.telemetry.stop()
         if self.connections is not None:

@@ -77,6 +77,21 @@ def test_the_move_price_is_a_flag_and_zero_turns_moves_off() -> None:
     assert off.move_price == 0
 
 
+def test_the_kv_policy_and_its_event_sources_are_flags() -> None:
+    default = config("--replicas", "http://a", "--no-token")
+    assert (default.policy, default.kv_events) == ("prefix", "auto")
+    kv = config(
+        "--replicas",
+        "http://a",
+        "--no-token",
+        "--policy",
+        "kv",
+        "--kv-events",
+        "tcp://{host}:5557,tcp://{host}:5558",
+    )
+    assert (kv.policy, kv.kv_events) == ("kv", "tcp://{host}:5557,tcp://{host}:5558")
+
+
 BAD = {
     "no replicas": ["--token-env", "HF_TOKEN"],
     "empty replicas": ["--replicas", "", "--token-env", "HF_TOKEN"],
@@ -97,6 +112,8 @@ BAD = {
     "zero body limit": ["--replicas", "http://a", "--no-token", "--max-body-bytes", "0"],
     "port too big": ["--replicas", "http://a", "--no-token", "--port", "70000"],
     "negative move price": ["--replicas", "http://a", "--no-token", "--move-price", "-1"],
+    "kv events not tcp": ["--replicas", "http://a", "--no-token", "--kv-events", "ipc:///x"],
+    "kv events no host": ["--replicas", "http://a", "--no-token", "--kv-events", "tcp://h:1"],
 }
 
 

@@ -10,6 +10,7 @@ import grpo_trace as bench_trace
 import orjson
 
 from lora_router.emulator import EmulatorConfig
+from lora_router.emulator.kv_events import KVEventsConfig
 from lora_router.emulator.tokens import generate as emulator_generate
 
 MODEL = "Qwen/Qwen2.5-Math-1.5B"
@@ -28,8 +29,12 @@ class Timing:
     max_num_seqs: int = 1
     cache_blocks: int = 4096
     block_size: int = 16
+    kv_events: bool = False  # replicas publish KV events (for the lr-kv contender)
 
     def emulator_config(self) -> EmulatorConfig:
+        events = KVEventsConfig(
+            enable_kv_cache_events=True, endpoint="tcp://*:0", replay_endpoint="tcp://*:0"
+        )
         return EmulatorConfig(
             host="127.0.0.1",
             port=0,
@@ -41,6 +46,7 @@ class Timing:
             max_lora_rank=1,
             max_loras=MAX_STALENESS + 2,
             max_model_len=MAX_MODEL_LEN,
+            kv_events_config=events if self.kv_events else None,
         )
 
     def service_s(self, uncached: int, generated: int) -> float:

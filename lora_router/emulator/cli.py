@@ -20,6 +20,7 @@ import uvloop
 from lora_router.command import HelpFormatter, Parser, first_signal, interrupted
 from lora_router.emulator.config import SUPPORTED_VERSIONS, EmulatorConfig
 from lora_router.emulator.faults import Faults
+from lora_router.emulator.kv_events import KVEventsConfig
 from lora_router.emulator.server import start_emulator
 
 # The end of `--help`: how the emulator is used with the router.
@@ -119,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=c.block_size, help="tokens per KV block")
     g.add_argument(
         "--cache-blocks", type=int, default=c.cache_blocks, help="prefix-cache capacity in blocks"
+    )
+    g.add_argument(
+        "--kv-events-config",
+        type=KVEventsConfig.parse,
+        default=None,
+        metavar="JSON",
+        help="publish KV-cache events over ZMQ as vLLM 0.32 does, e.g. "
+        '\'{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557"}\' (default: off)',
     )
     g.add_argument(
         "--max-num-seqs", type=int, default=c.max_num_seqs, help="sequences running at once"
@@ -249,6 +258,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         seed=args.seed,
         sse_keepalive_s=args.sse_keep_alive_interval,
         fast=args.fast,
+        kv_events_config=args.kv_events_config,
         faults=faults,
         record_requests=False,
     )

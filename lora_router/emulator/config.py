@@ -13,6 +13,7 @@ import ssl
 from dataclasses import dataclass, field
 
 from lora_router.emulator.faults import Faults
+from lora_router.emulator.kv_events import KVEventsConfig
 
 # The release lines emulated, oldest first. 0.32 is the default: the line the docs and the
 # real-vLLM tier (tests/vllm) were checked against, its behaviour read from a running 0.32
@@ -72,6 +73,8 @@ class EmulatorConfig:
     # 0.32 and 0.27; 0: off. 0.27 has no keep-alive at all.
     sse_keepalive_s: float | None = None
     fast: bool = False  # pre-rendered answers on a raw asyncio protocol (benchmarks)
+    # `--kv-events-config '<json>'` (0.32 on): publish KV-cache events over ZMQ (kv_events.py).
+    kv_events_config: KVEventsConfig | None = None
 
     # Faults in force at start; `Emulator.faults` is this same object, mutable at run time.
     faults: Faults = field(default_factory=Faults)
@@ -86,6 +89,8 @@ class EmulatorConfig:
             raise ValueError("block_size and max_num_seqs must be >= 1, cache_blocks >= 0")
         if self.max_loras < 1:
             raise ValueError("max_loras must be >= 1")
+        if self.kv_events_config is not None and not self.since("0.32"):
+            raise ValueError("--kv-events-config is emulated from vLLM 0.32 on")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             # vLLM refuses this combination at start-up too.
             raise ValueError("max_cpu_loras must be >= max_loras")

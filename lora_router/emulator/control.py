@@ -60,6 +60,8 @@ class Replica(Protocol):
 
     async def restart(self) -> None: ...
 
+    def kv_event_sources(self) -> dict[str, Any]: ...
+
 
 @dataclass(slots=True)
 class PlainRequest:
@@ -492,6 +494,10 @@ async def get_state(replica: Replica, req: PlainRequest) -> Reply:
     )
 
 
+async def kv_event_sources(replica: Replica, req: PlainRequest) -> Reply:
+    return json_reply(replica.kv_event_sources())
+
+
 async def restart(replica: Replica, req: PlainRequest) -> ControlReply:
     # The answer goes out first; then the replica restarts and forgets its adapters.
     return ControlReply(json_reply({"status": "restarting"}), after=replica.restart)
@@ -512,6 +518,8 @@ def routes(config: EmulatorConfig) -> dict[str, dict[str, Handler]]:
         "/emulator/state": {"GET": get_state},
         "/emulator/restart": {"POST": restart},
     }
+    if config.since("0.32"):
+        table["/kv_event_sources"] = {"GET": kv_event_sources}
     if config.enable_lora and config.runtime_lora_updating:
         table["/v1/load_lora_adapter"] = {"POST": load_lora_adapter}
         table["/v1/unload_lora_adapter"] = {"POST": unload_lora_adapter}

@@ -14,7 +14,9 @@ New requests while paused are queued at the door (0.27, 0.32: "all pause modes q
 adds"), except on 0.33 in abort/wait mode, where they are rejected (`GenerationPaused`).
 
 This is the object tests assert on (`emu.state`). It never touches sockets; the only outside
-read is the optional re-read of an evicted adapter through the injected `read_adapter`.
+read is the optional re-read of an evicted adapter through the injected `read_adapter`. What
+its cache stores, evicts and clears goes, as vLLM's KV events, to `kv_sink` when one is set
+(the server's publisher, kv_events.py): one batch per cache change.
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ from lora_router.emulator.adapter_files import (
 )
 from lora_router.emulator.adapters import Adapter, AdapterRegistry, AdapterSlots
 from lora_router.emulator.config import EmulatorConfig
+from lora_router.emulator.kv_events import (
+    AllBlocksCleared,
+    KVCacheEvent,
+    removed_events,
+    stored_events,
+)
 from lora_router.emulator.prefix_cache import PrefixCache, block_hashes
 from lora_router.emulator.scheduler import Aborted, Scheduler, Seq
 
@@ -108,6 +116,8 @@ class Engine:
         self._idle.set()
         self._rng = random.Random(config.seed)
         self.load_locks: dict[str, asyncio.Lock] = {}
+        # Where KV events go (kv_events.py), if the replica publishes them.
+        self.kv_sink: Callable[[list[KVCacheEvent]], None] | None = None
 
     # --- what tests read -------------------------------------------------------------------
 
@@ -256,7 +266,7 @@ class Engine:
             job.cached_tokens = self.cache.lookup(job.prompt_hashes, len(job.prompt))
             # vLLM v1 registers a prompt's blocks as soon as they are allocated, so a sibling
             # scheduled right after this one already hits them.
-            self.cache.insert(job.prompt_hashes)
+            self._insert(job, job.prompt, job.prompt_hashes)
             self.counters.prompt_tokens += len(job.prompt)
             uncached = len(job.prompt) - job.cached_tokens
             await self._sleep(seq, uncached * self.config.prefill_s_per_token)
@@ -313,7 +323,24 @@ class Engine:
         # The last generated token never had its KV computed, so it cannot fill a block.
         computed = job.prompt + job.sample.token_ids[: job.emitted - 1]
         if len(computed) >= len(job.prompt) + self.config.block_size:
-            self.cache.insert(block_hashes(computed, self.config.block_size, job.extra_keys))
+            self._insert(
+                job, computed, block_hashes(computed, self.config.block_size, job.extra_keys)
+            )
+
+    def _insert(self, job: SampleJob, tokens: list[int], hashes: list[int]) -> None:
+        """Cache a chain's blocks, and publish what that stored and evicted."""
+        added, evicted = self.cache.insert(hashes)
+        sink = self.kv_sink
+        if sink is not None and (added or evicted):
+            seq = job.seq
+            size = self.config.block_size
+            events = stored_events(tokens, hashes, added, size, seq.lora_id, seq.lora_name)
+            sink(events + removed_events(evicted))
+
+    def _clear_cache(self) -> None:
+        self.cache.clear()
+        if self.kv_sink is not None:  # vLLM reports every reset that succeeds
+            self.kv_sink([AllBlocksCleared()])
 
     async def _sleep(self, seq: Seq, seconds: float) -> None:
         if seconds <= 0 or seq.aborted:
@@ -350,7 +377,7 @@ class Engine:
             # Sequences freeze at their next step; the cache is kept ("ignored when keep").
             return
         if clear_cache:
-            self.cache.clear()
+            self._clear_cache()
 
     def resume(self) -> None:
         self._pause.paused = False
@@ -363,7 +390,7 @@ class Engine:
         """False while running sequences hold blocks, as vLLM answers; the caller retries."""
         if self.scheduler.running:
             return False
-        self.cache.clear()
+        self._clear_cache()
         return True
 
     def abort_all(self) -> None:

@@ -10,6 +10,9 @@ token to get logits: a fully cached prompt of 32 tokens reports 16 cached tokens
 Capacity is a number of blocks with least-recently-used eviction. Counters follow vLLM's
 `vllm:prefix_cache_queries` (prompt tokens looked up) and `vllm:prefix_cache_hits` (tokens found).
 
+`insert` returns what changed (the blocks it added, those it evicted) and `clear` whether
+anything was held, so that the engine can publish vLLM's KV events (kv_events.py).
+
 Pure: no I/O, no clock.
 """
 
@@ -73,16 +76,25 @@ class PrefixCache:
         self.hits += cached
         return cached
 
-    def insert(self, hashes: Sequence[int]) -> None:
-        """Mark blocks as computed (most recently used), evicting the oldest beyond capacity."""
-        for block_hash in hashes:
-            if block_hash in self._blocks:
-                self._blocks.move_to_end(block_hash)
+    def insert(self, hashes: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Mark blocks as computed (most recently used), evicting the oldest beyond capacity.
+        Returns the indices into `hashes` of the blocks added and the hashes evicted."""
+        blocks = self._blocks
+        added: list[int] = []
+        for i, block_hash in enumerate(hashes):
+            if block_hash in blocks:
+                blocks.move_to_end(block_hash)
             else:
-                self._blocks[block_hash] = None
-        while len(self._blocks) > self.capacity:
-            self._blocks.popitem(last=False)
+                blocks[block_hash] = None
+                added.append(i)
+        evicted: list[int] = []
+        while len(blocks) > self.capacity:
+            evicted.append(blocks.popitem(last=False)[0])
+        return added, evicted
 
-    def clear(self) -> None:
-        """Drop every block (`/reset_prefix_cache`); the counters keep counting."""
+    def clear(self) -> bool:
+        """Drop every block (`/reset_prefix_cache`); the counters keep counting. Whether any
+        block was held."""
+        held = bool(self._blocks)
         self._blocks.clear()
+        return held

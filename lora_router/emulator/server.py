@@ -7,6 +7,9 @@ lifecycle a router must survive:
 - `restart()` comes back on the same port as a fresh process would: no adapters, not paused,
   empty caches (the fault switches stay as set, except `dead`, which a restart cures);
 - `stop()` shuts down for good.
+With `config.kv_events_config` enabled, each process publishes its cache's KV events
+(kv_events.py): a crash closes the publisher, a restart starts a new one (sequence from 0) on
+the endpoints the first one bound.
 The same object serves either the aiohttp application or, with `config.fast`, the raw protocol.
 """
 
@@ -24,6 +27,7 @@ from lora_router.emulator.config import EmulatorConfig
 from lora_router.emulator.control import RecordedRequest
 from lora_router.emulator.engine import Engine
 from lora_router.emulator.faults import Faults
+from lora_router.emulator.kv_events import KvEventPublisher
 
 # Handlers are cancelled as their connections drop, so shutdown never waits long for them.
 _SHUTDOWN_TIMEOUT_S = 1.0
@@ -43,6 +47,8 @@ class Emulator:
         self._runner: web.AppRunner | None = None
         self._fast: fast.FastServer | None = None
         self._lifecycle = asyncio.Lock()
+        self.kv_publisher: KvEventPublisher | None = None
+        self._kv_bound: tuple[str, str | None] | None = None
 
     @property
     def state(self) -> Engine:
@@ -68,6 +74,7 @@ class Emulator:
         async with self._lifecycle:
             await self._close(abrupt=False)
             self._engine.abort_all()
+            await self._stop_events()
             self._engine = Engine(self.config)
             self.faults.dead = False
             self.faults.reset_load_attempts()
@@ -78,19 +85,47 @@ class Emulator:
         async with self._lifecycle:
             await self._close(abrupt=True)
             self._engine.abort_all()
+            await self._stop_events()
 
     async def stop(self) -> None:
         async with self._lifecycle:
             await self._close(abrupt=False)
             self._engine.abort_all()
+            await self._stop_events()
         for task in list(self.background):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
+    def kv_event_sources(self) -> dict[str, Any]:
+        """`GET /kv_event_sources`: where this process publishes, by DP rank ({}: nowhere)."""
+        return self.kv_publisher.sources() if self.kv_publisher is not None else {}
+
+    async def stop_kv_events(self) -> None:
+        """Stop publishing while serving on (a publisher that went away, for tests)."""
+        async with self._lifecycle:
+            await self._stop_events()
+
+    async def _start_events(self) -> None:
+        kv = self.config.kv_events_config
+        if kv is None or not kv.enabled or self.kv_publisher is not None:
+            return
+        publisher = KvEventPublisher(kv, self.host, self._kv_bound)
+        await publisher.start()
+        self._kv_bound = (publisher.endpoint, publisher.replay_endpoint)
+        self.kv_publisher = publisher
+        self._engine.kv_sink = publisher.publish
+
+    async def _stop_events(self) -> None:
+        publisher, self.kv_publisher = self.kv_publisher, None
+        self._engine.kv_sink = None
+        if publisher is not None:
+            await publisher.stop()
+
     async def _listen(self) -> None:
         if self.listening:
             return
+        await self._start_events()
         if self.config.fast:
             self._fast = await fast.serve(self, self.host, self.port, self.config.ssl)
             self.port = self._fast.port

@@ -27,5 +27,8 @@ The rest, by what each part knows:
   `last_error`, `/health`, `top` and `--check` say;
 - `refusals.py`: the fleet's refusals as values (none in service, a replica's refusal passed
   on, a load timed out), which proxy/answers.py renders: the fleet speaks no HTTP;
-- `report.py`: one replica's `/metrics` scrape, kept on its `Replica`.
+- `report.py`: one replica's `/metrics` scrape, kept on its `Replica`;
+- `kv_events.py`: with `--policy kv`, one ZMQ subscription per replica to its KV-cache events,
+  feeding the KV index (routing/kv_index.py); it only listens, and asks `/kv_event_sources`
+  through `client.py`.
 """

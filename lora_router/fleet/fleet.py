@@ -160,7 +160,8 @@ class Fleet:
             if len(self._sets) >= _MAX_SETS:
                 self._sets.clear()
             kept = self._sets[key] = Candidates(
-                r for r in self.replicas if r.breaker.state == CLOSED and self._serves(r, key)
+                (r for r in self.replicas if r.breaker.state == CLOSED and self._serves(r, key)),
+                key,
             )
         trial: list[Replica] = []
         if self._trial:
@@ -169,9 +170,8 @@ class Fleet:
         if not trial and not exclude:
             return kept
         extra = set(trial)
-        return Candidates(
-            r for r in self.replicas if (r in extra or kept.get(r.name) is r) and r not in exclude
-        )
+        chosen = (r for r in self.replicas if r in extra or kept.get(r.name) is r)
+        return Candidates((r for r in chosen if r not in exclude), key)
 
     @staticmethod
     def _serves(replica: Replica, adapter: str | None) -> bool:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from collections.abc import Callable
 
 from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.client import ReplicaClient
@@ -112,6 +113,8 @@ class HealthMonitor:
         self.probes_skipped = 0
         self.listings_skipped = 0
         self.listing_flaps: Counter[int] = Counter()  # replica id -> replays that did not stick
+        # Told of every restart found (the KV-event subscriber drops what the replica held).
+        self.on_restart: Callable[[Replica], None] | None = None
         # Adapters some replica held on its own when it joined: a restart brings them back, so
         # an answer for one proves no adapter is held (passive health).
         self._own: set[str] = set()
@@ -192,6 +195,8 @@ class HealthMonitor:
         if not left:
             return False
         self.restarts_detected += 1
+        if self.on_restart is not None:
+            self.on_restart(replica)
         self._note_slip(replica, slips, lost)
         watch = self._watches.get(replica)
         if watch is not None:

@@ -19,6 +19,7 @@ from lora_router.fleet.discovery import Discovery
 from lora_router.fleet.fence import AdapterFence
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
+from lora_router.fleet.kv_events import KvEvents
 from lora_router.fleet.lifecycle import State
 from lora_router.fleet.replica import Replica
 from lora_router.fleet.telemetry import WINDOW_S, Telemetry, fleet_figures
@@ -51,6 +52,7 @@ class RouterState:
     budget: RetryCounts
     telemetry: Telemetry | None = None  # set by the runtime once its loop runs
     discovery: Discovery | None = None  # set by the runtime
+    kv_events: KvEvents | None = None  # set by the runtime with --policy kv
 
 
 def report_json(r: Replica, busy_share: float | None = None) -> dict[str, object]:
@@ -148,6 +150,8 @@ def status(state: RouterState) -> dict[str, object]:
         },
         "routing": state.policy.counts.as_dict(),
         "routing_accuracy": accuracy_json(state.stats.cached),
+        # Per replica: its KV-event stream's state (live, stale, gap, restarted, mismatch, off).
+        "kv_events": state.kv_events.json() if state.kv_events is not None else None,
         "requests": requests,
         "retries": {**state.budget.retries, "refused_by_budget": state.budget.denied},
         "health": {

@@ -121,6 +121,7 @@ class DecisionCounts:
     fresh: int = 0  # an unknown prompt: least loaded, ties in ring order from its key
     nokey: int = 0  # no key: least loaded
     balanced: int = 0  # RoundRobin / LeastLoaded: chosen without looking at keys
+    kv: int = 0  # a new family sent where its longest prefix really is (kv_policy.py)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -132,16 +133,17 @@ class Candidates(list[R]):
     flight over all of them, which whoever counts requests keeps current (fleet/fleet.py
     keeps one per model and adds or takes one off per request: O(1) to read here)."""
 
-    __slots__ = ("get", "in_flight")
+    __slots__ = ("get", "in_flight", "model")
 
     # The name index's own `dict.get`, bound once per set: the policy and Fleet.started /
     # finished look a replica up 3 times per request, and a bound C method has no Python frame.
     get: Callable[[str], R | None]
 
-    def __init__(self, replicas: Iterable[R] = ()) -> None:
+    def __init__(self, replicas: Iterable[R] = (), model: str | None = None) -> None:
         super().__init__(replicas)
         self.get = {r.name: r for r in self}.get
         self.in_flight = sum(r.in_flight for r in self)
+        self.model = model  # the adapter they were chosen for (None: the base model)
 
 
 class Policy(Protocol):
@@ -295,7 +297,9 @@ class PrefixAffinity:
             return self._nokey(routable)
         self._routed_tokens += prompt.tokens
         decision = self._choose(prompt, routable, wire)
-        if wire is not None and decision.kind != "fresh":  # a fresh prompt's was filed
+        # A new family's was filed with its anchor (`_choose`; a `kv` one's too, and filing
+        # it again changes nothing).
+        if wire is not None and decision.kind != "fresh":
             # Filed with the prompt's anchor, whose replica is its home (a spill does not move
             # it), and forgotten with it.
             self.table.link(prompt, wire)
@@ -350,12 +354,18 @@ class PrefixAffinity:
             self.counts.spill += 1
             self._remember(key, home, replica.name)
             return Decision(replica, "spill", key.tokens, key.tokens)
-        replica = self._deal(key.full, routable, cap)
-        self.counts.fresh += 1
+        decision = self._fresh(key, routable, cap)
         # Nothing known (no home): a new anchor, its wire key filed with it as `link` would.
-        if not self.table.record(key, replica.name, first=True, wire=wire) and wire is not None:
+        name = decision.replica.name
+        if not self.table.record(key, name, first=True, wire=wire) and wire is not None:
             self.table.link(key, wire)
-        return Decision(replica, "fresh", key.tokens, key.tokens)
+        return decision
+
+    def _fresh(self, key: PromptKey, routable: Candidates[R], cap: int) -> Decision[R]:
+        """A new family's replica (rule 3, the deal); `KvAffinity` first asks where its
+        prefix really is (kv_policy.py)."""
+        self.counts.fresh += 1
+        return Decision(self._deal(key.full, routable, cap), "fresh", key.tokens, key.tokens)
 
     def _lighter(
         self, family: int, home: R, routable: Candidates[R], cap: int, tokens: int
@@ -442,8 +452,7 @@ class PrefixAffinity:
         if best is None:
             best = self._unknown_to_the_ring(routable)
         else:
-            # The most families a member may hold once this one is dealt.
-            limit = _WINDOW_NUM * (self._dealt_total + 1) // (_WINDOW_DEN * len(ranks.rank))
+            limit = self._deal_limit()
             for dealt in counts:  # the counts above the chosen one's
                 if dealt >= limit:
                     break
@@ -480,7 +489,7 @@ class PrefixAffinity:
         ready.sort()
         first = ready[0]
         best = first[4]
-        limit = _WINDOW_NUM * (self._dealt_total + 1) // (_WINDOW_DEN * self._members)
+        limit = self._deal_limit()
         for other in ready:
             if other[0] > first[0]:  # the first of the next count with a member ready
                 if other[0] < limit and work_held(other[4], DEAL_REQUEST_TOKENS) < work_held(
@@ -491,6 +500,11 @@ class PrefixAffinity:
         dealt[best.name] += 1
         self._dealt_total += 1
         return best
+
+    def _deal_limit(self) -> int:
+        """The most families a member may hold once the next one is dealt (the deal window,
+        module docstring); needs members. O(1)."""
+        return _WINDOW_NUM * (self._dealt_total + 1) // (_WINDOW_DEN * self._members)
 
     def _first_routable(
         self, position: int, routable: Candidates[R], everyone: bool, group: set[str]
@@ -559,7 +573,8 @@ class LeastLoaded(_KeyBlind):
         return least_loaded(routable, turn)
 
 
-POLICIES = ("prefix", "round-robin", "least-loaded")
+# `kv` (kv_policy.py) is built with its KV index by the runtime, not by `make_policy`.
+POLICIES = ("prefix", "round-robin", "least-loaded", "kv")
 
 
 def make_policy(
@@ -584,4 +599,6 @@ def make_policy(
         return RoundRobin()
     if name == "least-loaded":
         return LeastLoaded()
+    if name == "kv":
+        raise ValueError("the kv policy needs its KV index: build kv_policy.KvAffinity")
     raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}")

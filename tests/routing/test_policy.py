@@ -606,6 +606,7 @@ def test_counts_tally_every_kind_of_decision():
         "fresh": 1,
         "nokey": 1,
         "balanced": 0,
+        "kv": 0,
     }
 
 

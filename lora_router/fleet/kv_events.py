@@ -1,0 +1,481 @@
+"""KV events: a ZMQ subscriber per replica, feeding the KV index (routing/kv_index.py).
+
+Where a replica publishes (`--kv-events`): `auto` asks its `GET /kv_event_sources` (vLLM 0.32:
+`{"0": KVEventsConfig}`; DP rank 0 only, a wildcard host read as the replica's), a template
+`tcp://{host}:5557[,tcp://{host}:5558]` names the PUB (and replay ROUTER) endpoint, `off` none.
+A replica without a source stays `off`: the policy gives it today's prediction. Replicas that
+join later, or whose source could not be read, are tried again every `health_interval`.
+
+The wire is vLLM's (emulator/kv_events.py states it): `(topic, seq, payload)`, seq 8 bytes
+big-endian from 0 per process, the payload a msgpack array `[ts, events, dp_rank]`, events
+maps tagged "type". Only GPU blocks of KV-cache group 0 (or unnamed) are filed.
+
+A replica's stream state, set in the index (only `live` replicas are looked up):
+- the first batch (after a replay from 0 when there is a replay endpoint: what a router that
+  just started missed, filed as `inherited`) sets `live`; every later one must be the next;
+- a *gap* (a batch beyond the next) is first asked of the replay socket; filled, nothing was
+  lost; else the replica's blocks are dropped and it is `gap`: the index is a subset of the
+  truth again, and it stays out of lookups until a batch comes in sequence;
+- a *restart*: a batch numbered below the next, published after the last one (its `ts`), or the
+  health monitor's restart verdict (`restarted`, fleet/health.py): blocks dropped, `restarted`
+  until a batch comes in sequence; an earlier batch (a replay's overlap) is skipped;
+- *stopped*: ZMQ reports the connection to the publisher gone: `stale` (blocks kept, unused).
+  At the next batch the replay socket is asked for the last batch applied: the same `ts`, the
+  same process (what followed is replayed); another, a restart; gone or no replay endpoint,
+  unknown (blocks dropped, `gap`). An idle replica publishes nothing (vLLM sends a batch only
+  when its cache changes): silence is not a fault;
+- a block of another size: `mismatch`, until the replica restarts.
+
+Cost: per batch O(events + blocks) (kv_index.py); nothing on the request path. Never: block
+the loop, write a replica's state, or file a block from a batch out of sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from lora_router.config import Config, ReplicaAddress
+from lora_router.fleet.client import ReplicaClient
+from lora_router.fleet.fleet import Fleet
+from lora_router.fleet.replica import Replica
+from lora_router.routing.kv_index import (
+    GAP,
+    LIVE,
+    MISMATCH,
+    OFF,
+    RESTARTED,
+    STALE,
+    KvIndex,
+)
+
+log = logging.getLogger(__name__)
+
+REPLAY_TIMEOUT_S = 2.0  # for a whole replay's answer
+_END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_WILDCARDS = ("*", "0.0.0.0", "[::]", "::")
+_GPU = (None, "GPU")
+
+Hash = int | bytes
+
+
+class _Stored(msgspec.Struct, tag="BlockStored", tag_field="type"):
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None
+    token_ids: list[int]
+    block_size: int
+    lora_name: str | None = None
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _Removed(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
+    block_hashes: list[Hash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _Cleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
+    pass
+
+
+class _Batch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_Stored | _Removed | _Cleared]
+    data_parallel_rank: int | None = None
+
+
+_decode = msgspec.msgpack.Decoder(_Batch).decode
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Where one replica publishes."""
+
+    endpoint: str
+    replay: str | None = None
+    topic: str = ""
+
+
+def parse_sources(doc: object, host: str) -> Source | None:
+    """DP rank 0's source in a `/kv_event_sources` answer, its wildcard host made `host`."""
+    if not isinstance(doc, dict):
+        return None
+    rank0 = doc.get("0")
+    if not isinstance(rank0, dict) or rank0.get("publisher") not in (None, "zmq"):
+        return None
+    endpoint, replay = rank0.get("endpoint"), rank0.get("replay_endpoint")
+    if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+        return None
+    topic = rank0.get("topic")
+    return Source(
+        _reachable(endpoint, host),
+        _reachable(replay, host) if isinstance(replay, str) else None,
+        topic if isinstance(topic, str) else "",
+    )
+
+
+def _reachable(endpoint: str, host: str) -> str:
+    scheme, _, rest = endpoint.partition("://")
+    where, _, port = rest.rpartition(":")
+    if where in _WILDCARDS:
+        where = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{where}:{port}"
+
+
+@dataclass(slots=True)
+class Stream:
+    """What one replica's subscription has seen (status, tests)."""
+
+    source: Source | None = None
+    reason: str | None = None  # why there is no source
+    retry: bool = False  # ask for the source again at the next sync (it did not answer)
+    batches: int = 0
+    events: int = 0
+    next_seq: int | None = None
+    last_ts: float = 0.0
+    gaps: int = 0
+    restarts: int = 0
+    disconnects: int = 0
+    replays: int = 0
+    undecodable: int = 0
+    verify: bool = False  # the connection came back: check the stream at its next batch
+    task: asyncio.Task[None] | None = None
+
+
+class KvEvents:
+    """The subscriptions of every replica (module docstring)."""
+
+    def __init__(self, config: Config, client: ReplicaClient, fleet: Fleet, index: KvIndex):
+        self.config = config
+        self.client = client
+        self.fleet = fleet
+        self.index = index
+        self.streams: dict[str, Stream] = {}
+        self._ctx: zmq.asyncio.Context | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+
+    @property
+    def mode(self) -> str:
+        return self.config.kv_events
+
+    async def start(self) -> None:
+        """Subscribe to every replica that has a source; then keep trying the others."""
+        self._ctx = zmq.asyncio.Context()
+        await self.sync()
+        self._loop_task = asyncio.get_running_loop().create_task(self._resync())
+
+    async def _resync(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval)
+            await self.sync()
+
+    async def sync(self) -> None:
+        """Subscribe to replicas not subscribed yet; drop those that left the fleet."""
+        names = {r.name for r in self.fleet.replicas}
+        for name in [n for n in self.streams if n not in names]:
+            await self._drop(name)
+        wanted = []
+        for replica in list(self.fleet.replicas):
+            stream = self.streams.get(replica.name)
+            if stream is None or (stream.task is None and stream.retry):
+                wanted.append(self._subscribe(replica))
+        await asyncio.gather(*wanted)  # each bounded by the health timeout, all at once
+
+    async def _subscribe(self, replica: Replica) -> None:
+        stream = self.streams.setdefault(replica.name, Stream())
+        source, reason, stream.retry = await self._source(replica)
+        stream.source, stream.reason = source, reason
+        if source is None:
+            self.index.set_state(replica.name, OFF, reason)
+            return
+        self.index.set_state(replica.name, STALE, "not connected yet")
+        assert self._ctx is not None
+        loop = asyncio.get_running_loop()
+        stream.task = loop.create_task(self._follow(replica.name, stream, source))
+
+    async def _source(self, replica: Replica) -> tuple[Source | None, str | None, bool]:
+        """(source, why there is none, whether to ask again at the next sync)."""
+        mode = self.config.kv_events
+        if mode == "off":
+            return None, "--kv-events off", False
+        host = ReplicaAddress.parse(replica.name).host
+        if mode != "auto":
+            pub, _, replay = mode.partition(",")
+            return Source(pub.format(host=host), replay.format(host=host) or None), None, False
+        answer = await self.client.call(
+            replica, "GET", "/kv_event_sources", timeout=max(self.config.health_timeout, 1.0)
+        )
+        if answer.status != 200:
+            # Not answered (or not yet: a replica still starting): asked again; a 404 is a
+            # vLLM without the route, asked again only if it restarts.
+            return None, str(answer.failure("/kv_event_sources")), answer.status != 404
+        source = parse_sources(answer.parsed(), host)
+        if source is None:
+            return (
+                None,
+                "its /kv_event_sources names no ZMQ publisher (no --kv-events-config)",
+                False,
+            )
+        return source, None, False
+
+    def restarted(self, replica: Replica) -> None:
+        """The health monitor found the replica restarted: what it held is gone."""
+        stream = self.streams.get(replica.name)
+        if stream is None:
+            return
+        if stream.source is None:
+            stream.retry = True  # a new process may publish now
+            return
+        stream.restarts += 1
+        stream.next_seq = None
+        if self.index.replica(replica.name).state != OFF:
+            self._fault(replica.name, RESTARTED, "the health monitor saw it restart")
+
+    async def _follow(self, name: str, stream: Stream, source: Source) -> None:
+        assert self._ctx is not None
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sub.connect(source.endpoint)
+        try:
+            if source.replay is not None:  # what it held before this router started
+                await self._replay(name, stream, source, 0, inherited=True)
+            await self._listen(name, stream, source, sub, monitor)
+        except Exception as exc:  # a bug must not end in silence: the replica is off, visibly
+            log.exception("KV events of %s: the subscription failed", name)
+            self.index.reset(name, OFF, f"the subscription failed: {exc!r}")
+        finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
+            sub.close(linger=0)
+
+    async def _listen(
+        self, name: str, stream: Stream, source: Source, sub: zmq.asyncio.Socket, monitor: Any
+    ) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        while True:
+            ready = dict(await poller.poll())
+            if monitor in ready:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    stream.disconnects += 1
+                    stream.verify = True  # what it published meanwhile is unknown
+                    if self.index.replica(name).state == LIVE:
+                        self.index.set_state(name, STALE, "its publisher went away")
+                        log.warning("KV events of %s: its publisher went away", name)
+            if sub in ready:
+                frames = await sub.recv_multipart()
+                if len(frames) == 3:
+                    await self._on_batch(name, stream, source, frames[1], frames[2])
+
+    async def _on_batch(
+        self, name: str, stream: Stream, source: Source, seq_bytes: bytes, payload: bytes
+    ) -> None:
+        seq = int.from_bytes(seq_bytes, "big")
+        try:
+            batch = _decode(payload)
+        except msgspec.DecodeError:
+            stream.undecodable += 1
+            stream.gaps += 1
+            stream.next_seq = seq + 1
+            self._fault(name, GAP, f"batch {seq} could not be decoded")
+            return
+        if stream.verify:
+            stream.verify = False
+            await self._verify(name, stream, source)
+        expected = stream.next_seq
+        state = self.index.replica(name).state
+        if expected is not None and seq < expected:
+            if batch.ts <= stream.last_ts:
+                return  # already applied (a replay's overlap)
+            stream.restarts += 1
+            self._fault(name, RESTARTED, f"batch {seq} after {expected - 1}: it restarted")
+            state = RESTARTED
+        elif expected is not None and seq > expected:
+            if source.replay is not None and await self._replay(name, stream, source, expected):
+                if stream.next_seq is not None and seq < stream.next_seq:
+                    return  # the replay brought this batch too
+                if stream.next_seq == seq:
+                    self._apply(name, stream, seq, batch, self.index.replica(name).state)
+                    return
+            stream.gaps += 1
+            self._fault(name, GAP, f"missed batches {expected} to {seq - 1}")
+            state = GAP
+        elif expected is None and state == STALE:
+            state = LIVE  # the first batch of a subscription
+        self._apply(name, stream, seq, batch, state)
+
+    def _apply(
+        self,
+        name: str,
+        stream: Stream,
+        seq: int,
+        batch: _Batch,
+        state: str,
+        inherited: bool = False,
+    ) -> None:
+        """File one batch. `state`: the replica's state after it, unless the batch is the next
+        in sequence, which ends a fault (a gap, a restart, a stop); a fault the index itself
+        found while filing (another block size, too many blocks) stands."""
+        in_sequence = stream.next_seq is not None and seq == stream.next_seq
+        index = self.index
+        rep = index.replica(name)
+        before = rep.state
+        for event in batch.events:
+            if isinstance(event, _Stored):
+                if event.medium in _GPU and event.group_idx in (None, 0):
+                    index.stored(
+                        name,
+                        event.block_hashes,
+                        event.parent_block_hash,
+                        event.token_ids,
+                        event.block_size,
+                        event.lora_name,
+                        inherited,
+                    )
+            elif isinstance(event, _Removed):
+                if event.medium in _GPU and event.group_idx in (None, 0):
+                    index.removed(name, event.block_hashes)
+            else:
+                index.reset(name, rep.state, rep.reason)
+        stream.batches += 1
+        stream.events += len(batch.events)
+        stream.next_seq = seq + 1
+        stream.last_ts = batch.ts
+        if rep.state != before or rep.state == MISMATCH:
+            return
+        if in_sequence or state == LIVE:
+            index.set_state(name, LIVE)
+        elif state != before:
+            index.set_state(name, state, rep.reason)
+
+    async def _verify(self, name: str, stream: Stream, source: Source) -> None:
+        """After the connection came back: the same process (its replay buffer still has the
+        last batch applied, same `ts`: replay what followed), a restarted one (another batch
+        under that number: start again from its buffer), or unknown (blocks dropped)."""
+        last = None if stream.next_seq is None else stream.next_seq - 1
+        if last is None:
+            return  # nothing applied yet: any batch is a first one
+        if source.replay is None:
+            stream.gaps += 1
+            stream.next_seq = None
+            self._fault(name, GAP, "reconnected, and no replay endpoint says what it missed")
+            return
+        probe = await self._replayed(source, last, limit=1)
+        if probe and probe[0][0] == last and probe[0][1].ts == stream.last_ts:
+            await self._replay(name, stream, source, last + 1)
+            return
+        if probe and probe[0][0] == last:
+            stream.restarts += 1
+            stream.next_seq = None
+            self._fault(name, RESTARTED, f"batch {last} was published again: it restarted")
+            await self._replay(name, stream, source, 0)
+            return
+        stream.gaps += 1
+        stream.next_seq = None
+        self._fault(name, GAP, f"reconnected, and batch {last} is no longer replayable")
+
+    async def _replay(
+        self, name: str, stream: Stream, source: Source, start: int, *, inherited: bool = False
+    ) -> bool:
+        """Ask the replay socket for every batch from `start` and apply those in sequence;
+        True when it answered (whatever it still held). `inherited`: the start-up replay."""
+        stream.replays += 1
+        batches = await self._replayed(source, start)
+        if batches is None:
+            return False
+        for seq, batch in batches:
+            expected = stream.next_seq
+            if expected is not None and seq != expected:
+                continue  # before what was applied, or beyond a hole it cannot fill
+            state = self.index.replica(name).state
+            self._apply(name, stream, seq, batch, LIVE if state == STALE else state, inherited)
+        return True
+
+    async def _replayed(
+        self, source: Source, start: int, limit: int | None = None
+    ) -> list[tuple[int, _Batch]] | None:
+        """The batches the replay socket holds from `start` (at most `limit` kept), in order;
+        None when it did not answer within REPLAY_TIMEOUT_S."""
+        assert self._ctx is not None and source.replay is not None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(source.replay)
+        out: list[tuple[int, _Batch]] = []
+        try:
+            async with asyncio.timeout(REPLAY_TIMEOUT_S):
+                await sock.send_multipart((b"", start.to_bytes(8, "big")))
+                while True:
+                    frames = await sock.recv_multipart()
+                    # 0.32: (b"", topic, seq, payload); earlier releases: (b"", seq, payload).
+                    seq_bytes, payload = frames[-2], frames[-1]
+                    if seq_bytes == _END_SEQ:
+                        return out
+                    if limit is not None and len(out) >= limit:
+                        continue
+                    with contextlib.suppress(msgspec.DecodeError):
+                        out.append((int.from_bytes(seq_bytes, "big"), _decode(payload)))
+        except TimeoutError:
+            return None
+        finally:
+            sock.close(linger=0)
+
+    def _fault(self, name: str, state: str, reason: str) -> None:
+        """Drop what the replica held: its stream can no longer say what that is."""
+        self.index.reset(name, state, reason)
+        log.warning("KV events of %s: %s; routing it by prediction until they resume", name, reason)
+
+    async def _drop(self, name: str) -> None:
+        stream = self.streams.pop(name)
+        if stream.task is not None:
+            stream.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stream.task
+        if name in self.index.replicas:
+            self.index.forget(name)
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        for name in list(self.streams):
+            await self._drop(name)
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+
+    def json(self) -> dict[str, object]:
+        """Per replica: the stream's state, its blocks filed, what it has seen."""
+        out: dict[str, object] = {}
+        for name, stream in self.streams.items():
+            rep = self.index.replicas.get(name)
+            out[name] = {
+                "state": rep.state if rep is not None else OFF,
+                "reason": (rep.reason if rep is not None else None) or stream.reason,
+                "last_fault": rep.last_fault if rep is not None else stream.reason,
+                "endpoint": stream.source.endpoint if stream.source else None,
+                "blocks": len(rep.blocks) if rep is not None else 0,
+                "batches": stream.batches,
+                "events": stream.events,
+                "next_seq": stream.next_seq,
+                "gaps": stream.gaps,
+                "restarts": stream.restarts,
+                "disconnects": stream.disconnects,
+                "replays": stream.replays,
+                "orphans": rep.orphans if rep is not None else 0,
+                "undecodable": stream.undecodable,
+            }
+        return {"mode": self.config.kv_events, "replicas": out}

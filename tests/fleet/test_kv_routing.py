@@ -1,0 +1,309 @@
+"""Over real sockets: emulated replicas publish vLLM's KV events, a router with `--policy kv`
+subscribes, and a new family goes where its prefix really is, where the prediction (the deal)
+would have sent it elsewhere; a gap, a stopped publisher, a restarted replica or another block
+size put that replica back on the prediction, visibly in /router/status."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from emulated_fleet import StartEmulators, StartRouter
+from helpers import Adapter, call, completed, load, until
+
+from lora_router.emulator import Emulator
+from lora_router.emulator.kv_events import KVEventsConfig
+from lora_router.fleet.kv_events import parse_sources
+from lora_router.routing.keys import Lineages, RouteKey, prompt_key
+from lora_router.routing.policy import Candidates, PrefixAffinity
+from lora_router.runtime import RouterRuntime
+
+BLOCK = 16
+KV = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:0", replay_endpoint="tcp://*:0")
+PROMPT = list(range(3000, 3064))  # 4 blocks
+LATER = [*PROMPT, *range(9000, 9040)]  # its next turn: a new family to a router that never saw it
+
+
+class Member:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.in_flight = 0
+        self.in_flight_tokens = 0
+
+
+def predicted(emus: list[Emulator], tokens: list[int], model: str | None = None) -> Emulator:
+    """Where `--policy prefix` deals `tokens` as a new family on an idle fleet of `emus`."""
+    members = [Member(e.url.replace("localhost", "127.0.0.1")) for e in emus]
+    policy = PrefixAffinity()
+    policy.set_members(members)
+    seed = Lineages().seeds(model, model is not None).token
+    key = prompt_key(None, tokens, BLOCK, seed=seed)
+    chosen = policy.choose(RouteKey(lambda: key), Candidates(members, model)).replica
+    return emus[members.index(chosen)]
+
+
+def chain(tokens: list[int]) -> list[int]:
+    return prompt_key(None, tokens, BLOCK, seed=Lineages().seeds(None, False).token).chain
+
+
+def other(emus: list[Emulator], than: Emulator) -> Emulator:
+    return next(e for e in emus if e is not than)
+
+
+async def served_by(
+    client: aiohttp.ClientSession, rt: RouterRuntime, emus: list[Emulator], **body: Any
+) -> Emulator:
+    """Send a completion through the router; the emulator that answered."""
+    status, data, headers = await call(
+        client, "POST", rt.url + "/v1/completions", {"max_tokens": 1, **body}
+    )
+    assert status == 200, data
+    assert rt.fleet is not None
+    replica = rt.fleet.find(int(headers["x-lora-router-replica"]))
+    assert replica is not None
+    return next(e for e in emus if e.url == replica.name)
+
+
+async def kv_status(client: aiohttp.ClientSession, rt: RouterRuntime, emu: Emulator) -> Any:
+    status, data, _ = await call(client, "GET", rt.url + "/router/status")
+    assert status == 200
+    return orjson.loads(data)["kv_events"]["replicas"][emu.url]
+
+
+def held(rt: RouterRuntime, emu: Emulator) -> int:
+    assert rt.kv_events is not None
+    return rt.kv_events.index.held(emu.url)
+
+
+def state(rt: RouterRuntime, emu: Emulator) -> str:
+    assert rt.kv_events is not None
+    return rt.kv_events.index.replica(emu.url).state
+
+
+async def subscribed(client: aiohttp.ClientSession, rt: RouterRuntime, emu: Emulator) -> None:
+    """Publish on `emu` until the router's subscription receives (ZMQ's slow joiner: a
+    subscription takes effect a moment after the connection)."""
+    assert rt.kv_events is not None
+    stream = rt.kv_events.streams[emu.url]
+    seen = stream.batches
+    async with asyncio.timeout(10):
+        for i in itertools.count():
+            await completed(client, emu.url, prompt=[50_000 + i] * BLOCK, max_tokens=1)
+            with contextlib.suppress(TimeoutError):
+                await until(lambda: stream.batches > seen, timeout=0.05)
+                return
+
+
+class Dropped:
+    """A PUB socket whose messages never arrive: the subscriber misses a batch (ZMQ drops
+    beyond its high-water mark) that the replay buffer still keeps."""
+
+    def send_multipart(self, frames: object, flags: int = 0) -> None:
+        pass
+
+
+async def test_a_new_family_goes_where_its_prefix_is_after_the_router_restarts(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    emus = await emulators(3, kv_events_config=KV)
+    model = "trl-policy-v3"
+    for emu in emus:
+        assert (await load(client, emu.url, model, adapter(model)))[0] == 200
+    guess = predicted(emus, LATER, model)
+    holder = other(emus, guess)
+    # Two conversations' first turns ran on `holder` before this router existed.
+    second = list(range(6000, 6064))
+    for first in (PROMPT, second):
+        await completed(client, holder.url, model, prompt=first, max_tokens=1)
+    rt = await router(emus, policy="kv")
+    await until(lambda: held(rt, holder) >= 8)  # learnt from the replay buffer
+    assert await served_by(client, rt, emus, model=model, prompt=LATER) is holder
+    # The second follows too, though its replica was just dealt a family: it was placed
+    # before this router started (its blocks are inherited), not drawn by a shared prefix.
+    later = [*second, *range(9000, 9040)]
+    assert await served_by(client, rt, emus, model=model, prompt=later) is holder
+    assert rt.app is not None and rt.app.policy.counts.kv == 2
+    seen = await kv_status(client, rt, holder)
+    assert seen["state"] == "live" and seen["blocks"] >= 4 and seen["batches"] >= 1
+
+
+async def test_the_same_prompt_under_another_version_is_dealt(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    emus = await emulators(2, kv_events_config=KV)
+    for name in ("trl-policy-v3", "trl-policy-v4"):
+        for emu in emus:
+            assert (await load(client, emu.url, name, adapter(name)))[0] == 200
+    guess = predicted(emus, LATER, "trl-policy-v4")
+    await completed(client, other(emus, guess).url, "trl-policy-v3", prompt=PROMPT, max_tokens=1)
+    rt = await router(emus, policy="kv")
+    await until(lambda: held(rt, other(emus, guess)) >= 4)
+    assert await served_by(client, rt, emus, model="trl-policy-v4", prompt=LATER) is guess
+
+
+async def test_a_gap_in_the_sequence_drops_what_the_replica_held(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(2, kv_events_config=KV)
+    guess = predicted(emus, LATER)
+    holder = other(emus, guess)
+    await completed(client, holder.url, prompt=PROMPT, max_tokens=1)
+    rt = await router(emus, policy="kv")
+    await until(lambda: held(rt, holder) >= 4)
+    await subscribed(client, rt, holder)
+    assert holder.kv_publisher is not None
+    holder.kv_publisher.seq += 1  # one batch lost before the replay buffer kept it
+    await completed(client, holder.url, prompt=[7] * BLOCK, max_tokens=1)
+    await until(lambda: state(rt, holder) == "gap")
+    assert held(rt, holder) <= 1  # only what came after the gap
+    assert await served_by(client, rt, emus, prompt=LATER) is guess
+    seen = await kv_status(client, rt, holder)
+    assert seen["gaps"] == 1 and "missed batches" in seen["reason"]
+    # The next batch in sequence ends the fault.
+    await completed(client, holder.url, prompt=[8] * BLOCK, max_tokens=1)
+    await until(lambda: state(rt, holder) == "live")
+
+
+async def test_a_gap_the_replay_buffer_fills_loses_nothing(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    (emu,) = await emulators(1, kv_events_config=KV)
+    rt = await router([emu], policy="kv")
+    await subscribed(client, rt, emu)
+    assert rt.kv_events is not None and emu.kv_publisher is not None
+    stream = rt.kv_events.streams[emu.url]
+    publisher = emu.kv_publisher
+    pub, publisher._pub = publisher._pub, Dropped()  # type: ignore[assignment]
+    await completed(client, emu.url, prompt=PROMPT, max_tokens=1)  # only in the buffer
+    publisher._pub = pub
+    await completed(client, emu.url, prompt=[*PROMPT, *range(16)], max_tokens=1)
+    await until(lambda: held(rt, emu) >= 5)  # the replay brought the 4 blocks before it
+    assert stream.gaps == 0 and state(rt, emu) == "live" and stream.replays >= 2
+
+
+async def test_a_stopped_publisher_puts_the_replica_on_the_prediction(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(2, kv_events_config=KV)
+    guess = predicted(emus, LATER)
+    holder = other(emus, guess)
+    await completed(client, holder.url, prompt=PROMPT, max_tokens=1)
+    rt = await router(emus, policy="kv")
+    await until(lambda: held(rt, holder) >= 4)
+    await subscribed(client, rt, holder)
+    await holder.stop_kv_events()
+    await until(lambda: state(rt, holder) == "stale")
+    assert held(rt, holder) >= 4  # kept, but not trusted
+    assert await served_by(client, rt, emus, prompt=LATER) is guess
+    seen = await kv_status(client, rt, holder)
+    assert seen["disconnects"] >= 1 and seen["reason"] == "its publisher went away"
+
+
+async def test_a_restarted_replica_starts_again_from_nothing(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(2, kv_events_config=KV)
+    guess = predicted(emus, LATER)
+    holder = other(emus, guess)
+    await completed(client, holder.url, prompt=PROMPT, max_tokens=1)
+    rt = await router(emus, policy="kv")
+    await until(lambda: held(rt, holder) >= 4)
+    await subscribed(client, rt, holder)
+    assert rt.kv_events is not None
+    stream = rt.kv_events.streams[holder.url]
+    await holder.restart()  # a new process: an empty cache, batches from 0 again
+    await until(lambda: stream.disconnects == 1)
+    await subscribed(client, rt, holder)
+    seen = await kv_status(client, rt, holder)
+    assert seen["restarts"] == 1 and "it restarted" in seen["last_fault"]
+    assert rt.kv_events.index.longest(None, chain(PROMPT)) == (0, frozenset())
+    assert await served_by(client, rt, emus, prompt=LATER) is guess
+
+
+async def test_the_health_monitors_restart_verdict_drops_the_blocks(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(1, kv_events_config=KV)
+    await completed(client, emus[0].url, prompt=PROMPT, max_tokens=1)
+    rt = await router(emus, policy="kv")
+    await until(lambda: held(rt, emus[0]) >= 4)
+    assert rt.health is not None and rt.fleet is not None
+    assert rt.health.on_restart is not None
+    rt.health.on_restart(rt.fleet.replicas[0])
+    assert state(rt, emus[0]) == "restarted" and held(rt, emus[0]) == 0
+
+
+async def test_another_block_size_is_never_looked_up(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(2, kv_events_config=KV, block_size=32)
+    guess = predicted(emus, LATER)
+    holder = other(emus, guess)
+    await completed(client, holder.url, prompt=PROMPT, max_tokens=1)
+    rt = await router(emus, policy="kv", block_size=BLOCK)
+    await until(lambda: state(rt, holder) == "mismatch")
+    assert held(rt, holder) == 0
+    assert await served_by(client, rt, emus, prompt=LATER) is guess
+    assert "block size 32" in (await kv_status(client, rt, holder))["reason"]
+
+
+async def test_a_replica_without_events_is_off(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(1)
+    rt = await router(emus, policy="kv")
+    seen = await kv_status(client, rt, emus[0])
+    assert seen["state"] == "off" and "no ZMQ publisher" in seen["reason"]
+    assert (await served_by(client, rt, emus, prompt=LATER)) is emus[0]
+
+
+async def test_an_endpoint_template_replaces_discovery(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    (emu,) = await emulators(1, kv_events_config=KV)
+    assert emu.kv_publisher is not None
+    port = emu.kv_publisher.endpoint.rpartition(":")[2]
+    await completed(client, emu.url, prompt=PROMPT, max_tokens=1)
+    rt = await router([emu], policy="kv", kv_events=f"tcp://{{host}}:{port}")
+    await subscribed(client, rt, emu)
+    assert state(rt, emu) == "live"
+
+
+@pytest.mark.parametrize(
+    ("doc", "expected"),
+    [
+        ({"0": {"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "t"}}, "tcp://h:5557"),
+        (
+            {"0": {"endpoint": "tcp://10.0.0.5:41000", "replay_endpoint": None}},
+            "tcp://10.0.0.5:41000",
+        ),
+        ({}, None),
+        ({"0": {"publisher": "null", "endpoint": "tcp://*:5557"}}, None),
+        ({"1": {"endpoint": "tcp://*:5558"}}, None),
+    ],
+)
+def test_sources_are_read_from_rank_0(doc: Any, expected: str | None) -> None:
+    source = parse_sources(doc, "h")
+    assert (source.endpoint if source else None) == expected
+
+
+async def test_a_replica_without_events_is_not_asked_again_until_it_restarts(
+    emulators: StartEmulators, router: StartRouter
+) -> None:
+    (emu,) = await emulators(1)
+    rt = await router([emu], policy="kv")
+    assert rt.kv_events is not None and rt.fleet is not None
+
+    def asked() -> int:
+        return sum(1 for r in emu.requests if r.path == "/kv_event_sources")
+
+    await rt.kv_events.sync()
+    assert asked() == 1
+    rt.kv_events.restarted(rt.fleet.replicas[0])  # a new process may publish
+    await rt.kv_events.sync()
+    assert asked() == 2
