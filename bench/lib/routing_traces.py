@@ -10,6 +10,7 @@ import grpo_trace as bench_trace
 import orjson
 
 from lora_router.emulator import EmulatorConfig
+from lora_router.emulator.kv_events import KVEventsConfig
 from lora_router.emulator.tokens import generate as emulator_generate
 
 MODEL = "Qwen/Qwen2.5-Math-1.5B"
@@ -28,8 +29,14 @@ class Timing:
     max_num_seqs: int = 1
     cache_blocks: int = 4096
     block_size: int = 16
+    kv_events: bool = False  # publish vLLM's KV events (`--kv-events-config`, ephemeral ports)
 
     def emulator_config(self) -> EmulatorConfig:
+        kv = None
+        if self.kv_events:
+            kv = KVEventsConfig(
+                enable_kv_cache_events=True, endpoint="tcp://*:0", replay_endpoint="tcp://*:0"
+            )
         return EmulatorConfig(
             host="127.0.0.1",
             port=0,
@@ -41,6 +48,7 @@ class Timing:
             max_lora_rank=1,
             max_loras=MAX_STALENESS + 2,
             max_model_len=MAX_MODEL_LEN,
+            kv_events_config=kv,
         )
 
     def service_s(self, uncached: int, generated: int) -> float:
@@ -99,7 +107,11 @@ TRACES: dict[str, Shape] = {
 
 
 def trace_spec(name: str, replicas: int, scale: Scale) -> Any:
-    shape = TRACES[name]
+    return shape_spec(TRACES[name], replicas, scale)
+
+
+def shape_spec(shape: Shape, replicas: int, scale: Scale) -> Any:
+    """The TraceSpec of a shape at a fleet size (bench/cache_pressure.py has shapes of its own)."""
     per_replica = scale.multi_prompts_per_replica if shape.turns > 1 else scale.prompts_per_replica
     return bench_trace.TraceSpec(
         steps=scale.steps,

@@ -1,0 +1,285 @@
+"""The cache-pressure bench's report (bench/cache_pressure.py): medians over rounds with their
+ranges, ratios to the prediction taken within a round, the hit rate in windows around the
+restart, and a verdict per cell by a stated rule."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .cache_pressure_run import CacheRun
+
+# The verdict rule for kv against the prediction, per cell (medians of per-round ratios):
+# wins: makespan <= 1 - MARGIN and hit rate >= 1 - MARGIN / 4; loses: makespan >= 1 + MARGIN
+# or hit rate <= 1 - MARGIN; else ties.
+MARGIN = 0.02
+
+
+def write_json(path: Path, meta: dict[str, Any], results: list[CacheRun]) -> None:
+    doc = {"meta": meta, "runs": [r.as_json() for r in results]}
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _with_range(values: Sequence[float], digits: int = 3) -> str:
+    if not values:
+        return "n/a"
+    mid = _fmt(_median(values), digits)
+    if len(values) == 1:
+        return mid
+    return f"{mid} [{min(values):.{digits}f} .. {max(values):.{digits}f}]"
+
+
+def _ok(runs: list[CacheRun]) -> list[CacheRun]:
+    return [r for r in runs if r.status == "ok"]
+
+
+def ratios(
+    runs: list[CacheRun], ref_runs: list[CacheRun], value: Callable[[CacheRun], float]
+) -> list[float]:
+    """value(run) / value(the reference's run of the same round), per round."""
+    ref = {r.round: value(r) for r in _ok(ref_runs)}
+    return [round(value(r) / ref[r.round], 4) for r in _ok(runs) if ref.get(r.round)]
+
+
+def accuracy_ratio(r: CacheRun) -> float | None:
+    acc = r.accuracy or {}
+    predicted, reported = acc.get("predicted_cached_tokens"), acc.get("reported_cached_tokens")
+    if not predicted or reported is None:
+        return None
+    return float(reported) / float(predicted)
+
+
+def verdict(hit: list[float], makespan: list[float]) -> str:
+    h, m = _median(hit), _median(makespan)
+    if h is None or m is None:
+        return "n/a"
+    if m >= 1 + MARGIN or h <= 1 - MARGIN:
+        return "loses"
+    if m <= 1 - MARGIN and h >= 1 - MARGIN / 4:
+        return "wins"
+    return "ties"
+
+
+def _window_row(runs: list[CacheRun], attr: str) -> list[str]:
+    columns: list[list[float]] = []
+    for r in _ok(runs):
+        for i, v in enumerate(getattr(r, attr)):
+            while len(columns) <= i:
+                columns.append([])
+            if v is not None:
+                columns[i].append(v)
+    return [_fmt(_median(c), 2) for c in columns]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    out += ["| " + " | ".join(row) + " |" for row in rows]
+    return out
+
+
+def cell_summary(
+    cell_runs: list[CacheRun], reference: dict[bool, str]
+) -> tuple[list[list[str]], list[dict[str, Any]]]:
+    """The cell's table rows and its per-contender summary (for the JSON and the verdicts)."""
+    by_key: dict[str, list[CacheRun]] = {}
+    for r in cell_runs:
+        by_key.setdefault(r.contender, []).append(r)
+    rows, summaries = [], []
+    for key, runs in by_key.items():
+        ok = _ok(runs)
+        base = runs[0].mode == "base"
+        ref = by_key.get(reference[base], [])
+        hit_ratio = ratios(runs, ref, lambda r: r.hit_rate)
+        span_ratio = ratios(runs, ref, lambda r: r.makespan_s)
+        acc = [a for a in map(accuracy_ratio, ok) if a is not None]
+        kinds = [r.routing or {} for r in ok]
+        kv = [k.get("kv", 0) for k in kinds]
+        fresh = [k.get("fresh", 0) for k in kinds]
+        summary = {
+            "contender": key,
+            "mode": runs[0].mode,
+            "runs": len(runs),
+            "ok": len(ok),
+            "status": sorted({r.status for r in runs if r.status != "ok"}),
+            "hit_rate": [r.hit_rate for r in ok],
+            "hit_rate_vs_prediction": hit_ratio,
+            "makespan_s": [r.makespan_s for r in ok],
+            "makespan_vs_prediction": span_ratio,
+            "wall_s": [r.wall_s for r in ok],
+            "failed": [r.failed for r in ok],
+            "reported_over_predicted": acc,
+            "kv_decisions": kv,
+            "fresh_decisions": fresh,
+        }
+        if key != reference[base] and "kv" in key:
+            summary["verdict"] = verdict(hit_ratio, span_ratio)
+        summaries.append(summary)
+        rows.append(
+            [
+                key,
+                runs[0].mode,
+                _with_range(summary["hit_rate"]),
+                _with_range(hit_ratio) if key != reference[base] else "1",
+                _with_range(summary["makespan_s"], 2),
+                _with_range(span_ratio) if key != reference[base] else "1",
+                _with_range(summary["wall_s"], 2),
+                "/".join(str(f) for f in summary["failed"]) or "n/a",
+                _with_range(acc) if acc else "n/a",
+                f"{_median(kv):g} / {_median(fresh):g}" if any(r.routing for r in ok) else "",
+                summary.get("verdict", ""),
+            ]
+        )
+        if not ok:
+            rows[-1][2] = "; ".join(summary["status"])[:120]
+    return rows, summaries
+
+
+def write_markdown(
+    path: Path, meta: dict[str, Any], results: list[CacheRun], reference: dict[bool, str]
+) -> None:
+    lines = [
+        "# Routing under cache pressure",
+        "",
+        f"Command (from the root of a clone at `{meta['git']}`): `{meta['command']}`",
+        "",
+        f"Date: {meta['date']}; {meta['rounds']} rounds, contenders interleaved (order rotated "
+        f"each round); {meta['elapsed_s']} s in all. A shared 2-core machine (load average at "
+        f"the end: {', '.join(f'{x:.2f}' for x in meta['load_average'])}): makespan, the "
+        "busiest replica's modeled service time, is noise-free; wall time is not.",
+        "",
+        f"{meta['replicas']} emulated replicas; the restart: replica "
+        f"{meta['plan']['restart_replica']} crashes when {meta['plan']['restart_at']} of the "
+        f"requests have answered, down {meta['plan']['down_s']} s, back empty on its port. "
+        f"Hit rate in {meta['plan']['windows']} windows of answered requests.",
+        "",
+    ]
+    if meta.get("skipped"):
+        lines += [
+            "Skipped: " + "; ".join(f"`{k}`: {v}" for k, v in meta["skipped"].items()),
+            "",
+        ]
+    lines += _table(
+        [
+            "trace",
+            "pressure (working set / cache)",
+            "cache blocks",
+            "working set a replica",
+            "requests",
+            "prompt tokens",
+        ],
+        [
+            [
+                c["trace"],
+                f"{c['pressure']:g}",
+                str(c["cache_blocks"]),
+                str(c["working_set_per_replica"]),
+                str(c["requests"]),
+                str(c["prompt_tokens"]),
+            ]
+            for c in meta["cells"]
+        ],
+    )
+    lines += [
+        "",
+        "Columns: hit rate from the replicas' own counters (median [range] over rounds); "
+        "`/ pred.`: the ratio to the prediction (lr-prefix-base, or lr-prefix in LoRA "
+        "naming) in the same round, median [range]; makespan in modeled seconds; failed "
+        "requests per round; `reported / predicted`: the router's routing_accuracy (cached "
+        "tokens vLLM reported over those routing predicted; n/a where the router does not "
+        "publish it); `kv / fresh`: lora-router's new-family decisions by the KV index and by "
+        f"the deal. Verdict (kv against the prediction): wins when the makespan ratio is at "
+        f"most {1 - MARGIN:g} with the hit-rate ratio at least {1 - MARGIN / 4:g}, loses when "
+        f"the makespan ratio is at least {1 + MARGIN:g} or the hit-rate ratio at most "
+        f"{1 - MARGIN:g}, else ties.",
+        "",
+    ]
+    header = [
+        "contender",
+        "naming",
+        "hit rate",
+        "hit / pred.",
+        "makespan s",
+        "makespan / pred.",
+        "wall s",
+        "failed",
+        "reported / predicted",
+        "kv / fresh",
+        "verdict",
+    ]
+    summaries: list[dict[str, Any]] = []
+    verdicts: list[list[str]] = []
+    for cell in meta["cells"]:
+        cell_runs = [
+            r
+            for r in results
+            if r.trace == cell["trace"] and r.cache_blocks == cell["cache_blocks"]
+        ]
+        if not cell_runs:
+            continue
+        title = f"## {cell['trace']}, pressure {cell['pressure']:g} ({cell['cache_blocks']} blocks)"
+        rows, cell_summaries = cell_summary(cell_runs, reference)
+        for s in cell_summaries:
+            s.update(trace=cell["trace"], pressure=cell["pressure"])
+            if "verdict" in s:
+                verdicts.append(
+                    [
+                        cell["trace"],
+                        f"{cell['pressure']:g}",
+                        s["contender"],
+                        s["verdict"],
+                        _fmt(_median(s["hit_rate_vs_prediction"])),
+                        _fmt(_median(s["makespan_vs_prediction"])),
+                    ]
+                )
+        summaries += cell_summaries
+        lines += [title, "", *_table(header, rows), ""]
+        windows = max((len(r.window_hit_rate) for r in cell_runs), default=0)
+        if windows:
+            by_key: dict[str, list[CacheRun]] = {}
+            for r in cell_runs:
+                by_key.setdefault(r.contender, []).append(r)
+            restart = meta["plan"]["restart_at"]
+            lines += [
+                "Hit rate by window of answered requests (median over rounds; the restart after "
+                f"window {round((restart or 0) * windows)}), then the restarted replica's share "
+                "of each window's requests and its own hit rate (from usage):",
+                "",
+            ]
+            wh = ["contender", "figure", *(str(i + 1) for i in range(windows))]
+            wrows = []
+            for key, runs in by_key.items():
+                wrows.append([key, "hit rate", *_window_row(runs, "window_hit_rate")])
+                wrows.append(
+                    ["", "restarted's share", *_window_row(runs, "window_restarted_share")]
+                )
+                wrows.append(
+                    ["", "restarted's hit rate", *_window_row(runs, "window_restarted_hit_rate")]
+                )
+            lines += [*_table(wh, wrows), ""]
+    if verdicts:
+        lines = [
+            *lines[:8],
+            "## Verdicts",
+            "",
+            *_table(
+                ["trace", "pressure", "contender", "verdict", "hit / pred.", "makespan / pred."],
+                verdicts,
+            ),
+            "",
+            *lines[8:],
+        ]
+    path.write_text("\n".join(lines) + "\n")
+    doc = json.loads(path.with_name("cache_pressure.json").read_text())
+    doc["summaries"] = summaries
+    path.with_name("cache_pressure.json").write_text(json.dumps(doc, indent=1) + "\n")
