@@ -63,6 +63,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import json
 import math
 import os
 import shlex
@@ -158,6 +159,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="2 steps, 1 problem per replica a step")
     p.add_argument("--keep-logs", action="store_true")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        help="no runs: rewrite the report from this cache_pressure.json (into --out)",
+    )
     args = p.parse_args(argv)
     if args.out is None:
         args.out = (
@@ -177,6 +184,33 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         scale = replace(scale, steps=2, multi_prompts_per_replica=1)
     args.scale = scale
     return args
+
+
+def metadata(
+    args: argparse.Namespace,
+    started: float,
+    cells: list[dict[str, object]],
+    skipped: dict[str, str],
+) -> dict[str, object]:
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python bench/cache_pressure.py " + " ".join(shlex.quote(a) for a in args.argv),
+        "git": git_revision(),
+        "elapsed_s": round(time.perf_counter() - started, 1),
+        "replicas": args.replicas,
+        "scale": asdict(args.scale),
+        "timing": asdict(replace(Timing(), kv_events=True)),
+        "plan": {
+            "restart_at": args.restart_at or None,
+            "restart_replica": args.restart_replica,
+            "down_s": args.down,
+            "windows": args.windows,
+        },
+        "rounds": args.rounds,
+        "cells": cells,
+        "skipped": skipped,
+        "load_average": os.getloadavg(),
+    }
 
 
 async def bench_main(args: argparse.Namespace) -> int:
@@ -273,6 +307,11 @@ async def bench_main(args: argparse.Namespace) -> int:
                                 RouterOptions(),
                             )
                             results.append(result)
+                            # Written as it goes: a run cut short still has a report
+                            # (--from-json).
+                            args.out.mkdir(parents=True, exist_ok=True)
+                            partial = metadata(args, started, cells, skipped)
+                            write_json(args.out / "cache_pressure.json", partial, results)
                             print(f"  #{round_ + 1} {c.key:15} {one_line(result)}", flush=True)
                 finally:
                     await host.close()
@@ -281,25 +320,7 @@ async def bench_main(args: argparse.Namespace) -> int:
             print(f"logs kept in {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
-    meta = {
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python bench/cache_pressure.py " + " ".join(shlex.quote(a) for a in args.argv),
-        "git": git_revision(),
-        "elapsed_s": round(time.perf_counter() - started, 1),
-        "replicas": n,
-        "scale": asdict(args.scale),
-        "timing": asdict(replace(Timing(), kv_events=True)),
-        "plan": {
-            "restart_at": args.restart_at or None,
-            "restart_replica": args.restart_replica,
-            "down_s": args.down,
-            "windows": args.windows,
-        },
-        "rounds": args.rounds,
-        "cells": cells,
-        "skipped": skipped,
-        "load_average": os.getloadavg(),
-    }
+    meta = metadata(args, started, cells, skipped)
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "cache_pressure.json", meta, results)
     write_markdown(args.out / "README.md", meta, results, REFERENCE)
@@ -324,6 +345,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw)
     args.argv = raw
+    if args.from_json is not None:
+        doc = json.loads(args.from_json.read_text())
+        results = [CacheRun.from_json(r) for r in doc["runs"]]
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_json(args.out / "cache_pressure.json", doc["meta"], results)
+        write_markdown(args.out / "README.md", doc["meta"], results, REFERENCE)
+        print(f"report rewritten in {args.out} from {args.from_json}")
+        return 0
     return asyncio.run(bench_main(args))
 
 

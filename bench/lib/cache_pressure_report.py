@@ -60,6 +60,16 @@ def accuracy_ratio(r: CacheRun) -> float | None:
     return float(reported) / float(predicted)
 
 
+def _stream(r: CacheRun, i: int) -> str:
+    """Replica i's KV-event stream at the end of a kv run (streams in --replicas order):
+    state, gaps, restarts."""
+    streams = list(((r.kv_events or {}).get("replicas") or {}).values())
+    if i >= len(streams):
+        return "?"
+    s = streams[i]
+    return f"{s.get('state')}, {s.get('gaps')} gap(s), {s.get('restarts')} restart(s)"
+
+
 def verdict(hit: list[float], makespan: list[float]) -> str:
     h, m = _median(hit), _median(makespan)
     if h is None or m is None:
@@ -89,7 +99,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def cell_summary(
-    cell_runs: list[CacheRun], reference: dict[bool, str]
+    cell_runs: list[CacheRun], reference: dict[bool, str], restarted: int
 ) -> tuple[list[list[str]], list[dict[str, Any]]]:
     """The cell's table rows and its per-contender summary (for the JSON and the verdicts)."""
     by_key: dict[str, list[CacheRun]] = {}
@@ -120,6 +130,7 @@ def cell_summary(
             "failed": [r.failed for r in ok],
             "reported_over_predicted": acc,
             "kv_decisions": kv,
+            "restarted_stream": [_stream(r, restarted) for r in ok if r.kv_events],
             "fresh_decisions": fresh,
         }
         if key != reference[base] and "kv" in key:
@@ -228,7 +239,7 @@ def write_markdown(
         if not cell_runs:
             continue
         title = f"## {cell['trace']}, pressure {cell['pressure']:g} ({cell['cache_blocks']} blocks)"
-        rows, cell_summaries = cell_summary(cell_runs, reference)
+        rows, cell_summaries = cell_summary(cell_runs, reference, meta["plan"]["restart_replica"])
         for s in cell_summaries:
             s.update(trace=cell["trace"], pressure=cell["pressure"])
             if "verdict" in s:
@@ -244,6 +255,17 @@ def write_markdown(
                 )
         summaries += cell_summaries
         lines += [title, "", *_table(header, rows), ""]
+        streams = [
+            f"`{c['contender']}`: " + "; ".join(c["restarted_stream"])
+            for c in cell_summaries
+            if c["restarted_stream"]
+        ]
+        if streams:
+            lines += [
+                "The restarted replica's KV-event stream at the end of each round: "
+                + " / ".join(streams),
+                "",
+            ]
         windows = max((len(r.window_hit_rate) for r in cell_runs), default=0)
         if windows:
             by_key: dict[str, list[CacheRun]] = {}

@@ -85,6 +85,11 @@ class CacheRun:
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> CacheRun:
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in doc.items() if k in known})
+
 
 async def counters(session: aiohttp.ClientSession, urls: list[str]) -> tuple[list[int], list[int]]:
     """(queries, hits) per replica from each one's /metrics (0 for a replica not answering)."""
