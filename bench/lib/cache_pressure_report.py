@@ -169,10 +169,17 @@ def write_markdown(
         f"the end: {', '.join(f'{x:.2f}' for x in meta['load_average'])}): makespan, the "
         "busiest replica's modeled service time, is noise-free; wall time is not.",
         "",
-        f"{meta['replicas']} emulated replicas; the restart: replica "
-        f"{meta['plan']['restart_replica']} crashes when {meta['plan']['restart_at']} of the "
-        f"requests have answered, down {meta['plan']['down_s']} s, back empty on its port. "
-        f"Hit rate in {meta['plan']['windows']} windows of answered requests.",
+        f"{meta['replicas']} emulated replicas, TRL's rollout slots "
+        f"({', '.join(str(c.get('rollout_slots')) for c in meta['cells'][:1])} rollouts at "
+        "once); "
+        + (
+            f"the restart: replica {meta['plan']['restart_replica']} crashes when "
+            f"{meta['plan']['restart_at']} of the requests have answered, down "
+            f"{meta['plan']['down_s']} s, back empty on its port."
+            if meta["plan"]["restart_at"]
+            else "no restart (the control)."
+        )
+        + f" Hit rate in {meta['plan']['windows']} windows of answered requests.",
         "",
     ]
     if meta.get("skipped"):
@@ -272,10 +279,15 @@ def write_markdown(
             for r in cell_runs:
                 by_key.setdefault(r.contender, []).append(r)
             restart = meta["plan"]["restart_at"]
+            when = (
+                f"the restart after window {round(restart * windows)}"
+                if restart
+                else "no restart in this run: the control"
+            )
             lines += [
-                "Hit rate by window of answered requests (median over rounds; the restart after "
-                f"window {round((restart or 0) * windows)}), then the restarted replica's share "
-                "of each window's requests and its own hit rate (from usage):",
+                f"Hit rate by window of answered requests (median over rounds; {when}), then "
+                f"replica {meta['plan']['restart_replica']}'s (the restarted one's) share of "
+                "each window's requests and its own hit rate (from usage):",
                 "",
             ]
             wh = ["contender", "figure", *(str(i + 1) for i in range(windows))]
