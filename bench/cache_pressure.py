@@ -348,6 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.from_json is not None:
         doc = json.loads(args.from_json.read_text())
         results = [CacheRun.from_json(r) for r in doc["runs"]]
+        doc["meta"]["report_git"] = git_revision()
         args.out.mkdir(parents=True, exist_ok=True)
         write_json(args.out / "cache_pressure.json", doc["meta"], results)
         write_markdown(args.out / "README.md", doc["meta"], results, REFERENCE)

@@ -12,9 +12,11 @@ from typing import Any
 
 from .cache_pressure_run import CacheRun
 
-# The verdict rule for kv against the prediction, per cell (medians of per-round ratios):
-# wins: makespan <= 1 - MARGIN and hit rate >= 1 - MARGIN / 4; loses: makespan >= 1 + MARGIN
-# or hit rate <= 1 - MARGIN; else ties.
+# The verdict rule for kv against the prediction, per cell (medians of per-round ratios), with
+# `band` the run's own noise: the largest distance from 1 of an A/A pair's median makespan
+# ratio (a kv contender that made no kv decision applies prefix's rules exactly, so what
+# separates it from prefix is timing alone), and at least MARGIN. wins: makespan <= 1 - band and
+# hit rate >= 1 - band / 4; loses: makespan >= 1 + band or hit rate <= 1 - band; else ties.
 MARGIN = 0.02
 
 
@@ -70,15 +72,34 @@ def _stream(r: CacheRun, i: int) -> str:
     return f"{s.get('state')}, {s.get('gaps')} gap(s), {s.get('restarts')} restart(s)"
 
 
-def verdict(hit: list[float], makespan: list[float]) -> str:
+def verdict(hit: list[float], makespan: list[float], band: float) -> str:
     h, m = _median(hit), _median(makespan)
     if h is None or m is None:
         return "n/a"
-    if m >= 1 + MARGIN or h <= 1 - MARGIN:
+    if m >= 1 + band or h <= 1 - band:
         return "loses"
-    if m <= 1 - MARGIN and h >= 1 - MARGIN / 4:
+    if m <= 1 - band and h >= 1 - band / 4:
         return "wins"
     return "ties"
+
+
+def is_aa(summary: dict[str, Any]) -> bool:
+    """A kv contender whose every round made no kv decision: prefix's rules, exactly."""
+    return (
+        "kv" in summary["contender"]
+        and bool(summary["kv_decisions"])
+        and not any(summary["kv_decisions"])
+    )
+
+
+def noise_band(summaries: list[dict[str, Any]]) -> float:
+    """The run's noise: the largest |1 - median makespan ratio| of its A/A pairs, >= MARGIN."""
+    spread = [
+        abs(1 - m)
+        for s in summaries
+        if is_aa(s) and (m := _median(s["makespan_vs_prediction"])) is not None
+    ]
+    return max([MARGIN, *spread])
 
 
 def _window_row(runs: list[CacheRun], attr: str) -> list[str]:
@@ -133,8 +154,6 @@ def cell_summary(
             "restarted_stream": [_stream(r, restarted) for r in ok if r.kv_events],
             "fresh_decisions": fresh,
         }
-        if key != reference[base] and "kv" in key:
-            summary["verdict"] = verdict(hit_ratio, span_ratio)
         summaries.append(summary)
         rows.append(
             [
@@ -148,7 +167,7 @@ def cell_summary(
                 "/".join(str(f) for f in summary["failed"]) or "n/a",
                 _with_range(acc) if acc else "n/a",
                 f"{_median(kv):g} / {_median(fresh):g}" if any(r.routing for r in ok) else "",
-                summary.get("verdict", ""),
+                "",  # the verdict, once the run's noise band is known
             ]
         )
         if not ok:
@@ -162,7 +181,14 @@ def write_markdown(
     lines = [
         "# Routing under cache pressure",
         "",
-        f"Command (from the root of a clone at `{meta['git']}`): `{meta['command']}`",
+        f"Command (from the root of a clone at `{meta['git']}`): `{meta['command']}`"
+        + (
+            f" (this report rewritten from its JSON at `{meta['report_git']}`: "
+            f"`python bench/cache_pressure.py --from-json {path.parent}/cache_pressure.json "
+            f"--out {path.parent}`)"
+            if meta.get("report_git")
+            else ""
+        ),
         "",
         f"Date: {meta['date']}; {meta['rounds']} rounds, contenders interleaved (order rotated "
         f"each round); {meta['elapsed_s']} s in all. A shared 2-core machine (load average at "
@@ -216,10 +242,8 @@ def write_markdown(
         "requests per round; `reported / predicted`: the router's routing_accuracy (cached "
         "tokens vLLM reported over those routing predicted; n/a where the router does not "
         "publish it); `kv / fresh`: lora-router's new-family decisions by the KV index and by "
-        f"the deal. Verdict (kv against the prediction): wins when the makespan ratio is at "
-        f"most {1 - MARGIN:g} with the hit-rate ratio at least {1 - MARGIN / 4:g}, loses when "
-        f"the makespan ratio is at least {1 + MARGIN:g} or the hit-rate ratio at most "
-        f"{1 - MARGIN:g}, else ties.",
+        "the deal. Verdict (kv against the prediction, medians of the per-round ratios):",
+        "BAND_TEXT",
         "",
     ]
     header = [
@@ -237,7 +261,36 @@ def write_markdown(
     ]
     summaries: list[dict[str, Any]] = []
     verdicts: list[list[str]] = []
-    for cell in meta["cells"]:
+    tables: dict[int, tuple[list[list[str]], list[dict[str, Any]]]] = {}
+    for i, cell in enumerate(meta["cells"]):
+        cell_runs = [
+            r
+            for r in results
+            if r.trace == cell["trace"] and r.cache_blocks == cell["cache_blocks"]
+        ]
+        if cell_runs:
+            tables[i] = cell_summary(cell_runs, reference, meta["plan"]["restart_replica"])
+    band = noise_band([s for _, cs in tables.values() for s in cs])
+    for rows, cell_summaries in tables.values():
+        for row, s in zip(rows, cell_summaries, strict=True):
+            if "kv" not in s["contender"]:
+                continue
+            s["verdict"] = (
+                "A/A: no kv decision"
+                if is_aa(s)
+                else verdict(s["hit_rate_vs_prediction"], s["makespan_vs_prediction"], band)
+            )
+            row[-1] = s["verdict"]
+    band_text = (
+        f"the run's noise band is {band:.3f}: the largest distance from 1 of an A/A pair's "
+        "median makespan ratio (a kv contender that made no kv decision applies prefix's "
+        f"rules exactly; timing alone separates it from prefix), at least {MARGIN:g}. kv wins "
+        f"when the makespan ratio is at most {1 - band:.3f} with the hit-rate ratio at least "
+        f"{1 - band / 4:.3f}, loses when the makespan ratio is at least {1 + band:.3f} or the "
+        f"hit-rate ratio at most {1 - band:.3f}, else ties."
+    )
+    lines = [band_text if line == "BAND_TEXT" else line for line in lines]
+    for i, cell in enumerate(meta["cells"]):
         cell_runs = [
             r
             for r in results
@@ -246,7 +299,7 @@ def write_markdown(
         if not cell_runs:
             continue
         title = f"## {cell['trace']}, pressure {cell['pressure']:g} ({cell['cache_blocks']} blocks)"
-        rows, cell_summaries = cell_summary(cell_runs, reference, meta["plan"]["restart_replica"])
+        rows, cell_summaries = tables[i]
         for s in cell_summaries:
             s.update(trace=cell["trace"], pressure=cell["pressure"])
             if "verdict" in s:
@@ -301,6 +354,9 @@ def write_markdown(
                     ["", "restarted's hit rate", *_window_row(runs, "window_restarted_hit_rate")]
                 )
             lines += [*_table(wh, wrows), ""]
+    notes = path.with_name("notes.md")
+    if notes.exists():  # what the figures say, written by hand (kept across --from-json)
+        lines = [*lines[:8], notes.read_text().strip(), "", *lines[8:]]
     if verdicts:
         lines = [
             *lines[:8],
