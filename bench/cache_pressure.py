@@ -2,27 +2,37 @@
 (`--policy kv`) and vllm-router's cache_aware, side by side, on long multi-turn GRPO rollouts
 whose working set does not fit the replicas' prefix caches, with one replica restarted mid-run.
 
-    python bench/cache_pressure.py                       # the committed run (results below)
+    python bench/cache_pressure.py --traces tools-6 --pressure 3,1.5,0.25   # bench/README.md
     python bench/cache_pressure.py --quick               # a smoke run, results in /tmp
-    python bench/cache_pressure.py --traces mt-sync-6 --pressure 3 --rounds 1 \\
-        --routers lr-prefix-base,lr-kv-base --out /tmp/cp   # an investigation run
+    python bench/cache_pressure.py --traces tools-6 --pressure 3 --rounds 1 \\
+        --routers lr-prefix,lr-kv --out /tmp/cp         # an investigation run
 
-Workload: bench/grpo_trace.py's pipelined rollouts (TRL 1.16's async worker: new rollouts start
-while older ones are in later turns, each turn names the version current when it is sent, a
-weight sync every round), with more turns than bench/routing.py's three. TRL's tool loop
-(`AsyncRolloutWorker._generate_one`) has no turn limit by default (`max_tool_calling_iterations`
-None): a rollout goes on while the model calls tools, until the completion reaches
-`max_completion_length`, so long agentic rollouts are the case a cache must carry. Two shapes:
-- `mt-sync-6`: 6 turns, each prompt the previous one + its completion + a tool message
-  (a prefix-preserving template), completions 32-128 tokens;
-- `long-tail-4`: 4 turns re-rendered through the Qwen3-shaped chat template (a turn's prompt
-  is not a prefix of the next: the generation-prompt stub goes, the completion is
-  re-tokenized), completions log-normal (median 100) up to 3,000 tokens.
-S = 2 N problems a step, G = 8 samples, 3 steps, N = 3 replicas; requests go out as
-bench/routing.py sends them (at most 64 N in flight, a later turn once its parent answered).
+Workload: bench/grpo_trace.py's multi-turn rollouts, driven as TRL 1.16's async worker drives
+them: `AsyncRolloutWorker._generate_loop` keeps `max_inflight_tasks` rollouts going (one
+sample's whole conversation each) and starts the next one, in dataset order, only when one
+ends; a rollout's next turn goes out as soon as its turn before answers. Here the slots are
+`--slot-steps` (1) steps' worth of samples (S x G), so new families arrive all through the run,
+onto caches already full (the tool-use setting TRL's docs suggest sizing by hand; its default,
+4 steps' worth, would start every rollout of a short trace at once). TRL's tool loop
+(`_generate_one`) has no turn limit by default (`max_tool_calling_iterations` None): a rollout
+goes on while the model calls tools, so turns are more than bench/routing.py's three, and the
+chat template renders the tools' schemas into the system prompt (`apply_chat_template(...,
+tools=tools)`), a long prefix every rollout shares:
+- `tools-6`: a 1,000-token system prompt, 6 turns re-rendered through the Qwen3-shaped chat
+  template (a turn's prompt is not a prefix of the next: the generation-prompt stub goes, the
+  completion is re-tokenized), completions 32-128 tokens;
+- `tools-long-tail-4`: the same with 4 turns and completions log-normal (median 100) up to
+  3,000 tokens;
+- `mt-6` (not in the default run): a 23-token template, 6 turns appended.
+S = `--problems` (2) x N problems a step, G = 8, `--steps` (4) steps, N = 3 replicas. Each
+rollout names the adapter version of its step (`trl-policy-v{step + 1}`, a sync before a step's
+first request, while the previous step's rollouts are still running): with rollouts started by
+slots, naming the version current at each turn would need the trace re-rendered as it runs
+(the completion a replica generates depends on the name), so this is the simplification.
 
 Cache pressure: the *working set* is the distinct 16-token blocks of every prompt and completion
-of the trace (base-model naming), per replica; `--pressure 3,1.5,0.25` gives each emulator
+of one step's rollouts (what the slots hold at once; base-model naming), the shared template's on
+every replica and the rest split over N; `--pressure 3,1.5,0.25` gives each emulator
 `--cache-blocks` = working set / p: three times the cache, one and a half, and a quarter (the
 cache holds everything: the control, where the contenders should tie). Eviction is LRU.
 
@@ -37,7 +47,7 @@ their prefix is, the prediction for a replica whose stream is not live), `vllm-c
 cache_aware); in LoRA naming (adapters synced as TRL does: pause, load, resume, unload v(N-5)),
 `lr-prefix` and `lr-kv` (the peers cannot broadcast adapter loads). Every emulator publishes KV
 events (`--kv-events-config`, ephemeral ports) for every contender, so all pay the same; only
-`--policy kv` subscribes, and a kv run starts once every stream is live. Contenders run
+`--policy kv` subscribes, and a kv run starts once every stream is subscribed. Contenders run
 interleaved, in an order rotated each round, on the same requests and the same emulators
 (restarted between runs).
 
