@@ -128,6 +128,7 @@ sys.path.insert(0, str(HERE))  # bench/ modules, run as scripts
 from lib.procs import git_revision  # noqa: E402
 from lib.routing_procs import (  # noqa: E402
     CONTENDERS,
+    OPT_IN,
     ReplicaHost,
     RouterOptions,
     available,
@@ -164,7 +165,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--replicas", default="2,3,8", help="comma-separated replica counts")
     p.add_argument(
         "--routers",
-        default=",".join(c.key for c in CONTENDERS),
+        default=",".join(c.key for c in CONTENDERS if c.key not in OPT_IN),
         help="comma-separated, of: " + ", ".join(c.key for c in CONTENDERS),
     )
     p.add_argument("--quick", action="store_true", help="2 steps, half the problems per step")
@@ -256,6 +257,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         decode_s_per_token=args.decode_us * 1e-6,
         max_num_seqs=args.max_num_seqs,
         cache_blocks=args.cache_blocks,
+        kv_events="lr-kv" in args.routers.split(","),
     )
     args.trace_list = [t for t in args.traces.split(",") if t]
     args.replica_list = [int(n) for n in args.replicas.split(",") if n]

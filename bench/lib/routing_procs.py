@@ -51,6 +51,7 @@ CONTENDERS = (
     Contender("lr-prefix", "lora-router prefix", "lora-router", "prefix", False),
     Contender("lr-round-robin", "lora-router round-robin", "lora-router", "round-robin", False),
     Contender("lr-least-loaded", "lora-router least-loaded", "lora-router", "least-loaded", False),
+    Contender("lr-kv", "lora-router kv", "lora-router", "kv", False),
     Contender("oracle-base", "oracle (families pinned)", "oracle", "", True),
     Contender("lr-prefix-base", "lora-router prefix", "lora-router", "prefix", True),
     Contender(
@@ -69,6 +70,8 @@ CONTENDERS = (
     Contender("sglang-ca", "sglang-router cache_aware", "sglang-router", "cache_aware", True),
 )
 PEER_KINDS = ("vllm-router", "sglang-router")
+# Run only when named in --routers (an investigation: its replicas publish KV events).
+OPT_IN = ("lr-kv",)
 
 
 @dataclass(frozen=True, slots=True)

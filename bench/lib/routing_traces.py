@@ -29,14 +29,12 @@ class Timing:
     max_num_seqs: int = 1
     cache_blocks: int = 4096
     block_size: int = 16
-    kv_events: bool = False  # publish vLLM's KV events (`--kv-events-config`, ephemeral ports)
+    kv_events: bool = False  # replicas publish KV events (for the lr-kv contender)
 
     def emulator_config(self) -> EmulatorConfig:
-        kv = None
-        if self.kv_events:
-            kv = KVEventsConfig(
-                enable_kv_cache_events=True, endpoint="tcp://*:0", replay_endpoint="tcp://*:0"
-            )
+        events = KVEventsConfig(
+            enable_kv_cache_events=True, endpoint="tcp://*:0", replay_endpoint="tcp://*:0"
+        )
         return EmulatorConfig(
             host="127.0.0.1",
             port=0,
@@ -48,7 +46,7 @@ class Timing:
             max_lora_rank=1,
             max_loras=MAX_STALENESS + 2,
             max_model_len=MAX_MODEL_LEN,
-            kv_events_config=kv,
+            kv_events_config=events if self.kv_events else None,
         )
 
     def service_s(self, uncached: int, generated: int) -> float:

@@ -12,7 +12,7 @@ maps tagged "type". Only GPU blocks of KV-cache group 0 (or unnamed) are filed.
 
 A replica's stream state, set in the index (only `live` replicas are looked up):
 - the first batch (after a replay from 0 when there is a replay endpoint: what a router that
-  just started missed) sets `live`; every later one must be the next in sequence;
+  just started missed, filed as `inherited`) sets `live`; every later one must be the next;
 - a *gap* (a batch beyond the next) is first asked of the replay socket; filled, nothing was
   lost; else the replica's blocks are dropped and it is `gap`: the index is a subset of the
   truth again, and it stays out of lookups until a batch comes in sequence;
@@ -248,8 +248,8 @@ class KvEvents:
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(source.endpoint)
         try:
-            if source.replay is not None:
-                await self._replay(name, stream, source, 0)
+            if source.replay is not None:  # what it held before this router started
+                await self._replay(name, stream, source, 0, inherited=True)
             await self._listen(name, stream, source, sub, monitor)
         except Exception as exc:  # a bug must not end in silence: the replica is off, visibly
             log.exception("KV events of %s: the subscription failed", name)
@@ -317,7 +317,15 @@ class KvEvents:
             state = LIVE  # the first batch of a subscription
         self._apply(name, stream, seq, batch, state)
 
-    def _apply(self, name: str, stream: Stream, seq: int, batch: _Batch, state: str) -> None:
+    def _apply(
+        self,
+        name: str,
+        stream: Stream,
+        seq: int,
+        batch: _Batch,
+        state: str,
+        inherited: bool = False,
+    ) -> None:
         """File one batch. `state`: the replica's state after it, unless the batch is the next
         in sequence, which ends a fault (a gap, a restart, a stop); a fault the index itself
         found while filing (another block size, too many blocks) stands."""
@@ -335,6 +343,7 @@ class KvEvents:
                         event.token_ids,
                         event.block_size,
                         event.lora_name,
+                        inherited,
                     )
             elif isinstance(event, _Removed):
                 if event.medium in _GPU and event.group_idx in (None, 0):
@@ -378,9 +387,11 @@ class KvEvents:
         stream.next_seq = None
         self._fault(name, GAP, f"reconnected, and batch {last} is no longer replayable")
 
-    async def _replay(self, name: str, stream: Stream, source: Source, start: int) -> bool:
+    async def _replay(
+        self, name: str, stream: Stream, source: Source, start: int, *, inherited: bool = False
+    ) -> bool:
         """Ask the replay socket for every batch from `start` and apply those in sequence;
-        True when it answered (whatever it still held)."""
+        True when it answered (whatever it still held). `inherited`: the start-up replay."""
         stream.replays += 1
         batches = await self._replayed(source, start)
         if batches is None:
@@ -390,7 +401,7 @@ class KvEvents:
             if expected is not None and seq != expected:
                 continue  # before what was applied, or beyond a hole it cannot fill
             state = self.index.replica(name).state
-            self._apply(name, stream, seq, batch, LIVE if state == STALE else state)
+            self._apply(name, stream, seq, batch, LIVE if state == STALE else state, inherited)
         return True
 
     async def _replayed(

@@ -26,6 +26,9 @@ Rules:
   `STALE` (the stream stopped; it resumes in sequence or is reset).
 - At most `max_blocks` per replica: beyond it (removals lost without a gap), the replica is
   reset and marked `GAP`.
+- A block filed `inherited` (what the replicas held before this router started, read from
+  their replay buffers) says so to `inherited` until it is removed: the policy tells a
+  family placed before it from a prefix families placed since share (kv_policy.py).
 
 Cost: `stored` O(blocks) (one xxh3 and two dict writes each); `removed` O(blocks); `reset`
 O(blocks held). `longest` for a prompt of b full blocks: at most b dict lookups and b set
@@ -67,7 +70,7 @@ class ReplicaBlocks:
 class KvIndex:
     """Per replica and adapter name, the router keys of the blocks it holds (module docstring)."""
 
-    __slots__ = ("_holders", "_live", "block_size", "max_blocks", "replicas", "root")
+    __slots__ = ("_holders", "_inherited", "_live", "block_size", "max_blocks", "replicas", "root")
 
     def __init__(
         self,
@@ -81,6 +84,8 @@ class KvIndex:
         self.replicas: dict[str, ReplicaBlocks] = {}
         # adapter name -> router key -> replica -> how many of its filed blocks have that key.
         self._holders: dict[str | None, dict[int, dict[str, int]]] = {}
+        # (adapter name, router key) -> the replicas whose block of that key is inherited.
+        self._inherited: dict[tuple[str | None, int], set[str]] = {}
         self._live: set[str] = set()
 
     def replica(self, name: str) -> ReplicaBlocks:
@@ -114,8 +119,10 @@ class KvIndex:
         tokens: Sequence[int],
         block_size: int,
         lora: str | None,
+        inherited: bool = False,
     ) -> int:
-        """A `BlockStored`: file its blocks; returns how many were filed."""
+        """A `BlockStored`: file its blocks; returns how many were filed. `inherited`: it was
+        published before this router started (module docstring)."""
         if block_size != self.block_size:
             self.reset(
                 name, MISMATCH, f"block size {block_size}, the router keys {self.block_size}"
@@ -144,6 +151,8 @@ class KvIndex:
                     continue
                 self._unfile(name, old)
             blocks[block_hash] = (lora, key)
+            if inherited:
+                self._inherited.setdefault((lora, key), set()).add(name)
             by_replica = holders.get(key)
             if by_replica is None:
                 holders[key] = {name: 1}
@@ -180,6 +189,11 @@ class KvIndex:
 
     def _unfile(self, name: str, entry: tuple[str | None, int]) -> None:
         lora, key = entry
+        heirs = self._inherited.get(entry)
+        if heirs is not None:
+            heirs.discard(name)
+            if not heirs:
+                del self._inherited[entry]
         holders = self._holders[lora]
         by_replica = holders[key]
         left = by_replica[name] - 1
@@ -214,6 +228,12 @@ class KvIndex:
             found = both
             level += 1
         return level, frozenset(found or ())
+
+    def inherited(self, lora: str | None, key: int, name: str) -> bool:
+        """Whether the replica's block of router key `key` under `lora` was filed as held
+        before this router started. O(1)."""
+        heirs = self._inherited.get((lora, key))
+        return heirs is not None and name in heirs
 
     def held(self, name: str) -> int:
         """Blocks filed for the replica."""

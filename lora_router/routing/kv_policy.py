@@ -4,12 +4,14 @@
 one the affinity table knows no family of): before the deal, it asks the KV index (kv_index.py,
 filled from the replicas' own KV events by fleet/kv_events.py) which live replicas hold the
 longest prefix of the prompt's block chain under the request's adapter name (`Candidates.model`).
-- Some routable replica among those holding it has room under the load cap and is inside the
-  deal window (it holds fewer families than the window allows, or no more than the fewest):
-  the prompt goes to one of them, chosen by the deal among them alone (counted as dealt, ties
-  broken as the deal breaks them); decision `kv`, its tokens to compute less the blocks found.
-  It is recorded as a new family's first prompt, like a fresh one. The window keeps a prefix
-  every family shares (a system prompt, held first by one replica) from pulling them all.
+- Some routable replica among those holding it has room under the load cap and either is
+  inside the deal window (it holds fewer families than the window allows, or no more than the
+  fewest) or holds the prefix's last block from before this router started (`inherited`: the
+  family was placed by an earlier router): the prompt goes to one of them, chosen by the deal
+  among them alone (counted as dealt, ties broken as the deal breaks them); decision `kv`,
+  its tokens to compute less the blocks found. It is recorded as a new family's first prompt.
+  The window keeps a prefix families placed by this router share (a system prompt, held first
+  by one replica) from pulling every new family (docs/design/kv-events.md measures both).
 - No live replica holds its first block, or no holder qualifies: the deal over every
   routable replica, exactly as `prefix` (decision `fresh`).
 Every other rule is `PrefixAffinity`'s, unchanged: siblings, continuations and moves follow
@@ -80,12 +82,15 @@ class KvAffinity(PrefixAffinity):
                 # routable, below the cap, and inside the deal window.
                 window = self._window()
                 dealt = self._dealt.get
+                last = key.chain[level - 1]
                 found = (routable.get(name) for name in sorted(holders))
                 room = Candidates(
                     (
                         r
                         for r in found
-                        if r is not None and r.in_flight < cap and dealt(r.name, 0) < window
+                        if r is not None
+                        and r.in_flight < cap
+                        and (dealt(r.name, 0) < window or index.inherited(lora, last, r.name))
                     ),
                     lora,
                 )

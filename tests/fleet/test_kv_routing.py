@@ -116,12 +116,18 @@ async def test_a_new_family_goes_where_its_prefix_is_after_the_router_restarts(
         assert (await load(client, emu.url, model, adapter(model)))[0] == 200
     guess = predicted(emus, LATER, model)
     holder = other(emus, guess)
-    # The conversation's first turn ran on `holder` before this router existed.
-    await completed(client, holder.url, model, prompt=PROMPT, max_tokens=1)
+    # Two conversations' first turns ran on `holder` before this router existed.
+    second = list(range(6000, 6064))
+    for first in (PROMPT, second):
+        await completed(client, holder.url, model, prompt=first, max_tokens=1)
     rt = await router(emus, policy="kv")
-    await until(lambda: held(rt, holder) >= 4)  # learnt from the replay buffer
+    await until(lambda: held(rt, holder) >= 8)  # learnt from the replay buffer
     assert await served_by(client, rt, emus, model=model, prompt=LATER) is holder
-    assert rt.app is not None and rt.app.policy.counts.kv == 1
+    # The second follows too, though its replica was just dealt a family: it was placed
+    # before this router started (its blocks are inherited), not drawn by a shared prefix.
+    later = [*second, *range(9000, 9040)]
+    assert await served_by(client, rt, emus, model=model, prompt=later) is holder
+    assert rt.app is not None and rt.app.policy.counts.kv == 2
     seen = await kv_status(client, rt, holder)
     assert seen["state"] == "live" and seen["blocks"] >= 4 and seen["batches"] >= 1
 

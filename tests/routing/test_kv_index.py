@@ -164,3 +164,14 @@ def test_forgetting_a_replica_drops_its_keys() -> None:
     index.stored("r0", [1], None, [1, 2, 3, 4], BLOCK, None)
     index.forget("r0")
     assert "r0" not in index.replicas and index._holders == {}
+
+
+def test_an_inherited_block_says_so_until_it_is_removed() -> None:
+    index = fresh_index()
+    tokens = [1, 2, 3, 4]
+    (key,) = router_chain(tokens, None)
+    index.stored("r0", [1], None, tokens, BLOCK, None, inherited=True)
+    index.stored("r1", [2], None, tokens, BLOCK, None)
+    assert index.inherited(None, key, "r0") and not index.inherited(None, key, "r1")
+    index.removed("r0", [1])
+    assert not index.inherited(None, key, "r0") and index._inherited == {}

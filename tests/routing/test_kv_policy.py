@@ -163,3 +163,13 @@ def test_a_prefix_every_family_shares_does_not_pull_them_all() -> None:
     # The deal window keeps families within 5 % of the mean (floored): 5 each.
     assert chosen.count(reps[0]) == chosen.count(reps[1]) == 5
     assert policy.counts.kv >= 1 and policy.counts.kv + policy.counts.fresh == 10
+
+
+def test_families_placed_before_the_router_started_are_followed_past_the_window() -> None:
+    reps = pool(2)
+    policy, index = setup(reps)
+    firsts = [list(range(1000 * i, 1000 * i + 64)) for i in range(1, 5)]
+    for i, tokens in enumerate(firsts):  # four families an earlier router put on replica 0
+        index.stored(reps[0].name, [(i, b) for b in range(4)], None, tokens, BLOCK, MODEL, True)
+    chosen = [policy.choose(route([*t, *range(90, 110)]), reps).replica for t in firsts]
+    assert chosen == [reps[0]] * 4 and policy.counts.kv == 4
