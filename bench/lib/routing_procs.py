@@ -103,7 +103,8 @@ class SeedLog(list[RecordedRequest]):
 async def serve_replicas(count: int, timing: Timing) -> None:
     """`serve-replicas`: N emulators in this process; commands on stdin, answers on stdout
     (one JSON line each): `reset` restarts them all (fresh caches, counters, adapters),
-    `dump` returns the seeds each one received since, `quit` stops."""
+    `restart I DOWN_S` crashes replica I and brings it back empty DOWN_S later (bench/
+    cache_pressure.py), `dump` returns the seeds each one received since, `quit` stops."""
     emulators = [await start_emulator(timing.emulator_config()) for _ in range(count)]
     logs = [SeedLog() for _ in emulators]
     for emulator, log in zip(emulators, logs, strict=True):
@@ -125,6 +126,18 @@ async def serve_replicas(count: int, timing: Timing) -> None:
                     logs[i] = SeedLog()
                     emulator.requests = logs[i]
                 answer({"ok": True})
+            elif line.startswith("restart "):
+                # `restart I DOWN_S`: replica I crashes (connections cut, as a killed process),
+                # stays down DOWN_S and comes back on its port empty (cache, counters,
+                # adapters); the answer holds the counters it had, which /metrics forgets.
+                _, which, down = line.split()
+                emulator = emulators[int(which)]
+                await emulator.crash()
+                cache = emulator.state.cache
+                counters = {"queries": cache.queries, "hits": cache.hits}
+                await asyncio.sleep(float(down))
+                await emulator.restart()
+                answer(counters)
             elif line == "dump":
                 answer({"seeds": [log.seeds for log in logs]})
             elif line == "quit":

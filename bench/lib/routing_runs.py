@@ -11,7 +11,7 @@ import re
 import statistics
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,6 +142,8 @@ class Run:
         self.loaded = 0
         self.syncs = 0
         self.sync_failures = 0
+        # Called with each item as its outcome is recorded (bench/cache_pressure.py's windows).
+        self.on_answer: Callable[[Item, Outcome], None] | None = None
 
     async def sync(self, version: int) -> None:
         """What TRL does for each new version: pause (keep), load, resume, unload v(N-5)."""
@@ -208,7 +210,9 @@ class Run:
         async def one(item: Item) -> None:
             nonlocal running
             try:
-                self.outcomes[item.index] = await self.send(item)
+                self.outcomes[item.index] = outcome = await self.send(item)
+                if self.on_answer is not None:
+                    self.on_answer(item, outcome)
             finally:
                 running -= 1
                 for child in children.get(item.index, ()):

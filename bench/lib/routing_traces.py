@@ -105,7 +105,11 @@ TRACES: dict[str, Shape] = {
 
 
 def trace_spec(name: str, replicas: int, scale: Scale) -> Any:
-    shape = TRACES[name]
+    return shape_spec(TRACES[name], replicas, scale)
+
+
+def shape_spec(shape: Shape, replicas: int, scale: Scale) -> Any:
+    """The TraceSpec of a shape at a fleet size (bench/cache_pressure.py has shapes of its own)."""
     per_replica = scale.multi_prompts_per_replica if shape.turns > 1 else scale.prompts_per_replica
     return bench_trace.TraceSpec(
         steps=scale.steps,
