@@ -106,7 +106,7 @@ def metric_families(state: RouterState) -> Iterator[Metric]:
     )
     yield counter(
         "lora_router_routing_decisions",
-        "Routing decisions by kind (sibling, continuation, spill, fresh, nokey, balanced).",
+        "Routing decisions by kind (sibling, continuation, spill, fresh, kv, nokey, balanced).",
         ["kind"],
         [([kind], n) for kind, n in state.policy.counts.as_dict().items()],
     )

@@ -57,8 +57,7 @@ DEFAULT_LOAD_FACTOR = 0.25
 DEFAULT_TABLE_SIZE = 200_000
 # Two groups of TRL's default 8 samples: below it a group scatters and recomputes its prompt.
 DEFAULT_LOAD_SLACK = 16
-# A first later turn moves when the work difference exceeds this many times its prompt tokens
-# (`PrefixAffinity._lighter`); 0 never moves one.
+# A first later turn moves past this many times its prompt tokens of work (`_lighter`); 0: never.
 DEFAULT_MOVE_PRICE = 10
 # One request in flight in the work a move compares, in prompt tokens: its decode and the history
 # its next turn will prefill, which the router cannot see when it routes.
@@ -297,8 +296,7 @@ class PrefixAffinity:
             return self._nokey(routable)
         self._routed_tokens += prompt.tokens
         decision = self._choose(prompt, routable, wire)
-        # A new family's was filed with its anchor (`_choose`; a `kv` one's too, and filing
-        # it again changes nothing).
+        # A new family's wire key was filed with its anchor (a `kv` one's: filed again, no-op).
         if wire is not None and decision.kind != "fresh":
             # Filed with the prompt's anchor, whose replica is its home (a spill does not move
             # it), and forgotten with it.
@@ -502,8 +500,7 @@ class PrefixAffinity:
         return best
 
     def _deal_limit(self) -> int:
-        """The most families a member may hold once the next one is dealt (the deal window,
-        module docstring); needs members. O(1)."""
+        """The most families a member may hold once the next one is dealt (the deal window)."""
         return _WINDOW_NUM * (self._dealt_total + 1) // (_WINDOW_DEN * self._members)
 
     def _first_routable(
@@ -522,8 +519,7 @@ class PrefixAffinity:
         return None if name is None else routable.get(name)
 
     def _unknown_to_the_ring(self, routable: Candidates[R]) -> R:
-        # Routable replicas the ring does not know (membership not set yet): still bounded,
-        # since the least loaded replica always has room.
+        # Routable replicas the ring does not know yet: the least loaded one always has room.
         self._turn += 1
         return least_loaded(routable, self._turn)
 
