@@ -11,6 +11,7 @@ Layout, one concept per module:
 - `faults`: `Faults`, the failure switches (flags, attributes, `POST /emulator/faults`);
 - `tokens`: tokenizer, chat template and deterministic generation (pure);
 - `prefix_cache`: chained block hashes and the LRU block cache (pure);
+- `kv_events`: vLLM's KV-cache events over ZMQ (`--kv-events-config`), from that cache;
 - `adapter_files`: reading and writing adapter directories (`write_adapter`);
 - `adapters`: the adapter registry and the GPU/CPU slots (pure);
 - `scheduler`: admission into the running batch (`max_num_seqs`, `max_loras`);

@@ -5,7 +5,8 @@
 - `routed.py`: the routed path, one `RoutedRequest` through admit, key, pick, send and settle,
   on the general path (a Task) or THE FAST PATH (parser callbacks), one retry rule;
 - `answers.py`: every rendering of a domain outcome (the fleet's, the fence's) as vLLM's answer;
-- `body.py`: a completion's body, read and validated once.
+- `body.py`: a completion's body, read and validated once;
+- `usage.py`: the cached tokens a decision predicted, and those the answer says vLLM reused.
 
 The proxy imports the fleet and routing; neither imports the proxy (tests/test_import_graph.py).
 """
