@@ -1,7 +1,8 @@
 """KV events: a ZMQ subscriber per replica, feeding the KV index (routing/kv_index.py).
 
 Where a replica publishes (`--kv-events`): `auto` asks its `GET /kv_event_sources` (vLLM 0.32:
-`{"0": KVEventsConfig}`; DP rank 0 only, a wildcard host read as the replica's), a template
+`{"0": KVEventsConfig}`; DP rank 0 only, a wildcard host read as the replica's, another host
+refused: a replica's answer never sends the router elsewhere), a template
 `tcp://{host}:5557[,tcp://{host}:5558]` names the PUB (and replay ROUTER) endpoint, `off` none.
 A replica without a source stays `off`: the policy gives it today's prediction. Replicas that
 join later, or whose source could not be read, are tried again every `health_interval`.
@@ -123,6 +124,11 @@ def parse_sources(doc: object, host: str) -> Source | None:
     )
 
 
+def _host(endpoint: str) -> str:
+    """The host of a `tcp://HOST:PORT` endpoint, IPv6 brackets off."""
+    return endpoint.partition("://")[2].rpartition(":")[0].strip("[]")
+
+
 def _reachable(endpoint: str, host: str) -> str:
     scheme, _, rest = endpoint.partition("://")
     where, _, port = rest.rpartition(":")
@@ -223,6 +229,16 @@ class KvEvents:
             return (
                 None,
                 "its /kv_event_sources names no ZMQ publisher (no --kv-events-config)",
+                False,
+            )
+        foreign = [e for e in (source.endpoint, source.replay) if e and _host(e) != host]
+        if foreign:
+            # The router connects only to the fleet's own hosts: another one is named only by
+            # the operator (`--kv-events tcp://HOST:PORT`), never by what a replica answers.
+            return (
+                None,
+                f"its /kv_event_sources names another host ({foreign[0]}); "
+                "name it with --kv-events to subscribe there",
                 False,
             )
         return source, None, False

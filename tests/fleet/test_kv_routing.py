@@ -262,6 +262,19 @@ async def test_a_replica_without_events_is_off(
     assert (await served_by(client, rt, emus, prompt=LATER)) is emus[0]
 
 
+async def test_a_replica_naming_another_host_for_its_events_is_not_followed(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    """The router subscribes only on the fleet's own hosts: a `/kv_event_sources` that names
+    another one leaves the replica off, saying so, and on the prediction."""
+    elsewhere = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.2:1")
+    emus = await emulators(1, kv_events_config=elsewhere)
+    rt = await router(emus, policy="kv")
+    seen = await kv_status(client, rt, emus[0])
+    assert seen["state"] == "off" and "another host (tcp://127.0.0.2:1)" in seen["reason"]
+    assert (await served_by(client, rt, emus, prompt=LATER)) is emus[0]
+
+
 async def test_an_endpoint_template_replaces_discovery(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
 ) -> None:
