@@ -108,6 +108,13 @@ def reset_caches(replicas: list[Replica]) -> None:
         )
 
 
+def load_adapter(replica: Replica, name: str, path: Path) -> None:
+    """Load an adapter on the replica directly (not through a router)."""
+    body = {"lora_name": name, "lora_path": str(path), "load_inplace": False}
+    answer = http("POST", replica.url + "/v1/load_lora_adapter", body)
+    assert answer.status == 200, answer.text
+
+
 def counters(replicas: list[Replica]) -> list[tuple[float, float, float]]:
     return [
         (
@@ -261,9 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         # serves it (lora-router adopts an adapter every replica holds at one path).
         path = shutil.copytree(adapter_dir(root, 0), logs / ".vllm_lora" / ADAPTER)
         for r in replicas:
-            body = {"lora_name": ADAPTER, "lora_path": str(path), "load_inplace": False}
-            answer = http("POST", r.url + "/v1/load_lora_adapter", body)
-            assert answer.status == 200, answer.text
+            load_adapter(r, ADAPTER, Path(path))
         prompts = trace(args.prompts, args.prompt_tokens, args.seed)
         # Warm-up (a replica's first completion takes seconds), outside every measurement.
         asyncio.run(play(replicas[0].url, base, trace(1, 8, 0), 1, 1))

@@ -69,12 +69,16 @@ class Emulator:
         async with self._lifecycle:
             await self._listen()
 
-    async def restart(self) -> None:
-        """Come back (from a crash, or while running) as a freshly started replica."""
+    async def restart(self, *, events_elsewhere: bool = False) -> None:
+        """Come back (from a crash, or while running) as a freshly started replica;
+        `events_elsewhere`: its KV events bound anew (`tcp://*:0`: on other ports), as a
+        process started with another `--kv-events-config`."""
         async with self._lifecycle:
             await self._close(abrupt=False)
             self._engine.abort_all()
             await self._stop_events()
+            if events_elsewhere:
+                self._kv_bound = None
             self._engine = Engine(self.config)
             self.faults.dead = False
             self.faults.reset_load_attempts()

@@ -5,7 +5,9 @@ Where a replica publishes (`--kv-events`): `auto` asks its `GET /kv_event_source
 refused: a replica's answer never sends the router elsewhere), a template
 `tcp://{host}:5557[,tcp://{host}:5558]` names the PUB (and replay ROUTER) endpoint, `off` none.
 A replica without a source stays `off`: the policy gives it today's prediction. Replicas that
-join later, or whose source could not be read, are tried again every `health_interval`.
+join later, or whose source could not be read, are tried again every `health_interval`; so is
+the source of one whose publisher went away or that restarted (`auto`: a new process may
+publish elsewhere, and is then followed there).
 
 The wire is vLLM's (emulator/kv_events.py states it): `(topic, seq, payload)`, seq 8 bytes
 big-endian from 0 per process, the payload a msgpack array `[ts, events, dp_rank]`, events
@@ -154,6 +156,7 @@ class Stream:
     replays: int = 0
     undecodable: int = 0
     verify: bool = False  # the connection came back: check the stream at its next batch
+    recheck: bool = False  # ask for the source again (it went away, or restarted)
     task: asyncio.Task[None] | None = None
 
 
@@ -194,6 +197,8 @@ class KvEvents:
             stream = self.streams.get(replica.name)
             if stream is None or (stream.task is None and stream.retry):
                 wanted.append(self._subscribe(replica))
+            elif stream.recheck and self.config.kv_events == "auto":
+                wanted.append(self._recheck(replica, stream))
         await asyncio.gather(*wanted)  # each bounded by the health timeout, all at once
 
     async def _subscribe(self, replica: Replica) -> None:
@@ -207,6 +212,30 @@ class KvEvents:
         assert self._ctx is not None
         loop = asyncio.get_running_loop()
         stream.task = loop.create_task(self._follow(replica.name, stream, source))
+
+    async def _recheck(self, replica: Replica, stream: Stream) -> None:
+        """Its publisher went away or it restarted: where does it publish now? Asked again at
+        every sync until it answers; a new place is followed from its first batch."""
+        source, reason, retry = await self._source(replica)
+        if retry:
+            return  # not answering (yet): asked again at the next sync
+        stream.recheck = False
+        if source == stream.source:
+            return
+        log.warning(
+            "KV events of %s: it publishes at %s now (was %s)",
+            replica.name,
+            source.endpoint if source else reason,
+            stream.source.endpoint if stream.source else None,
+        )
+        if stream.task is not None:
+            stream.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stream.task
+            stream.task = None
+        stream.next_seq, stream.verify = None, False
+        self.index.reset(replica.name, STALE, "it publishes elsewhere now")  # the old process's
+        await self._subscribe(replica)
 
     async def _source(self, replica: Replica) -> tuple[Source | None, str | None, bool]:
         """(source, why there is none, whether to ask again at the next sync)."""
@@ -251,6 +280,7 @@ class KvEvents:
         if stream.source is None:
             stream.retry = True  # a new process may publish now
             return
+        stream.recheck = True  # perhaps elsewhere
         stream.restarts += 1
         stream.next_seq = None
         if self.index.replica(replica.name).state != OFF:
@@ -288,6 +318,7 @@ class KvEvents:
                 if event["event"] == zmq.EVENT_DISCONNECTED:
                     stream.disconnects += 1
                     stream.verify = True  # what it published meanwhile is unknown
+                    stream.recheck = True  # a new process may publish elsewhere
                     if self.index.replica(name).state == LIVE:
                         self.index.set_state(name, STALE, "its publisher went away")
                         log.warning("KV events of %s: its publisher went away", name)

@@ -85,6 +85,12 @@ class UpstreamConnection(asyncio.Protocol):
         self._limit = 0.0
         self.closed = False
 
+    @property
+    def usable(self) -> bool:
+        """Open, and not closing: a transport closed under it (the replica reset it) is told to
+        the protocol a loop turn later, and writing on it by then raises."""
+        return not self.closed and self.transport is not None and not self.transport.is_closing()
+
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -414,7 +420,7 @@ class UpstreamPool:
         idle = self._idle
         while idle:  # `_take_idle`, written out (once per request)
             conn, _ = idle.popitem()  # LIFO: the most recently used is least likely stale
-            if not conn.closed:
+            if conn.usable:
                 self._busy += 1
                 return conn
         return None
@@ -505,7 +511,7 @@ class UpstreamPool:
     def _take_idle(self) -> UpstreamConnection | None:
         while self._idle:
             conn, _ = self._idle.popitem()  # LIFO: the most recently used is least likely stale
-            if not conn.closed:
+            if conn.usable:
                 return conn
         return None
 
@@ -529,6 +535,8 @@ class UpstreamPool:
             detail = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or ""
             text = f"cannot connect ({reason}{': ' + str(detail) if detail else ''})"
             raise UpstreamError("connect", text, received=False) from None
+        if not conn.usable:  # reset as it opened (a replica killed as the router connected)
+            raise UpstreamError("connect", "cannot connect (reset as it opened)", received=False)
         self._all.add(conn)
         return conn
 

@@ -320,3 +320,53 @@ async def test_a_replica_without_events_is_not_asked_again_until_it_restarts(
     rt.kv_events.restarted(rt.fleet.replicas[0])  # a new process may publish
     await rt.kv_events.sync()
     assert asked() == 2
+
+
+async def test_a_replica_restarted_publishing_elsewhere_is_followed_there(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    """Started again with its KV events on other ports (`auto`): the router, which saw its
+    publisher go away, asks `/kv_event_sources` again at its next sync, drops what the old
+    process held, and follows the new one; until then the replica is on the prediction."""
+    (emu,) = await emulators(1, kv_events_config=KV)
+    rt = await router([emu], policy="kv")
+    assert rt.kv_events is not None
+    await subscribed(client, rt, emu)
+    await completed(client, emu.url, prompt=PROMPT, max_tokens=1)
+    await until(lambda: held(rt, emu) >= 4)
+    stream = rt.kv_events.streams[emu.url]
+    old = stream.source
+    assert old is not None
+
+    await emu.restart(events_elsewhere=True)
+    await until(lambda: stream.recheck)  # the publisher went away
+    assert state(rt, emu) == "stale"
+    await rt.kv_events.sync()  # what the resync loop does every health interval
+    assert stream.source is not None and stream.source.endpoint != old.endpoint
+    assert not stream.recheck and held(rt, emu) == 0
+    await subscribed(client, rt, emu)
+    await completed(client, emu.url, prompt=PROMPT, max_tokens=1)
+    await until(lambda: state(rt, emu) == "live" and held(rt, emu) >= 4)
+
+
+async def test_a_replica_restarted_publishing_where_it_did_is_asked_once(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    """The same ports again (a fixed `--kv-events-config`): one more `/kv_event_sources`, the
+    subscription kept."""
+    (emu,) = await emulators(1, kv_events_config=KV)
+    rt = await router([emu], policy="kv")
+    assert rt.kv_events is not None
+    await subscribed(client, rt, emu)
+    stream = rt.kv_events.streams[emu.url]
+    task = stream.task
+
+    def asked() -> int:
+        return sum(1 for r in emu.requests if r.path == "/kv_event_sources")
+
+    await emu.restart()
+    await until(lambda: stream.recheck)
+    before = asked()
+    await rt.kv_events.sync()
+    await rt.kv_events.sync()
+    assert asked() == before + 1 and stream.task is task and not stream.recheck

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+import struct
+import threading
 
+import pytest
 from helpers import until
 from http_harness import FakeReplica
 
 from lora_router.config import ReplicaAddress
-from lora_router.http.exchange import Exchange
+from lora_router.http.exchange import Exchange, UpstreamError
 from lora_router.http.upstream import UpstreamPool
 
 
@@ -165,3 +169,73 @@ async def test_a_pooled_connection_the_replica_closed_leaves_the_idle_list(repli
         assert idle not in pool._idle  # nothing keeps a closed connection alive
     finally:
         pool.close()
+
+
+async def test_a_pooled_connection_closed_before_its_loss_is_reported_is_not_reused(replica):
+    """A replica killed under an idle connection: its transport is closed at once, the pool
+    hears of it (`connection_lost`) a loop turn later, and writing on it by then raises. A
+    request in between goes on a new connection; the closing one is never given it."""
+    pool = pool_for(replica)
+    try:
+        await pool.forward(Exchange(Sink(), GET, False, True))
+        (idle,) = pool._idle
+        assert idle.transport is not None
+        idle.transport.abort()  # closing now; connection_lost is scheduled, not run
+        assert not idle.closed
+        assert pool.take_now() is None  # the fast path's precondition: nothing at hand
+        answered = Sink()
+        assert await pool.forward(Exchange(answered, GET, False, True))
+        assert answered.data.endswith(b'{"ok":true}')
+        assert len(replica.conns) == 2
+    finally:
+        pool.close()
+
+
+class ResetAtAccept:
+    """A listener that resets every connection the moment it accepts it (a replica killed
+    as the router connects: the kernel completed the handshake, the process is gone)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.sock.accept()
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                conn.close()
+                self.accepted += 1
+
+    def close(self) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self._thread.join(timeout=5)
+
+
+async def test_a_connection_reset_as_it_opens_fails_as_not_sent():
+    """Reset before the request is written, or as it is: either way a failure with nothing
+    received (the caller may send the request elsewhere), never an error of the router's."""
+    server = ResetAtAccept()
+    pool = UpstreamPool(
+        ReplicaAddress.parse(f"http://127.0.0.1:{server.port}"),
+        b"0",
+        None,
+        idle_timeout=5.0,
+        max_connections=4,
+        connect_timeout=1.0,
+        first_byte_timeout=1.0,
+        stream_idle_timeout=1.0,
+    )
+    try:
+        for _ in range(50):
+            with pytest.raises(UpstreamError) as failed:
+                await pool.forward(Exchange(Sink(), GET, False, True))
+            assert failed.value.retryable, failed.value
+        assert server.accepted > 0
+    finally:
+        pool.close()
+        server.close()
