@@ -114,8 +114,8 @@ class _RecentPrompts:
         old = items.get(key)
         if old is not None:
             self._bytes -= len(old)
+            items.move_to_end(key)  # a new key is stored last already
         items[key] = raw
-        items.move_to_end(key)
         self._bytes += len(raw)
         while len(items) > self.entries or self._bytes > self.max_bytes:
             _, gone = items.popitem(last=False)
