@@ -559,9 +559,11 @@ class RoutedPath:
         (proxy/usage.py)."""
         replica = job.replica
         if job.conn.status == 200 and replica is not None:
-            self.stats.cached.record(
-                replica.label,
-                job.seeds.lineage,
-                predicted_cached_tokens(job.prompt, job.tokens, self.block_size),
-                reported_cached_tokens(answer.tail, answer.prior),
+            reported = reported_cached_tokens(answer.tail, answer.prior)
+            # The prediction is kept only beside a report (`CacheAccount.record`).
+            predicted = (
+                0
+                if reported is None
+                else predicted_cached_tokens(job.prompt, job.tokens, self.block_size)
             )
+            self.stats.cached.record(replica.label, job.seeds.lineage, predicted, reported)

@@ -173,7 +173,8 @@ class AffinityTable:
         chain = key.chain
         # Most levels of a prompt head no anchor; a set intersection (in C) finds the few that
         # do, instead of a Python loop over every block.
-        levels = sorted((chain.index(h) + 1 for h in heads.keys() & chain), reverse=True)
+        shared = heads.keys() & chain  # empty for most new prompts: then nothing to sort
+        levels = sorted((chain.index(h) + 1 for h in shared), reverse=True) if shared else []
         if key.seed in heads:
             levels.append(0)
         size = len(key.data)
