@@ -26,7 +26,12 @@ A replica's stream state, set in the index (only `live` replicas are looked up):
   At the next batch the replay socket is asked for the last batch applied: the same `ts`, the
   same process (what followed is replayed); another, a restart; gone or no replay endpoint,
   unknown (blocks dropped, `gap`). An idle replica publishes nothing (vLLM sends a batch only
-  when its cache changes): silence is not a fault;
+  when its cache changes): silence alone is not a fault;
+- *silent*: a live replica answered a request whose report shows a whole block computed
+  (`Replica.computed_at`, proxy/routed.py), and no batch has come since that request passed the
+  fence, for `silence_s` (twice the health interval, at least SILENCE_S): `stale`, checked at
+  the next batch as after a reconnect (a publisher that stopped sending, with its connection
+  up). With data parallelism only rank 0 is followed: a rank 0 left idle may look silent;
 - a block of another size: `mismatch`, until the replica restarts.
 
 Cost: per batch O(events + blocks) (kv_index.py); nothing on the request path. Never: block
@@ -63,6 +68,7 @@ from lora_router.routing.kv_index import (
 log = logging.getLogger(__name__)
 
 REPLAY_TIMEOUT_S = 2.0  # for a whole replay's answer
+SILENCE_S = 1.0  # the least time a computed block's batch may take to arrive
 _END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _WILDCARDS = ("*", "0.0.0.0", "[::]", "::")
 _GPU = (None, "GPU")
@@ -155,6 +161,9 @@ class Stream:
     disconnects: int = 0
     replays: int = 0
     undecodable: int = 0
+    silences: int = 0
+    batch_at: float = 0.0  # loop time the last batch arrived
+    owed_since: float | None = None  # loop time a computed block's batch was first found missing
     verify: bool = False  # the connection came back: check the stream at its next batch
     recheck: bool = False  # ask for the source again (it went away, or restarted)
     task: asyncio.Task[None] | None = None
@@ -171,6 +180,8 @@ class KvEvents:
         self.streams: dict[str, Stream] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._loop_task: asyncio.Task[None] | None = None
+        self.silence_s = max(2 * config.health_interval, SILENCE_S)
+        self.silence_checks = 0  # times `check_silence` ran
 
     @property
     def mode(self) -> str:
@@ -186,6 +197,31 @@ class KvEvents:
         while True:
             await asyncio.sleep(self.config.health_interval)
             await self.sync()
+            self.check_silence()
+
+    def check_silence(self) -> None:
+        """A live stream owing the batch of a block its replica computed, for `silence_s`, is
+        `stale` (module docstring)."""
+        now = asyncio.get_running_loop().time()
+        self.silence_checks += 1
+        for replica in self.fleet.replicas:
+            stream = self.streams.get(replica.name)
+            if stream is None or self.index.replica(replica.name).state != LIVE:
+                continue
+            if stream.batch_at >= replica.computed_at:
+                stream.owed_since = None
+            elif stream.owed_since is None:
+                stream.owed_since = now
+            elif now - stream.owed_since >= self.silence_s:
+                stream.owed_since = None
+                stream.silences += 1
+                stream.verify = True  # what it published meanwhile is unknown
+                reason = (
+                    f"its publisher is silent: no batch for {now - stream.batch_at:.1f} s, "
+                    "though it computed blocks"
+                )
+                self.index.set_state(replica.name, STALE, reason)
+                log.warning("KV events of %s: %s", replica.name, reason)
 
     async def sync(self) -> None:
         """Subscribe to replicas not subscribed yet; drop those that left the fleet."""
@@ -331,6 +367,7 @@ class KvEvents:
         self, name: str, stream: Stream, source: Source, seq_bytes: bytes, payload: bytes
     ) -> None:
         seq = int.from_bytes(seq_bytes, "big")
+        stream.batch_at = asyncio.get_running_loop().time()
         try:
             batch = _decode(payload)
         except msgspec.DecodeError:
@@ -524,5 +561,11 @@ class KvEvents:
                 "replays": stream.replays,
                 "orphans": rep.orphans if rep is not None else 0,
                 "undecodable": stream.undecodable,
+                "silences": stream.silences,
             }
-        return {"mode": self.config.kv_events, "replicas": out}
+        return {
+            "mode": self.config.kv_events,
+            "silence_s": self.silence_s,
+            "silence_checks": self.silence_checks,
+            "replicas": out,
+        }

@@ -30,6 +30,7 @@ class Replica:
     __slots__ = (
         "_adapters",
         "breaker",
+        "computed_at",
         "host_header",
         "in_flight",
         "in_flight_tokens",
@@ -67,6 +68,9 @@ class Replica:
         self.breaker = breaker
         self.in_flight = 0
         self.in_flight_tokens = 0  # prompt tokens its requests in flight must compute (placement)
+        # Loop time the latest request arrived whose answer reported a full block computed:
+        # its KV events must have said so since (fleet/kv_events.py's silence check).
+        self.computed_at = 0.0
         self.life = life  # its service state; only `life`'s own methods change it
         # Called when its acknowledged adapters change (the fleet's kept candidate sets).
         self.on_change: Callable[[], None] | None = None

@@ -147,10 +147,10 @@ class RoutedRequest:
         self.prompt = 0
         self.diverted = 0
         self.write: Callable[[bytes | memoryview], None] = conn.write
-        # THE FAST PATH's, set by `handle_now`: its exchange, connection and start time.
+        # THE FAST PATH's, set by `handle_now`: its exchange and connection.
         self.ex: Exchange | None = None
         self.upstream: UpstreamConnection | None = None
-        self.started = 0.0
+        self.started = 0.0  # loop time it passed the fence (`admit`)
 
     @property
     def keep_alive(self) -> bool:
@@ -315,7 +315,6 @@ class RoutedPath:
         if upstream is None:  # no idle connection: the general path connects or queues
             conn.hand_over(self._observed(request, conn, started, self.attempts(job, None, _SEND)))
             return True
-        job.started = started
         job.upstream = upstream
         head = self._request_head(request, replica)
         job.ex = replica.pool.send_now(
@@ -380,6 +379,7 @@ class RoutedPath:
         key = completion_key(fields, seeds, self.block_size)
         self.budget.request(now)
         job = RoutedRequest(self, request, conn, chat, model, adapter, seeds)
+        job.started = now
         if job.held is not None:
             # Counted as admitted under its name until answered, in the same step as the fence
             # let it through: an unload waits for it before it is broadcast (fleet/fence.py).
@@ -556,14 +556,17 @@ class RoutedPath:
 
     def account(self, job: RoutedRequest, answer: Exchange) -> None:
         """A counted request's answer passed on: its cached tokens, predicted against reported
-        (proxy/usage.py)."""
+        (proxy/usage.py), and whether it shows a whole block computed."""
         replica = job.replica
-        if job.conn.status == 200 and replica is not None:
-            reported = reported_cached_tokens(answer.tail, answer.prior)
-            # The prediction is kept only beside a report (`CacheAccount.record`).
-            predicted = (
-                0
-                if reported is None
-                else predicted_cached_tokens(job.prompt, job.tokens, self.block_size)
-            )
-            self.stats.cached.record(replica.label, job.seeds.lineage, predicted, reported)
+        if job.conn.status != 200 or replica is None:
+            return
+        reported = reported_cached_tokens(answer.tail, answer.prior)
+        if reported is None:  # the prediction is kept only beside a report (`CacheAccount`)
+            self.stats.cached.record(replica.label, job.seeds.lineage, 0, None)
+            return
+        predicted = predicted_cached_tokens(job.prompt, job.tokens, self.block_size)
+        self.stats.cached.record(replica.label, job.seeds.lineage, predicted, reported)
+        # vLLM reports whole blocks cached: a block's worth more in the prompt is a block it
+        # computed and announced, if it publishes KV events (fleet/kv_events.py, silence).
+        if job.prompt - reported >= self.block_size and job.started > replica.computed_at:
+            replica.computed_at = job.started

@@ -1,7 +1,7 @@
 """Over real sockets: emulated replicas publish vLLM's KV events, a router with `--policy kv`
 subscribes, and a new family goes where its prefix really is, where the prediction (the deal)
-would have sent it elsewhere; a gap, a stopped publisher, a restarted replica or another block
-size put that replica back on the prediction, visibly in /router/status."""
+would have sent it elsewhere; a gap, a stopped or silent publisher, a restarted replica or another
+block size put that replica back on the prediction, visibly in /router/status."""
 
 from __future__ import annotations
 
@@ -97,6 +97,16 @@ async def subscribed(client: aiohttp.ClientSession, rt: RouterRuntime, emu: Emul
             with contextlib.suppress(TimeoutError):
                 await until(lambda: stream.batches > seen, timeout=0.05)
                 return
+
+
+async def caught_up(rt: RouterRuntime, emu: Emulator) -> None:
+    """Every batch `emu` has published has reached the router (`subscribed` may leave one on the
+    way), and the loop's clock, which counts milliseconds, has moved past the last one."""
+    assert rt.kv_events is not None and emu.kv_publisher is not None
+    stream, publisher = rt.kv_events.streams[emu.url], emu.kv_publisher
+    await until(lambda: stream.next_seq == publisher.seq)
+    loop = asyncio.get_running_loop()
+    await until(lambda: loop.time() > stream.batch_at)
 
 
 class Dropped:
@@ -202,6 +212,56 @@ async def test_a_stopped_publisher_puts_the_replica_on_the_prediction(
     assert await served_by(client, rt, emus, prompt=LATER) is guess
     seen = await kv_status(client, rt, holder)
     assert seen["disconnects"] >= 1 and seen["reason"] == "its publisher went away"
+
+
+async def test_a_silent_publisher_puts_the_replica_on_the_prediction_until_it_speaks(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    (emu,) = await emulators(1, kv_events_config=KV)
+    rt = await router([emu], policy="kv")  # the check is called here, not by its loop
+    await subscribed(client, rt, emu)
+    assert rt.kv_events is not None and emu.kv_publisher is not None
+    kv, stream, publisher = rt.kv_events, rt.kv_events.streams[emu.url], emu.kv_publisher
+    kv.silence_s = 0.0  # judged at the second check that finds a batch owed
+    # Heard: a routed request computed 4 blocks, and their batch came.
+    batches = stream.batches
+    await served_by(client, rt, [emu], prompt=PROMPT)
+    await until(lambda: stream.batches > batches)
+    kv.check_silence()
+    kv.check_silence()
+    assert state(rt, emu) == "live" and stream.silences == 0
+    # Silent: the next request computes a block whose batch never arrives, the connection up.
+    await caught_up(rt, emu)
+    pub, publisher._pub = publisher._pub, Dropped()  # type: ignore[assignment]
+    await served_by(client, rt, [emu], prompt=[*PROMPT, *range(16)])
+    kv.check_silence()
+    assert state(rt, emu) == "live"  # owed, not yet judged
+    kv.check_silence()
+    seen = await kv_status(client, rt, emu)
+    assert seen["state"] == "stale" and seen["silences"] == 1
+    assert "its publisher is silent" in seen["reason"]
+    # It speaks again: its replay buffer brings what the silence hid.
+    publisher._pub = pub
+    await completed(client, emu.url, prompt=[*PROMPT, *range(32)], max_tokens=1)
+    await until(lambda: state(rt, emu) == "live")
+    assert held(rt, emu) >= 6 and stream.gaps == 0
+
+
+async def test_the_silence_check_runs_every_health_interval(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    (emu,) = await emulators(1, kv_events_config=KV)
+    rt = await router([emu], policy="kv", health_interval=0.05)
+    await subscribed(client, rt, emu)
+    assert rt.kv_events is not None and emu.kv_publisher is not None
+    stream = rt.kv_events.streams[emu.url]
+    await caught_up(rt, emu)
+    publisher = emu.kv_publisher
+    pub, publisher._pub = publisher._pub, Dropped()  # type: ignore[assignment]
+    await served_by(client, rt, [emu], prompt=PROMPT)
+    await until(lambda: state(rt, emu) == "stale", timeout=10)
+    assert stream.silences == 1
+    publisher._pub = pub
 
 
 async def test_a_restarted_replica_starts_again_from_nothing(

@@ -1,7 +1,8 @@
 """`--policy kv` against a real vLLM 0.32 CPU replica started with `--kv-events-config`: the
 router finds the publisher through `/kv_event_sources`, decodes its batches, files the blocks a
 prompt stored under the router's own keys (vLLM's hashes and seed are never reproduced), and
-routes that prompt's next turn, a new family to the router, as a `kv` decision. When the replica
+routes that prompt's next turn, a new family to the router, as a `kv` decision; a routed prompt's
+computed blocks are announced in time for the silence check. When the replica
 is killed and started again, what the router filed for it is dropped, and routing by its events
 resumes once the new process publishes in sequence."""
 
@@ -109,6 +110,25 @@ def test_real_kv_events_route_a_new_family_to_its_prefix(
         after = status(router.url)
         assert after["routing"]["kv"] == 1 and after["routing"]["fresh"] == 0, after["routing"]
         assert kv(router, replica)["orphans"] == 0
+
+        # A routed prompt that computes two blocks: its batch comes, and the silence check,
+        # run until it could have judged the stream, finds nothing owed.
+        batches = kv(router, replica)["batches"]
+        fresh = {**body, "prompt": [VOCAB[(i * 11) % len(VOCAB)] for i in range(300)]}
+        answer = http("POST", router.url + "/v1/completions", fresh)
+        assert answer.status == 200, answer.text
+        assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        wait_for("its batch", lambda: kv(router, replica)["batches"] > batches, 30, [router.log])
+        events = status(router.url)["kv_events"]
+        enough = events["silence_checks"] + round(events["silence_s"] / 0.5) + 2
+        wait_for(
+            "the silence check run past its limit",
+            lambda: status(router.url)["kv_events"]["silence_checks"] >= enough,
+            30,
+            [router.log],
+        )
+        seen = kv(router, replica)
+        assert seen["state"] == "live" and seen["silences"] == 0, seen
     finally:
         router.stop()
 
