@@ -12,8 +12,9 @@ application, one at a time per connection, in order. It owns the connection's li
   is refused (`_fail`) or its connection goes; past `max_buffered_bytes`, 503 + Retry-After.
 A body is buffered whole (to route, and to retry before the first response byte) and released
 when the response head passes; response bodies are never buffered here (the upstream side writes
-to `transport`, slowed by `pause_writing`/`resume_writing`). End of input while a request is in
-flight means the client is gone: the replica's connection closes too, and vLLM aborts.
+them through the loop's cork, http/cork.py, slowed by `pause_writing`/`resume_writing`). End of
+input while a request is in flight means the client is gone: the replica's connection closes
+too, and vLLM aborts.
 
 Two ways a request is answered. THE FAST PATH: `fast(request, connection)`, called from the
 callback that completed the request or from the end of the answer in front of it, may answer
@@ -37,6 +38,7 @@ from typing import NoReturn, cast
 
 import httptools
 
+from lora_router.http.cork import cork_for
 from lora_router.http.errors import REASONS, HTTPError, error_body
 from lora_router.http.framing import (
     CONTROL,
@@ -83,6 +85,7 @@ class ClientConnection(asyncio.Protocol):
         "_client_ip",
         "_closed",
         "_continue",
+        "_cork",
         "_count",
         "_deadline",
         "_error",
@@ -134,6 +137,7 @@ class ClientConnection(asyncio.Protocol):
         self._header_timeout = limits.header_timeout
         self._count = count
         self._loop = asyncio.get_running_loop()
+        self._cork = cork_for(self._loop)  # every write of this connection (http/cork.py)
         self._parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self._client_ip = b""
@@ -180,8 +184,8 @@ class ClientConnection(asyncio.Protocol):
         self._client_ip = str(peer[0]).encode() if peer else b"unknown"
         if len(self._count.open) >= self._count.limit:
             # Past the cap, refuse cleanly: an answer the client can read, then close.
-            body = error_body(503, "Too many open connections to the router.")
-            self.transport.write(response_head(503, REASONS[503], _JSON, len(body), False) + body)
+            self.keep_alive = False
+            self.send(503, error_body(503, "Too many open connections to the router."))
             self._close()
             return
         self._count.open.add(self)
@@ -345,12 +349,10 @@ class ClientConnection(asyncio.Protocol):
             self._raise(HTTPError(501, f"Method {method.decode('latin-1')} is not supported."))
         url = self._url
         if not url.startswith(b"/"):
-            # Absolute-form and authority-form targets would make a proxy talk to the host
-            # they name; this router only ever talks to its replicas.
+            # Other forms name a host to talk to: this router only ever talks to its replicas.
             self._raise(HTTPError(400, "Only origin-form request targets (`/path`) are accepted."))
         if b"#" in url:
-            # A fragment is never part of a request target (RFC 9112 §3.2); servers on the way
-            # would drop it or read it (the path rule: http/target.py).
+            # Never part of a target (RFC 9112 §3.2): servers would drop or read it (target.py).
             self._raise(HTTPError(400, "A request target must not contain `#`."))
         path, _, query = url.partition(b"?")
         request = Request(
@@ -456,14 +458,14 @@ class ClientConnection(asyncio.Protocol):
         self.first_byte_at = self._loop.time()
         if self.transport is not None:
             if body is None:
-                self.transport.write(data)
+                self._cork.write(self.transport, data)
             else:
-                self.transport.writelines((data, body))
+                self._cork.writelines(self.transport, (data, body))
 
     def write(self, data: bytes | memoryview) -> None:
-        """Response body bytes, as the replica sends them."""
+        """Response body bytes, as the replica sends them (at once: flow control)."""
         if self.transport is not None:
-            self.transport.write(data)
+            self._cork.write_through(self.transport, data)
 
     def on_upstream(self, transport: asyncio.Transport | None) -> None:
         """Register the replica connection now streaming into this client (for flow control)."""
@@ -472,10 +474,7 @@ class ClientConnection(asyncio.Protocol):
             transport.pause_reading()
 
     def send(
-        self,
-        status: int,
-        body: bytes,
-        headers: list[tuple[bytes, bytes]] | None = None,
+        self, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
     ) -> None:
         """A whole response written by the router itself."""
         request = self._request
@@ -489,9 +488,9 @@ class ClientConnection(asyncio.Protocol):
         reason = REASONS.get(status, b"Unknown")
         head = response_head(status, reason, headers or _JSON, len(body), self.keep_alive)
         if request is not None and request.method == b"HEAD":
-            self.transport.write(head)  # no body, and the Content-Length a GET would have
+            self._cork.write(self.transport, head)  # no body; the Content-Length a GET would have
         else:
-            self.transport.write(head + body)
+            self._cork.write(self.transport, head + body)
 
     def send_error(self, error: HTTPError) -> None:
         if self.response_started:
@@ -532,7 +531,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _write_continue(self) -> None:
         if self.transport is not None:
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self._cork.write(self.transport, b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def _fail(self, error: HTTPError) -> None:
         """Input the router will not parse further: answer it and close the connection.
@@ -560,6 +559,7 @@ class ClientConnection(asyncio.Protocol):
         transport = self.transport
         if transport is None:
             return
+        self._cork.flush()  # what was written leaves before the end
         if not transport.can_write_eof():
             transport.close()
             return

@@ -20,12 +20,12 @@ replica is the caller's decision (`UpstreamError.retryable`). So the request's b
 Two ways in, one exchange. `forward` (a coroutine) is the general path: it may wait for a slot,
 connect, and applies the retry rule above itself. `take_now` and `send_now` are THE FAST PATH,
 for a caller running in a protocol callback: only when a slot is free with nobody queued and an
-idle pooled connection is at hand (`take_now`), the request is written at once and its exchange
-returned (`send_now`); its end is reported by calling `then(error)` from this connection's
-protocol callbacks, with no Task and no Future. A fast exchange that fails the way the retry
-rule re-sends (nothing received on its reused connection) is handed back to the general path by
-its caller: `resend` sends the same bytes once more on a fresh connection, as `forward` would
-have.
+idle pooled connection is at hand (`take_now`), the request is written at once (held to the end
+of the loop's pass, http/cork.py) and its exchange returned (`send_now`); its end is reported by
+calling `then(error)` from this connection's protocol callbacks, with no Task and no Future.
+A fast exchange that fails the way the retry rule re-sends (nothing received on its reused
+connection) is handed back to the general path by its caller: `resend` sends the same bytes
+once more on a fresh connection, as `forward` would have.
 
 A connection's objects die with it, by reference counting: its parser and timer refer back to
 it, and are dropped when it is lost (a cycle would wait for the cycle collector).
@@ -43,6 +43,7 @@ from typing import Final, cast
 import httptools
 
 from lora_router.config import ReplicaAddress
+from lora_router.http.cork import cork_for
 from lora_router.http.exchange import Exchange, Then, UpstreamError
 from lora_router.http.headers import client_response_head
 from lora_router.http.request import ResponseSink
@@ -264,7 +265,7 @@ class UpstreamConnection(asyncio.Protocol):
         if not pooled or limit < self._pool.idle_timeout:
             self._timer.arm(self._last, limit)
         ex.sink.on_upstream(self.transport)
-        self.transport.write(ex.request)
+        self._pool.cork.write(self.transport, ex.request)  # at the end of the pass
 
     def _client_keep_alive(self, ex: Exchange, head: bytes) -> bool:
         """Whether the client may keep its connection after this response."""
@@ -388,6 +389,7 @@ class UpstreamPool:
         self.address = address
         self.label = label
         self.loop = asyncio.get_running_loop()
+        self.cork = cork_for(self.loop)  # every request written (http/cork.py)
         self._ssl = ssl_context if address.tls else None
         self.connect_timeout = connect_timeout
         self.first_byte_timeout = first_byte_timeout
