@@ -12,7 +12,9 @@ Rules:
   given (one list, flushed in order);
 - `write` and `writelines`: the first of a pass goes at once (nothing is held before it, so a
   lone request never waits) and opens the pass, whose end it schedules (`call_soon`: after the
-  callbacks of the pass); those that follow in the pass are held until then;
+  callbacks of the pass); those that follow in the pass are held until then, up to HELD_BYTES:
+  the write that would pass it sends what is held, then itself, at once (large answers held
+  through a pass would make the allocator grow and shrink the heap each pass: page faults);
 - `write_through`, for the body bytes of an answer already begun, flushes what is held and
   writes at once: a client that reads slowly pauses its replica before the next read (the
   transports' flow control), and no more than one read of an answer is ever held;
@@ -21,7 +23,7 @@ Rules:
   abort or its peer drops what it was given, as a write to it would have.
 
 One cork a loop (`cork_for`): every connection of the loop writes at the same pass's end.
-Cost: one `call_soon` a pass and a list append a held write; nothing is copied.
+Cost: one `call_soon` a pass, and a list append a held write; nothing is copied.
 Never: reorder a transport's bytes, or hold a write into the next pass.
 """
 
@@ -29,28 +31,31 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+HELD_BYTES = 64 * 1024  # the most a pass holds (module docstring)
 
 
 class Cork:
     """The writes held until the end of the current pass (module docstring)."""
 
-    __slots__ = ("_held", "_loop")
+    __slots__ = ("_held", "_held_bytes", "_loop")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         # While a pass is open: (transport, its write or writelines, the argument), in the
         # order they were given; None between passes.
         self._held: list[tuple[asyncio.BaseTransport, Callable[[Any], None], Any]] | None = None
+        self._held_bytes = 0
 
     def write(self, transport: asyncio.Transport, data: bytes | memoryview) -> None:
-        self._hold(transport, transport.write, data)
+        self._hold(transport, transport.write, data, len(data))
 
     def writelines(
-        self, transport: asyncio.Transport, chunks: Iterable[bytes | memoryview]
+        self, transport: asyncio.Transport, chunks: Sequence[bytes | memoryview]
     ) -> None:
-        self._hold(transport, transport.writelines, chunks)
+        self._hold(transport, transport.writelines, chunks, sum(map(len, chunks)))
 
     def write_through(self, transport: asyncio.Transport, data: bytes | memoryview) -> None:
         if self._held:
@@ -58,23 +63,34 @@ class Cork:
         transport.write(data)
 
     def _hold(
-        self, transport: asyncio.BaseTransport, send: Callable[[Any], None], data: Any
+        self, transport: asyncio.BaseTransport, send: Callable[[Any], None], data: Any, size: int
     ) -> None:
         held = self._held
         if held is None:  # the pass's first write
             self._held = []
             self._loop.call_soon(self.flush)
             send(data)
+        elif self._held_bytes + size > HELD_BYTES:  # the budget spent: all of it leaves now
+            self._send_held(held)
+            self._held = []
+            send(data)
         else:
             held.append((transport, send, data))
+            self._held_bytes += size
 
     def flush(self) -> None:
         """Write everything held, in order, and end the pass (its end, or a transport's)."""
         held, self._held = self._held, None
         if held:
-            for transport, send, data in held:
-                if not transport.is_closing():
-                    send(data)
+            self._send_held(held)
+
+    def _send_held(
+        self, held: list[tuple[asyncio.BaseTransport, Callable[[Any], None], Any]]
+    ) -> None:
+        self._held_bytes = 0
+        for transport, send, data in held:
+            if not transport.is_closing():
+                send(data)
 
 
 _CORKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Cork] = weakref.WeakKeyDictionary()

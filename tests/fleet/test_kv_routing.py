@@ -258,10 +258,12 @@ async def test_the_silence_check_runs_every_health_interval(
     await caught_up(rt, emu)
     publisher = emu.kv_publisher
     pub, publisher._pub = publisher._pub, Dropped()  # type: ignore[assignment]
-    await served_by(client, rt, [emu], prompt=PROMPT)
-    await until(lambda: state(rt, emu) == "stale", timeout=10)
-    assert stream.silences == 1
-    publisher._pub = pub
+    try:
+        await served_by(client, rt, [emu], prompt=PROMPT)
+        await until(lambda: state(rt, emu) == "stale", timeout=10)
+        assert stream.silences == 1
+    finally:
+        publisher._pub = pub
 
 
 async def test_a_restarted_replica_starts_again_from_nothing(

@@ -1,17 +1,19 @@
 """Over real sockets: the cork (http/cork.py) sends the first write of a pass of the loop at once
 and holds the rest, in the order given, to the end of the pass; body bytes written through
-follow what is held; a transport aborted meanwhile drops what it held; and the router flushes
-before it closes a connection, so answers under load arrive whole."""
+follow what is held; a pass holds no more than HELD_BYTES; a transport aborted meanwhile drops
+what it held; and the router flushes before it closes a connection, so answers under load
+arrive whole."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from http_harness import RawClient, Received, ReplicaConn, json_response
 
-from lora_router.http.cork import cork_for
+from lora_router.http.cork import HELD_BYTES, cork_for
 from lora_router.runtime import RouterRuntime
 
 Connect = Callable[[], Awaitable[tuple[asyncio.Transport, asyncio.Future[bytes]]]]
@@ -82,6 +84,30 @@ async def test_bytes_written_through_follow_what_is_held(connect: Connect) -> No
     async with asyncio.timeout(10):
         assert await got_b == b"head+body!"
         assert await got_a == b"first"
+
+
+async def test_a_pass_holds_no_more_than_its_budget() -> None:
+    """The write that would pass HELD_BYTES sends what is held and itself before the pass ends:
+    the peer, a blocking socket read within the same pass, receives them."""
+    loop = asyncio.get_running_loop()
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        transport, _ = await loop.create_connection(asyncio.Protocol, *listener.getsockname()[:2])
+        peer, _ = listener.accept()
+    with peer:
+        peer.settimeout(10)
+        cork = cork_for(loop)
+        big = b"x" * HELD_BYTES
+        cork.write(transport, b"<")  # the pass's first: at once
+        cork.write(transport, b"h")  # held
+        cork.writelines(transport, [big[:10], big[10:]])  # past the budget: all of it, now
+        cork.write(transport, b">")  # held again
+        got = b""
+        while len(got) < 2 + HELD_BYTES:  # the pass has not ended: nothing else runs
+            got += peer.recv(1 << 20)
+        assert got == b"<h" + big
+        await asyncio.sleep(0)  # the pass's end
+        assert peer.recv(16) == b">"
+        transport.abort()
 
 
 async def test_answers_that_end_their_connection_arrive_whole_under_load(
