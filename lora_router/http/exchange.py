@@ -64,6 +64,7 @@ class Exchange:
         "complete",
         "dechunk",
         "done",
+        "earlier",
         "ended",
         "head_buf",
         "head_only",
@@ -96,10 +97,11 @@ class Exchange:
         # expects the body the headers announced.
         self.reusable = False
         self.close_delimited = False
-        # The answer's last read and the one before it (references, never copies), for what
+        # The answer's last read and the two before it (references, never copies), for what
         # the caller reads of its end (proxy/usage.py).
         self.tail = b""
         self.prior = b""
+        self.earlier = b""
 
     def end(self, error: UpstreamError | None) -> None:
         """The exchange is over (complete, or failed with `error`): tell whoever waits, once."""

@@ -126,8 +126,7 @@ class UpstreamConnection(asyncio.Protocol):
             return
         self._last = self._loop.time()
         if ex.head_sent:
-            ex.prior = ex.tail
-            ex.tail = data
+            ex.earlier, ex.prior, ex.tail = ex.prior, ex.tail, data
             # Parse before forwarding: bytes past the end of this response never reach the
             # client (the parser fails the exchange on them instead).
             self._feed(data)

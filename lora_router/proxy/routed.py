@@ -560,7 +560,7 @@ class RoutedPath:
         replica = job.replica
         if job.conn.status != 200 or replica is None:
             return
-        reported = reported_cached_tokens(answer.tail, answer.prior)
+        reported = reported_cached_tokens(answer.tail, answer.prior, answer.earlier)
         if reported is None:  # the prediction is kept only beside a report (`CacheAccount`)
             self.stats.cached.record(replica.label, job.seeds.lineage, 0, None)
             return

@@ -10,14 +10,15 @@ Rules:
   it: whole blocks only, and never the prompt's last token, which vLLM recomputes for its
   logits (`predicted_cached_tokens`).
 - *Reported*: the last `"cached_tokens":N` in the last `TAIL_BYTES` of the answer's last read,
-  else across the last two reads (a stream's usage frame may come a read before its
-  `[DONE]`): vLLM writes `usage` at the end of a completion, before two or three null fields,
-  and a stream's usage frame last before `[DONE]`. None when it is not there or null: a
+  else of the two reads before it, and across their boundaries: vLLM writes `usage` at the end
+  of a completion, before two or three null fields, and ends a stream in three writes (its
+  usage frame, `[DONE]`, the chunked terminator), each of which may be a read of its own
+  (seen on a real vLLM 0.32 replica). None when it is not there or null: a
   replica without `--enable-prompt-tokens-details`, a stream without
   `stream_options.include_usage`. A literal key inside a JSON string has escaped quotes, so it
   cannot match.
 - *Zero copy*: nothing is parsed while the answer streams (http/upstream.py keeps a reference
-  to the last two reads); the end searches at most 2 x `TAIL_BYTES` of them, once.
+  to the last three reads); the end searches at most 3 x `TAIL_BYTES` of them, once.
 
 Never: raises on what a replica sends (what does not read is unreported); allocates per
 streamed read.
@@ -30,7 +31,7 @@ from typing import Final
 
 _KEY: Final = b'"cached_tokens":'
 _NUMBER: Final = re.compile(rb"\d{1,15}")
-# Bytes searched at the end of each of the last two reads (the search costs per byte: a
+# Bytes searched at the end of each of the last three reads (the search costs per byte: a
 # 40 KB stream read searched whole cost 20 % of the SSE path's instructions).
 TAIL_BYTES: Final = 512
 # Bytes of each read around their boundary searched for a key cut in two.
@@ -44,18 +45,24 @@ def predicted_cached_tokens(prompt: int, to_compute: int, block_size: int) -> in
     return cached - cached % block_size
 
 
-def reported_cached_tokens(last: bytes, before: bytes) -> int | None:
-    """vLLM's `cached_tokens` in an answer whose last read was `last`, the one before it
-    `before` (b"" if none), or None if it did not report them."""
-    data = last
-    at = last.rfind(_KEY, len(last) - TAIL_BYTES)
-    if at < 0 and before:
-        data = before[-_REACH:] + last[:_REACH]  # first: a key or number cut in two
-        at = data.rfind(_KEY)
-        if at < 0:
-            data = before
-            at = before.rfind(_KEY, len(before) - TAIL_BYTES)
-    if at < 0:
+def reported_cached_tokens(*reads: bytes) -> int | None:
+    """vLLM's `cached_tokens` in an answer whose last reads were `reads`, the last first (b""
+    for none), or None if it did not report them."""
+    later = b""
+    for read in reads:
+        if not read:
+            return None  # no read before it
+        if later:  # first: a key or number cut in two by the boundary with the read after
+            data = read[-_REACH:] + later[:_REACH]
+            at = data.rfind(_KEY)
+            if at >= 0:
+                break
+        data = read
+        at = read.rfind(_KEY, len(read) - TAIL_BYTES)
+        if at >= 0:
+            break
+        later = read
+    else:
         return None
     found = _NUMBER.match(data, at + len(_KEY))
     return int(found.group()) if found else None  # not a number: null, or cut short
