@@ -214,6 +214,8 @@ class RoutedRequest:
         app, ex, replica, upstream = self.app, self.ex, self.replica, self.upstream
         if ex is not None:
             assert replica is not None and upstream is not None
+            if self.prompt:
+                app.account(self, ex, ended=False)
             replica.pool.abandon(upstream, ex)
             self.ex = None
             app.fleet.finished(replica, self.tokens)
@@ -549,20 +551,26 @@ class RoutedPath:
         conn.replica = replica.label
         try:
             keep_alive = await forwarding
+        except asyncio.CancelledError:  # the client went away
+            if isinstance(sink, RoutedRequest) and sink.prompt:
+                self.account(sink, ex, ended=False)
+            raise
         finally:
             self.fleet.finished(replica, tokens)
         conn.keep_alive = conn.keep_alive and keep_alive
         return ex
 
-    def account(self, job: RoutedRequest, answer: Exchange) -> None:
-        """A counted request's answer passed on: its cached tokens, predicted against reported
-        (proxy/usage.py), and whether it shows a whole block computed."""
+    def account(self, job: RoutedRequest, answer: Exchange, ended: bool = True) -> None:
+        """A counted request's answer passed on (`ended`), or left by its client: its cached
+        tokens, predicted against reported (proxy/usage.py), and whether it shows a whole block
+        computed."""
         replica = job.replica
         if job.conn.status != 200 or replica is None:
             return
         reported = reported_cached_tokens(answer.tail, answer.prior, answer.earlier)
         if reported is None:  # the prediction is kept only beside a report (`CacheAccount`)
-            self.stats.cached.record(replica.label, job.seeds.lineage, 0, None)
+            if ended:
+                self.stats.cached.record(replica.label, job.seeds.lineage, 0, None)
             return
         predicted = predicted_cached_tokens(job.prompt, job.tokens, self.block_size)
         self.stats.cached.record(replica.label, job.seeds.lineage, predicted, reported)

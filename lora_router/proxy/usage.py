@@ -4,7 +4,9 @@ the replica says it reused (vLLM's `usage.prompt_tokens_details.cached_tokens`).
 Rules:
 - *Counted*: a routed completion of one token-id prompt (its token count is exact) that a
   replica answered 200, on the attempt that answered; recorded per replica and lineage
-  (observe/metrics.py `CacheAccount`). Text, chat and batch prompts are not counted.
+  (observe/metrics.py `CacheAccount`). Text, chat and batch prompts are not counted. An answer
+  whose client left before its end counts only if its report had passed: the openai SDK
+  closes a stream at its `[DONE]`, before the chunked terminator.
 - *Predicted*: what the policy's decision leaves cached (`Decision.prompt - Decision.tokens`:
   a sibling all of it, a continuation the earlier prompt, a new family nothing), as vLLM counts
   it: whole blocks only, and never the prompt's last token, which vLLM recomputes for its

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import openai
-from vllm_harness import Router
+from vllm_harness import Router, wait_for
 
 
 def sdk(router: Router) -> openai.OpenAI:
@@ -50,10 +51,17 @@ def test_a_streams_usage_frame_is_what_the_router_counts_as_reported(
         assert usage is not None and usage.prompt_tokens_details is not None
         reported.append(usage.prompt_tokens_details.cached_tokens)
     assert reported[0] == 0 and reported[1] > 0, reported
-    accuracy = router.get("/router/status").json()["routing_accuracy"]
-    assert accuracy["answers"] == 2 and accuracy["unreported"] == 0, accuracy
-    assert accuracy["reported_cached_tokens"] == sum(reported)
-    assert accuracy["predicted_cached_tokens"] == sum(reported)
+
+    def accuracy() -> dict[str, Any]:
+        return router.get("/router/status").json()["routing_accuracy"]
+
+    # The SDK stops at `[DONE]`; the router counts an answer at its end, the chunked
+    # terminator vLLM writes a moment later (or at the client's leaving, if it closes).
+    wait_for("both answers counted", lambda: accuracy()["answers"] == 2, 10)
+    counted = accuracy()
+    assert counted["unreported"] == 0, counted
+    assert counted["reported_cached_tokens"] == sum(reported)
+    assert counted["predicted_cached_tokens"] == sum(reported)
 
 
 def test_chat_completion_answers_with_an_assistant_message(router: Router, base: str) -> None:
