@@ -417,6 +417,19 @@ async def request(
         client.close()
 
 
+def post_completion(body: bytes) -> bytes:
+    """The raw bytes of a POST /v1/completions carrying `body`."""
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+
+
+def chunk(data: bytes) -> bytes:
+    """`data` as one chunk of a chunked body."""
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
 def completion(prompt: Any = (1, 2, 3), **fields: Any) -> bytes:
     """A completion body for the base model (no `model`: no adapter fence involved)."""
     import orjson

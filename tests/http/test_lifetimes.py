@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Iterator
 
 import pytest
-from http_harness import RawClient, Received, ReplicaConn, completion
+from http_harness import RawClient, Received, ReplicaConn, chunk, completion, post_completion
 
 import lora_router
 
@@ -32,10 +32,6 @@ _PROXY_FILES = (
 SSE_HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 )
-
-
-def chunk(data: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(data), data)
 
 
 @pytest.fixture
@@ -60,10 +56,7 @@ async def test_a_stream_that_has_begun_holds_no_copy_of_its_request(router, repl
     client = await clients(router.url)
     tracemalloc.start()
     try:
-        await client.send(
-            b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\n\r\n%s" % (len(body), body)
-        )
+        await client.send(post_completion(body))
         received = b""
         async with asyncio.timeout(10):
             while b"first" not in received:
@@ -102,10 +95,7 @@ async def _burst(router, n: int, mid_stream: bool) -> None:
     body = completion(stream=True)
     for _ in range(n):
         client = await RawClient.connect(router.url)
-        await client.send(
-            b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-length: %d\r\n\r\n%s"
-            % (len(body), body)
-        )
+        await client.send(post_completion(body))
         if mid_stream:
             async with asyncio.timeout(5):
                 while b"data:" not in await client.reader.read(65536):

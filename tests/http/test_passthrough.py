@@ -14,6 +14,7 @@ from http_harness import (
     RawClient,
     Received,
     ReplicaConn,
+    chunk,
     completion,
     json_response,
     request,
@@ -25,10 +26,6 @@ SSE_HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
     b"x-request-id: cmpl-1\r\ntransfer-encoding: chunked\r\n\r\n"
 )
-
-
-def chunk(data: bytes) -> bytes:
-    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
 
 
 def split(data: bytes, cuts: list[int]) -> list[bytes]:

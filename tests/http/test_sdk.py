@@ -14,8 +14,10 @@ from http_harness import (
     FakeReplica,
     Received,
     ReplicaConn,
+    chunk,
     completion,
     json_response,
+    post_completion,
     request,
 )
 
@@ -52,8 +54,7 @@ async def test_openai_sdk_streams_a_completion_through_the_router(router_factory
 
 
 def _chunk(frame: dict[str, object]) -> bytes:
-    data = b"data: " + orjson.dumps(frame) + b"\n\n"
-    return b"%x\r\n%s\r\n" % (len(data), data)
+    return chunk(b"data: " + orjson.dumps(frame) + b"\n\n")
 
 
 _FRAME = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "base"}
@@ -100,10 +101,7 @@ async def test_a_stream_its_client_closes_at_done_is_counted(
         assert warm.status == 200
     client = await clients(router.url)
     body = completion(list(range(64)), stream=True, stream_options={"include_usage": True})
-    await client.send(
-        b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\n\r\n%s" % (len(body), body)
-    )
+    await client.send(post_completion(body))
     got = b""
     async with asyncio.timeout(10):
         while b"data: [DONE]" not in got:
