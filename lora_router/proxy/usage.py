@@ -15,7 +15,7 @@ Rules:
   else of the two reads before it, and across their boundaries: vLLM writes `usage` at the end
   of a completion, before two or three null fields, and ends a stream in three writes (its
   usage frame, `[DONE]`, the chunked terminator), each of which may be a read of its own
-  (seen on a real vLLM 0.32 replica). None when it is not there or null: a
+  (docs/design/routing.md). None when it is not there or null: a
   replica without `--enable-prompt-tokens-details`, a stream without
   `stream_options.include_usage`. A literal key inside a JSON string has escaped quotes, so it
   cannot match.
