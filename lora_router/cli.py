@@ -370,6 +370,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="give up on an adapter load after this long (answered 504)",
     )
     g.add_argument(
+        "--control-timeout",
+        type=float,
+        default=d.control_timeout,
+        help="longest a replica may take to answer one control call (pause, resume, unload, "
+        "reset, one load attempt); one that does not is ejected and the call goes on without "
+        "it (raise it for /pause?mode=wait, which waits for the requests running)",
+    )
+    g.add_argument(
         "--unload-stale",
         metavar="PATTERN",
         help="at start, unload adapters matching this glob (e.g. 'trl-policy-*') "
@@ -495,7 +503,8 @@ async def serve_until_signal(config: Config) -> signal.Signals:
     """Run the router until SIGTERM/SIGINT, then drain in-flight requests; the signal.
 
     The signals are caught from before start-up: one that arrives while the router is still
-    discovering its replicas abandons the start and stops what was started."""
+    discovering its replicas abandons the start and stops what was started. Once it serves,
+    the first signal says what the stop waits for; a second exits at once (status 130)."""
     from lora_router.runtime import RouterRuntime
 
     runtime = RouterRuntime(config)
@@ -509,9 +518,24 @@ async def serve_until_signal(config: Config) -> signal.Signals:
         return received.result()
     starting.result()  # a ListenError ends the command here
     sig = await received
-    if sig == signal.SIGTERM:  # Ctrl-C says its one line once the router has stopped
-        log.info("stopping: no new connections; in-flight requests get %gs", config.shutdown_grace)
-    await runtime.stop(grace=config.shutdown_grace)
+    again = first_signal(signal.SIGTERM, signal.SIGINT)
+    requests, broadcasts = runtime.in_flight()
+    waits = f"{requests} request(s) and {broadcasts} control call(s) in flight"
+    if sig == signal.SIGTERM:
+        log.info("stopping: no new connections; %s get up to %gs", waits, config.shutdown_grace)
+    elif requests or broadcasts:  # Ctrl-C at a terminal: say what it waits for, and the way out
+        print(
+            f"lora-router: stopping: waiting up to {config.shutdown_grace:g} s "
+            f"(--shutdown-grace) for {waits}; Ctrl-C again to exit now",
+            file=sys.stderr,
+            flush=True,
+        )
+    stopping = asyncio.ensure_future(runtime.stop(grace=config.shutdown_grace))
+    await asyncio.wait((stopping, again), return_when=asyncio.FIRST_COMPLETED)
+    if not stopping.done():  # a second signal: exit at once, nothing more is awaited
+        logging.shutdown()
+        os._exit(interrupted("lora-router"))
+    stopping.result()
     return sig
 
 

@@ -256,6 +256,9 @@ class Config:
     # Adapter broadcasts
     load_retry_interval: float = 0.5
     load_deadline: float = 300.0
+    # The longest a replica may take to answer one control call (pause, resume, unload, reset,
+    # a listing, one load attempt): past it the replica is ejected (fleet/client.py).
+    control_timeout: float = 60.0
     unload_stale: str | None = None
     unload_wait: float = 10.0  # an unload waits this long for requests admitted under the name
     down_replica_policy: str = "replay"  # replay | fail
@@ -398,6 +401,7 @@ _SECONDS = (
     "upstream_idle_timeout",
     "load_retry_interval",
     "load_deadline",
+    "control_timeout",
     "health_interval",
     "health_timeout",
     "breaker_cooldown",

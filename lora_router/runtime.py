@@ -25,6 +25,7 @@ from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
 from lora_router.fleet.kv_events import KvEvents
 from lora_router.fleet.replay import Replay
+from lora_router.fleet.replica_loads import ReplicaLoads
 from lora_router.fleet.telemetry import Telemetry
 from lora_router.http.request import ConnectionCount
 from lora_router.http.server import ClientConnection
@@ -97,8 +98,9 @@ class RouterRuntime:
         self.fence = fence = AdapterFence(config.fence_timeout)
         fence.base_models = fleet.base_models  # one set, filled by discovery and replays
         self.client = client = ReplicaClient(config)
-        self.broadcaster = broadcaster = Broadcaster(config, client, fleet, fence)
-        replay = Replay(config, client, fleet, fence, broadcaster)
+        loads = ReplicaLoads(config, client)
+        self.broadcaster = broadcaster = Broadcaster(config, loads, fleet, fence)
+        replay = Replay(config, client, fleet, fence, broadcaster.lock, loads)
         self.health = health = HealthMonitor(config, client, fleet, fence, replay)
         stats = RequestStats()
         collector = MetricsCollector(stats)
@@ -160,6 +162,12 @@ class RouterRuntime:
             len(fleet.live()),
             config.policy,
         )
+
+    def in_flight(self) -> tuple[int, int]:
+        """Routed requests running on replicas, and broadcasts received and not yet answered:
+        what a stop waits for."""
+        routed = sum(r.in_flight for r in self.fleet.replicas) if self.fleet else 0
+        return routed, self.broadcaster.pending if self.broadcaster else 0
 
     async def _log_summaries(self) -> None:
         """One line every `status_interval` seconds with what an operator checks first."""

@@ -253,6 +253,57 @@ async def test_ctrl_c_stops_the_router_with_one_line_and_status_130() -> None:
     assert_one_line(result, "lora-router")
 
 
+async def test_a_second_ctrl_c_exits_at_once_with_status_130() -> None:
+    emu = await start_emulator(EmulatorConfig(port=0))
+    emu.faults.stall = True  # the request below stays in flight
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "lora_router.cli",
+        *("--replicas", emu.url, "--no-token", "--port", "0", "--shutdown-grace", "120"),
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert proc.stderr is not None
+    log = b""
+
+    async def read_until(pattern: bytes) -> re.Match[bytes]:
+        nonlocal log
+        assert proc.stderr is not None
+        while not (m := re.search(pattern, log)):
+            line = await proc.stderr.readline()
+            assert line, log
+            log += line
+        return m
+
+    try:
+        async with asyncio.timeout(20):
+            port = int((await read_until(rb"listening on [\d.]+:(\d+)")).group(1))
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            body = b'{"prompt": [1, 2, 3], "max_tokens": 5}'
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json"
+                b"\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            while emu.faults.stalled == 0:
+                await asyncio.sleep(0.01)
+            proc.send_signal(signal.SIGINT)
+            await read_until(rb"Ctrl-C again to exit now")
+        assert b"up to 120 s (--shutdown-grace) for 1 request(s)" in log
+        proc.send_signal(signal.SIGINT)
+        async with asyncio.timeout(5):  # not the 120 s of grace
+            code = await proc.wait()
+            log += await proc.stderr.read()
+        assert code == 130, log
+        assert log.rstrip().endswith(b"lora-router: interrupted")
+        writer.close()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        emu.faults.stall = False
+        await emu.stop()
+
+
 async def test_ctrl_c_stops_check_with_one_line_and_status_130() -> None:
     # A replica that accepts and never answers: once it is asked, --check is probing it.
     asked = asyncio.Event()

@@ -47,6 +47,8 @@ def build_app(replica: RecordingReplica) -> web.Application:
                 )
             )
         path = request.path
+        if not path.startswith("/emulator/"):  # the admin surface answers, to lift the hang
+            await replica.faults.wait_hang(path)
         denied = control.unauthorized(replica.config, path, request.headers)
         if denied is not None:
             return to_response(denied)

@@ -35,6 +35,9 @@ class Faults:
     hide_adapters: int = 0
     # Engine
     dead: bool = False  # /health and /ping answer 503, completions 500
+    # Requests whose path starts with this get no answer while it is set, as from a process
+    # stopped (SIGSTOP) in the middle of a sync; "/" hangs every route. None: off.
+    hang: str | None = None
 
     _load_attempts: dict[str, int] = field(default_factory=dict, repr=False)
     _listings: int = field(default=0, repr=False)
@@ -42,9 +45,14 @@ class Faults:
     _rng_seed: int | None = field(default=None, repr=False)
     _stall_released: asyncio.Event | None = field(default=None, repr=False)
     _stalled: int = field(default=0, repr=False)
+    _hang_released: asyncio.Event | None = field(default=None, repr=False)
 
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
+        if name == "hang" and value is None:
+            released = getattr(self, "_hang_released", None)
+            if released is not None:
+                released.set()
         if name == "stall" and not value:
             # Turning the stall off by plain assignment (as tests do) must wake the waiters.
             released = getattr(self, "_stall_released", None)
@@ -100,6 +108,13 @@ class Faults:
             finally:
                 self._stalled -= 1
 
+    async def wait_hang(self, path: str) -> None:
+        """Block while `hang` covers `path`; returns at once otherwise."""
+        while self.hang is not None and path.startswith(self.hang):
+            if self._hang_released is None or self._hang_released.is_set():
+                self._hang_released = asyncio.Event()
+            await self._hang_released.wait()
+
     @property
     def stalled(self) -> int:
         """Completions currently held by the stall."""
@@ -132,7 +147,9 @@ def _check_type(key: str, value: Any, annotation: object) -> None:
     spelled = str(annotation)
     if value is None and "None" in spelled:
         return
-    if spelled.startswith("bool"):
+    if spelled.startswith("str"):
+        ok = isinstance(value, str)
+    elif spelled.startswith("bool"):
         ok = isinstance(value, bool)
     elif spelled.startswith("int"):
         ok = isinstance(value, int) and not isinstance(value, bool)

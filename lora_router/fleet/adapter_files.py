@@ -6,8 +6,11 @@ Rules:
 - Two loads of one name are the same adapter only when the router read the same files for
   both: every regular file under the directory (symbolic links to directories not followed),
   by relative path and content (sha256). `read_digest` returns None when it cannot tell:
-  the directory or its `adapter_config.json` missing or unreadable, or more than `MAX_FILES`
-  files (a path that is not an adapter). The caller treats None as "different from anything".
+  the directory or its `adapter_config.json` missing or unreadable, more than `MAX_FILES`
+  files (a path that is not an adapter), a link to a file outside the directory, more than
+  `MAX_BYTES` in all, or reading for longer than `MAX_SECONDS` (a slow or hostile mount).
+  The caller treats None as "different from anything", and reads it outside the broadcast
+  lock, so no size of directory holds another sync.
 - It reads what the router's process sees at that path, which is the trainer's own view when the
   router runs beside the trainer (the deployment the guide describes).
 
@@ -18,10 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from pathlib import Path
 
 CONFIG_FILE = "adapter_config.json"
 MAX_FILES = 1000
+MAX_BYTES = 4 << 30  # a rank-64 adapter of a 70B model is about 1.6 GB
+MAX_SECONDS = 20.0
 
 
 def read_digest(path: str) -> str | None:
@@ -30,19 +36,41 @@ def read_digest(path: str) -> str | None:
     try:
         if not (root / CONFIG_FILE).is_file():
             return None
-        files: list[str] = []
+        real_root = os.path.realpath(root)
+        files: list[tuple[str, str]] = []  # (as named under the root, where it really is)
         for folder, _, names in os.walk(root):
-            files.extend(os.path.join(folder, n) for n in names)
+            for name in names:
+                file = os.path.join(folder, name)
+                real = os.path.realpath(file)
+                if os.path.commonpath([real_root, real]) != real_root:
+                    return None  # a link out of the directory: not read
+                files.append((file, real))
             if len(files) > MAX_FILES:
                 return None
+        files = [(f, real) for f, real in files if os.path.isfile(real)]  # no sockets, FIFOs
+        if sum(os.path.getsize(real) for _, real in files) > MAX_BYTES:
+            return None
+        deadline = time.monotonic() + MAX_SECONDS
         total = hashlib.sha256()
-        for file in sorted(files):
-            if not os.path.isfile(file):
-                continue  # a socket, a dangling link: not something vLLM reads
+        for file, real in sorted(files):
             relative = os.path.relpath(file, root).encode("utf-8", "surrogateescape")
-            with open(file, "rb") as f:
-                content = hashlib.file_digest(f, "sha256").digest()
+            content = _file_digest(real, deadline)
+            if content is None:
+                return None
             total.update(len(relative).to_bytes(4, "big") + relative + content)
         return "sha256:" + total.hexdigest()
     except OSError:
         return None
+
+
+def _file_digest(path: str, deadline: float) -> bytes | None:
+    """sha256 of one file, or None past `deadline` or `MAX_BYTES` (it may grow meanwhile)."""
+    digest = hashlib.sha256()
+    read = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            read += len(chunk)
+            if read > MAX_BYTES or time.monotonic() > deadline:
+                return None
+            digest.update(chunk)
+    return digest.digest()

@@ -30,6 +30,16 @@ reported to its lifecycle (lifecycle.py). Why each rule: docs/design/fleet.md#br
 - A replica unreachable during a broadcast is ejected (health.py re-admits it with a replay).
   For loads `--down-replica-policy` decides the rest: `replay` (default) proceeds with the live
   replicas; `fail` refuses a load while any member replica is down or unreachable.
+- **Every broadcast ends in bounded time**: each request to a replica within
+  `--control-timeout` (client.py), a load within `--load-deadline`. A replica that does not
+  answer in time counts as unreachable (above), so a hung replica costs one broadcast at most
+  that long, and the trainer is answered: a pause, resume or reset within `--control-timeout`,
+  an unload within `--unload-wait` plus that, a load within `--load-deadline` plus the rollback's
+  `--control-timeout`.
+- **Stopping** (`close`): broadcasts not yet started are refused; a load under way is
+  abandoned (mount waits end at once, as when its client leaves), then every running broadcast
+  gets up to `--control-timeout` to reach its consistent end (complete, or rolled back) before
+  it is cancelled: SIGTERM never leaves a load half done on purpose.
 
 Read-only calls: `/health` and `/ping` ask every live replica; `/v1/models` comes from one
 healthy replica, filtered to the names that passed the fence, base model first.
@@ -54,7 +64,6 @@ import orjson
 from lora_router.config import Config
 from lora_router.fleet.adapter_files import read_digest
 from lora_router.fleet.client import Answer as ReplicaAnswer
-from lora_router.fleet.client import ReplicaClient
 from lora_router.fleet.fence import (
     RESTARTED_TRAINER_FIX,
     AdapterEntry,
@@ -106,20 +115,24 @@ class Reply:
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
 
 
-class Broadcaster(ReplicaLoads):
-    """Broadcasts, one at a time, and the read-only fan-ins (module docstring), on top of
-    the per-replica adapter calls (replica_loads.py)."""
+class Broadcaster:
+    """Broadcasts, one at a time, and the read-only fan-ins (module docstring), made of the
+    per-replica adapter calls it is given (`loads`, replica_loads.py)."""
 
     def __init__(
-        self, config: Config, client: ReplicaClient, fleet: Fleet, fence: AdapterFence
+        self, config: Config, loads: ReplicaLoads, fleet: Fleet, fence: AdapterFence
     ) -> None:
-        super().__init__(config, client)
+        self.config = config
+        self.loads = loads
+        self.call = loads.client.call
         self.fleet = fleet
         self.fence = fence
         # The broadcast lock: held by every broadcast, and by the last step of a replay, so a
         # replica is admitted between two broadcasts, never during one.
         self.lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._abandon: dict[asyncio.Task[Any], asyncio.Event] = {}  # a running load's switch
+        self.stopping = False
         self.received = 0  # broadcasts received since start
         self.pending = 0  # broadcasts received and not yet answered (queued or running)
         # Plain counters for metrics: (operation, outcome) -> count / seconds.
@@ -129,11 +142,22 @@ class Broadcaster(ReplicaLoads):
         self._unread = 0  # loads whose files the router could not read (each its own identity)
 
     async def close(self) -> None:
-        """Cancel the broadcasts still running (the router is stopping)."""
+        """The router is stopping: refuse what has not started, abandon the loads, give the
+        rest `--control-timeout` to end consistently, then cancel (module docstring)."""
+        self.stopping = True
+        for event in self._abandon.values():
+            event.set()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=self.config.control_timeout)
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _check_running(self, op: str) -> None:
+        """In a broadcast's turn: refuse to start one once the router is stopping."""
+        if self.stopping:
+            raise Unavailable(f"Cannot {op}: the router is stopping.")
 
     async def _queue(
         self, op: Coroutine[Any, Any, Reply], abandoned: asyncio.Event | None = None
@@ -146,6 +170,8 @@ class Broadcaster(ReplicaLoads):
         self.pending += 1
         task = asyncio.get_running_loop().create_task(op)
         self._tasks.add(task)
+        if abandoned is not None:
+            self._abandon[task] = abandoned
         task.add_done_callback(self._done)
         try:
             return await asyncio.shield(task)
@@ -157,6 +183,7 @@ class Broadcaster(ReplicaLoads):
     def _done(self, task: asyncio.Task[Reply]) -> None:
         self.pending -= 1
         self._tasks.discard(task)
+        self._abandon.pop(task, None)
         if not task.cancelled():
             task.exception()  # the client may have left: its error is not "never retrieved"
 
@@ -181,7 +208,7 @@ class Broadcaster(ReplicaLoads):
         as it is), all-or-nothing on the live replicas."""
         # At arrival, not in its turn: completions naming it from now on wait at the fence.
         try:
-            entry = self.fence.begin_load(name, path, body, inplace)
+            entry = self.fence.begin_load(name, path, inplace)
         except LoadRefused as refusal:
             log.warning("load %r: refused: %s", name, refusal.message)
             raise
@@ -195,8 +222,11 @@ class Broadcaster(ReplicaLoads):
         started = asyncio.get_running_loop().time()
         ok, failure, outcome = False, "the router stopped", "error"
         try:
+            # Before its turn, outside the lock: no directory, however large or slow, holds
+            # another broadcast (adapter_files.py bounds the read itself).
+            files = await asyncio.to_thread(read_digest, path)
             async with self.lock:
-                files = await asyncio.to_thread(read_digest, path)
+                self._check_running(f"load adapter '{name}'")
                 if entry.state is AdapterState.LIVE:
                     # It joined a load that went live before its turn (or that a later unload
                     # superseded, which then decides): the same files need nothing more.
@@ -206,7 +236,7 @@ class Broadcaster(ReplicaLoads):
                         ok, outcome = True, "same_files"
                         return _loaded_reply(name, None, self._holders(name))
                     self.fence.finish_load(entry, True)
-                    entry = self.fence.begin_load(name, path, body, False)  # a reload
+                    entry = self.fence.begin_load(name, path, False)  # a reload
                 if entry.replacing:
                     if files is not None and files == entry.held:
                         entry.files = files
@@ -271,13 +301,14 @@ class Broadcaster(ReplicaLoads):
         # A reload takes none: their replay's final pass finds their copy is not these files.
         riders = [] if replace else [r for r in fleet.replicas if r.state is State.REPLAYING]
         deadline = asyncio.get_running_loop().time() + self.config.load_deadline
-        job = self._replace_on if replace else self.load_on
+        loads = self.loads
+        job = loads.replace_on if replace else loads.load_on
         outcomes, rides = await asyncio.gather(
             asyncio.gather(
                 *(job(r, name, path, body, digest, deadline, abandoned) for r in targets)
             ),
             asyncio.gather(
-                *(self.load_on(r, name, path, body, digest, deadline, abandoned) for r in riders)
+                *(loads.load_on(r, name, path, body, digest, deadline, abandoned) for r in riders)
             ),
         )
         carried = [o.replica for o in rides if o.kind in ("loaded", "present")]
@@ -303,10 +334,13 @@ class Broadcaster(ReplicaLoads):
         # timed out may still finish its load later; that copy is reloaded by the next load of
         # the name (the router has no record of it), or unloaded by a replay.
         may_hold = ("loaded", "present", "timeout", "abandoned")
-        await self.unload_from(
+        rolled_back = await loads.unload_from(
             name,
             [o.replica for o in outcomes if replace or o.kind in may_hold] + carried,
         )
+        for a in rolled_back:
+            if a.status == 0:  # it may hold the name: its replay on return drops it
+                a.replica.life.eject(f"unreachable during the rollback of '{name}': {a.error}")
         if not failed:
             down = [o.replica for o in outcomes]
             raise Unavailable(f"Cannot load adapter '{name}': {named(down)} could not be reached.")
@@ -315,9 +349,9 @@ class Broadcaster(ReplicaLoads):
     def _note_queue(self, op: str) -> None:
         """Say why an operation will wait, when what it waits behind is a load that a
         replica cannot see yet (a mistyped path waits the whole --load-deadline)."""
-        if not (self.lock.locked() and self.mount_waits):
+        if not (self.lock.locked() and self.loads.mount_waits):
             return
-        wait, seconds = max(self.mount_wait_seconds(), key=lambda ws: ws[1])
+        wait, seconds = max(self.loads.mount_wait_seconds(), key=lambda ws: ws[1])
         log.warning(
             "%s waits for load %r: %s has answered 'No adapter found' for %.0f s (it ends "
             "at --load-deadline, or when the client that asked for the load disconnects)",
@@ -341,6 +375,7 @@ class Broadcaster(ReplicaLoads):
         outcome, detail = "failed", ""
         try:
             async with self.lock:
+                self._check_running(f"unload adapter '{name}'")
                 # In the lock: broadcasts stay in arrival order (a later load of the name must
                 # not go out before this unload).
                 left = await self.fence.drain(name, self.config.unload_wait)
@@ -404,6 +439,7 @@ class Broadcaster(ReplicaLoads):
         outcome, detail = "failed", ""
         try:
             async with self.lock:
+                self._check_running(op)
                 # Remembered as asked, before the outcome: replays converge on the trainer's
                 # latest wish, whichever replicas failed this time.
                 if op == "pause":
@@ -418,6 +454,7 @@ class Broadcaster(ReplicaLoads):
                 # it (ejected for its listing, or draining), is resumed too, best effort: else
                 # they would wait, paused, for its replay or until it is removed.
                 stranded = [] if op != "resume" else self._stranded()
+                quick = self.config.health_timeout  # best effort: never the trainer's wait
                 answers, _ = await asyncio.gather(
                     asyncio.gather(
                         *(
@@ -425,7 +462,9 @@ class Broadcaster(ReplicaLoads):
                             for r in targets
                         )
                     ),
-                    asyncio.gather(*(self.call(r, "POST", path, query=query) for r in stranded)),
+                    asyncio.gather(
+                        *(self.call(r, "POST", path, query=query, timeout=quick) for r in stranded)
+                    ),
                 )
                 for a in answers:
                     if a.status == 0:
@@ -481,7 +520,9 @@ class Broadcaster(ReplicaLoads):
             raise Unavailable("No replica is in service.")
         last: Answer | None = None
         for replica in candidates[:3]:  # a few tries, never the whole fleet
-            answer = await self.call(replica, "GET", "/v1/models")
+            answer = await self.call(
+                replica, "GET", "/v1/models", timeout=max(self.config.health_timeout, 1.0)
+            )
             doc = answer.parsed() if answer.status == 200 else None
             if isinstance(doc, dict) and isinstance(doc.get("data"), list):
                 cards = [c for c in doc["data"] if isinstance(c, dict)]

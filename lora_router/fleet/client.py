@@ -9,7 +9,10 @@ and replays (replay.py), the restart check (health.py), load reconciliation (bro
 `lora-router --check` (tools/check.py) alike. `AGREEMENT` lists the facts every replica must share.
 
 Health checks, broadcasts, replays and the `/metrics` scrapes (telemetry.py) all go through
-`call`; the routed path does not (http/upstream.py, its own pools). The control plane's retry
+`call`; the routed path does not (http/upstream.py, its own pools). **Every call has a
+deadline**: the caller's `timeout`, else `--control-timeout`; none waits without limit, so a
+replica that hangs (a stopped process, a wedged engine) costs a broadcast at most that long,
+and the caller ejects it like any replica that gave no answer. The control plane's retry
 rule is stated in proxy/dispatch.py's module docstring, the data plane's in proxy/routed.py's;
 `call`'s own part of it is the one resend of a request that met a pooled connection the replica
 had closed while idle.
@@ -24,6 +27,7 @@ state, and the token must never appear in a message or a log line.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Mapping
@@ -40,6 +44,9 @@ from lora_router.fleet.failure import Cause, Failure, classify
 log = logging.getLogger(__name__)
 
 _JSON_REQUEST = {"Content-Type": "application/json"}
+# The largest control answer read: vLLM's biggest (`/metrics`, `/server_info`) are a few hundred
+# KiB; a replica that sends more is not answering as vLLM does, and is never buffered whole.
+MAX_ANSWER_BYTES = 16 << 20
 
 # The facts every replica of a fleet must agree on, as (attribute of `Facts`, how a person
 # calls it): discovery warns, `--check` fails.
@@ -234,12 +241,31 @@ class ReplicaClient:
         timeout: float | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> Answer[T]:
-        """One request to one replica; transport failures come back as `status` 0."""
+        """One request to one replica, answered within `timeout` seconds (None:
+        `--control-timeout`); transport failures and timeouts come back as `status` 0."""
         assert self.session is not None, "ReplicaClient.open() was not called"
         url = URL(replica.name + path + (f"?{query}" if query else ""), encoded=True)
         if body is not None:
             headers = {**_JSON_REQUEST, **(headers or {})}
-        client_timeout = aiohttp.ClientTimeout(total=timeout) if timeout is not None else None
+        if timeout is None:
+            timeout = self.config.control_timeout
+        try:
+            async with asyncio.timeout(timeout):  # both attempts: the deadline is the call's
+                return await self._request(replica, method, url, path, body, headers)
+        except TimeoutError:
+            error = f"no answer within {timeout:g} s"
+            return Answer(replica, 0, error=error, transport=Cause.TIMEOUT)
+
+    async def _request(
+        self,
+        replica: T,
+        method: str,
+        url: URL,
+        path: str,
+        body: bytes | None,
+        headers: Mapping[str, str] | None,
+    ) -> Answer[T]:
+        assert self.session is not None
         # One resend, only when the request never got an answer on a pooled connection the
         # replica had closed while idle. Every control request is safe to send twice: a load
         # sent twice reads as "already loaded" with our root, an unload as 404, the rest are
@@ -247,14 +273,13 @@ class ReplicaClient:
         for attempt in (0, 1):
             try:
                 async with self.session.request(
-                    method,
-                    url,
-                    data=body,
-                    headers=headers,
-                    timeout=client_timeout,
-                    allow_redirects=False,
+                    method, url, data=body, headers=headers, allow_redirects=False
                 ) as resp:
-                    data = await resp.read()
+                    data = await _read_capped(resp)
+                    if data is None:
+                        resp.close()  # the rest is never read: the connection is not reused
+                        error = f"its answer to {path} is larger than {MAX_ANSWER_BYTES >> 20} MiB"
+                        return Answer(replica, 0, error=error, transport=Cause.NOT_VLLM)
                     answer = Answer(replica, resp.status, data, list(resp.raw_headers))
                     if 300 <= resp.status < 400:
                         answer.error = _redirected(url, resp.headers.get("Location"), resp.status)
@@ -266,8 +291,8 @@ class ReplicaClient:
                 if attempt or isinstance(exc, aiohttp.ClientConnectorError):
                     cause, error = transport_error(exc)
                     return Answer(replica, 0, error=error, transport=cause)
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                cause, error = transport_error(exc, timeout)
+            except (aiohttp.ClientError, OSError) as exc:
+                cause, error = transport_error(exc)
                 return Answer(replica, 0, error=error, transport=cause)
         raise AssertionError("unreachable")
 
@@ -292,6 +317,18 @@ class ReplicaClient:
         return info if info is not None else answer.failure("/server_info")
 
 
+async def _read_capped(resp: aiohttp.ClientResponse) -> bytes | None:
+    """The whole body, or None once it passes `MAX_ANSWER_BYTES`."""
+    if (resp.content_length or 0) > MAX_ANSWER_BYTES:
+        return None
+    data = bytearray()
+    async for chunk in resp.content.iter_any():
+        data += chunk
+        if len(data) > MAX_ANSWER_BYTES:
+            return None
+    return bytes(data)
+
+
 def _redirected(url: URL, location: str | None, status: int) -> str:
     """A 3xx in words: where it pointed (scheme, host and port only), never followed."""
     try:
@@ -305,11 +342,11 @@ def _redirected(url: URL, location: str | None, status: int) -> str:
     )
 
 
-def transport_error(exc: BaseException, timeout: float | None = None) -> tuple[Cause, str]:
+def transport_error(exc: BaseException) -> tuple[Cause, str]:
     """Why a request got no HTTP answer: its cause (failure.py), and the reason in words an
     operator acts on (the fix is the cause's)."""
-    if isinstance(exc, TimeoutError):
-        return Cause.TIMEOUT, f"no answer within {timeout:g} s" if timeout else "timed out"
+    if isinstance(exc, TimeoutError):  # aiohttp's connect or read timeout
+        return Cause.TIMEOUT, "timed out"
     if isinstance(exc, aiohttp.ClientConnectorCertificateError):
         return Cause.TLS, f"TLS certificate not trusted ({exc.certificate_error})"
     if isinstance(exc, aiohttp.ClientConnectorSSLError):

@@ -53,7 +53,7 @@ FIX = {
     "as http://",
     Cause.REFUSED: "check the URL and that `vllm serve` is running there",
     Cause.TIMEOUT: "check that `vllm serve` there is not stuck or overloaded "
-    "(--health-timeout sets how long the router waits)",
+    "(--health-timeout and --control-timeout set how long the router waits)",
     Cause.PATH: "give the server's root URL (http://host:port, without /v1)",
     Cause.NOT_VLLM: "give the URL `vllm serve` listens on",
     Cause.DEV_MODE: "start it with VLLM_SERVER_DEV_MODE=1",

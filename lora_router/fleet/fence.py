@@ -32,6 +32,10 @@ its path is a **reload**: a new loading entry (`replacing`; `held`: the `files` 
 the fleet serves) takes the name out of service until the broadcaster settles it. Why:
 docs/design/fleet.md#the-fence.
 
+Sizes are bounded whatever a client sends: at most `MAX_NAMES` names known at once, names and
+paths of at most `MAX_NAME_BYTES` bytes, and an entry keeps only what a replay needs (its
+name and path; `AdapterEntry.body` is rebuilt from them), never the client's request.
+
 Pure state and waiting: no I/O, and no HTTP. A refusal is one of the fence's own outcome types
 (`UnknownAdapter`, `StillLoading`, `LoadRefused`, all `FenceRefusal`s), which proxy/answers.py
 renders as vLLM's answers. It must never let a completion through for a name that is not live
@@ -43,6 +47,11 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections.abc import Iterable
+
+import orjson
+
+MAX_NAMES = 4096  # names known at once (live, loading, unloading); TRL keeps about six
+MAX_NAME_BYTES = 4096  # an adapter name or path, in UTF-8 (Linux's PATH_MAX)
 
 
 class FenceRefusal(Exception):
@@ -106,7 +115,6 @@ class AdapterEntry:
     """One name's state as set by one run of requests (see the module docstring)."""
 
     __slots__ = (
-        "body",
         "failure",
         "files",
         "held",
@@ -118,17 +126,21 @@ class AdapterEntry:
         "state",
     )
 
-    def __init__(self, name: str, state: AdapterState, path: str, body: bytes) -> None:
+    def __init__(self, name: str, state: AdapterState, path: str) -> None:
         self.name = name
         self.state = state
         self.path = path
-        self.body = body  # the load request as the client sent it (replayed verbatim)
         self.pending = 1  # control operations still to report on this entry
         self.settled = asyncio.Event()  # set when waiters should look again
         self.failure: str | None = None  # why its load failed, for the waiters' 404
         self.files: str | None = None  # digest of the files behind it (module docstring)
         self.replacing = False  # a reload: the fleet served the name when this load arrived
         self.held: str | None = None  # for a reload: the `files` of the entry it replaced
+
+    @property
+    def body(self) -> bytes:
+        """The load request a replay sends (the trainer's fields; never in place)."""
+        return orjson.dumps({"lora_name": self.name, "lora_path": self.path, "load_inplace": False})
 
 
 class AdapterFence:
@@ -238,10 +250,24 @@ class AdapterFence:
 
     # -- what the control plane reports -----------------------------------------------------
 
-    def begin_load(self, name: str, path: str, body: bytes, inplace: bool) -> AdapterEntry:
+    def begin_load(self, name: str, path: str, inplace: bool) -> AdapterEntry:
         """A load request arrived: from now on completions for `name` wait (instead of 404,
         or instead of passing, for a live name: a reload)."""
+        for field, value in (("name", name), ("path", path)):
+            if len(value.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+                raise LoadRefused(
+                    name[:64],
+                    f"The adapter's {field} is longer than {MAX_NAME_BYTES} bytes.",
+                    in_place=False,
+                )
         current = self._entries.get(name)
+        if current is None and len(self._entries) >= MAX_NAMES:
+            raise LoadRefused(
+                name,
+                f"The fleet already knows {MAX_NAMES} adapter names; unload some before "
+                "loading more.",
+                in_place=False,
+            )
         if current is not None and current.state is not AdapterState.UNLOADING:
             if inplace:
                 raise LoadRefused(
@@ -266,7 +292,7 @@ class AdapterFence:
                 # tries itself.
                 current.pending += 1
                 return current
-        entry = AdapterEntry(name, AdapterState.LOADING, path, body)
+        entry = AdapterEntry(name, AdapterState.LOADING, path)
         if current is not None and current.state is AdapterState.LIVE:
             entry.replacing, entry.held = True, current.files  # a reload (module docstring)
         self._replace(name, entry)
@@ -295,7 +321,7 @@ class AdapterFence:
         if current is not None and current.state is AdapterState.UNLOADING:
             current.pending += 1
             return current
-        entry = AdapterEntry(name, AdapterState.UNLOADING, current.path if current else "", b"")
+        entry = AdapterEntry(name, AdapterState.UNLOADING, current.path if current else "")
         self._replace(name, entry)
         return entry
 
@@ -305,9 +331,9 @@ class AdapterFence:
             del self._entries[entry.name]
             entry.settled.set()
 
-    def mark_live(self, name: str, path: str, body: bytes) -> None:
+    def mark_live(self, name: str, path: str) -> None:
         """A name found on every replica at start (static `--lora-modules`)."""
-        entry = AdapterEntry(name, AdapterState.LIVE, path, body)
+        entry = AdapterEntry(name, AdapterState.LIVE, path)
         entry.pending = 0
         self._replace(name, entry)
         self.version += 1

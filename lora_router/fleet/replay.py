@@ -17,9 +17,13 @@
   whatever changed meanwhile and admits the replica between two broadcasts, so it can neither
   miss one nor see half of one.
 
-It is given the replica client, the fleet, the fence and the broadcaster (for its lock and its
-per-replica load and unload) explicitly. This module must never admit a replica whose replay
-did not complete, nor unload a name the fleet serves from a replica that is serving.
+The final pass holds the lock at most `--load-deadline` (each request in it is bounded by
+`--control-timeout`, client.py): a replica that hangs there fails its replay, stays out of
+service and is tried again later; it never holds the trainer's next broadcast for longer.
+
+It is given the replica client, the fleet, the fence, the broadcast lock and the per-replica
+load and unload (`ReplicaLoads`) explicitly. This module must never admit a replica whose
+replay did not complete, nor unload a name the fleet serves from a replica that is serving.
 """
 
 from __future__ import annotations
@@ -29,16 +33,14 @@ import fnmatch
 import logging
 from collections.abc import Sequence
 
-import orjson
-
 from lora_router.config import Config
-from lora_router.fleet.broadcast import Broadcaster
 from lora_router.fleet.client import AGREEMENT, Facts, ReplicaClient
 from lora_router.fleet.failure import Failure
 from lora_router.fleet.fence import AdapterFence
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.lifecycle import State
 from lora_router.fleet.replica import Replica
+from lora_router.fleet.replica_loads import ReplicaLoads
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +70,15 @@ class Replay:
         client: ReplicaClient,
         fleet: Fleet,
         fence: AdapterFence,
-        broadcaster: Broadcaster,
+        lock: asyncio.Lock,
+        loads: ReplicaLoads,
     ) -> None:
         self.config = config
         self.client = client
         self.fleet = fleet
         self.fence = fence
-        self.broadcaster = broadcaster
+        self.lock = lock  # the broadcast lock (broadcast.py)
+        self.loads = loads
 
     # -- start ------------------------------------------------------------------------------
 
@@ -114,7 +118,7 @@ class Replay:
     async def _unload_stale(self, replicas: Sequence[Replica], pattern: str) -> None:
         jobs = [(r, n) for r in replicas for n in r.adapters if fnmatch.fnmatchcase(n, pattern)]
         for replica, name in jobs:
-            answers = await self.broadcaster.unload_from(name, [replica])
+            answers = await self.loads.unload_from(name, [replica])
             if answers[0].status in (200, 404):
                 log.info("--unload-stale: unloaded %r from %s", name, replica.describe())
 
@@ -127,8 +131,7 @@ class Replay:
             roots = {r.adapters.get(name) for r in replicas}
             if name in everywhere and len(roots) == 1:
                 path = next(iter(roots)) or ""
-                body = orjson.dumps({"lora_name": name, "lora_path": path})
-                self.fence.mark_live(name, path, body)
+                self.fence.mark_live(name, path)
                 log.info("adapter %r (%s) is on every replica: serving it", name, path)
             else:
                 where = ", ".join(str(r.rid) for r in replicas if name in r.adapters)
@@ -151,9 +154,16 @@ class Replay:
         when the final pass runs under the broadcast lock, so that pass — and the trainer's
         next call queued behind it — does not wait for a whole adapter load."""
         await self._converge(replica, final=False)
-        async with self.broadcaster.lock:
-            await self._converge(replica, final=True)
-            await self._replay_pause(replica)
+        async with self.lock:
+            try:
+                async with asyncio.timeout(self.config.load_deadline):
+                    await self._converge(replica, final=True)
+                    await self._replay_pause(replica)
+            except TimeoutError:
+                raise ReplayError(
+                    "its final pass did not end within --load-deadline "
+                    f"({self.config.load_deadline:g} s)"
+                ) from None
             if replica.state is not State.REPLAYING:
                 if not replica.life.member:
                     raise ReplayError("it was removed from the fleet")
@@ -165,7 +175,7 @@ class Replay:
         held = await self.client.listing(replica)
         if isinstance(held, Failure):
             raise ReplayError(str(held))
-        fleet, fence, broadcaster = self.fleet, self.fence, self.broadcaster
+        fleet, fence, loads = self.fleet, self.fence, self.loads
         if held.base_model is not None:
             if fleet.base_models and held.base_model not in fleet.base_models:
                 log.warning(
@@ -183,7 +193,7 @@ class Replay:
             for n, root in held.adapters.items()
             if (n not in live or live[n].path != root) and (final or fence.state(n) is None)
         ]
-        unloads = await asyncio.gather(*(broadcaster.unload_from(n, [replica]) for n in extra))
+        unloads = await asyncio.gather(*(loads.unload_from(n, [replica]) for n in extra))
         for answers in unloads:
             if answers[0].status not in (200, 404):
                 raise ReplayError(f"unloading a stale adapter failed: {answers[0].message()}")
@@ -208,7 +218,7 @@ class Replay:
         deadline = asyncio.get_running_loop().time() + self.config.load_deadline
         outcomes = await asyncio.gather(
             *(
-                broadcaster.load_on(replica, n, e.path, e.body, e.files, deadline)
+                loads.load_on(replica, n, e.path, e.body, e.files, deadline)
                 for n, e in missing + ahead
             )
         )

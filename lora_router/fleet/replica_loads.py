@@ -5,7 +5,13 @@ asked has gone), reconcile a copy already there, unload from some replicas.
 The rules (which copy counts, what a "400 already loaded" means, the mount lag's log lines) are
 stated in broadcast.py's module docstring; this module holds their per-replica half, with the
 loads still waiting for a replica's mount (`mount_waits`, shown in `/router/status`). It
-never takes the broadcast lock: its callers (broadcast.py, replay.py) hold it.
+never takes the broadcast lock: its callers (broadcast.py, replay.py), which are given one
+`ReplicaLoads`, hold it.
+
+Deadlines: a load on one replica ends by its `deadline` (`--load-deadline` from the start of
+the broadcast); each request in it is bounded by `--control-timeout` (client.py). A replica
+that gives no answer at all in time is *down* (the caller ejects it), told apart from one that
+kept answering "No adapter found" until the deadline (*timeout*, a failed load).
 """
 
 from __future__ import annotations
@@ -21,10 +27,10 @@ import orjson
 from lora_router.config import Config
 from lora_router.fleet.client import Answer as ReplicaAnswer
 from lora_router.fleet.client import ReplicaClient
-from lora_router.fleet.failure import Failure
+from lora_router.fleet.failure import Cause, Failure
 from lora_router.fleet.replica import Replica
 
-log = logging.getLogger("lora_router.fleet.broadcast")  # the broadcasts' log, as operators read it
+log = logging.getLogger(__name__)
 
 Answer = ReplicaAnswer[Replica]
 LOAD = "/v1/load_lora_adapter"
@@ -62,7 +68,6 @@ class ReplicaLoads:
     def __init__(self, config: Config, client: ReplicaClient) -> None:
         self.config = config
         self.client = client
-        self.call = client.call
         # Loads being retried because a replica does not see the files yet: (rid, name) -> wait.
         self.mount_waits: dict[tuple[int, str], MountWait] = {}
 
@@ -84,10 +89,12 @@ class ReplicaLoads:
         started = loop.time()
         key = (replica.rid, name)
         dropped = False  # a copy the router did not load was unloaded (once)
+        answered = False  # the replica answered once within this load: it is not hung
         try:
             async with asyncio.timeout_at(deadline):
                 while True:  # bounded by the deadline
-                    answer = await self.call(replica, "POST", LOAD, body=body)
+                    answer = await self.client.call(replica, "POST", LOAD, body=body)
+                    answered = True
                     if answer.status == 200:
                         replica.load_seconds = loop.time() - started
                         if digest is not None:
@@ -129,6 +136,10 @@ class ReplicaLoads:
                         continue
                     return Outcome(replica, "failed", answer, message)
         except TimeoutError:
+            if not answered:  # silent from start to deadline: hung, ejected by the caller
+                error = f"no answer within {loop.time() - started:.1f} s (--load-deadline)"
+                silent = Answer(replica, 0, error=error, transport=Cause.TIMEOUT)
+                return Outcome(replica, "down", silent, error)
             return Outcome(replica, "timeout", None, last)
         finally:
             if self.mount_waits.pop(key, None) is not None:
@@ -191,7 +202,7 @@ class ReplicaLoads:
         why = "other files" if recorded is not None else "put there by another process"
         return Outcome(replica, "stale", answer, why)
 
-    async def _replace_on(
+    async def replace_on(
         self,
         replica: Replica,
         name: str,
@@ -216,7 +227,7 @@ class ReplicaLoads:
         with those weights would be hit again under the name); None once done. Runs under its
         caller's deadline: the reset is retried while the replica answers `success: false`."""
         body = orjson.dumps({"lora_name": name})
-        answer = await self.call(replica, "POST", "/v1/unload_lora_adapter", body=body)
+        answer = await self.client.call(replica, "POST", "/v1/unload_lora_adapter", body=body)
         if answer.status == 0:
             return Outcome(replica, "down", answer, answer.error)
         if answer.status not in (200, 404):
@@ -225,7 +236,7 @@ class ReplicaLoads:
         while True:  # bounded by the caller's deadline
             # reset_running_requests: vLLM preempts running requests (they are recomputed)
             # instead of refusing while they hold blocks.
-            answer = await self.call(
+            answer = await self.client.call(
                 replica, "POST", "/reset_prefix_cache", query="reset_running_requests=true"
             )
             if answer.status == 0:
@@ -240,7 +251,7 @@ class ReplicaLoads:
     async def unload_from(self, name: str, replicas: Sequence[Replica]) -> list[Answer]:
         body = orjson.dumps({"lora_name": name})
         answers = await asyncio.gather(
-            *(self.call(r, "POST", "/v1/unload_lora_adapter", body=body) for r in replicas)
+            *(self.client.call(r, "POST", "/v1/unload_lora_adapter", body=body) for r in replicas)
         )
         for a in answers:
             if a.status in (200, 404):

@@ -143,7 +143,7 @@ def metric_families(state: RouterState) -> Iterator[Metric]:
         [([op, outcome], s) for (op, outcome), s in sorted(control.seconds.items())],
     )
     waiting: dict[int, float] = {}
-    for w, seconds in control.mount_wait_seconds():
+    for w, seconds in control.loads.mount_wait_seconds():
         waiting[w.replica.rid] = max(waiting.get(w.replica.rid, 0.0), seconds)
     yield gauge(
         "lora_router_load_mount_wait_seconds",

@@ -145,7 +145,7 @@ def status(state: RouterState) -> dict[str, object]:
                     "path": w.path,
                     "seconds": round(seconds, 3),
                 }
-                for w, seconds in control.mount_wait_seconds()
+                for w, seconds in control.loads.mount_wait_seconds()
             ],
         },
         "routing": state.policy.counts.as_dict(),

@@ -31,7 +31,7 @@ async def test_unknown_name_is_vllms_404() -> None:
 
 async def test_a_loading_name_waits_then_passes_when_live() -> None:
     fence = AdapterFence(5.0)
-    entry = fence.begin_load("v1", "/a/v1", b"{}", inplace=False)
+    entry = fence.begin_load("v1", "/a/v1", inplace=False)
     waiter = asyncio.create_task(fence.wait("v1"))
     await until(lambda: fence.waiting == 1)
     assert not waiter.done()
@@ -43,7 +43,7 @@ async def test_a_loading_name_waits_then_passes_when_live() -> None:
 
 async def test_a_failed_load_answers_its_waiters_404_with_the_reason() -> None:
     fence = AdapterFence(5.0)
-    entry = fence.begin_load("v1", "/a/v1", b"{}", inplace=False)
+    entry = fence.begin_load("v1", "/a/v1", inplace=False)
     waiter = asyncio.create_task(fence.wait("v1"))
     await asyncio.sleep(0)
     fence.finish_load(entry, ok=False, failure="Replica 2 said no")
@@ -56,7 +56,7 @@ async def test_a_failed_load_answers_its_waiters_404_with_the_reason() -> None:
 
 async def test_waiting_past_the_fence_timeout_is_a_clear_503() -> None:
     fence = AdapterFence(0.05)
-    fence.begin_load("v1", "/a/v1", b"{}", inplace=False)
+    fence.begin_load("v1", "/a/v1", inplace=False)
     with pytest.raises(FenceRefusal) as err:
         await fence.wait("v1")
     assert fence_error(err.value).status == 503
@@ -66,7 +66,7 @@ async def test_waiting_past_the_fence_timeout_is_a_clear_503() -> None:
 
 async def test_an_unload_answers_the_requests_waiting_for_the_name_404() -> None:
     fence = AdapterFence(5.0)
-    fence.begin_load("v1", "/a/v1", b"{}", inplace=False)
+    fence.begin_load("v1", "/a/v1", inplace=False)
     waiter = asyncio.create_task(fence.wait("v1"))
     await asyncio.sleep(0)
     fence.begin_unload("v1")
@@ -78,7 +78,7 @@ async def test_an_unload_answers_the_requests_waiting_for_the_name_404() -> None
 
 async def test_a_load_finishing_after_an_unload_arrived_does_not_bring_the_name_back() -> None:
     fence = AdapterFence(5.0)
-    entry = fence.begin_load("v1", "/a/v1", b"{}", inplace=False)
+    entry = fence.begin_load("v1", "/a/v1", inplace=False)
     unloading = fence.begin_unload("v1")
     fence.finish_load(entry, ok=True)
     assert fence.state("v1") is AdapterState.UNLOADING
@@ -88,9 +88,9 @@ async def test_a_load_finishing_after_an_unload_arrived_does_not_bring_the_name_
 
 async def test_a_load_after_an_unload_is_not_erased_by_the_unload_finishing() -> None:
     fence = AdapterFence(5.0)
-    fence.mark_live("v1", "/a/v1", b"{}")
+    fence.mark_live("v1", "/a/v1")
     unloading = fence.begin_unload("v1")
-    loading = fence.begin_load("v1", "/a/v1", b"{}", inplace=False)
+    loading = fence.begin_load("v1", "/a/v1", inplace=False)
     fence.finish_unload(unloading)
     assert fence.state("v1") is AdapterState.LOADING
     fence.finish_load(loading, ok=True)
@@ -100,8 +100,8 @@ async def test_a_load_after_an_unload_is_not_erased_by_the_unload_finishing() ->
 def the_same_load_twice() -> tuple[AdapterFence, AdapterEntry, AdapterEntry]:
     """A fence and what two identical loads of v1 began with."""
     fence = AdapterFence(5.0)
-    first = fence.begin_load("v1", "/a/v1", b"{}", inplace=False)
-    second = fence.begin_load("v1", "/a/v1", b"{}", inplace=False)
+    first = fence.begin_load("v1", "/a/v1", inplace=False)
+    second = fence.begin_load("v1", "/a/v1", inplace=False)
     return fence, first, second
 
 
@@ -120,12 +120,12 @@ async def test_one_success_of_the_same_load_twice_suffices() -> None:
 
 async def test_a_live_name_cannot_be_repointed() -> None:
     fence = AdapterFence(5.0)
-    fence.mark_live("v1", "/a/v1", b"{}")
+    fence.mark_live("v1", "/a/v1")
     with pytest.raises(FenceRefusal) as err:
-        fence.begin_load("v1", "/b/v1", b"{}", inplace=False)
+        fence.begin_load("v1", "/b/v1", inplace=False)
     assert fence_error(err.value).status == 400 and "/a/v1" in err.value.message
     with pytest.raises(FenceRefusal) as err:
-        fence.begin_load("v1", "/a/v1", b"{}", inplace=True)
+        fence.begin_load("v1", "/a/v1", inplace=True)
     assert fence_error(err.value).status == 400 and "in place" in err.value.message
     assert fence.state("v1") is AdapterState.LIVE
 
@@ -134,10 +134,10 @@ async def test_a_load_of_a_live_name_takes_it_out_of_service_until_the_load_sett
     """A reload: a new loading entry that remembers the files the fleet serves; completions
     wait from its arrival and pass once it is live again."""
     fence = AdapterFence(5.0)
-    first = fence.begin_load("v1", "/a/v1", b"{}", inplace=False)
+    first = fence.begin_load("v1", "/a/v1", inplace=False)
     first.files = "sha256:old"
     fence.finish_load(first, ok=True)
-    reload = fence.begin_load("v1", "/a/v1", b"{}", inplace=False)
+    reload = fence.begin_load("v1", "/a/v1", inplace=False)
     assert reload is not first and reload.replacing and reload.held == "sha256:old"
     assert not fence.admits("v1") and fence.state("v1") is AdapterState.LOADING
     assert not fence.current(first) and fence.current(reload)
@@ -152,8 +152,8 @@ async def test_a_load_of_a_live_name_takes_it_out_of_service_until_the_load_sett
 
 async def test_a_failed_reload_leaves_the_name_unknown_not_live_on_its_old_files() -> None:
     fence = AdapterFence(5.0)
-    fence.mark_live("v1", "/a/v1", b"{}")
-    reload = fence.begin_load("v1", "/a/v1", b"{}", inplace=False)
+    fence.mark_live("v1", "/a/v1")
+    reload = fence.begin_load("v1", "/a/v1", inplace=False)
     assert reload.replacing and reload.held is None  # found at start: files unknown
     fence.finish_load(reload, ok=False, failure="Replica 1 said no")
     assert fence.state("v1") is None
@@ -165,9 +165,9 @@ async def test_a_failed_reload_leaves_the_name_unknown_not_live_on_its_old_files
 async def test_live_lists_names_in_load_order() -> None:
     fence = AdapterFence(5.0)
     for name in ("v1", "v2", "v3"):
-        fence.mark_live(name, f"/a/{name}", b"{}")
+        fence.mark_live(name, f"/a/{name}")
     fence.finish_unload(fence.begin_unload("v1"))
-    fence.finish_load(fence.begin_load("v1", "/a/v1", b"{}", inplace=False), ok=True)
+    fence.finish_load(fence.begin_load("v1", "/a/v1", inplace=False), ok=True)
     assert list(fence.live()) == ["v2", "v3", "v1"]
 
 

@@ -41,12 +41,12 @@ async def replica_2_waiting_for_the_files(
     emus[2].faults.mount_lag = 10_000  # replica 2 never sees the files
     rt = await router(emus, load_deadline=20.0)
     assert rt.broadcaster is not None
-    rt.broadcaster.mount_wait_log_interval = 0.05  # 30 s in production
+    rt.broadcaster.loads.mount_wait_log_interval = 0.05  # 30 s in production
     _, writer = await _send_load_and_hang_up_later(
         rt.url, "trl-policy-v1", adapter("trl-policy-v1")
     )
     async with asyncio.timeout(10):
-        await until(lambda: bool(rt.broadcaster and rt.broadcaster.mount_waits))
+        await until(lambda: bool(rt.broadcaster and rt.broadcaster.loads.mount_waits))
     return emus, rt, writer
 
 
@@ -103,14 +103,14 @@ async def test_the_wait_ends_when_the_client_disconnects(
     path = adapter("typo")
     _, writer = await _send_load_and_hang_up_later(rt.url, "trl-policy-v1", path)
     async with asyncio.timeout(10):
-        await until(lambda: bool(rt.broadcaster and rt.broadcaster.mount_waits))
+        await until(lambda: bool(rt.broadcaster and rt.broadcaster.loads.mount_waits))
         resume = asyncio.create_task(call(client, "POST", rt.url + "/resume"))
         await until(lambda: "/resume waits for load 'trl-policy-v1'" in caplog.text)
         assert not resume.done()
         writer.close()  # the trainer gave up
         status, _, _ = await resume  # well before the 60 s deadline
     assert status == 200
-    assert rt.broadcaster is not None and not rt.broadcaster.mount_waits
+    assert rt.broadcaster is not None and not rt.broadcaster.loads.mount_waits
     # No retry after the disconnect; the replica that took the adapter gave it back.
     attempts = len(paths_of(emus[1], "/v1/load_lora_adapter"))
     await call(client, "GET", rt.url + "/health")

@@ -1,0 +1,224 @@
+"""A replica that hangs instead of dying: every broadcast still ends in bounded time.
+
+A hung replica accepts connections and never answers: a process stopped with SIGSTOP (here, an
+emulator started as its own process and really stopped), or an engine wedged in the middle of
+a sync (the emulator's `hang` switch, for a hang that must start at one precise request). The
+rule under test is broadcast.py's "every broadcast ends in bounded time": the trainer gets an
+answer, the hung replica is ejected, and the broadcast lock is never held past its deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import pytest
+from emulated_fleet import FAST, StartEmulators, StartRouter
+from helpers import Adapter, call, load, router_config, until
+
+from lora_router.fleet.lifecycle import State
+from lora_router.runtime import RouterRuntime
+
+# A broadcast with a hung replica must be answered within the bound under test plus this much
+# (the machine is shared: scheduling noise, never a second deadline).
+SLACK = 3.0
+
+
+class Stoppable:
+    """An emulator in its own process, which SIGSTOP really stops."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, url: str) -> None:
+        self.proc = proc
+        self.url = url
+
+    def stop(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def cont(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+
+StartRouterAt = Callable[..., Awaitable[RouterRuntime]]
+
+
+@pytest.fixture
+async def router_at() -> AsyncIterator[StartRouterAt]:
+    """Routers in front of replicas given by URL (in-process emulators and stoppable ones)."""
+    started: list[RouterRuntime] = []
+
+    async def start(urls: list[str], **overrides: object) -> RouterRuntime:
+        runtime = RouterRuntime(router_config(urls, **{**FAST, **overrides}))
+        await runtime.start()
+        started.append(runtime)
+        return runtime
+
+    yield start
+    for runtime in started:
+        await runtime.stop(grace=0.0)
+
+
+@pytest.fixture
+async def stoppable() -> AsyncIterator[Callable[[], Awaitable[Stoppable]]]:
+    started: list[Stoppable] = []
+
+    async def start() -> Stoppable:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "lora_router.emulator",
+            "--port",
+            "0",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        assert proc.stdout is not None
+        async with asyncio.timeout(30):
+            line = (await proc.stdout.readline()).decode()
+        found = re.search(r"on (http://\S+)", line)
+        assert found, line
+        replica = Stoppable(proc, found.group(1))
+        started.append(replica)
+        return replica
+
+    yield start
+    for replica in started:
+        replica.cont()
+        replica.proc.terminate()
+        async with asyncio.timeout(10):
+            await replica.proc.wait()
+
+
+async def timed(work: Awaitable[tuple[int, bytes]], bound: float) -> tuple[int, bytes, float]:
+    """`work`'s status and body, and the seconds it took; fails past `bound` + SLACK."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    async with asyncio.timeout(bound + SLACK):
+        status, body = await work
+    return status, body, loop.time() - started
+
+
+async def post(client: aiohttp.ClientSession, url: str) -> tuple[int, bytes]:
+    status, body, _ = await call(client, "POST", url)
+    return status, body
+
+
+def state_of(rt: RouterRuntime, url: str) -> State:
+    assert rt.fleet is not None
+    return next(r.state for r in rt.fleet.replicas if r.name == url)
+
+
+async def test_a_pause_is_answered_within_the_control_timeout_when_a_replica_is_stopped(
+    emulators: StartEmulators,
+    router_at: StartRouterAt,
+    stoppable: Callable[[], Awaitable[Stoppable]],
+    client: aiohttp.ClientSession,
+) -> None:
+    (emu,) = await emulators(1)
+    frozen = await stoppable()
+    rt = await router_at([emu.url, frozen.url], control_timeout=1.0)
+    frozen.stop()
+    status, _, _ = await timed(post(client, rt.url + "/pause?mode=keep"), 1.0)
+    # The broadcast completes on the rest; the stopped replica is out until it answers again.
+    assert status == 200
+    assert emu.state.paused
+    assert state_of(rt, frozen.url) is State.EJECTED
+    status, _, seconds = await timed(post(client, rt.url + "/resume"), 1.0)
+    assert status == 200 and not emu.state.paused
+    assert seconds < 1.0  # the ejected replica is no longer waited for
+
+
+async def test_a_load_is_answered_by_its_deadline_when_a_replica_is_stopped(
+    emulators: StartEmulators,
+    router_at: StartRouterAt,
+    stoppable: Callable[[], Awaitable[Stoppable]],
+    client: aiohttp.ClientSession,
+    adapter: Adapter,
+) -> None:
+    (emu,) = await emulators(1)
+    frozen = await stoppable()
+    rt = await router_at([emu.url, frozen.url], load_deadline=2.0, control_timeout=30.0)
+    frozen.stop()
+    status, body, _ = await timed(load(client, rt.url, "trl-policy-v1", adapter("v1")), 2.0)
+    assert status == 200, body  # --down-replica-policy replay: loaded on the rest
+    assert "trl-policy-v1" in emu.state.adapters
+    assert state_of(rt, frozen.url) is State.EJECTED
+
+
+async def test_a_rollback_that_meets_a_stopped_replica_still_answers(
+    emulators: StartEmulators,
+    router_at: StartRouterAt,
+    stoppable: Callable[[], Awaitable[Stoppable]],
+    client: aiohttp.ClientSession,
+    adapter: Adapter,
+) -> None:
+    (failing,) = await emulators(1)
+    failing.faults.load_delay_s = 0.5
+    failing.faults.load_failures = 1
+    frozen = await stoppable()
+    rt = await router_at([failing.url, frozen.url], control_timeout=1.0)
+
+    async def stop_once_loaded() -> None:
+        async def holds() -> bool:
+            _, data, _ = await call(client, "GET", frozen.url + "/v1/models")
+            return b"trl-policy-v1" in data
+
+        async with asyncio.timeout(5):
+            while not await holds():
+                await asyncio.sleep(0.01)
+        frozen.stop()  # it took the load; the rollback will find it stopped
+
+    stopper = asyncio.create_task(stop_once_loaded())
+    status, body, _ = await timed(load(client, rt.url, "trl-policy-v1", adapter("v1")), 1.5)
+    await stopper
+    assert status == 500, body  # the first replica's own failure, named
+    assert b"Replica 0" in body
+    assert "trl-policy-v1" not in failing.state.adapters
+    # It may still hold the name: out of service until a replay makes it mirror the fleet.
+    assert state_of(rt, frozen.url) is State.EJECTED
+
+
+async def test_a_replay_that_hangs_under_the_lock_never_holds_the_trainers_next_call(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(2)
+    rt = await router(emus, control_timeout=1.0, health_interval=0.05)
+    assert (await post(client, rt.url + "/pause?mode=keep"))[0] == 200
+    # Replica 1 dies, is ejected, and comes back wedged: its replay's last step, the fleet's
+    # pause replayed under the broadcast lock, gets no answer.
+    emus[1].faults.dead = True
+    await until(lambda: state_of(rt, emus[1].url) is State.EJECTED)
+    emus[1].faults.hang = "/pause"
+    emus[1].faults.dead = False
+    pauses = len([r for r in emus[1].requests if r.path.startswith("/pause")])
+    await until(lambda: len([r for r in emus[1].requests if r.path.startswith("/pause")]) > pauses)
+    # The trainer's resume queues behind the replay's final pass, which ends at the deadline.
+    status, _, _ = await timed(post(client, rt.url + "/resume"), 1.0)
+    assert status == 200
+    assert not emus[0].state.paused
+    assert state_of(rt, emus[1].url) is not State.SERVING
+    emus[1].faults.hang = None
+
+
+async def test_stopping_during_a_load_rolls_it_back(
+    emulators: StartEmulators, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    emus = await emulators(2)
+    emus[1].faults.mount_lag = 1_000_000  # never sees the files: the load waits
+    rt = RouterRuntime(router_config([e.url for e in emus], **{**FAST, "load_deadline": 60.0}))
+    await rt.start()
+    try:
+        loading = asyncio.create_task(load(client, rt.url, "trl-policy-v1", adapter("v1")))
+        await until(lambda: "trl-policy-v1" in emus[0].state.adapters)
+        await until(lambda: rt.broadcaster is not None and bool(rt.broadcaster.loads.mount_waits))
+    finally:
+        async with asyncio.timeout(FAST["load_deadline"] + SLACK):
+            await rt.stop(grace=0.0)
+    # SIGTERM's path: the load is abandoned and rolled back, not cancelled half done.
+    assert "trl-policy-v1" not in emus[0].state.adapters
+    with pytest.raises(aiohttp.ClientError):
+        await loading
