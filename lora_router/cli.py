@@ -479,7 +479,14 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config
         given = vars(args)
         flags = {f.name: given[f.name] for f in fields(Config) if f.name not in _DERIVED}
         lists: dict[str, Any] = {name: tuple(given[name] or ()) for name in _LISTS}
-        config = Config(replicas=replicas, token=token, api_key=api_key, **lists, **flags)
+        config = Config(
+            replicas=replicas,
+            token=token,
+            token_env=args.token_env or "",
+            api_key=api_key,
+            **lists,
+            **flags,
+        )
     except ValueError as exc:  # each message names the flag
         raise UsageError(str(exc)) from None
     if not replicas and not config.discovering:
@@ -492,7 +499,7 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config
 
 # Parsed or read from the environment, not taken as they are.
 _LISTS = ("forward_paths", "replicas_files", "replicas_dns", "replicas_srv")  # repeatable flags
-_DERIVED = frozenset({"replicas", "token", "api_key", *_LISTS})
+_DERIVED = frozenset({"replicas", "token", "token_env", "api_key", *_LISTS})
 
 
 def _comma_list(text: str) -> tuple[str, ...]:

@@ -123,9 +123,20 @@ def secret_from_env(flag: str, name: str, environ: Mapping[str, str]) -> Secret:
             "given is not one (not shown: it may be the secret itself)"
         )
     if not environ.get(name):
-        shown = name if _SHOWN_NAME.fullmatch(name) else "(the name given; not shown)"
-        raise ValueError(f"{flag} {shown}: that variable is not set or empty")
+        if not shown_name(name):
+            raise ValueError(
+                f"{flag} (the name given; not shown): that variable is not set or empty. "
+                f"{flag} takes the NAME of the variable that holds the secret (such as "
+                "HF_TOKEN): did you pass the secret itself?"
+            )
+        raise ValueError(f"{flag} {name}: that variable is not set or empty")
     return Secret(environ[name])
+
+
+def shown_name(name: str) -> bool:
+    """Whether a variable's name may be shown in a message: named by convention (HF_TOKEN),
+    so not a secret pasted in its place (hf_AbC...)."""
+    return bool(name) and _SHOWN_NAME.fullmatch(name) is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +203,7 @@ class Config:
     # Replicas and credentials
     replicas: tuple[ReplicaAddress, ...]
     token: Secret = field(default_factory=lambda: Secret(""))
+    token_env: str = ""  # the variable --token-env named ("" with --no-token)
     ca_file: str | None = None
     # Where a replica may be added (HostPattern entries); empty: the --replicas' own host:port.
     replica_hosts: tuple[str, ...] = ()

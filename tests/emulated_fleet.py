@@ -128,11 +128,12 @@ async def synced_traffic(client: aiohttp.ClientSession, rt: Any, name: str, path
 
 
 def paths_of(emu: Emulator, route: str) -> list[str | None]:
-    """The bodies' adapter names of every request `emu` received on `route`, in order."""
+    """The bodies' adapter names of every request `emu` received on `route`, in order; the
+    readiness probe (an empty load, fleet/readiness.py) is not one."""
     import orjson
 
     names: list[str | None] = []
     for r in emu.requests:
-        if r.path.split("?")[0] == route:
+        if r.path.split("?")[0] == route and r.body != b"{}":
             names.append(orjson.loads(r.body).get("lora_name") if r.body else None)
     return names

@@ -181,6 +181,8 @@ PUBLIC = {
     "lora_router.runtime",
     "lora_router.fleet.client",
     "lora_router.fleet.failure",
+    "lora_router.fleet.leftovers",
+    "lora_router.fleet.readiness",
     "lora_router.routing",
 }
 

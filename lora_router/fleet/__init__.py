@@ -27,6 +27,10 @@ The rest, by what each part knows:
   `last_error`, `/health`, `top` and `--check` say;
 - `refusals.py`: the fleet's refusals as values (none in service, a replica's refusal passed
   on, a load timed out), which proxy/answers.py renders: the fleet speaks no HTTP;
+- `readiness.py`: whether a replica can take part in a weight sync (LoRA, dev mode, runtime
+  loading), one notion for the router's standing warnings and `--check`; pure;
+- `leftovers.py`: the adapters a reused replica still holds, judged by name (which collide with
+  the trainer's loads), and the `--unload-stale` glob that clears them; pure;
 - `report.py`: one replica's `/metrics` scrape, kept on its `Replica`;
 - `kv_events.py`: with `--policy kv`, one ZMQ subscription per replica to its KV-cache events,
   feeding the KV index (routing/kv_index.py); it only listens, and asks `/kv_event_sources`

@@ -11,6 +11,12 @@ Rules:
   `MAX_BYTES` in all, or reading for longer than `MAX_SECONDS` (a slow or hostile mount).
   The caller treats None as "different from anything", and reads it outside the broadcast
   lock, so no size of directory holds another sync.
+- A path is judged before any replica is asked (`path_problem`), so a mistake is answered at
+  once instead of at `--load-deadline`: a relative path is refused (vLLM would resolve it in
+  its own working directory), and so is a path that does not exist where the router runs
+  while its parent does (the router sees the mount, and the trainer writes the directory
+  before it asks for the load). A path whose parent the router cannot see (another machine's
+  mount) is not judged: the replicas' answers decide, as before.
 - It reads what the router's process sees at that path, which is the trainer's own view when the
   router runs beside the trainer (the deployment the guide describes).
 
@@ -28,6 +34,26 @@ CONFIG_FILE = "adapter_config.json"
 MAX_FILES = 1000
 MAX_BYTES = 4 << 30  # a rank-64 adapter of a 70B model is about 1.6 GB
 MAX_SECONDS = 20.0
+
+
+def path_problem(path: str) -> str | None:
+    """Why `path` cannot be the adapter directory a load names, as far as the router can see
+    (module docstring); None when it may be, or when the router cannot tell."""
+    if not os.path.isabs(path):
+        return (
+            "is a relative path: each replica would look for it in its own working directory; "
+            "give the absolute path at which the replicas mount the adapter directory"
+        )
+    parent = os.path.dirname(os.path.normpath(path))
+    try:
+        if os.path.isdir(parent) and not os.path.lexists(path):
+            return (
+                f"does not exist, although its parent {parent} does where the router runs "
+                "(a typo, or a directory the trainer has not written yet?)"
+            )
+    except OSError:
+        return None
+    return None
 
 
 def read_digest(path: str) -> str | None:

@@ -17,6 +17,9 @@ reported to its lifecycle (lifecycle.py). Why each rule: docs/design/fleet.md#br
 - **A load of a live name** (the fence's reload, fence.py): the same files answer success with
   nothing sent; other files, or files the router cannot read, are reloaded on every live replica
   behind the fence: drain as for an unload, unload, reset the prefix cache, load.
+- **A path the router can judge** is judged first (fleet/adapter_files.py's `path_problem`): a
+  relative path, or one missing beside a parent the router sees, is answered 400 at once
+  (nothing sent to a replica), not after `--load-deadline`.
 - **A load that cannot succeed** is logged when a replica's wait starts and every 30 s, shown
   in `/router/status` and the metrics (`mount_waits`), and abandoned as soon as the client that
   asked disconnects.
@@ -53,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Coroutine, Sequence
@@ -62,7 +66,7 @@ from typing import Any
 import orjson
 
 from lora_router.config import Config
-from lora_router.fleet.adapter_files import read_digest
+from lora_router.fleet.adapter_files import path_problem, read_digest
 from lora_router.fleet.client import Answer as ReplicaAnswer
 from lora_router.fleet.fence import (
     RESTARTED_TRAINER_FIX,
@@ -76,6 +80,7 @@ from lora_router.fleet.lifecycle import OUT, State
 from lora_router.fleet.refusals import (
     Conflict,
     FleetRefusal,
+    Invalid,
     Misbehaved,
     ReplicaRefused,
     TimedOut,
@@ -100,6 +105,7 @@ from lora_router.http.headers import HOP_BY_HOP, REPLICA_HEADER
 log = logging.getLogger(__name__)
 
 _JSON = (b"content-type", b"application/json")
+PATH_JUDGED_IN = 1.0  # seconds a load's path may take to judge (a hung mount is not judged)
 Answer = ReplicaAnswer[Replica]
 # Headers of a replica's answer that describe its connection or framing, not the message; the
 # router frames its own answer.
@@ -206,6 +212,10 @@ class Broadcaster:
     async def load(self, name: str, path: str, inplace: bool, body: bytes) -> Reply:
         """`POST /v1/load_lora_adapter` (its fields read from `body`, which goes to the replicas
         as it is), all-or-nothing on the live replicas."""
+        if not os.path.isabs(path):  # judged before the fence hears of it: no I/O
+            problem = path_problem(path)
+            assert problem is not None
+            raise Invalid(f"Cannot load adapter '{name}': lora_path '{path}' {problem}.")
         # At arrival, not in its turn: completions naming it from now on wait at the fence.
         try:
             entry = self.fence.begin_load(name, path, inplace)
@@ -224,6 +234,9 @@ class Broadcaster:
         try:
             # Before its turn, outside the lock: no directory, however large or slow, holds
             # another broadcast (adapter_files.py bounds the read itself).
+            problem = await _judged(path)
+            if problem is not None:
+                raise Invalid(f"Cannot load adapter '{name}': lora_path '{path}' {problem}.")
             files = await asyncio.to_thread(read_digest, path)
             async with self.lock:
                 self._check_running(f"load adapter '{name}'")
@@ -471,7 +484,7 @@ class Broadcaster:
                         a.replica.life.eject(f"unreachable during /{op}: {a.failure(path)}")
                 failed = [a for a in answers if a.status not in (200, 0)]
                 if failed:
-                    raise replica_failure(failed[0], f"/{op} failed")
+                    raise replica_failure(failed[0], f"/{op} failed", path)
                 done = [a for a in answers if a.status == 200]
                 if not done:
                     raise Unavailable(f"Cannot {op}: {named(targets)} could not be reached.")
@@ -501,10 +514,18 @@ class Broadcaster:
     # -- read-only --------------------------------------------------------------------------
 
     async def health(self, path: str) -> Reply:
-        """`/health`, `/ping`: 200 only when every live replica answers 200."""
+        """`/health`, `/ping`: 200 only when every live replica answers 200, and one of them
+        at least can take part in a weight sync (readiness.py: else the trainer's first sync
+        would fail; the answer names why)."""
         targets = self.fleet.live()
         if not targets:
             raise no_replica_in_service(self.fleet, self.config)
+        if all(r.unready for r in targets):
+            first = targets[0]
+            raise Unavailable(
+                f"No replica in service can take part in a weight sync: {first.describe()}: "
+                f"{first.unready[0]}."
+            )
         answers = await asyncio.gather(
             *(self.call(r, "GET", path, timeout=self.config.health_timeout) for r in targets)
         )
@@ -553,6 +574,14 @@ class Broadcaster:
                 }
             out.append(card)
         return out
+
+
+async def _judged(path: str) -> str | None:
+    """`path_problem` off the event loop, within a second: a mount that hangs is not judged."""
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(path_problem, path), PATH_JUDGED_IN)
+    except TimeoutError:
+        return None
 
 
 def _copied_headers(

@@ -38,7 +38,7 @@ import aiohttp
 import orjson
 from yarl import URL
 
-from lora_router.config import Config
+from lora_router.config import Config, shown_name
 from lora_router.fleet.failure import Cause, Failure, classify
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ class Answer(Generic[T]):
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     error: str = ""  # the transport failure when status is 0; where a 3xx pointed
     transport: Cause | None = None  # the transport failure's cause when status is 0
+    token_from: str | None = None  # the variable whose token went ("" none; None unknown)
 
     def summary(self) -> str:
         """What went wrong in a few words: the transport failure, or the status."""
@@ -96,6 +97,7 @@ class Answer(Generic[T]):
             message=self.message() if self.status else "",
             route_missing=isinstance(doc, dict) and doc.get("detail") == "Not Found",
             model_list=listed is not None and bool(listed.bases),
+            token_from=self.token_from,
         )
 
     def parsed(self) -> Any:
@@ -141,6 +143,7 @@ class Facts:
     block_size: int | None = None  # cache_config.block_size
     data_parallel_size: int | None = None
     config_model: str | None = None  # model_config.model, when no listing names it
+    runtime_loading: bool | None = None  # vllm_env's VLLM_ALLOW_RUNTIME_LORA_UPDATING
 
     @property
     def base_model(self) -> str | None:
@@ -177,6 +180,8 @@ def parse_server_info(doc: Any, listed: Facts | None = None) -> Facts | None:
     cache = config.get("cache_config")
     parallel = config.get("parallel_config")
     model = config.get("model_config")
+    env = doc.get("vllm_env")
+    runtime = env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING") if isinstance(env, dict) else None
     return replace(
         listed or Facts(),
         lora=isinstance(lora, dict),
@@ -189,7 +194,17 @@ def parse_server_info(doc: Any, listed: Facts | None = None) -> Facts | None:
         config_model=(
             str(model["model"]) if isinstance(model, dict) and model.get("model") else None
         ),
+        runtime_loading=_flag(runtime),
     )
+
+
+def _flag(value: object) -> bool | None:
+    """An environment flag as vLLM reports it (a bool, or its text), or None when unknown."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "0", "false", ""):
+        return value.strip().lower() in ("1", "true")
+    return None
 
 
 def _int(value: object) -> int | None:
@@ -203,6 +218,11 @@ class ReplicaClient:
         self.config = config
         self.session: aiohttp.ClientSession | None = None
         self._redirects: set[tuple[str, str]] = set()  # (replica, redirect) pairs logged
+        # What a rejected token's message may say of it: the variable it came from, shown
+        # only when named like one (HF_TOKEN), never the value.
+        self.token_from: str | None = ""
+        if config.token:
+            self.token_from = config.token_env if shown_name(config.token_env) else None
 
     async def open(self) -> None:
         config = self.config
@@ -281,6 +301,7 @@ class ReplicaClient:
                         error = f"its answer to {path} is larger than {MAX_ANSWER_BYTES >> 20} MiB"
                         return Answer(replica, 0, error=error, transport=Cause.NOT_VLLM)
                     answer = Answer(replica, resp.status, data, list(resp.raw_headers))
+                    answer.token_from = self.token_from
                     if 300 <= resp.status < 400:
                         answer.error = _redirected(url, resp.headers.get("Location"), resp.status)
                         if (replica.name, answer.error) not in self._redirects:  # once each

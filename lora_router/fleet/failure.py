@@ -14,7 +14,7 @@ The rules (`classify`), for one answer to a request on `path`:
 | a redirect (never followed: the token goes only to the replica's URL) | wrong path |
 | no answer in time | timeout |
 | a TLS failure (untrusted certificate, failed handshake) | TLS, with the reason |
-| 401 or 403 (vLLM's `--api-key` guards `/v1/*` only) | rejected token |
+| 401 or 403 (vLLM's `--api-key` guards `/v1/*` only) | rejected token, by case (none sent?) |
 | 404 on `/health` or `/v1/models`, the URL has a path (`http://host:8000/v1`) | wrong path |
 | 404 on `/health` or `/v1/models` at a root URL; `/v1/models` not a model list | not vLLM |
 | FastAPI's 404 on a dev-mode route (`/pause`, `/resume`, `/server_info`, ...) | no dev mode |
@@ -42,6 +42,7 @@ class Cause(enum.Enum):
     NOT_VLLM = "not a vLLM server"
     DEV_MODE = "no dev mode"
     RUNTIME_LOADING = "no runtime loading"
+    NO_LORA = "no LoRA"
     DEAD = "dead engine"
     OTHER = "other"
 
@@ -58,6 +59,7 @@ FIX = {
     Cause.NOT_VLLM: "give the URL `vllm serve` listens on",
     Cause.DEV_MODE: "start it with VLLM_SERVER_DEV_MODE=1",
     Cause.RUNTIME_LOADING: "start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1",
+    Cause.NO_LORA: "start it with --enable-lora --max-lora-rank R --max-loras N",
     Cause.DEAD: "restart the replica",
     Cause.OTHER: "see the replica's log",
 }
@@ -93,11 +95,13 @@ def classify(
     message: str = "",
     route_missing: bool = False,
     model_list: bool = True,
+    token_from: str | None = None,
 ) -> Failure:
     """The failure of one answer (the module's table). `url`: the replica's; `status` 0 with
     `transport` and `error`: no HTTP answer; `message`: the replica's error text;
     `route_missing`: the body is FastAPI's `{"detail": "Not Found"}`; `model_list`: a 200 on
-    `/v1/models` was one."""
+    `/v1/models` was one; `token_from`: the variable whose token was sent ("" none was sent,
+    None unknown)."""
     if status == 0:
         return named(transport or Cause.REFUSED, error or "no answer")  # whatever the path
     if 300 <= status < 400:  # never followed (client.py): `error` says where it pointed
@@ -105,7 +109,7 @@ def classify(
             Cause.PATH, f"{path}: {error or f'HTTP {status}'}", "give the URL it redirects to"
         )
     if status in (401, 403):
-        return named(Cause.TOKEN, f"HTTP {status} on {path}: the token was rejected")
+        return _rejected(f"HTTP {status} on {path}", token_from)
     if status == 404 and path in _PROBES:
         if urlsplit(url).path.strip("/"):
             return named(Cause.PATH, f"HTTP 404 on {path}: {url} is not a vLLM server's root URL")
@@ -121,3 +125,18 @@ def classify(
         return named(Cause.NOT_VLLM, f"/v1/models answered no model list: {url} is not vLLM")
     shown = f": {message}" if message else ""
     return named(Cause.OTHER, f"HTTP {status} on {path}{shown}")
+
+
+def _rejected(seen: str, token_from: str | None) -> Failure:
+    """A 401/403 in the words of its case: no token sent, or which variable's was rejected."""
+    if token_from == "":
+        return named(
+            Cause.TOKEN, f"{seen}: the replica needs a token and none was sent (--no-token)"
+        )
+    if token_from:
+        return Failure(
+            Cause.TOKEN,
+            f"{seen}: the token in {token_from} was rejected",
+            f"export the replicas' token in {token_from}",
+        )
+    return named(Cause.TOKEN, f"{seen}: the token was rejected")

@@ -25,6 +25,11 @@ proved since the previous check began:
   ejects it. A 404 for an adapter the fence says is live is a restart: ejected at once and
   replayed. A 503 while the fleet is paused is vLLM refusing work on purpose, never counted.
 
+A replica that stays out of service is logged at a bounded rate: a failed replay is a WARNING
+when its reason is new, then at most once every `OUT_LOG_INTERVAL` seconds while the same
+reason repeats, with the count of the failures not logged (a rejected token answers every
+check: one line per check would bury the log).
+
 A replay that did not stick (the replica lacks a live adapter again soon after re-admission, or
 answers "already loaded" for a name its listing does not show) puts its lifecycle in back-off
 (lifecycle.py); one warning names the replica and what it lacks, `listing_flaps` counts it.
@@ -55,6 +60,8 @@ from lora_router.fleet.replica import Replica
 
 log = logging.getLogger(__name__)
 
+OUT_LOG_INTERVAL = 300.0  # seconds between two lines about a replica kept out for one reason
+
 
 class _Watch:
     """The watcher state of one replica."""
@@ -63,6 +70,9 @@ class _Watch:
         "answered",
         "failures",
         "lock",
+        "out_logged",
+        "out_quiet",
+        "out_reason",
         "proof",
         "successes",
         "suspect",
@@ -77,6 +87,10 @@ class _Watch:
         self.failures = 0
         self.successes = 0
         self.suspect = False
+        # The last failed replay logged: its reason, when, and the failures since not logged.
+        self.out_reason = ""
+        self.out_logged = 0.0
+        self.out_quiet = 0
         self.task: asyncio.Task[None] | None = None
         # Passive health (module docstring), since the current check began: a routed 2xx came,
         # and the last adapter of `verified` one came for. `verified`: the live adapters its
@@ -353,9 +367,10 @@ class HealthMonitor:
                     self._note_slip(replica, slips, [exc.name])
                 self.readmission_failures += 1
                 watch.successes = 0
-                log.warning("%s stays out of service: replay failed: %s", replica.describe(), exc)
+                self._log_out(replica, watch, str(exc), loop.time())
                 return False
             self.readmissions += 1
+            watch.out_reason, watch.out_quiet = "", 0
             watch.verified = {}  # nothing it answers proves its adapters before a listing does
             watch.successes = 0
             watch.failures = 0
@@ -367,6 +382,21 @@ class HealthMonitor:
                 life.admitted_at - started,
             )
             return True
+
+    def _log_out(self, replica: Replica, watch: _Watch, reason: str, now: float) -> None:
+        """A failed replay, logged at a bounded rate (module docstring)."""
+        if reason == watch.out_reason and now - watch.out_logged < OUT_LOG_INTERVAL:
+            watch.out_quiet += 1
+            return
+        since = (
+            f" ({watch.out_quiet} more failed replay(s) for this reason since the last line)"
+            if watch.out_quiet and reason == watch.out_reason
+            else ""
+        )
+        log.warning(
+            "%s stays out of service: replay failed: %s%s", replica.describe(), reason, since
+        )
+        watch.out_reason, watch.out_logged, watch.out_quiet = reason, now, 0
 
     # -- membership -------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from lora_router.config import Config
 from lora_router.fleet.client import Answer
+from lora_router.fleet.failure import Cause
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.replica import Replica
 
@@ -46,6 +47,11 @@ class Conflict(FleetRefusal):
     """The request conflicts with what a replica already holds (the client's to fix)."""
 
 
+class Invalid(FleetRefusal):
+    """The request cannot be what the client means (a load's path the router can judge as
+    wrong, fleet/adapter_files.py); the client's to fix, nothing was sent to a replica."""
+
+
 class ReplicaRefused(FleetRefusal):
     """A replica's own refusal, passed on: its status and error type."""
 
@@ -55,11 +61,15 @@ class ReplicaRefused(FleetRefusal):
         self.type = type
 
 
-def replica_failure(answer: Answer[Replica], what: str) -> FleetRefusal:
-    """A replica's refusal, passed on with its status and type and the replica named."""
+def replica_failure(answer: Answer[Replica], what: str, path: str = "") -> FleetRefusal:
+    """A replica's refusal, passed on with its status and type and the replica named; a route
+    the replica lacks (on `path`) names the flag that adds it (failure.py)."""
     who = answer.replica.describe()
     if answer.status == 0:
         return Unavailable(f"{what}: {who} is unreachable: {answer.error}")
+    failure = answer.failure(path) if path and answer.status == 404 else None
+    if failure is not None and failure.cause in (Cause.DEV_MODE, Cause.RUNTIME_LOADING):
+        return ReplicaRefused(f"{what}: {who}: {failure}", 404, answer.error_type())
     return ReplicaRefused(
         f"{what}: {who} answered: {answer.message()}", answer.status, answer.error_type()
     )

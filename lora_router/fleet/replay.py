@@ -35,10 +35,12 @@ from collections.abc import Sequence
 
 from lora_router.config import Config
 from lora_router.fleet.client import AGREEMENT, Facts, ReplicaClient
-from lora_router.fleet.failure import Failure
+from lora_router.fleet.failure import Cause, Failure
 from lora_router.fleet.fence import AdapterFence
 from lora_router.fleet.fleet import Fleet
+from lora_router.fleet.leftovers import Leftovers
 from lora_router.fleet.lifecycle import State
+from lora_router.fleet.readiness import loras_needed, seen_in, sync_problems
 from lora_router.fleet.replica import Replica
 from lora_router.fleet.replica_loads import ReplicaLoads
 
@@ -96,6 +98,7 @@ class Replay:
         serving = [r for r, _ in up]
         if self.config.unload_stale:
             await self._unload_stale(serving, self.config.unload_stale)
+        self._warn_leftovers(serving)
         self._adopt_static(serving)
         sizes = {f.block_size for _, f in up} - {None}
         return next(iter(sizes)) if len(sizes) == 1 else None
@@ -108,12 +111,30 @@ class Replay:
         replica.adapters = dict(held.adapters)
         self.fleet.base_models.update(held.bases)
         info = await self.client.server_info(replica, held)
+        await self._note_readiness(replica, info)
         if isinstance(info, Failure):
-            # It serves, but its LoRA limits are unknown; without dev mode (the usual cause),
-            # TRL's first weight sync fails at /pause.
-            log.warning("%s: %s", replica.describe(), info)
+            if info.cause is not Cause.DEV_MODE:  # else named by the readiness warning
+                log.warning("%s: %s", replica.describe(), info)
             return held, ""
         return info, ""
+
+    async def _note_readiness(self, replica: Replica, info: Facts | Failure | None = None) -> None:
+        """Record whether `replica` can take part in a weight sync (readiness.py), and say so
+        when that changes: a standing warning, never a reason to keep it out."""
+        if info is None:
+            info = await self.client.server_info(replica)
+        problems = tuple(sync_problems(seen_in(info), loras_needed(self.config.max_staleness)))
+        for problem in problems:
+            if problem not in replica.unready:
+                log.warning(
+                    "%s cannot take part in a weight sync: %s (it serves completions; TRL's "
+                    "syncs fail while it is in the fleet)",
+                    replica.describe(),
+                    problem,
+                )
+        if replica.unready and not problems:
+            log.info("%s can take part in weight syncs", replica.describe())
+        replica.unready = problems
 
     async def _unload_stale(self, replicas: Sequence[Replica], pattern: str) -> None:
         jobs = [(r, n) for r in replicas for n in r.adapters if fnmatch.fnmatchcase(n, pattern)]
@@ -121,6 +142,24 @@ class Replay:
             answers = await self.loads.unload_from(name, [replica])
             if answers[0].status in (200, 404):
                 log.info("--unload-stale: unloaded %r from %s", name, replica.describe())
+
+    def _warn_leftovers(self, replicas: Sequence[Replica]) -> None:
+        """Say which replica holds names the trainer's loads would collide with (leftovers.py),
+        and the fix, once at start: TRL's first load of such a name would fail."""
+        config = self.config
+        judge = Leftovers.of(
+            [list(r.adapters) for r in replicas], config.unload_stale, config.lineage_pattern
+        )
+        for replica in replicas:
+            for what, fix, note in judge.judge(sorted(replica.adapters)):
+                if not note:
+                    log.warning(
+                        "%s holds %s; for a new run, fix: %s (a trainer resuming against these "
+                        "replicas needs nothing)",
+                        replica.describe(),
+                        what,
+                        fix,
+                    )
 
     def _adopt_static(self, replicas: Sequence[Replica]) -> None:
         if not replicas:
@@ -134,7 +173,7 @@ class Replay:
                 self.fence.mark_live(name, path)
                 log.info("adapter %r (%s) is on every replica: serving it", name, path)
             else:
-                where = ", ".join(str(r.rid) for r in replicas if name in r.adapters)
+                where = ", ".join(r.describe() for r in replicas if name in r.adapters)
                 log.warning(
                     "adapter %r is not on every replica at the same path (held by %s): not "
                     "served until it is loaded through the router",
@@ -153,6 +192,7 @@ class Replay:
         under way when it starts. A version that goes live meanwhile is then already loaded
         when the final pass runs under the broadcast lock, so that pass — and the trainer's
         next call queued behind it — does not wait for a whole adapter load."""
+        await self._note_readiness(replica)
         await self._converge(replica, final=False)
         async with self.lock:
             try:

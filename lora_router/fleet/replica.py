@@ -19,6 +19,7 @@ from typing import Any
 
 from lora_router.config import ReplicaAddress
 from lora_router.fleet.breaker import CircuitBreaker
+from lora_router.fleet.failure import Failure
 from lora_router.fleet.lifecycle import Lifecycle, State
 from lora_router.fleet.report import Report
 from lora_router.http.upstream import UpstreamPool
@@ -46,6 +47,7 @@ class Replica:
         "report_error",
         "rid",
         "target_prefix",
+        "unready",
     )
 
     def __init__(
@@ -76,6 +78,9 @@ class Replica:
         self.on_change: Callable[[], None] | None = None
         self._adapters = _Adapters(self)  # adapter name -> lora_path, as acknowledged
         self.load_seconds = 0.0  # how long its last adapter load took (broadcast order)
+        # Why it cannot take part in a weight sync, as last seen (fleet/readiness.py): a
+        # standing warning, shown in /router/status; empty when it can.
+        self.unready: tuple[Failure, ...] = ()
         # Adapter name -> digest of the files this router process loaded onto it under that
         # name (fleet/adapter_files.py). A copy it holds without a record here was put there by
         # someone else (an earlier router, a direct load): its weights are unknown.

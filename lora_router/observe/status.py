@@ -99,6 +99,8 @@ def replica_json(r: Replica, busy_share: float | None = None) -> dict[str, objec
         "ejections": r.life.ejections,
         "adapters": sorted(r.adapters),
         "last_error": r.life.last_error,
+        # Why it cannot take part in a weight sync (fleet/readiness.py); empty when it can.
+        "sync_problems": [str(f) for f in r.unready],
         "reported": report_json(r, busy_share),
     }
 

@@ -26,6 +26,7 @@ from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.refusals import (
     Conflict,
     FleetRefusal,
+    Invalid,
     Misbehaved,
     ReplicaRefused,
     TimedOut,
@@ -83,7 +84,7 @@ def fleet_error(refusal: FleetRefusal) -> HTTPError:
         return HTTPError(504, message)
     if isinstance(refusal, Misbehaved):
         return HTTPError(502, message)
-    if isinstance(refusal, Conflict):
+    if isinstance(refusal, Conflict | Invalid):
         return HTTPError(400, message, type="InvalidUserInput")
     assert isinstance(refusal, ReplicaRefused)
     # A replica's status passed on; one that is no error (a redirect) is a bad gateway.

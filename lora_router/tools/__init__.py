@@ -1,7 +1,7 @@
 """The tools: programs built on the router, run from the `lora-router` command (cli.py).
 
-- `check.py`: `lora-router --check`, the preflight of the replicas (`leftovers.py` judges the
-  adapters a replica lists that the router did not load);
+- `check.py`: `lora-router --check`, the preflight of the replicas (fleet/leftovers.py judges
+  the adapters a replica lists that the router did not load);
 - `demo.py`: `lora-router --demo`, a GRPO-shaped run over emulated replicas (`demo_command.py`
   its command line, `demo_report.py` its closing table);
 - `top.py`: `lora-router top`, a live view of a running router read over HTTP;
@@ -13,8 +13,10 @@ path, the fleet's state, the views' wiring), so each could live in its own repos
 - `lora_router.config`: the typed settings, built from the command line;
 - `lora_router.command`: what every command shares (bad flags, `--help`, Ctrl-C);
 - `lora_router.runtime`: a running router, started and stopped in-process;
-- `lora_router.fleet.client` and `lora_router.fleet.failure`: the router's client of one
-  replica, and the causes and fixes it names (so `--check` reads a replica as the router does);
+- `lora_router.fleet.client`, `lora_router.fleet.failure`, `lora_router.fleet.leftovers` and
+  `lora_router.fleet.readiness`: the router's client of one replica, the causes and fixes it
+  names, how it judges the adapters left on a reused replica and whether a replica can take
+  part in a weight sync (so `--check` reads a replica as the router does);
 - `lora_router.routing`: the package's exported names (the policies, lineages), pure;
 - `lora_router.emulator`: the vLLM stand-in, a program of its own (the demo's replicas).
 

@@ -24,7 +24,7 @@ block size; `max_loras` must be at least `--max-staleness + 2` (TRL raises other
 `data_parallel_size` must be 1. A URL with a path under which `/health` and `/v1/models` both
 answer 404 is one problem ("give the server's root URL"), not missing routes.
 
-Leftover adapters (listed after the base card) are judged by name, by leftovers.py: fatal only
+Leftover adapters (listed after the base card) are judged by name, by fleet/leftovers.py: fatal only
 when the trainer may load the same name again (`--lineage-pattern`), and fine once
 `--unload-stale` matches them; its advice names the glob, built from the leftovers found.
 
@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+import lora_router.fleet.leftovers as leftovers
 from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.client import (
     AGREEMENT,
@@ -54,7 +55,7 @@ from lora_router.fleet.client import (
     parse_server_info,
 )
 from lora_router.fleet.failure import FIX, Cause
-from lora_router.tools import leftovers
+from lora_router.fleet.readiness import SyncFacts, loras_needed, sync_problems
 from lora_router.tools.table import render_table
 
 PROBE_TIMEOUT = 10.0  # seconds for one probe's whole answer
@@ -244,11 +245,6 @@ def judge(
     return problems
 
 
-def _loras_needed(max_staleness: int) -> int:
-    """Adapter slots a TRL run needs: max_staleness + 1 versions in use, plus one loading."""
-    return max_staleness + 2
-
-
 def _root_url(name: str) -> str:
     """The URL of a replica without its path: scheme, host and port."""
     address = ReplicaAddress.parse(name)
@@ -267,7 +263,7 @@ def _judge_replica(
                 f"give the server's root URL: {_root_url(f.name)}",
             )
         ]
-    need = _loras_needed(max_staleness)
+    need = loras_needed(max_staleness)
     out: list[Problem] = []
     name = f.name
     if f.answer == "unreachable":
@@ -276,35 +272,8 @@ def _judge_replica(
         return [Problem(name, f"unauthorized: {f.detail}", f.fix)]
     if f.answer == "dead":
         out.append(Problem(name, f.detail, FIX[Cause.DEAD]))
-    if f.lora is False:
-        out.append(
-            Problem(
-                name,
-                "LoRA is disabled (vllm_config.lora_config is null): TRL would fall back to "
-                "merged-weight sync (/init_weight_transfer_engine, /update_weights), which "
-                "reaches one replica only, so lora-router refuses it and training stops",
-                f"start it with --enable-lora --max-lora-rank R --max-loras {need} "
-                "(R: your LoraConfig's r rounded up to 1, 8, 16, 32, 64, ...)",
-            )
-        )
-    # Without LoRA, vLLM has no adapter routes whatever VLLM_ALLOW_RUNTIME_LORA_UPDATING says:
-    # the missing route is then the LoRA problem above, not this one.
-    if f.runtime_loading is False and f.lora is not False:
-        out.append(
-            Problem(
-                name,
-                "runtime adapter loading is off: POST /v1/load_lora_adapter does not exist",
-                FIX[Cause.RUNTIME_LOADING],
-            )
-        )
-    if f.dev_mode is False:
-        out.append(
-            Problem(
-                name,
-                "dev mode is off: /pause, /resume and /server_info do not exist",
-                FIX[Cause.DEV_MODE],
-            )
-        )
+    seen = SyncFacts(lora=f.lora, dev_mode=f.dev_mode, runtime_loading=f.runtime_loading)
+    out += [Problem(name, p.what, p.fix) for p in sync_problems(seen, need)]
     if f.max_loras is not None and f.max_loras < need:
         out.append(
             Problem(
@@ -389,7 +358,7 @@ def _yes_no(value: bool | None) -> str:
 
 def report(fleet: Sequence[ReplicaFacts], problems: Sequence[Problem], max_staleness: int) -> str:
     """The text `--check` prints: the table, the problems with their fixes, the verdict."""
-    need = _loras_needed(max_staleness)
+    need = loras_needed(max_staleness)
     headers = (
         "replica",
         "status",

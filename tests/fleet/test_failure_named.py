@@ -192,7 +192,8 @@ async def test_a_replica_without_dev_mode_is_named_at_start(
     with caplog.at_level(logging.WARNING, logger="lora_router"):
         await router(emus)
     assert (
-        "dev mode is off: /server_info does not exist; fix: start it with VLLM_SERVER_DEV_MODE=1"
+        "cannot take part in a weight sync: dev mode is off: /pause, /resume and /server_info "
+        "do not exist; fix: start it with VLLM_SERVER_DEV_MODE=1"
     ) in caplog.text
 
 

@@ -145,6 +145,10 @@ class FleetMachine(RuleBasedStateMachine):
         self.n += 1
         name = f"trl-policy-v{self.n}"
         path = self.dir / name
+        if files in ("late", "never"):
+            # Another machine's mount, as the router sees it: no parent to judge the path by
+            # (fleet/adapter_files.py), so the replicas' answers decide.
+            path = self.dir / f"mount-{name}" / name
         if files in ("ready", "replica-fails"):
             write_adapter(path)
         elif files == "late":

@@ -36,7 +36,7 @@ def control(emu: Emulator) -> list[str]:
     out = []
     for r in emu.requests:
         route = r.path.split("?")[0]
-        if route in (LOAD, UNLOAD):
+        if route in (LOAD, UNLOAD) and r.body != b"{}":  # not the readiness probe
             out.append(f"{route.split('_')[0][4:]} {orjson.loads(r.body)['lora_name']}")
         elif route == RESET:
             out.append("reset")

@@ -257,10 +257,13 @@ async def follow(fleet: Fleet, advice: Advice, way: str) -> None:
         (pattern,) = shlex.split(m.group(1))
         fleet.flags = drop_flag(fleet.flags, "--unload-stale")
         fleet.router_flags = ["--unload-stale", pattern]
-    elif m := re.fullmatch(r"give --token-env (\w+) holding its token", way):
-        fleet.env[m.group(1)] = TOKEN
+    elif m := re.fullmatch(
+        r"give --token-env (\w+) holding its token|export the replicas' token in (\w+)", way
+    ):
+        variable = m.group(1) or m.group(2)
+        fleet.env[variable] = TOKEN
         fleet.flags = [f for f in fleet.flags if f != "--no-token"]
-        fleet.flags = set_flag(fleet.flags, "--token-env", m.group(1))
+        fleet.flags = set_flag(fleet.flags, "--token-env", variable)
     elif m := re.fullmatch(r"give the server's root URL: (\S+)", way):
         assert i is not None, advice
         fleet.urls[i] = m.group(1)

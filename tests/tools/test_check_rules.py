@@ -8,8 +8,8 @@ from dataclasses import replace
 from hypothesis import given
 from hypothesis import strategies as st
 
+from lora_router.fleet.leftovers import stale_glob
 from lora_router.tools.check import ReplicaFacts, judge, report
-from lora_router.tools.leftovers import stale_glob
 
 
 def ready(name: str = "http://a:8000", **changes: object) -> ReplicaFacts:

@@ -1,5 +1,5 @@
-"""Leftover adapters on reused replicas, as `--check` judges them, and the `--unload-stale`
-glob that clears them.
+"""Leftover adapters on reused replicas, as the router warns of them at start (replay.py) and
+`--check` judges them (tools/check.py), and the `--unload-stale` glob that clears them.
 
 Rules:
 - *Fatal or not, by name.* A leftover the trainer may load again — its name matched by
@@ -13,7 +13,8 @@ Rules:
   for the fatal leftovers, the glob matches each of them and each the present flag already
   clears (the new flag replaces it); for a note, every leftover of the fleet.
 
-Pure: no I/O. `judge` returns (what, fix, note) triples; check.py makes them problems.
+Pure: no I/O. `judge` returns (what, fix, note) triples: check.py makes them problems, the
+router's start logs the ones that are not notes.
 """
 
 from __future__ import annotations
