@@ -22,7 +22,8 @@ What is modelled, and from where:
   counts and prompt tokens the fleet keeps (`Fleet.started` / `finished`, with each decision's
   `Decision.tokens`), given any of
   `PrefixAffinity`'s keyword arguments (`prefix:load_slack=8`; a candidate rule under test adds
-  its own, e.g. `queue_tokens` of bench/results/archive/routing-spill/queue-spill.patch);
+  its own, e.g. `queue_tokens` of bench/results/archive/routing-spill/'s patch, kept by git:
+  `git show 515a94e:bench/results/archive/routing-spill/queue-spill.patch`);
   `oracle` is bench/routing.py's oracle (families dealt round robin in arrival order, pinned).
   The peers are not modelled: an approximation of vllm-router's
   cache_aware (its balance thresholds, a block set per replica for its tree) reached 0.959 of
