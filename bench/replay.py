@@ -9,7 +9,7 @@ machine's noise and across trace seeds before any wall-clock run.
 What is modelled, and from where:
 - the workload: bench/routing.py's own (`build_workload` of `trace_spec(trace, n, Scale(seed))`,
   base-model names), the same token ids, completions and parent links;
-- the client: bench/routing.py's `Run.replay` — at most 64 N requests in flight, the
+- the client: bench/lib/routing_runs.py's `Run.replay` — at most 64 N requests in flight, the
   lowest-indexed eligible request first, a later turn eligible once its parent answered;
 - a replica: lora_router.emulator's engine with `max_num_seqs` 1 — a FIFO server; at the start
   of service the prompt is looked up in and inserted into the emulator's own `PrefixCache`
