@@ -44,7 +44,7 @@ import heapq
 import statistics
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -106,6 +106,7 @@ class Outcome:
     trace: str
     replicas: int
     seed: int
+    requests: int = 0
     hit_rate: float = 0.0
     of_oracle: float = 0.0
     later: int = 0
@@ -274,7 +275,7 @@ def measure(
     placed, replicas, intervals, end = replay(
         reqs, n, router, args.timing, args.overhead_ms / 1e3, args.decode_scale
     )
-    out = Outcome(name, trace, n, seed)
+    out = Outcome(name, trace, n, seed, requests=len(reqs))
     queries = sum(r.cache.queries for r in replicas)
     out.hit_rate = sum(r.cache.hits for r in replicas) / queries if queries else 0.0
     for r in reqs:
@@ -370,6 +371,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--overhead-ms", type=float, default=3.0, help="per request, modelled")
     p.add_argument("--decode-scale", type=float, default=1.3, help="decode time x the model")
     p.add_argument("--out", type=Path, default=None, help="write the table here (markdown)")
+    p.add_argument(
+        "--json", type=Path, default=None, help="write every run's figures here (Outcome's fields)"
+    )
     args = p.parse_args(argv)
     args.timing = traces.Timing()
     names = list(routers(args.routers))
@@ -403,6 +407,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out is not None:
         command = "python bench/replay.py " + " ".join(sys.argv[1:] if argv is None else argv)
         args.out.write_text(f"`{command}`\n\n{text}\n")
+    if args.json is not None:
+        args.json.write_bytes(
+            orjson.dumps([asdict(o) for o in outcomes], option=orjson.OPT_INDENT_2)
+        )
     return 0
 
 

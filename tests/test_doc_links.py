@@ -118,7 +118,7 @@ def test_the_checks_catch_a_missing_file_and_a_missing_heading(tmp_path: Path) -
 # --- The tree's own names -------------------------------------------------------------------
 
 SOURCES = ("lora_router", "tests", "bench")
-SUBPACKAGES = "http|proxy|fleet|routing|observe|emulator|tools"  # lora_router's, written bare
+SUBPACKAGES = "|".join(sorted(p.parent.name for p in ROOT.glob("lora_router/*/__init__.py")))
 TREE_PATH = re.compile(
     rf"(?<![\w/.:@~-])((?:{'|'.join(SOURCES)}|docs|{SUBPACKAGES})/[\w/.-]*[\w/])(?:::(\w+))?"
 )

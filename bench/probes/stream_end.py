@@ -13,13 +13,10 @@ answer's last reads; this is how far back it has to look.
 import asyncio
 import json
 import random
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "vllm"))
-
-from tiny_model import model_dir
-from vllm_harness import TOKEN, Replica, start_replicas
+from lora_router.testbed.tiny_model import model_dir
+from lora_router.testbed.vllm_harness import TOKEN, Replica, start_replicas
 
 STREAMS = 40
 
