@@ -7,17 +7,16 @@ whose working set does not fit the replicas' prefix caches, with one replica res
     python bench/cache_pressure.py --traces tools-6 --pressure 3 --rounds 1 \\
         --routers lr-prefix,lr-kv --out /tmp/cp         # an investigation run
 
-Workload: bench/grpo_trace.py's multi-turn rollouts, driven as TRL 1.16's async worker drives
-them: `AsyncRolloutWorker._generate_loop` keeps `max_inflight_tasks` rollouts going (one
-sample's whole conversation each) and starts the next one, in dataset order, only when one
-ends; a rollout's next turn goes out as soon as its turn before answers. Here the slots are
-`--slot-steps` (1) steps' worth of samples (S x G), so new families arrive all through the run,
-onto caches already full (the tool-use setting TRL's docs suggest sizing by hand; its default,
-4 steps' worth, would start every rollout of a short trace at once). TRL's tool loop
-(`_generate_one`) has no turn limit by default (`max_tool_calling_iterations` None): a rollout
-goes on while the model calls tools, so turns are more than bench/routing.py's three, and the
-chat template renders the tools' schemas into the system prompt (`apply_chat_template(...,
-tools=tools)`), a long prefix every rollout shares:
+Workload: lora_router/testbed/grpo_trace.py's multi-turn rollouts, driven as TRL 1.16's async worker
+drives them: `AsyncRolloutWorker._generate_loop` keeps `max_inflight_tasks` rollouts going (one
+sample's whole conversation each) and starts the next one, in dataset order, only when one ends; a
+rollout's next turn goes out as soon as its turn before answers. Here the slots are `--slot-steps`
+(1) steps' worth of samples (S x G), so new families arrive all through the run, onto caches already
+full (the tool-use setting TRL's docs suggest sizing by hand; its default, 4 steps' worth, would
+start every rollout of a short trace at once). TRL's tool loop (`_generate_one`) has no turn limit
+by default (`max_tool_calling_iterations` None): a rollout goes on while the model calls tools, so
+turns are more than bench/routing.py's three, and the chat template renders the tools' schemas into
+the system prompt (`apply_chat_template(..., tools=tools)`), a long prefix every rollout shares:
 - `tools-6`: a 1,000-token system prompt, 6 turns re-rendered through the Qwen3-shaped chat
   template (a turn's prompt is not a prefix of the next: the generation-prompt stub goes, the
   completion is re-tokenized), completions 32-128 tokens;
@@ -87,13 +86,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # bench/ modules, run as scripts
-import grpo_trace  # noqa: E402
 from lib.cache_pressure_report import write_json, write_markdown  # noqa: E402
 from lib.cache_pressure_run import CacheRun, Plan, run_one  # noqa: E402
 from lib.procs import git_revision  # noqa: E402
 from lib.routing_procs import CONTENDERS, Contender, ReplicaHost, RouterOptions, available  # noqa: E402
 from lib.routing_runs import Bench  # noqa: E402
 from lib.routing_traces import Scale, Shape, Timing, build_workload, shape_spec  # noqa: E402
+
+from lora_router.testbed import grpo_trace  # noqa: E402
 
 SHAPES: dict[str, Shape] = {
     "tools-6": Shape(1000, 6, render="chat"),

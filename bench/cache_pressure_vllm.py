@@ -9,15 +9,15 @@ replica SIGKILLed and started again mid-run.
 This is bench/cache_pressure.py's question asked of real caches (that bench models the replicas
 with the emulator; this one has vLLM's own scheduler, eviction, preemption and restart time).
 
-Workload, as TRL 1.16's async rollout worker sends it with tools: every request is built and
-posted by TRL's own `_AsyncRolloutLoop._generate_one_turn` (tests/vllm/trl_client.py: token-id
+Workload, as TRL 1.16's async rollout worker sends it with tools: every request is built and posted
+by TRL's own `_AsyncRolloutLoop._generate_one_turn` (lora_router/testbed/trl_client.py: token-id
 prompt, its own seed, `return_token_ids`, naming `trl-policy-v1`). A rollout is one sample's
-conversation: the shared system prompt (`--system` tokens, the tools' schemas every rollout
-shares), its problem (`--problem` tokens, shared by the G = `--group` samples), then `--turns`
-turns, each turn's prompt the previous prompt + the completion vLLM really generated
-(`--max-tokens`, `ignore_eos` is not set: lengths vary) + a tool result (`--tool` tokens, seeded
-per sample and turn). `--slots` rollouts at once (TRL's `max_inflight_tasks`), started in dataset
-order as slots free, so new families arrive all through the run onto caches already full.
+conversation: the shared system prompt (`--system` tokens, the tools' schemas every rollout shares),
+its problem (`--problem` tokens, shared by the G = `--group` samples), then `--turns` turns, each
+turn's prompt the previous prompt + the completion vLLM really generated (`--max-tokens`,
+`ignore_eos` is not set: lengths vary) + a tool result (`--tool` tokens, seeded per sample and
+turn). `--slots` rollouts at once (TRL's `max_inflight_tasks`), started in dataset order as slots
+free, so new families arrive all through the run onto caches already full.
 
 Cache pressure: each cell starts the replicas with `--num-gpu-blocks-override B` (128-token
 blocks on the CPU build; `--max-model-len` 2048 needs 16). The working set per replica (the
@@ -70,15 +70,15 @@ from typing import Any
 import aiohttp
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests" / "vllm"))
 sys.path.insert(0, str(HERE))
 
 from lib.cache_pressure_run import router_status, wait_kv_subscribed  # noqa: E402
 from lib.procs import find_binary, free_port, git_revision  # noqa: E402
 from real_vllm import load_adapter, reset_caches  # noqa: E402
-from tiny_model import adapter_dir, model_dir  # noqa: E402
-from trl_client import LORA_NAME, Rollouts  # noqa: E402
-from vllm_harness import BIN, Replica, http, start_replicas, wait_for  # noqa: E402
+
+from lora_router.testbed.tiny_model import adapter_dir, model_dir  # noqa: E402
+from lora_router.testbed.trl_client import LORA_NAME, Rollouts  # noqa: E402
+from lora_router.testbed.vllm_harness import BIN, Replica, http, start_replicas, wait_for  # noqa: E402
 
 BLOCK = 128  # vLLM's CPU build
 MAX_MODEL_LEN = 2048

@@ -12,8 +12,8 @@ the fault bench's health flags) starts with the file naming three of them; the f
 is not named. `/router/replicas` is polled every 20 ms.
 
 Workload: bench/lib/faults_trainer.py's trainer, which drives the router as TRL 1.16's
-AsyncGRPOTrainer does (bench/grpo_trace.py prompts: a shared template, problems of 40-400
-token ids; every step `POST /pause?mode=keep`, a new `trl-policy-vN` written and loaded,
+AsyncGRPOTrainer does (lora_router/testbed/grpo_trace.py prompts: a shared template, problems of
+40-400 token ids; every step `POST /pause?mode=keep`, a new `trl-policy-vN` written and loaded,
 `/resume`, v(N-3) unloaded; S = 8 prompts x G = 8 requests, each with its own seed, naming the
 version current when it is sent; TRL's client retries), made multi-turn as a tool-calling
 rollout is (`--turns`, 3): each sample's next turn sends its previous prompt, the token ids the

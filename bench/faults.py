@@ -24,16 +24,16 @@ queue in the router between the fence and the replica: the window of the unload 
 `--port-base P` puts every process on P, P+1... A fourth, spare replica (never in the fleet) is
 used at the end to time one replay by hand. Nothing is pinned to a core.
 
-Workload, driven like TRL's AsyncGRPOTrainer (bench/grpo_trace.py prompts: a 23-token template,
-problems of 40-400 token ids): each step N, `POST /pause?mode=keep` -> write trl-policy-vN
-(atomic rename) -> `POST /v1/load_lora_adapter` -> `POST /resume` -> unload v(N-3) without
-waiting for its rollouts -> rollouts name vN, as TRL does (three or four versions live); then
-S = 16 prompts x G = 8 separate `/v1/completions` requests, each with its own seed and naming the
-version current when it is sent, as TRL's rollout worker reads it (token-id prompts, 48 max
-tokens, logprobs; every fourth group streamed). As in an asynchronous trainer, step N+1's sync
-starts once half of step N's groups are done. A rollout attempt that fails (non-2xx, a
-connection error, a body cut short) is retried by the client as TRL's client does, after 1, 2,
-4 s, at most 3 times; a failed load ends the run (TRL would die of it) and is reported.
+Workload, driven like TRL's AsyncGRPOTrainer (lora_router/testbed/grpo_trace.py prompts: a 23-token
+template, problems of 40-400 token ids): each step N, `POST /pause?mode=keep` -> write trl-policy-vN
+(atomic rename) -> `POST /v1/load_lora_adapter` -> `POST /resume` -> unload v(N-3) without waiting
+for its rollouts -> rollouts name vN, as TRL does (three or four versions live); then S = 16 prompts
+x G = 8 separate `/v1/completions` requests, each with its own seed and naming the version current
+when it is sent, as TRL's rollout worker reads it (token-id prompts, 48 max tokens, logprobs; every
+fourth group streamed). As in an asynchronous trainer, step N+1's sync starts once half of step N's
+groups are done. A rollout attempt that fails (non-2xx, a connection error, a body cut short) is
+retried by the client as TRL's client does, after 1, 2, 4 s, at most 3 times; a failed load ends the
+run (TRL would die of it) and is reported.
 
 Faults. Episodes start at 10, 26, 42 ... s, on replicas 1, 2, 1 ... (default: `rollout`, `load`,
 `5xx`, `unload`, `listing`; `5xx-all` on demand). A kill SIGKILLs one replica — `rollout`: while

@@ -4,7 +4,7 @@ replicas, two lora-router revisions and vllm-router side by side in one run.
     python bench/idle.py                        # base f8cdf5c against this checkout, ~10 min
     python bench/idle.py --base-rev REV --rounds 1 --window 5
 
-Method. One nginx serves every replica port (bench/common.py's instant fleet) with `/health`,
+Method. One nginx serves every replica port (bench/lib/nginx.py's instant fleet) with `/health`,
 `/v1/models`, `/server_info` and, as `/metrics`, a real vLLM 0.32 page
 (tests/fleet/data/vllm-0.32-metrics-after-traffic.txt, 75 KB: what the router scrapes from each
 replica). No request is routed after start-up (one completion checks the contender answers):

@@ -34,13 +34,13 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests" / "vllm"))
 sys.path.insert(0, str(HERE))
 
 from lib.procs import find_binary, free_port, git_revision  # noqa: E402
-from tiny_model import adapter_dir, model_dir  # noqa: E402
-from trl_client import LORA_NAME, Rollouts  # noqa: E402
-from vllm_harness import BIN, Replica, http, start_replicas, wait_for  # noqa: E402
+
+from lora_router.testbed.tiny_model import adapter_dir, model_dir  # noqa: E402
+from lora_router.testbed.trl_client import LORA_NAME, Rollouts  # noqa: E402
+from lora_router.testbed.vllm_harness import BIN, Replica, http, start_replicas, wait_for  # noqa: E402
 
 RESULTS = HERE / "results"
 BLOCK = 128

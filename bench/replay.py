@@ -9,7 +9,7 @@ machine's noise and across trace seeds before any wall-clock run.
 What is modelled, and from where:
 - the workload: bench/routing.py's own (`build_workload` of `trace_spec(trace, n, Scale(seed))`,
   base-model names), the same token ids, completions and parent links;
-- the client: bench/routing.py's `Run.replay` — at most 64 N requests in flight, the
+- the client: bench/lib/routing_runs.py's `Run.replay` — at most 64 N requests in flight, the
   lowest-indexed eligible request first, a later turn eligible once its parent answered;
 - a replica: lora_router.emulator's engine with `max_num_seqs` 1 — a FIFO server; at the start
   of service the prompt is looked up in and inserted into the emulator's own `PrefixCache`
@@ -22,7 +22,8 @@ What is modelled, and from where:
   counts and prompt tokens the fleet keeps (`Fleet.started` / `finished`, with each decision's
   `Decision.tokens`), given any of
   `PrefixAffinity`'s keyword arguments (`prefix:load_slack=8`; a candidate rule under test adds
-  its own, e.g. `queue_tokens` of bench/results/archive/routing-spill/queue-spill.patch);
+  its own, e.g. `queue_tokens` of bench/results/archive/routing-spill/'s patch, kept by git:
+  `git show 515a94e:bench/results/archive/routing-spill/queue-spill.patch`);
   `oracle` is bench/routing.py's oracle (families dealt round robin in arrival order, pinned).
   The peers are not modelled: an approximation of vllm-router's
   cache_aware (its balance thresholds, a block set per replica for its tree) reached 0.959 of
@@ -43,7 +44,7 @@ import heapq
 import statistics
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,7 @@ class Outcome:
     trace: str
     replicas: int
     seed: int
+    requests: int = 0
     hit_rate: float = 0.0
     of_oracle: float = 0.0
     later: int = 0
@@ -273,7 +275,7 @@ def measure(
     placed, replicas, intervals, end = replay(
         reqs, n, router, args.timing, args.overhead_ms / 1e3, args.decode_scale
     )
-    out = Outcome(name, trace, n, seed)
+    out = Outcome(name, trace, n, seed, requests=len(reqs))
     queries = sum(r.cache.queries for r in replicas)
     out.hit_rate = sum(r.cache.hits for r in replicas) / queries if queries else 0.0
     for r in reqs:
@@ -369,6 +371,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--overhead-ms", type=float, default=3.0, help="per request, modelled")
     p.add_argument("--decode-scale", type=float, default=1.3, help="decode time x the model")
     p.add_argument("--out", type=Path, default=None, help="write the table here (markdown)")
+    p.add_argument(
+        "--json", type=Path, default=None, help="write every run's figures here (Outcome's fields)"
+    )
     args = p.parse_args(argv)
     args.timing = traces.Timing()
     names = list(routers(args.routers))
@@ -402,6 +407,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out is not None:
         command = "python bench/replay.py " + " ".join(sys.argv[1:] if argv is None else argv)
         args.out.write_text(f"`{command}`\n\n{text}\n")
+    if args.json is not None:
+        args.json.write_bytes(
+            orjson.dumps([asdict(o) for o in outcomes], option=orjson.OPT_INDENT_2)
+        )
     return 0
 
 

@@ -7,29 +7,29 @@ in front of N emulated vLLM replicas, on GRPO-shaped traces, against an oracle.
     python bench/routing.py --traces multi-turn --replicas 8 --routers lr-prefix \\
         --load-factor 0.5 --out /tmp/routing  # an investigation run, results elsewhere
 
-Workload. `bench/grpo_trace.py` generates what TRL 1.16's async GRPO rollout worker sends: S
-problems per step, each sent G = 8 times (siblings), token-id prompts that start with a shared
-template, a random 63-bit `seed` per request (TRL's `random.getrandbits(63)`), a new adapter
-version `trl-policy-vN` every step. Seven traces, each with 2, 3 and 8 replicas: `single-turn`
-(a 23-token chat template), `system-300` and `system-1000` (a shared system prompt of 300 /
-1,000 tokens), `multi-turn` (3 turns: a sample's next prompt is its previous prompt + its
-completion + a tool message, sent only once the previous turn has answered, every turn of a
-rollout under one version), and three *pipelined* 3-turn traces, where new rollouts start while
-older ones are in later turns and every request names the version current when it is sent (a
-new version every round, so each rollout spans three versions and the syncs land during
-rollouts, as TRL's `_request_model` does): `multi-turn-sync` (turns appended), `chat-rerender`
-(every turn re-rendered through a Qwen3-shaped chat template, as `_generate_one` and the OpenEnv
-harness's `_sample_turn` do: the previous prompt's generation-prompt stub is dropped and the
-completion re-tokenized) and `long-tail` (re-rendered, completions log-normal up to 3,000
-tokens). A trace grows with the fleet (S = 8 N problems per step single-turn, 4 N multi-turn,
-2 N pipelined; 3 steps), so every replica count gets the same work and the same number of
-families per replica. Requests go out in trace order with at most 64 N in flight: a later turn
-becomes eligible when its parent has answered, and the lowest-indexed eligible request goes
-first. Each request carries `max_tokens` = the trace's completion length and `ignore_eos`, so
-every replica generates the same completion for it; a later turn's prompt carries that very
-completion (predicted with the emulator's own deterministic generator, checked against the
-answer's `token_ids`, which only multi-turn requests ask for), so its KV is what the next turn
-reuses, as on vLLM. Every router in a naming mode receives byte-identical requests.
+Workload. `lora_router/testbed/grpo_trace.py` generates what TRL 1.16's async GRPO rollout worker
+sends: S problems per step, each sent G = 8 times (siblings), token-id prompts that start with a
+shared template, a random 63-bit `seed` per request (TRL's `random.getrandbits(63)`), a new adapter
+version `trl-policy-vN` every step. Seven traces, each with 2, 3 and 8 replicas: `single-turn` (a
+23-token chat template), `system-300` and `system-1000` (a shared system prompt of 300 / 1,000
+tokens), `multi-turn` (3 turns: a sample's next prompt is its previous prompt + its completion + a
+tool message, sent only once the previous turn has answered, every turn of a rollout under one
+version), and three *pipelined* 3-turn traces, where new rollouts start while older ones are in
+later turns and every request names the version current when it is sent (a new version every round,
+so each rollout spans three versions and the syncs land during rollouts, as TRL's `_request_model`
+does): `multi-turn-sync` (turns appended), `chat-rerender` (every turn re-rendered through a
+Qwen3-shaped chat template, as `_generate_one` and the OpenEnv harness's `_sample_turn` do: the
+previous prompt's generation-prompt stub is dropped and the completion re-tokenized) and `long-tail`
+(re-rendered, completions log-normal up to 3,000 tokens). A trace grows with the fleet (S = 8 N
+problems per step single-turn, 4 N multi-turn, 2 N pipelined; 3 steps), so every replica count gets
+the same work and the same number of families per replica. Requests go out in trace order with at
+most 64 N in flight: a later turn becomes eligible when its parent has answered, and the
+lowest-indexed eligible request goes first. Each request carries `max_tokens` = the trace's
+completion length and `ignore_eos`, so every replica generates the same completion for it; a later
+turn's prompt carries that very completion (predicted with the emulator's own deterministic
+generator, checked against the answer's `token_ids`, which only multi-turn requests ask for), so its
+KV is what the next turn reuses, as on vLLM. Every router in a naming mode receives byte-identical
+requests.
 
 Two naming modes. *LoRA* (as TRL): requests name `trl-policy-vN`; before the first request of
 version N the bench syncs through the router exactly as TRL does: `POST /pause?mode=keep`,
@@ -228,6 +228,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "two revisions run interleaved in one run (e.g. `git archive` of the base commit)",
     )
     p.add_argument(
+        "--no-plot",
+        action="store_true",
+        help="write no routing.png (it needs matplotlib, of the bench extra)",
+    )
+    p.add_argument(
         "--from-json",
         type=Path,
         nargs="+",
@@ -378,7 +383,8 @@ async def bench_main(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "routing.json", meta, summaries, results)
     write_markdown(args.out / "routing.md", summaries, meta, args.trace_list, args.replica_list)
-    write_plot(args.out / "routing.png", summaries, args.trace_list, args.replica_list)
+    if not args.no_plot:
+        write_plot(args.out / "routing.png", summaries, args.trace_list, args.replica_list)
 
     print()
     print(
@@ -414,9 +420,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if out_json.resolve() not in {p.resolve() for p in args.from_json}:
             write_json(out_json, meta, summaries, runs)
         write_markdown(args.out / "routing.md", summaries, meta, traces, counts)
-        write_plot(args.out / "routing.png", summaries, traces, counts)
+        written = "routing.md"
+        if not args.no_plot:
+            write_plot(args.out / "routing.png", summaries, traces, counts)
+            written += " and routing.png"
         sources = ", ".join(map(str, args.from_json))
-        print(f"routing.md and routing.png rewritten in {args.out} from {sources}")
+        print(f"{written} rewritten in {args.out} from {sources}")
         return 0
     return asyncio.run(bench_main(args))
 

@@ -89,7 +89,7 @@ def test_the_fence_imports_no_http() -> None:
 
 
 def test_only_the_replica_client_opens_an_aiohttp_session_in_the_router() -> None:
-    clients = ("lora_router.emulator", "lora_router.tools")
+    clients = ("lora_router.emulator", "lora_router.tools", "lora_router.testbed")
     router = {m for m in MODULES if not m.startswith(clients)}
     users = {m for m in router if "aiohttp" in imports(m)}
     assert users == {"lora_router.fleet.client"}
@@ -259,3 +259,51 @@ def test_an_attribute_write_is_seen_at_any_depth() -> None:
         map(writes_attribute, map(target, ["a.b = 1", "a.b[k] = 1", "x, a.b = y", "a.b += 1"]))
     )
     assert not any(map(writes_attribute, map(target, ["x = a.b", "x[a.b] = 1", "x += a.b"])))
+
+
+def test_bench_and_tests_do_not_import_each_other() -> None:
+    """bench/ and tests/ share code through lora_router/testbed/ only: neither imports a module
+    of the other (by name, or by putting the other's folder on sys.path or loading its file)."""
+    root = PACKAGE.parent
+    loaders = ("sys.path.insert", "sys.path.append", "spec_from_file_location", "run_path")
+
+    def modules(folder: str) -> set[str]:
+        files = [p for p in (root / folder).rglob("*.py") if "results" not in p.parts]
+        return {p.stem for p in files} | {p.parent.name for p in files} | {folder}
+
+    bad = []
+    for here, there in (("bench", "tests"), ("tests", "bench")):
+        theirs = modules(there) - modules(here) - {"__init__", "conftest"}
+        for path in (p for p in (root / here).rglob("*.py") if "results" not in p.parts):
+            tree = ast.parse(path.read_text(), str(path))
+            named = {  # module-level `NAME = expression`, to read a loader's argument through
+                t.id: ast.unparse(node.value)
+                for node in tree.body
+                if isinstance(node, ast.Assign)
+                for t in node.targets
+                if isinstance(t, ast.Name)
+            }
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import | ast.ImportFrom) and not getattr(node, "level", 0):
+                    tops = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                    tops += (
+                        [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+                    )
+                    found = {t.split(".")[0] for t in tops} & theirs
+                elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith(loaders):
+                    source = " ".join(ast.unparse(a) for a in node.args)
+                    source += " ".join(
+                        named.get(n.id, "")
+                        for a in node.args
+                        for n in ast.walk(a)
+                        if isinstance(n, ast.Name)
+                    )
+                    found = {there} if f"'{there}'" in source or f"'{there}/" in source else set()
+                else:
+                    continue
+                bad += (
+                    [f"{path.relative_to(root)}:{node.lineno}: {', '.join(sorted(found))}"]
+                    if found
+                    else []
+                )
+    assert not bad, "\n".join(bad)

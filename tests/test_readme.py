@@ -134,7 +134,7 @@ def test_every_figure_next_to_a_results_link_is_in_that_file() -> None:
 
 def test_the_docs_quote_figures_from_the_results() -> None:
     # The check above proves nothing on a document whose figures it cannot see next to a link.
-    least = {"README.md": 5, "bench/README.md": 20}
+    least = {"README.md": 5, "bench/README.md": 15}
     least |= {"docs/design/overhead.md": 5, "docs/design/routing.md": 10}
     quoted = {name: len(quoted_passages(ROOT / name)) for name in least}
     assert all(quoted[name] >= n for name, n in least.items()), quoted

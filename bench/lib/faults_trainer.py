@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import grpo_trace as bench_trace
 import orjson
 
 from lora_router.emulator import write_adapter
+from lora_router.testbed import grpo_trace
 from lora_router.tools.demo import check_answer
 
 from .faults_setup import (
@@ -102,13 +102,13 @@ class Trainer:
         self.early_unload: asyncio.Future[tuple[str, ControlCall]] | None = None
         self.unloaded: set[int] = set()
         self.extra: list[asyncio.Task[Rollout]] = []  # rollouts outside the steps (`unload`)
-        spec = bench_trace.TraceSpec(
+        spec = grpo_trace.TraceSpec(
             steps=10_000,  # generated lazily, one step at a time
             prompts_per_step=settings.prompts,
             group_size=settings.group,
             seed=settings.seed,
         )
-        self._trace = bench_trace.generate(spec)
+        self._trace = grpo_trace.generate(spec)
         self._http: aiohttp.ClientSession | None = None
 
     async def drive(self, http: aiohttp.ClientSession, stop: Callable[[], bool]) -> None:

@@ -297,7 +297,8 @@ def write_markdown(
         f"on {os.cpu_count()} cores (git {meta['git']}).",
         "",
         "Method (details in the docstring of bench/routing.py): GRPO-shaped traces from "
-        f"bench/grpo_trace.py (G = {s['group_size']}, S = {s['prompts_per_replica']} N problems "
+        f"lora_router/testbed/grpo_trace.py (G = {s['group_size']}, "
+        f"S = {s['prompts_per_replica']} N problems "
         "per "
         f"step single-turn, {s['multi_prompts_per_replica']} N multi-turn, "
         f"{s['pipelined_prompts_per_replica']} N on the pipelined traces, {s['steps']} steps, "

@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import grpo_trace as bench_trace
 import orjson
 
 from lora_router.emulator import EmulatorConfig
 from lora_router.emulator.kv_events import KVEventsConfig
 from lora_router.emulator.tokens import generate as emulator_generate
+from lora_router.testbed import grpo_trace
 
 MODEL = "Qwen/Qwen2.5-Math-1.5B"
 MAX_STALENESS = 4  # TRL's default: unload v(N-5) after loading vN
@@ -70,7 +70,8 @@ class Scale:
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    """A trace's shape (bench/grpo_trace.py's TraceSpec fields that differ between traces)."""
+    """A trace's shape (lora_router/testbed/grpo_trace.py's TraceSpec fields that differ between
+    traces)."""
 
     template: int  # shared template / system prompt tokens
     turns: int
@@ -111,7 +112,7 @@ def trace_spec(name: str, replicas: int, scale: Scale) -> Any:
 def shape_spec(shape: Shape, replicas: int, scale: Scale) -> Any:
     """The TraceSpec of a shape at a fleet size (bench/cache_pressure.py has shapes of its own)."""
     per_replica = scale.multi_prompts_per_replica if shape.turns > 1 else scale.prompts_per_replica
-    return bench_trace.TraceSpec(
+    return grpo_trace.TraceSpec(
         steps=scale.steps,
         prompts_per_step=per_replica * replicas,
         group_size=scale.group_size,
@@ -163,7 +164,7 @@ def build_workload(spec: Any, base: bool) -> list[Item]:
         return sample.token_ids
 
     items: list[Item] = []
-    for r in bench_trace.generate(spec, complete):
+    for r in grpo_trace.generate(spec, complete):
         body = {
             "model": MODEL if base else r.model,
             "prompt": r.tokens,

@@ -29,7 +29,7 @@ and wire keys have separate seed domains and cannot alias; `full` does not depen
 size; a version bump changes the cache key, never the placement key.
 
 Cost: one C-level xxh3 of the prompt (`full`), plus one per full block only when the affinity
-table must be scanned (250 calls for 4,000 tokens; tests/routing/test_keys_lineage.py counts
+table must be scanned (250 calls for 4,000 tokens; tests/routing/test_keys.py counts
 them); no per-token Python work beyond packing; a model's seeds are one dict lookup
 (`Lineages.seeds`, cached per name).
 

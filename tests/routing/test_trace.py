@@ -1,20 +1,12 @@
-"""bench/grpo_trace.py: the GRPO workload the routing benchmark replays."""
+"""lora_router/testbed/grpo_trace.py: the GRPO workload the routing benchmarks replay."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "grpo_trace.py"
-_spec = importlib.util.spec_from_file_location("bench_trace", _PATH)
-assert _spec is not None and _spec.loader is not None
-trace = importlib.util.module_from_spec(_spec)
-sys.modules["bench_trace"] = trace  # dataclasses look their module up by name
-_spec.loader.exec_module(trace)
+from lora_router.testbed import grpo_trace as trace
 
 SPEC = trace.TraceSpec(
     steps=4, prompts_per_step=3, group_size=4, template_tokens=37, turns=3, version_every=2

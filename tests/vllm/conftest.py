@@ -21,8 +21,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from tiny_model import adapter_dir, model_dir
-from vllm_harness import Replica, Router, start_replicas, start_router
+
+from lora_router.testbed.tiny_model import adapter_dir, model_dir
+from lora_router.testbed.vllm_harness import Replica, Router, start_replicas, start_router
 
 HERE = Path(__file__).parent
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")

@@ -60,5 +60,5 @@ EOF
     echo "$want" > "$STAMP"
 fi
 
-"$PY" tests/vllm/tiny_model.py >/dev/null
-echo "vllm tier: model at $("$PY" tests/vllm/tiny_model.py)"
+"$PY" -m lora_router.testbed.tiny_model >/dev/null
+echo "vllm tier: model at $("$PY" -m lora_router.testbed.tiny_model)"

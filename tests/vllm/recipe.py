@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import replica_log
-from vllm_harness import TOKEN, TOKEN_ENV, Replica, http
+
+from lora_router.testbed.vllm_harness import TOKEN, TOKEN_ENV, Replica, http
 
 HERE = Path(__file__).parent
 BLOCK = 128  # the KV block size of vLLM's CPU build

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import aiohttp
 from recipe import PROBE, probe, probe_fresh
-from tiny_model import adapter_dir
-from trl_client import LORA_NAME
-from vllm_harness import Answer, Replica, Router, wait_for
+
+from lora_router.testbed.tiny_model import adapter_dir
+from lora_router.testbed.trl_client import LORA_NAME
+from lora_router.testbed.vllm_harness import Answer, Replica, Router, wait_for
 
 V1 = f"{LORA_NAME}-v1"
 

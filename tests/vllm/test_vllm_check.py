@@ -6,7 +6,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from vllm_harness import Replica, run_check
+
+from lora_router.testbed.vllm_harness import Replica, run_check
 
 
 @pytest.fixture(scope="module")

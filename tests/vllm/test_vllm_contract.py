@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tiny_model import adapter_dir
-from vllm_harness import BIN, TOKEN, Answer, Replica, free_port, http, wait_for
+
+from lora_router.testbed.tiny_model import adapter_dir
+from lora_router.testbed.vllm_harness import BIN, TOKEN, Answer, Replica, free_port, http, wait_for
 
 FRAME = re.compile(rb"data: (\{[^\n]*\}|\[DONE\])\n\n")
 

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import recipe
 from rollouts import Rollouts
-from trl_client import LORA_NAME
-from vllm_harness import REPLICA_START_S, Replica, Router, wait_for
+
+from lora_router.testbed.trl_client import LORA_NAME
+from lora_router.testbed.vllm_harness import REPLICA_START_S, Replica, Router, wait_for
 
 V1 = f"{LORA_NAME}-v1"
 

@@ -9,8 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import replica_log
-from trl_client import LORA_NAME, Rollouts
-from vllm_harness import Replica, Router, wait_for
+
+from lora_router.testbed.trl_client import LORA_NAME, Rollouts
+from lora_router.testbed.vllm_harness import Replica, Router, wait_for
 
 V1, V2 = f"{LORA_NAME}-v1", f"{LORA_NAME}-v2"
 

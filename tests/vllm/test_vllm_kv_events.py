@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from trl_client import LORA_NAME, vllm_client
-from vllm_harness import (
+
+from lora_router.testbed.trl_client import LORA_NAME, vllm_client
+from lora_router.testbed.vllm_harness import (
     REPLICA_START_S,
     TOKEN,
     Replica,

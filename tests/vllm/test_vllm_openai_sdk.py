@@ -6,7 +6,8 @@ import random
 from typing import Any
 
 import openai
-from vllm_harness import Router, wait_for
+
+from lora_router.testbed.vllm_harness import Router, wait_for
 
 
 def sdk(router: Router) -> openai.OpenAI:

@@ -7,8 +7,8 @@ import asyncio
 import random
 from collections.abc import Callable
 
-from trl_client import LORA_NAME, Rollouts, vllm_client
-from vllm_harness import Replica, Router
+from lora_router.testbed.trl_client import LORA_NAME, Rollouts, vllm_client
+from lora_router.testbed.vllm_harness import Replica, Router
 
 BLOCK = 128  # the KV block size of vLLM's CPU build (/server_info cache_config.block_size)
 PROMPT_TOKENS = 300

@@ -18,8 +18,17 @@ from pathlib import Path
 
 import recipe
 from recipe import PROBE, PROMPT_TOKENS, Trainer, probe, probe_fresh, start_trainer
-from trl_client import LORA_NAME
-from vllm_harness import TOKEN, Replica, Router, free_port, start_router_as_user, tail, wait_for
+
+from lora_router.testbed.trl_client import LORA_NAME
+from lora_router.testbed.vllm_harness import (
+    TOKEN,
+    Replica,
+    Router,
+    free_port,
+    start_router_as_user,
+    tail,
+    wait_for,
+)
 
 GROUP = 4  # num_generations
 BATCH = 8  # samples a step: two groups

@@ -9,8 +9,9 @@ from collections.abc import Callable
 
 import replica_log
 from rollouts import Rollouts
-from trl_client import LORA_NAME
-from vllm_harness import REPLICA_START_S, Replica, Router, wait_for
+
+from lora_router.testbed.trl_client import LORA_NAME
+from lora_router.testbed.vllm_harness import REPLICA_START_S, Replica, Router, wait_for
 
 V1 = f"{LORA_NAME}-v1"
 

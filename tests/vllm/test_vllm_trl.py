@@ -6,8 +6,8 @@ import asyncio
 from collections.abc import Callable
 from types import SimpleNamespace
 
-from trl_client import LORA_NAME, Rollouts, vllm_client
-from vllm_harness import Replica, Router
+from lora_router.testbed.trl_client import LORA_NAME, Rollouts, vllm_client
+from lora_router.testbed.vllm_harness import Replica, Router
 
 PROMPT = list(range(10, 60))
 

@@ -1,6 +1,6 @@
 """lora_router.cli with counters: on SIGUSR1 it appends one JSON line to $PROBE_OUT (getrusage's
 user and system time, minor faults, context switches; resident pages; the cycle collector's
-collections and time per generation, from `gc.callbacks`). Used by probe.py."""
+collections and time per generation, from `gc.callbacks`). Used by bench/probes/fresh.py."""
 
 import gc
 import json

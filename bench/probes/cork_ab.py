@@ -1,7 +1,7 @@
 """CPU per request of lora-router source trees side by side, by time, under wrk: a quick A/B.
 
-    python bench/results/cork/probe_ab.py TRACE ROUNDS NAME=TREE [NAME=TREE ...]
-    CONNS=1 python bench/results/cork/probe_ab.py siblings 8 new=. base=/tmp/base-d21257b
+    python bench/probes/cork_ab.py TRACE ROUNDS NAME=TREE [NAME=TREE ...]
+    CONNS=1 python bench/probes/cork_ab.py siblings 8 new=. base=/tmp/base-d21257b
 
 bench/overhead.py's replicas (one nginx on 2 ports, core 1), requests (TRL's 512-token payload,
 a seed each; TRACE fresh, siblings or sse) and wrk (one thread, core 1), and each tree's router
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2]
+BENCH = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCH))
 
 from lib.nginx import wrk  # noqa: E402

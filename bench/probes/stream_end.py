@@ -1,6 +1,6 @@
 """Where a real vLLM replica's streamed completion ends, read by read.
 
-    tests/vllm/install.sh && .venv-vllm/bin/python bench/results/stream-end/probe.py
+    tests/vllm/install.sh && .venv-vllm/bin/python bench/probes/stream_end.py
 
 One vLLM CPU replica (tests/vllm's tiny model and flags), 40 streamed completions of fresh
 100-token token-id prompts with `stream_options.include_usage`, each read over a raw asyncio
@@ -13,13 +13,10 @@ answer's last reads; this is how far back it has to look.
 import asyncio
 import json
 import random
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests" / "vllm"))
-
-from tiny_model import model_dir
-from vllm_harness import TOKEN, Replica, start_replicas
+from lora_router.testbed.tiny_model import model_dir
+from lora_router.testbed.vllm_harness import TOKEN, Replica, start_replicas
 
 STREAMS = 40
 

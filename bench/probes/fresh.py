@@ -1,9 +1,9 @@
 """CPU per request of lora-router trees on one trace, exactly N requests each, rounds alternating.
 
-    python bench/results/fresh-2/probe.py --tree new=. --tree base=/tmp/base-d21257b \
+    python bench/probes/fresh.py --tree new=. --tree base=/tmp/base-d21257b \
         --requests 20000 --chunks 2 --rounds 6 [--router-args "--policy round-robin"]
 
-Two nginx replicas (bench/overhead.py's), the router pinned to core 0 (probe_launch.py, run
+Two nginx replicas (bench/overhead.py's), the router pinned to core 0 (bench/probes/launch.py, run
 from each tree with PYTHONPATH on it), a client on core 1 sending bench/instructions.py's
 requests (TRL's 512-token payload, a seed each) over 64 keep-alive connections: a warm-up,
 then `--chunks` chunks of `--requests / --chunks`. Per chunk, from the router's own getrusage:
@@ -23,14 +23,14 @@ import sys
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2]
+BENCH = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCH))
 
 from instructions import requests_of, send  # noqa: E402
 from lib.overhead_setup import REPLIES, decisions, start_fleet, urls  # noqa: E402
 from lib.procs import Procs, free_port, wait_port  # noqa: E402
 
-LAUNCH = Path(__file__).resolve().parent / "probe_launch.py"
+LAUNCH = Path(__file__).resolve().parent / "launch.py"
 
 
 def snapshot(pid: int, out: Path) -> dict:

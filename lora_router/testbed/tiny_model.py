@@ -9,7 +9,7 @@ reuses a stale one. A build goes to a temporary directory renamed into place at 
 interrupted build leaves nothing that looks finished.
 
 Run it directly to build (or find) the model and print its directory:
-`python tests/vllm/tiny_model.py`.
+`python -m lora_router.testbed.tiny_model`.
 """
 
 from __future__ import annotations

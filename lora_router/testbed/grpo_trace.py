@@ -1,4 +1,4 @@
-"""GRPO-shaped request traces, generated from a few parameters (used by bench/routing.py).
+"""GRPO-shaped request traces, generated from a few parameters (the routing benches' workload).
 
 What TRL 1.16's async GRPO rollout worker sends its vLLM server (trl/experimental/async_grpo/
 async_rollout_worker.py), as token-id prompts:
@@ -14,21 +14,16 @@ async_rollout_worker.py), as token-id prompts:
   How the next prompt is built (`render`):
   - `"append"`: previous prompt + completion ids + tool tokens (a prefix-preserving template
     whose completion re-tokenizes to the very ids sampled);
-  - `"chat"`: the whole conversation re-rendered through a chat template on every turn, as
-    `_generate_one` and the OpenEnv harness's `_sample_turn` do (`apply_chat_template` of the
-    message list, `add_generation_prompt=True`). The template (`render_chat`) is Qwen3's shape
-    on ids: `<|im_start|>role\\n content <|im_end|>\\n` per message, and a generation prompt
-    with an empty think stub that the rendered history drops, so a turn's prompt is *not* a
-    prefix of the next one (it ends 4 tokens differently); and the completion comes back
-    through `parse_response` and re-tokenization (`retokenize`), whose ids differ from the
-    sampled ones;
-- the adapter is retrained live. TRL names the *current* version on every request
-  (`_request_model` reads the shared version at each turn). Without `pipelined`, a step's
-  rollouts run to their end before the next step starts and steps use `trl-policy-v1`, `-v2`,
-  ..., a new version every `version_every` steps. With `pipelined` (TRL's async worker: new
-  rollouts start while older ones are in later turns), round r sends turn t of step r - t's
-  rollouts, and round r names version `1 + r // version_every`: a conversation's turns name the
-  version current when each is sent, so a weight sync lands in the middle of rollouts;
+  - `"chat"`: the conversation re-rendered through a chat template every turn, as `_generate_one`
+    and OpenEnv's `_sample_turn` do. `render_chat` is Qwen3's shape on ids (`<|im_start|>role\\n
+    content <|im_end|>\\n`, a generation prompt with an empty think stub the history drops), so a
+    turn's prompt is *not* a prefix of the next (it ends 4 tokens differently); the completion
+    comes back re-tokenized (`retokenize`), with ids that differ from the sampled ones;
+- the adapter is retrained live; TRL names the *current* version on every request. Without
+  `pipelined`, a step's rollouts end before the next starts, and a new version `trl-policy-vN`
+  comes every `version_every` steps. With `pipelined` (TRL's async worker), round r sends turn t
+  of step r - t's rollouts naming version `1 + r // version_every`: a conversation's turns name
+  the version current when each is sent, so a weight sync lands in the middle of rollouts;
 - completion lengths are uniform in `completion_tokens`, or with `long_tail` log-normal (median
   `long_tail_median`, sigma 1) clipped to `completion_tokens`: most short, a few up to the recipe's
   3,000 tokens.
@@ -37,13 +32,11 @@ Requests come out in the order the trainer submits them: turn t+1 of a sample ne
 completion (`parent` names that request) and comes after it; within a turn, group by group,
 sample by sample; in a pipelined round the oldest rollouts' turns first. A completion is given
 by `complete(model, prompt, seed, max_tokens)` (bench/routing.py passes the replicas' own
-deterministic generator, so that each later prompt holds what the replica really returned);
-without it the trace draws its own.
+generator, so each later prompt holds what the replica returned); without it, the trace's own.
 
 Everything is a pure function of the spec: the same spec gives the same requests in every
-process (seeded `random.Random`, never `hash()`).
-
-Run `python bench/grpo_trace.py --help` for a summary of a trace from the command line.
+process (seeded `random.Random`, never `hash()`). A trace's summary:
+`python -m lora_router.testbed.grpo_trace --help`.
 """
 
 from __future__ import annotations
