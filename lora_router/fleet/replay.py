@@ -76,6 +76,10 @@ class Replay:
         self.fence = fence
         self.broadcaster = broadcaster
 
+    def _known_adapter(self, name: str) -> bool:
+        """Whether the fence knows `name` as an adapter: never a base model (fleet.py)."""
+        return self.fence.state(name) is not None
+
     # -- start ------------------------------------------------------------------------------
 
     async def discover(self) -> int | None:
@@ -102,7 +106,7 @@ class Replay:
         if isinstance(held, Failure):
             return None, f"at start: {held}"
         replica.adapters = dict(held.adapters)
-        self.fleet.base_models.update(held.bases)
+        self.fleet.listed(replica, held.bases, self._known_adapter)
         info = await self.client.server_info(replica, held)
         if isinstance(info, Failure):
             # It serves, but its LoRA limits are unknown; without dev mode (the usual cause),
@@ -166,12 +170,10 @@ class Replay:
         if isinstance(held, Failure):
             raise ReplayError(str(held))
         fleet, fence, broadcaster = self.fleet, self.fence, self.broadcaster
-        if held.base_model is not None:
-            if fleet.base_models and held.base_model not in fleet.base_models:
-                log.warning(
-                    "%s serves base model %r, unlike the fleet", replica.describe(), held.base_model
-                )
-            fleet.base_models.update(held.bases)
+        base = held.base_model
+        if base is not None and fleet.base_models and base not in fleet.base_models:
+            log.warning("%s serves base model %r, unlike the fleet", replica.describe(), base)
+        fleet.listed(replica, held.bases, self._known_adapter)
         replica.adapters = dict(held.adapters)
         replica.loaded = {n: d for n, d in replica.loaded.items() if n in held.adapters}
         live = fence.live()
