@@ -104,8 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=(),
         help="where replicas may be added at run time (the token goes to them): "
         "comma-separated host globs with an optional :PORT (*.hf.jobs, 10.0.0.5:8000) or "
-        "networks (10.0.0.0/8); names are not resolved (default: only the host:port of each "
-        "--replicas URL)",
+        "networks (10.0.0.0/8), each optionally after the one scheme it admits "
+        "(https://*.hf.jobs); names are not resolved, and a network or a glob written like an "
+        "IP address (10.0.0.*) admits IP literals only; an https replica is never added as "
+        "http (default: only the scheme, host and port of each --replicas URL)",
     )
 
     g = p.add_argument_group(

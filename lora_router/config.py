@@ -18,6 +18,7 @@ given in its place.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import functools
 import ipaddress
@@ -99,11 +100,19 @@ class ReplicaAddress:
         if parts.query or parts.fragment:
             raise ValueError(f"replica URL {text!r} must not have a query or fragment")
         try:
-            port = parts.port or (443 if parts.scheme == "https" else 80)
+            port = parts.port
         except ValueError as exc:
             raise ValueError(f"replica URL {text!r} has an invalid port") from exc
+        if port == 0:
+            raise ValueError(f"replica URL {text!r} has port 0, which no server listens on")
+        port = port or (443 if parts.scheme == "https" else 80)
         prefix = parts.path.rstrip("/")
         host = parts.hostname
+        if not _ip_literal(host) and not _HOST_NAME.fullmatch(host):
+            raise ValueError(
+                f"replica URL {text[:200]!r} has a host that is neither an IP address nor a DNS "
+                "name (letters, digits, '-', '_' and dots)"
+            )
         shown_host = f"[{host}]" if ":" in host else host
         name = f"{parts.scheme}://{shown_host}:{port}{prefix}"
         return cls(name=name, scheme=parts.scheme, host=host, port=port, path_prefix=prefix)
@@ -131,23 +140,45 @@ def secret_from_env(flag: str, name: str, environ: Mapping[str, str]) -> Secret:
 @dataclass(frozen=True, slots=True)
 class HostPattern:
     """One `--replica-hosts` entry: a host glob (`*.hf.jobs`), a host (`10.0.0.5`), or an IP
-    network (`10.0.0.0/8`), the first two optionally with `:PORT`. Names are matched as
-    written, never resolved: a network admits IP literals only."""
+    network (`10.0.0.0/8`), the first two optionally with `:PORT`, any of them optionally
+    prefixed by the one scheme it admits (`https://*.hf.jobs`, `http://10.0.0.0/8`; without
+    a prefix, either).
+
+    Names are matched as written, never resolved. A network, and a glob written like an IP
+    address (digits, dots and wildcards: `10.0.0.*`; or with a colon: `fd00::*`), admit IP
+    literals only: `10.0.0.*` never admits the DNS name `10.0.0.attacker.example`, which
+    would be resolved at connect time wherever its owner points it. Whatever the pattern, an
+    http address is never admitted where the fleet knows an https one (`Fleet.downgrade`)."""
 
     text: str
     network: ipaddress.IPv4Network | ipaddress.IPv6Network | None = None
     port: int | None = None
+    scheme: str | None = None  # http or https; None: either
+    ip_only: bool = False
 
     @classmethod
     def parse(cls, entry: str) -> HostPattern:
         text = entry.strip().lower()
         bad = ValueError(
             f"--replica-hosts {entry.strip()!r}: expected a host glob (*.hf.jobs), a host with "
-            "an optional :PORT (10.0.0.5:8000, [fd00::5]:8000) or a network (10.0.0.0/8)"
+            "an optional :PORT (10.0.0.5:8000, [fd00::5]:8000) or a network (10.0.0.0/8), "
+            "optionally after http:// or https://"
         )
+        scheme, sep, rest = text.partition("://")
+        if sep:
+            if scheme not in ("http", "https"):
+                raise bad
+            text = rest
+        else:
+            scheme = ""
+        pattern = cls._parse(text, bad)
+        return dataclasses.replace(pattern, scheme=scheme or None)
+
+    @classmethod
+    def _parse(cls, text: str, bad: ValueError) -> HostPattern:
         if "/" in text:
             try:
-                return cls(text, network=ipaddress.ip_network(text, strict=False))
+                return cls(text, network=ipaddress.ip_network(text, strict=False), ip_only=True)
             except ValueError:
                 raise bad from None
         host, port = text, None
@@ -164,12 +195,17 @@ class HostPattern:
         if not host or (port is not None and not 0 < port < 65536):
             raise bad
         try:  # an IP literal is compared as an address (::1 and 0::1 are one host)
-            return cls(host, network=ipaddress.ip_network(host), port=port)
+            return cls(host, network=ipaddress.ip_network(host), port=port, ip_only=True)
         except ValueError:
-            return cls(host, port=port)
+            ip_like = ":" in host or bool(_IP_GLOB.fullmatch(host) and _DIGIT.search(host))
+            return cls(host, port=port, ip_only=ip_like)
 
     def matches(self, address: ReplicaAddress) -> bool:
         if self.port is not None and self.port != address.port:
+            return False
+        if self.scheme is not None and self.scheme != address.scheme:
+            return False
+        if self.ip_only and not _ip_literal(address.host):
             return False
         if self.network is None:
             return fnmatch.fnmatchcase(address.host.lower(), self.text)
@@ -361,10 +397,12 @@ class Config:
 
     def replica_allowed(self, address: ReplicaAddress) -> bool:
         """Whether the token may go to `address`: every replica joins through this check. With
-        `--replica-hosts`, its patterns decide; without, only the `--replicas` themselves (host
-        and port: any local process can listen on another port of a loopback replica's host)."""
+        `--replica-hosts`, its patterns decide; without, only the `--replicas` themselves
+        (scheme, host and port: any local process can listen on another port of a loopback
+        replica's host, and an https replica is never reached as http)."""
         if not self.replica_hosts:
-            return any((r.host, r.port) == (address.host, address.port) for r in self.replicas)
+            endpoint = (address.scheme, address.host, address.port)
+            return any((r.scheme, r.host, r.port) == endpoint for r in self.replicas)
         return any(p.matches(address) for p in _host_patterns(self.replica_hosts))
 
     def cleartext_token(self, address: ReplicaAddress) -> bool:
@@ -432,6 +470,19 @@ def _flag(name: str) -> str:
 def _host_port(spec: str) -> bool:
     host, _, port = spec.rpartition(":")
     return bool(host.strip("[]")) and port.isdigit() and 0 < int(port) < 65536
+
+
+_HOST_NAME = re.compile(r"[a-z0-9_](?:[a-z0-9_.-]{0,251}[a-z0-9_.])?", re.IGNORECASE)
+_IP_GLOB = re.compile(r"[0-9.*?\[\]!-]+")  # `10.0.0.*`: written like an IPv4 address
+_DIGIT = re.compile(r"[0-9]")
+
+
+def _ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _is_loopback(host: str) -> bool:

@@ -277,6 +277,8 @@ class Discovery:
             address = ReplicaAddress.parse(entry)
         except ValueError as exc:
             return f"{entry[:200]!r}: {exc}"
+        if self.fleet.downgrade(address):
+            return f"{address.name}: an https replica of the fleet, never reached as http"
         if not self.config.replica_allowed(address):
             return f"{address.name}: outside --replica-hosts (the token goes to it)"
         return _Member(address, origin)

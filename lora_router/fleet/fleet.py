@@ -88,6 +88,7 @@ class Fleet:
         self.base_models: set[str] = set()
         self._listed: dict[int, frozenset[str]] = {}  # rid -> its last listing's base names
         self._lineages = Lineages(config.lineage_pattern)
+        self._tls: set[tuple[str, int]] = set()  # host, port of every https member ever added
         # Set by the broadcaster when a /pause or /resume is asked (before its outcome).
         self.pause = PauseIntent()
         # Called with every member at the next `routable` after adds or removes (module
@@ -107,8 +108,10 @@ class Fleet:
         request) or, from any other `origin` (`admin`, a discovery source), out of service
         until its replay."""
         config = self._config
-        if address.tls and self._ssl is None:
-            self._ssl = config.tls_context()  # a first https replica added at run time
+        if address.tls:
+            self._tls.add((address.host, address.port))
+            if self._ssl is None:
+                self._ssl = config.tls_context()  # a first https replica added at run time
         rid = self._next_rid
         self._next_rid += 1
         pool = UpstreamPool(
@@ -175,6 +178,12 @@ class Fleet:
             self.base_models.clear()
             self.base_models.update(agreed)
             self._changed()
+
+    def downgrade(self, address: ReplicaAddress) -> bool:
+        """Whether `address` is plain http to a host and port the fleet has known as https (a
+        `--replicas` entry, or any member since start): refused wherever a replica joins, so
+        the token never goes in clear text to an endpoint that was reached over TLS."""
+        return not address.tls and (address.host, address.port) in self._tls
 
     def find(self, rid: int) -> Replica | None:
         return next((r for r in self.replicas if r.rid == rid), None)

@@ -241,6 +241,12 @@ class RouterApp(RoutedPath):
             address = ReplicaAddress.parse(url)
         except ValueError as exc:
             raise bad_request(str(exc), param="url") from None
+        if self.fleet.downgrade(address):
+            raise bad_request(
+                f"{address.name}: this host and port is an https replica of the fleet; it is "
+                "never reached over plain http (the token would cross in clear text).",
+                param="url",
+            )
         if not self.config.replica_allowed(address):
             raise HTTPError(
                 403,
