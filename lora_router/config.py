@@ -25,6 +25,7 @@ import ipaddress
 import math
 import os
 import re
+import resource
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -278,11 +279,14 @@ class Config:
     max_body_bytes: int = 64 * 1024 * 1024
     max_header_bytes: int = 64 * 1024
     max_headers: int = 100
-    max_connections: int = 10_000
+    max_connections: int = field(default_factory=lambda: default_max_connections())
     # Request body bytes buffered at once over every client connection (503 beyond).
     max_buffered_bytes: int = 1 << 30
     max_prompt_tokens: int = 1_000_000
     max_upstream_connections: int = 1024  # per replica
+    control_connections: int = 32  # per replica: the control session's (fleet/client.py)
+    # Members at once, from --replicas, discovery and POST /router/replicas (Fleet.full).
+    max_replicas: int = 1024
     retries: int = 2  # other replicas tried when nothing was received yet
     # Counted 5xx retries (made while most of the fleet fails, or onto a failing replica)
     # allowed below this share of the routed requests of the last 10 s (10 per 10 s always
@@ -316,6 +320,11 @@ class Config:
         """Refuse a setting the router cannot run with (ValueError naming the flag)."""
         if len({r.name for r in self.replicas}) != len(self.replicas):
             raise ValueError("--replicas lists the same replica twice")
+        if len(self.replicas) > self.max_replicas:
+            raise ValueError(
+                f"--replicas names {len(self.replicas)} replicas, over --max-replicas "
+                f"{self.max_replicas}"
+            )
         if self.discovering and not self.replica_hosts:
             raise ValueError(
                 "discovery (--replicas-file/-dns/-srv) needs --replica-hosts: every member it "
@@ -451,6 +460,8 @@ _POSITIVE = (
     "max_buffered_bytes",
     "max_prompt_tokens",
     "max_upstream_connections",
+    "control_connections",
+    "max_replicas",
     "health_failures",
     "health_successes",
     "breaker_failures",
@@ -461,6 +472,20 @@ _CHOICES = {
     "down_replica_policy": ("replay", "fail"),
     "log_level": ("debug", "info", "warning", "error"),
 }
+
+
+FD_RESERVE = 256  # descriptors kept for the rest: control connections, KV sockets, files
+MAX_CONNECTIONS_CAP = 10_000
+
+
+def default_max_connections() -> int:
+    """`--max-connections` when not given: `MAX_CONNECTIONS_CAP`, or less where the soft
+    RLIMIT_NOFILE would run out first: half of what is left after `FD_RESERVE` (each client
+    connection may hold an upstream connection too), at least 1."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS_CAP
+    return max(1, min(MAX_CONNECTIONS_CAP, (soft - FD_RESERVE) // 2))
 
 
 def _flag(name: str) -> str:

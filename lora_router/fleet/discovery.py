@@ -7,6 +7,7 @@ the health monitor, as an operator's `POST`/`DELETE /router/replicas` does:
 - **join**: a wanted URL the fleet lacks is added as a joining replica (`HealthMonitor.add`): its
   live adapters and the pause state are replayed before it takes a request, the final pass under
   the broadcast lock, so a member that joins during a load never serves a version it lacks;
+  a join beyond `--max-replicas` members waits for room (counted in `waiting`, logged once);
 - **leave**: a discovered member missing from every source's answer for `--discovery-grace`
   seconds drains (no new work, its requests finish) and is removed. One that comes back within
   the grace is untouched: a flapping answer causes no churn. Members from `--replicas` or added
@@ -250,6 +251,7 @@ class Discovery:
     sources: list[FileSource | DnsSource]
     clock: Callable[[], float] = time.monotonic
     states: list[SourceState] = field(init=False)
+    waiting: int = field(init=False, default=0)  # wanted members left out by --max-replicas
     _wanted: dict[int, dict[str, _Member]] = field(init=False, default_factory=dict)
     _missing: dict[str, float] = field(init=False, default_factory=dict)
     # source -> entry -> its member, or why it was skipped, as its last good read judged it
@@ -367,10 +369,26 @@ class Discovery:
             for name, member in members.items():
                 wanted.setdefault(name, member)
         present = {r.name for r in self.fleet.replicas}
+        joining = sum(1 for name in self._busy if name not in present)
+        room = self.config.max_replicas - len(present) - joining
+        waiting = 0
         for name, member in wanted.items():
             self._missing.pop(name, None)
             if name not in present and name not in self._busy:
+                if room <= 0:
+                    waiting += 1
+                    continue
+                room -= 1
                 self._change(name, self._join(member))
+        if waiting != self.waiting:
+            if waiting:
+                log.warning(
+                    "discovery: %d members wait for room: the fleet has its --max-replicas "
+                    "(%d) members",
+                    waiting,
+                    self.config.max_replicas,
+                )
+            self.waiting = waiting
         self._missing = {n: t for n, t in self._missing.items() if n in present}
         for replica in list(self.fleet.replicas):
             if replica.origin in STATIC_ORIGINS or replica.name in wanted:

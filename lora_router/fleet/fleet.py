@@ -179,6 +179,12 @@ class Fleet:
             self.base_models.update(agreed)
             self._changed()
 
+    @property
+    def full(self) -> bool:
+        """Whether the fleet has `--max-replicas` members: no other joins until one leaves
+        (the API refuses, discovery waits for room)."""
+        return len(self.replicas) >= self._config.max_replicas
+
     def downgrade(self, address: ReplicaAddress) -> bool:
         """Whether `address` is plain http to a host and port the fleet has known as https (a
         `--replicas` entry, or any member since start): refused wherever a replica joins, so

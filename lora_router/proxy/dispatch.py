@@ -272,6 +272,12 @@ class RouterApp(RoutedPath):
         existing = self.fleet.by_name(address.name)
         if existing is not None:
             raise HTTPError(409, f"{existing.describe()} is already in the fleet.")
+        if self.fleet.full:
+            raise HTTPError(
+                409,
+                f"The fleet has {len(self.fleet.replicas)} members, its cap (--max-replicas): "
+                "remove one first.",
+            )
         if self.config.cleartext_token(address):
             log.warning("%s", cleartext_warning(address.name))
         replica = await self.health.add(address, "admin")

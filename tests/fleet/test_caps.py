@@ -1,5 +1,5 @@
 """Amplification and sizes (issue 44): an unauthenticated `/health` storm makes one probe of
-each replica at a time, the fleet has a size cap, and dead members are checked less often.
+each replica at a time, and the fleet has a size cap, for the API and for discovery.
 
 The replica here is a small aiohttp server on loopback that answers like vLLM and holds each
 `/health` until a second one arrives alongside it (or 0.5 s pass), so concurrent probes are
@@ -9,14 +9,21 @@ seen for sure when they happen.
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import resource
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
+import orjson
 import pytest
 from aiohttp import web
-from emulated_fleet import StartRouter
-from helpers import call
+from emulated_fleet import StartEmulators, StartRouter
+from helpers import call, router_config, until
 
 BASE = "Qwen/Qwen2.5-Math-1.5B"
 
@@ -81,3 +88,49 @@ async def test_a_health_storm_makes_one_probe_of_each_replica_at_a_time(
     assert [c for c, _, _ in codes] == [200] * 200
     assert probed.peak == 1  # never two probes of the replica at once
     assert probed.health <= 5  # shared: 200 callers, a wave of probes per 100 connections
+
+
+async def test_the_fleet_size_is_capped_for_the_api_and_for_discovery(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="lora_router")
+    first, second, third, fourth = await emulators(4)
+    rt = await router([first], max_replicas=2, replica_hosts=("127.0.0.0/8",))
+    assert (await call(client, "POST", rt.url + "/router/replicas", {"url": second.url}))[0] == 200
+    code, body, _ = await call(client, "POST", rt.url + "/router/replicas", {"url": third.url})
+    assert code == 409 and "--max-replicas" in orjson.loads(body)["error"]["message"]
+    assert third.requests == []  # never contacted
+    with pytest.raises(ValueError, match="over --max-replicas"):
+        router_config([first.url, second.url], max_replicas=1)
+
+    members = tmp_path / "replicas"
+    members.write_text(f"{third.url}\n{fourth.url}\n")
+    found = await router(
+        [first], max_replicas=2, replica_hosts=("127.0.0.0/8",), replicas_files=(str(members),)
+    )
+    assert found.discovery is not None and found.fleet is not None
+    await until(lambda: found.discovery.waiting == 1, timeout=10)
+    assert len(found.fleet.replicas) == 2
+    assert len([r for r in caplog.records if "wait for room" in r.getMessage()]) == 1
+
+
+def test_max_connections_defaults_under_the_open_file_limit() -> None:
+    def limited() -> None:
+        resource.setrlimit(
+            resource.RLIMIT_NOFILE, (1024, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+        )
+
+    shown = subprocess.run(
+        [sys.executable, "-m", "lora_router.cli", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=limited,
+        env={**os.environ, "COLUMNS": "1000"},
+        check=True,
+    ).stdout
+    assert "half of the open-file limit less 256" in shown and "here 384)" in shown
