@@ -1,5 +1,6 @@
 """Amplification and sizes (issue 44): an unauthenticated `/health` storm makes one probe of
-each replica at a time, and the fleet has a size cap, for the API and for discovery.
+each replica at a time, the control session opens at most `--control-connections` to one
+replica, and the fleet has a size cap, for the API and for discovery.
 
 The replica here is a small aiohttp server on loopback that answers like vLLM and holds each
 `/health` until a second one arrives alongside it (or 0.5 s pass), so concurrent probes are
@@ -9,6 +10,7 @@ seen for sure when they happen.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import resource
@@ -24,6 +26,9 @@ import pytest
 from aiohttp import web
 from emulated_fleet import StartEmulators, StartRouter
 from helpers import call, router_config, until
+
+from lora_router.fleet.client import ReplicaClient
+from lora_router.fleet.fleet import Fleet
 
 BASE = "Qwen/Qwen2.5-Math-1.5B"
 
@@ -134,3 +139,40 @@ def test_max_connections_defaults_under_the_open_file_limit() -> None:
         check=True,
     ).stdout
     assert "half of the open-file limit less 256" in shown and "here 384)" in shown
+
+
+async def test_the_control_session_opens_at_most_its_cap_of_connections_to_a_replica() -> None:
+    """Ten control calls at once to a replica that holds each until three are open (or
+    0.3 s pass): with a cap of 2, never three."""
+    state = {"active": 0, "peak": 0}
+    crowd = asyncio.Event()
+
+    async def held(request: web.Request) -> web.Response:
+        state["active"] += 1
+        state["peak"] = max(state["peak"], state["active"])
+        if state["active"] >= 3:
+            crowd.set()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await crowd.wait()
+        state["active"] -= 1
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/health", held)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    config = router_config([f"http://127.0.0.1:{runner.addresses[0][1]}"], control_connections=2)
+    fleet = Fleet(config)
+    try:
+        async with ReplicaClient(config) as control, asyncio.timeout(10):
+            replica = fleet.replicas[0]
+            answers = await asyncio.gather(
+                *(control.call(replica, "GET", "/health", timeout=5) for _ in range(10))
+            )
+        assert [a.status for a in answers] == [200] * 10
+        assert state["peak"] == 2
+    finally:
+        fleet.close()
+        await runner.cleanup()
