@@ -11,7 +11,9 @@ Each replica's watcher task asks its `/health` every `health_interval` (bounded 
   passes is also asked its `/v1/models`: lacking an adapter that was live before the question,
   it restarted (vLLM keeps adapters in process memory) and is ejected at once, then replayed;
 - an ejected replica that passes `health_successes` checks in a row is **re-admitted** through
-  a replay (replay.py); only then does it become routable.
+  a replay (replay.py); only then does it become routable. While it is out and failing, its
+  checks space out, doubling after each failure up to `DOWN_SPACING_MAX` intervals: dead
+  members cost little while idle, and one that comes back is seen within that many.
 
 **Passive health** (`report_status`): a serving replica's check uses what its routed answers
 proved since the previous check began:
@@ -55,12 +57,15 @@ from lora_router.fleet.replica import Replica
 
 log = logging.getLogger(__name__)
 
+DOWN_SPACING_MAX = 8  # health intervals between checks of an out-of-service, failing replica
+
 
 class _Watch:
     """The watcher state of one replica."""
 
     __slots__ = (
         "answered",
+        "down",
         "failures",
         "lock",
         "proof",
@@ -76,6 +81,7 @@ class _Watch:
         self.lock = asyncio.Lock()  # one re-admission at a time
         self.failures = 0
         self.successes = 0
+        self.down = 0  # failed checks in a row while out of service: its checks space out
         self.suspect = False
         self.task: asyncio.Task[None] | None = None
         # Passive health (module docstring), since the current check began: a routed 2xx came,
@@ -237,7 +243,8 @@ class HealthMonitor:
             # not `wait_for`: that wraps the wait in a Task of its own per interval, the most
             # of what an idle watcher costs once routed answers skip its probe (with 128
             # replicas, 64 wake-ups a second).
-            timer = loop.call_at(last + interval, watch.wake.set)
+            spacing = interval * min(1 << min(watch.down, 16), DOWN_SPACING_MAX)
+            timer = loop.call_at(last + spacing, watch.wake.set)
             try:
                 await watch.wake.wait()
             finally:
@@ -288,9 +295,11 @@ class HealthMonitor:
         watch.failures = 0
         if not ok:
             watch.successes = 0
+            watch.down += 1
             if replica.state is not State.REPLAYING:  # out already: this records why
                 replica.life.eject(str(answer.failure("/health")))
             return
+        watch.down = 0
         watch.successes += 1
         if watch.successes >= config.health_successes:
             await self.admit(replica)
@@ -359,6 +368,7 @@ class HealthMonitor:
             watch.verified = {}  # nothing it answers proves its adapters before a listing does
             watch.successes = 0
             watch.failures = 0
+            watch.down = 0
             watch.suspect = False
             log.info(
                 "%s is back in service (%d adapters replayed in %.2f s)",

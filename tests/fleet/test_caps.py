@@ -1,6 +1,7 @@
 """Amplification and sizes (issue 44): an unauthenticated `/health` storm makes one probe of
 each replica at a time, the control session opens at most `--control-connections` to one
-replica, and the fleet has a size cap, for the API and for discovery.
+replica, the fleet has a size cap, for the API and for discovery, and a dead member's checks
+space out.
 
 The replica here is a small aiohttp server on loopback that answers like vLLM and holds each
 `/health` until a second one arrives alongside it (or 0.5 s pass), so concurrent probes are
@@ -29,6 +30,7 @@ from helpers import call, router_config, until
 
 from lora_router.fleet.client import ReplicaClient
 from lora_router.fleet.fleet import Fleet
+from lora_router.fleet.health import DOWN_SPACING_MAX
 
 BASE = "Qwen/Qwen2.5-Math-1.5B"
 
@@ -176,3 +178,28 @@ async def test_the_control_session_opens_at_most_its_cap_of_connections_to_a_rep
     finally:
         fleet.close()
         await runner.cleanup()
+
+
+async def test_a_dead_member_is_checked_less_and_less_often_and_still_seen_when_back(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    """Over 40 health intervals a member whose /health answers 503 is asked far fewer than
+    40 times (its checks space out to DOWN_SPACING_MAX intervals); once it answers again it is
+    back within that spacing and its replay."""
+    first, dead = await emulators(2)
+    dead.faults.dead = True
+    interval = 0.05
+    rt = await router(
+        [first], replica_hosts=("127.0.0.0/8",), health_interval=interval, health_timeout=1.0
+    )
+    assert rt.fleet is not None
+    code, _, _ = await call(client, "POST", rt.url + "/router/replicas", {"url": dead.url})
+    assert code == 202
+    checks = len([r for r in dead.requests if r.path == "/health"])
+    await asyncio.sleep(40 * interval)  # a rate is measured over a time window
+    checks = len([r for r in dead.requests if r.path == "/health"]) - checks
+    assert 2 <= checks <= 12, checks
+    dead.faults.dead = False
+    await until(
+        lambda: all(r.live for r in rt.fleet.replicas), timeout=DOWN_SPACING_MAX * 4 * interval + 5
+    )
