@@ -96,7 +96,7 @@ async def add(router_url: str, url: str):
     return await request(router_url, "POST", "/router/replicas", orjson.dumps({"url": url}))
 
 
-async def test_an_https_replica_is_never_added_again_as_http(router_factory, tls_replica):
+async def test_an_https_replica_is_never_added_again_as_http(router_factory, tls_replica, tmp_path):
     front, ca_file = tls_replica
     router = await router_factory(f"https://127.0.0.1:{front.port}", ca_file=ca_file)
     assert (await request(router.url, path="/health")).status == 200  # TLS through the front
@@ -111,6 +111,20 @@ async def test_an_https_replica_is_never_added_again_as_http(router_factory, tls
     )
     assert (await add(wide.url, f"http://127.0.0.1:{front.port}")).status == 400
     assert front.clear == b""
+    # Nor from a replica file.
+    members = tmp_path / "replicas"
+    members.write_text(f"http://127.0.0.1:{front.port}\n")
+    found = await router_factory(
+        f"https://127.0.0.1:{front.port}",
+        ca_file=ca_file,
+        replica_hosts=("127.0.0.0/8",),
+        replicas_files=(str(members),),
+    )
+    assert found.discovery is not None
+    state = found.discovery.states[0]
+    await until(lambda: state.skipped_count == 1)
+    assert "never reached as http" in state.skipped[0]
+    assert len(found.fleet.replicas) == 1 and front.clear == b""
 
 
 async def test_a_scheme_in_the_allow_list_admits_that_scheme_only(
