@@ -109,10 +109,11 @@ class ReplicaAddress:
         port = port or (443 if parts.scheme == "https" else 80)
         prefix = parts.path.rstrip("/")
         host = parts.hostname
-        if not _ip_literal(host) and not _HOST_NAME.fullmatch(host):
+        if not _ip_literal(host) and not _dns_name(host):
             raise ValueError(
                 f"replica URL {text[:200]!r} has a host that is neither an IP address nor a DNS "
-                "name (letters, digits, '-', '_' and dots)"
+                "name (dot-separated labels of letters, digits, '-' and '_', the last not a "
+                "number)"
             )
         shown_host = f"[{host}]" if ":" in host else host
         name = f"{parts.scheme}://{shown_host}:{port}{prefix}"
@@ -497,9 +498,22 @@ def _host_port(spec: str) -> bool:
     return bool(host.strip("[]")) and port.isdigit() and 0 < int(port) < 65536
 
 
-_HOST_NAME = re.compile(r"[a-z0-9_](?:[a-z0-9_.-]{0,251}[a-z0-9_.])?", re.IGNORECASE)
+_LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?", re.IGNORECASE)
+# A last label like these makes the resolver read the name as an IPv4 address (127.1, 0x7f.1).
+_NUMERIC_LABEL = re.compile(r"[0-9]+|0x[0-9a-f]*", re.IGNORECASE)
 _IP_GLOB = re.compile(r"[0-9.*?\[\]!-]+")  # `10.0.0.*`: written like an IPv4 address
 _DIGIT = re.compile(r"[0-9]")
+
+
+def _dns_name(host: str) -> bool:
+    """Whether `host` is a DNS name as RFC 1123 writes one (`_` allowed, as in SRV targets),
+    whose last label is not a number: never an address in a form `ipaddress` does not read."""
+    labels = host.removesuffix(".").split(".")
+    return (
+        len(host) <= 253
+        and all(_LABEL.fullmatch(label) for label in labels)
+        and not _NUMERIC_LABEL.fullmatch(labels[-1])
+    )
 
 
 def _ip_literal(host: str) -> bool:

@@ -160,6 +160,9 @@ async def test_an_ip_pattern_admits_ip_literals_only(router_factory, replica, lo
         "http://a b:{port}",
         "http://a%00b:{port}",
         "http://-a:{port}",
+        "http://a..b:{port}",
+        "http://127.1:{port}",  # read as 127.0.0.1 by the resolver, not by ipaddress
+        "http://0x7f.1:{port}",
     ],
 )
 async def test_an_odd_host_or_port_0_is_refused_400_and_never_joins(
