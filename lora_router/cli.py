@@ -19,7 +19,14 @@ from typing import Any
 
 from lora_router import __version__
 from lora_router.command import HelpFormatter, Parser, first_signal, interrupted
-from lora_router.config import Config, ReplicaAddress, Secret, secret_from_env
+from lora_router.config import (
+    FD_RESERVE,
+    MAX_CONNECTIONS_CAP,
+    Config,
+    ReplicaAddress,
+    Secret,
+    secret_from_env,
+)
 from lora_router.routing.policy import POLICIES
 
 log = logging.getLogger("lora_router")
@@ -104,8 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=(),
         help="where replicas may be added at run time (the token goes to them): "
         "comma-separated host globs with an optional :PORT (*.hf.jobs, 10.0.0.5:8000) or "
-        "networks (10.0.0.0/8); names are not resolved (default: only the host:port of each "
-        "--replicas URL)",
+        "networks (10.0.0.0/8), each optionally after the one scheme it admits "
+        "(https://*.hf.jobs); names are not resolved, and a network or a glob written like an "
+        "IP address (10.0.0.*) admits IP literals only; an https replica is never added as "
+        "http (default: only the scheme, host and port of each --replicas URL)",
     )
 
     g = p.add_argument_group(
@@ -296,48 +305,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("limits")
-    g.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=d.max_body_bytes,
-        help="largest request body a client may send (413 beyond)",
-    )
-    g.add_argument(
-        "--max-header-bytes",
-        type=int,
-        default=d.max_header_bytes,
-        help="largest request head a client may send (431 beyond)",
-    )
-    g.add_argument(
-        "--max-headers",
-        type=int,
-        default=d.max_headers,
-        help="most header fields in one request (431 beyond)",
-    )
-    g.add_argument(
-        "--max-connections", type=int, default=d.max_connections, help="open client connections"
-    )
-    g.add_argument(
-        "--max-buffered-bytes",
-        type=int,
-        default=d.max_buffered_bytes,
-        help="request body bytes held at once over all client connections, each body counted "
-        "from its head (its Content-Length) until its answer begins (503 with Retry-After "
-        "beyond; at least --max-body-bytes)",
-    )
-    g.add_argument(
-        "--max-prompt-tokens",
-        type=int,
-        default=d.max_prompt_tokens,
-        help="longest token-id prompt a completion may carry (400 beyond); text and chat "
-        "prompts are routed on their first 4 bytes a token of it and forwarded whole",
-    )
-    g.add_argument(
-        "--max-upstream-connections",
-        type=int,
-        default=d.max_upstream_connections,
-        help="requests in flight to one replica",
-    )
+    limits = {  # each an int flag of the same name as its Config field
+        "max_body_bytes": "largest request body a client may send (413 beyond)",
+        "max_header_bytes": "largest request head a client may send (431 beyond)",
+        "max_headers": "most header fields in one request (431 beyond)",
+        "max_connections": f"open client connections (default: {MAX_CONNECTIONS_CAP:,}, or "
+        f"less where `ulimit -n` would run out first: half of the open-file limit less "
+        f"{FD_RESERVE}, as each may hold a connection to a replica; here %(default)s)",
+        "max_buffered_bytes": "request body bytes held at once over all client connections, "
+        "each body counted from its head (its Content-Length) until its answer begins (503 "
+        "with Retry-After beyond; at least --max-body-bytes)",
+        "max_prompt_tokens": "longest token-id prompt a completion may carry (400 beyond); "
+        "text and chat prompts are routed on their first 4 bytes a token of it and forwarded "
+        "whole",
+        "max_upstream_connections": "requests in flight to one replica",
+        "control_connections": "control-plane connections open to one replica at once (health "
+        "checks, listings, broadcasts, scrapes); more calls wait for one",
+        "max_replicas": "members at once, from --replicas, discovery and POST /router/replicas "
+        "(beyond: a discovered member waits for room, an added one is refused 409)",
+    }
+    for name, text in limits.items():
+        g.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name), help=text)
     g.add_argument(
         "--retries",
         type=int,
@@ -398,6 +386,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("health")
+    g.add_argument(
+        "--min-replicas",
+        type=int,
+        default=d.min_replicas,
+        help="/health answers 503 while fewer replicas are in service (for an operator who "
+        "would rather stop the trainer than train on fewer GPUs)",
+    )
     g.add_argument(
         "--health-interval",
         type=float,

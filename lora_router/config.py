@@ -18,12 +18,14 @@ given in its place.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import functools
 import ipaddress
 import math
 import os
 import re
+import resource
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -99,11 +101,20 @@ class ReplicaAddress:
         if parts.query or parts.fragment:
             raise ValueError(f"replica URL {text!r} must not have a query or fragment")
         try:
-            port = parts.port or (443 if parts.scheme == "https" else 80)
+            port = parts.port
         except ValueError as exc:
             raise ValueError(f"replica URL {text!r} has an invalid port") from exc
+        if port == 0:
+            raise ValueError(f"replica URL {text!r} has port 0, which no server listens on")
+        port = port or (443 if parts.scheme == "https" else 80)
         prefix = parts.path.rstrip("/")
         host = parts.hostname
+        if not _ip_literal(host) and not _dns_name(host):
+            raise ValueError(
+                f"replica URL {text[:200]!r} has a host that is neither an IP address nor a DNS "
+                "name (dot-separated labels of letters, digits, '-' and '_', the last not a "
+                "number)"
+            )
         shown_host = f"[{host}]" if ":" in host else host
         name = f"{parts.scheme}://{shown_host}:{port}{prefix}"
         return cls(name=name, scheme=parts.scheme, host=host, port=port, path_prefix=prefix)
@@ -142,23 +153,45 @@ def shown_name(name: str) -> bool:
 @dataclass(frozen=True, slots=True)
 class HostPattern:
     """One `--replica-hosts` entry: a host glob (`*.hf.jobs`), a host (`10.0.0.5`), or an IP
-    network (`10.0.0.0/8`), the first two optionally with `:PORT`. Names are matched as
-    written, never resolved: a network admits IP literals only."""
+    network (`10.0.0.0/8`), the first two optionally with `:PORT`, any of them optionally
+    prefixed by the one scheme it admits (`https://*.hf.jobs`, `http://10.0.0.0/8`; without
+    a prefix, either).
+
+    Names are matched as written, never resolved. A network, and a glob written like an IP
+    address (digits, dots and wildcards: `10.0.0.*`; or with a colon: `fd00::*`), admit IP
+    literals only: `10.0.0.*` never admits the DNS name `10.0.0.attacker.example`, which
+    would be resolved at connect time wherever its owner points it. Whatever the pattern, an
+    http address is never admitted where the fleet knows an https one (`Fleet.downgrade`)."""
 
     text: str
     network: ipaddress.IPv4Network | ipaddress.IPv6Network | None = None
     port: int | None = None
+    scheme: str | None = None  # http or https; None: either
+    ip_only: bool = False
 
     @classmethod
     def parse(cls, entry: str) -> HostPattern:
         text = entry.strip().lower()
         bad = ValueError(
             f"--replica-hosts {entry.strip()!r}: expected a host glob (*.hf.jobs), a host with "
-            "an optional :PORT (10.0.0.5:8000, [fd00::5]:8000) or a network (10.0.0.0/8)"
+            "an optional :PORT (10.0.0.5:8000, [fd00::5]:8000) or a network (10.0.0.0/8), "
+            "optionally after http:// or https://"
         )
+        scheme, sep, rest = text.partition("://")
+        if sep:
+            if scheme not in ("http", "https"):
+                raise bad
+            text = rest
+        else:
+            scheme = ""
+        pattern = cls._parse(text, bad)
+        return dataclasses.replace(pattern, scheme=scheme or None)
+
+    @classmethod
+    def _parse(cls, text: str, bad: ValueError) -> HostPattern:
         if "/" in text:
             try:
-                return cls(text, network=ipaddress.ip_network(text, strict=False))
+                return cls(text, network=ipaddress.ip_network(text, strict=False), ip_only=True)
             except ValueError:
                 raise bad from None
         host, port = text, None
@@ -175,12 +208,17 @@ class HostPattern:
         if not host or (port is not None and not 0 < port < 65536):
             raise bad
         try:  # an IP literal is compared as an address (::1 and 0::1 are one host)
-            return cls(host, network=ipaddress.ip_network(host), port=port)
+            return cls(host, network=ipaddress.ip_network(host), port=port, ip_only=True)
         except ValueError:
-            return cls(host, port=port)
+            ip_like = ":" in host or bool(_IP_GLOB.fullmatch(host) and _DIGIT.search(host))
+            return cls(host, port=port, ip_only=ip_like)
 
     def matches(self, address: ReplicaAddress) -> bool:
         if self.port is not None and self.port != address.port:
+            return False
+        if self.scheme is not None and self.scheme != address.scheme:
+            return False
+        if self.ip_only and not _ip_literal(address.host):
             return False
         if self.network is None:
             return fnmatch.fnmatchcase(address.host.lower(), self.text)
@@ -254,11 +292,14 @@ class Config:
     max_body_bytes: int = 64 * 1024 * 1024
     max_header_bytes: int = 64 * 1024
     max_headers: int = 100
-    max_connections: int = 10_000
+    max_connections: int = field(default_factory=lambda: default_max_connections())
     # Request body bytes buffered at once over every client connection (503 beyond).
     max_buffered_bytes: int = 1 << 30
     max_prompt_tokens: int = 1_000_000
     max_upstream_connections: int = 1024  # per replica
+    control_connections: int = 32  # per replica: the control session's (fleet/client.py)
+    # Members at once, from --replicas, discovery and POST /router/replicas (Fleet.full).
+    max_replicas: int = 1024
     retries: int = 2  # other replicas tried when nothing was received yet
     # Counted 5xx retries (made while most of the fleet fails, or onto a failing replica)
     # allowed below this share of the routed requests of the last 10 s (10 per 10 s always
@@ -277,6 +318,8 @@ class Config:
     max_staleness: int = 4  # the trainer's max_staleness; --check wants max_loras >= it + 2
 
     # Health
+    # /health answers 503 while fewer replicas are in service (1: while none is).
+    min_replicas: int = 1
     health_interval: float = 2.0
     health_timeout: float = 2.0
     health_failures: int = 2
@@ -295,6 +338,11 @@ class Config:
         """Refuse a setting the router cannot run with (ValueError naming the flag)."""
         if len({r.name for r in self.replicas}) != len(self.replicas):
             raise ValueError("--replicas lists the same replica twice")
+        if len(self.replicas) > self.max_replicas:
+            raise ValueError(
+                f"--replicas names {len(self.replicas)} replicas, over --max-replicas "
+                f"{self.max_replicas}"
+            )
         if self.discovering and not self.replica_hosts:
             raise ValueError(
                 "discovery (--replicas-file/-dns/-srv) needs --replica-hosts: every member it "
@@ -376,10 +424,12 @@ class Config:
 
     def replica_allowed(self, address: ReplicaAddress) -> bool:
         """Whether the token may go to `address`: every replica joins through this check. With
-        `--replica-hosts`, its patterns decide; without, only the `--replicas` themselves (host
-        and port: any local process can listen on another port of a loopback replica's host)."""
+        `--replica-hosts`, its patterns decide; without, only the `--replicas` themselves
+        (scheme, host and port: any local process can listen on another port of a loopback
+        replica's host, and an https replica is never reached as http)."""
         if not self.replica_hosts:
-            return any((r.host, r.port) == (address.host, address.port) for r in self.replicas)
+            endpoint = (address.scheme, address.host, address.port)
+            return any((r.scheme, r.host, r.port) == endpoint for r in self.replicas)
         return any(p.matches(address) for p in _host_patterns(self.replica_hosts))
 
     def cleartext_token(self, address: ReplicaAddress) -> bool:
@@ -429,8 +479,11 @@ _POSITIVE = (
     "max_buffered_bytes",
     "max_prompt_tokens",
     "max_upstream_connections",
+    "control_connections",
+    "max_replicas",
     "health_failures",
     "health_successes",
+    "min_replicas",
     "breaker_failures",
     "scrape_budget",
 )
@@ -441,6 +494,20 @@ _CHOICES = {
 }
 
 
+FD_RESERVE = 256  # descriptors kept for the rest: control connections, KV sockets, files
+MAX_CONNECTIONS_CAP = 10_000
+
+
+def default_max_connections() -> int:
+    """`--max-connections` when not given: `MAX_CONNECTIONS_CAP`, or less where the soft
+    RLIMIT_NOFILE would run out first: half of what is left after `FD_RESERVE` (each client
+    connection may hold an upstream connection too), at least 1."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS_CAP
+    return max(1, min(MAX_CONNECTIONS_CAP, (soft - FD_RESERVE) // 2))
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -448,6 +515,32 @@ def _flag(name: str) -> str:
 def _host_port(spec: str) -> bool:
     host, _, port = spec.rpartition(":")
     return bool(host.strip("[]")) and port.isdigit() and 0 < int(port) < 65536
+
+
+_LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?", re.IGNORECASE)
+# A last label like these makes the resolver read the name as an IPv4 address (127.1, 0x7f.1).
+_NUMERIC_LABEL = re.compile(r"[0-9]+|0x[0-9a-f]*", re.IGNORECASE)
+_IP_GLOB = re.compile(r"[0-9.*?\[\]!-]+")  # `10.0.0.*`: written like an IPv4 address
+_DIGIT = re.compile(r"[0-9]")
+
+
+def _dns_name(host: str) -> bool:
+    """Whether `host` is a DNS name as RFC 1123 writes one (`_` allowed, as in SRV targets),
+    whose last label is not a number: never an address in a form `ipaddress` does not read."""
+    labels = host.removesuffix(".").split(".")
+    return (
+        len(host) <= 253
+        and all(_LABEL.fullmatch(label) for label in labels)
+        and not _NUMERIC_LABEL.fullmatch(labels[-1])
+    )
+
+
+def _ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _is_loopback(host: str) -> bool:

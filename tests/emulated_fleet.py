@@ -101,8 +101,11 @@ async def emulators(monitor: FenceMonitor) -> AsyncIterator[StartEmulators]:
 async def router(monitor: FenceMonitor) -> AsyncIterator[StartRouter]:
     started: list[RouterRuntime] = []
 
-    async def start(emus: Iterable[Emulator], **overrides: Any) -> RouterRuntime:
-        runtime = RouterRuntime(router_config((e.url for e in emus), **{**FAST, **overrides}))
+    async def start(emus: Iterable[Emulator | str], **overrides: Any) -> RouterRuntime:
+        """A router in front of `emus`: emulators, or replicas' URLs (a process of its own,
+        a port nothing listens on)."""
+        urls = (e if isinstance(e, str) else e.url for e in emus)
+        runtime = RouterRuntime(router_config(urls, **{**FAST, **overrides}))
         await runtime.start()
         started.append(runtime)
         monitor.router = runtime

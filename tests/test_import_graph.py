@@ -180,6 +180,7 @@ PUBLIC = {
     "lora_router.command",
     "lora_router.runtime",
     "lora_router.fleet.client",
+    "lora_router.fleet.discovery",
     "lora_router.fleet.failure",
     "lora_router.fleet.leftovers",
     "lora_router.fleet.readiness",

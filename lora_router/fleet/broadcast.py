@@ -514,12 +514,20 @@ class Broadcaster:
     # -- read-only --------------------------------------------------------------------------
 
     async def health(self, path: str) -> Reply:
-        """`/health`, `/ping`: 200 only when every live replica answers 200, and one of them
-        at least can take part in a weight sync (readiness.py: else the trainer's first sync
-        would fail; the answer names why)."""
+        """`/health`, `/ping`: 200 only when every live replica answers 200, at least
+        `--min-replicas` are live, and one of them at least can take part in a weight sync
+        (readiness.py: else the trainer's first sync would fail); a 503 names why."""
         targets = self.fleet.live()
         if not targets:
             raise no_replica_in_service(self.fleet, self.config)
+        if len(targets) < self.config.min_replicas:
+            out = [r for r in self.fleet.replicas if r.life.member and not r.live]
+            why = f" ({named(out[:1])} out of service{reason(out[0])})" if out else ""
+            raise Unavailable(
+                f"{len(targets)} replica(s) in service, fewer than --min-replicas "
+                f"{self.config.min_replicas}{why}.",
+                self.config.health_interval,
+            )
         if all(r.unready for r in targets):
             first = targets[0]
             raise Unavailable(

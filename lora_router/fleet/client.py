@@ -229,7 +229,9 @@ class ReplicaClient:
         token = config.token.reveal()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ssl=config.tls_context()),
+            connector=aiohttp.TCPConnector(
+                limit=0, limit_per_host=config.control_connections, ssl=config.tls_context()
+            ),
             headers=headers,
             # Bodies are passed on as the replica sent them, never re-encoded.
             auto_decompress=False,

@@ -25,13 +25,25 @@ once for all the changes since the last one: a burst of joins (a discovery sourc
 new members) costs one ring update, not one per member, which made such a burst quadratic.
 The policy only ever chooses among a `routable` set, so it never sees a membership older than
 the candidates it is given.
+
+**Base model names** (`base_models`: a completion naming one passes the fence at once, to any
+serving replica) come only from agreement (issue 44): each member's last `/v1/models` listing
+(its cards without a `parent`, recorded by `listed`) counts, and a name is a base only when
+every member that listed one names it, and it is neither a name the fence knows as an adapter
+nor shaped like a version of one (`--lineage-pattern`, routing/keys.py: `trl-policy-v8`).
+Agreement, not the union, because any one member's card would otherwise widen the fence for
+the whole fleet: a member can only narrow the set (at worst the base model then waits at the
+fence and is answered 404, with a warning naming the member), never add a name the others do
+not serve. A removed member's listing stops counting at once. The set is recomputed in place:
+the fence holds the same object (runtime.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from lora_router.config import Config, ReplicaAddress
@@ -39,7 +51,10 @@ from lora_router.fleet.breaker import CLOSED, CircuitBreaker
 from lora_router.fleet.lifecycle import Lifecycle, State
 from lora_router.fleet.replica import Replica
 from lora_router.http.upstream import UpstreamPool
+from lora_router.routing.keys import Lineages
 from lora_router.routing.policy import Candidates
+
+log = logging.getLogger(__name__)
 
 _MAX_SETS = 64  # kept candidate sets (models in use); more and they are all dropped, rebuilt
 
@@ -68,7 +83,12 @@ class Fleet:
         self._ssl = ssl_context
         self._next_rid = 0
         self.replicas: list[Replica] = []
-        self.base_models: set[str] = set()  # names that are the base model, not an adapter
+        # Names that are the base model, not an adapter: every lister's agreement (module
+        # docstring), kept by `listed` and `remove`.
+        self.base_models: set[str] = set()
+        self._listed: dict[int, frozenset[str]] = {}  # rid -> its last listing's base names
+        self._lineages = Lineages(config.lineage_pattern)
+        self._tls: set[tuple[str, int]] = set()  # host, port of every https member ever added
         # Set by the broadcaster when a /pause or /resume is asked (before its outcome).
         self.pause = PauseIntent()
         # Called with every member at the next `routable` after adds or removes (module
@@ -88,8 +108,10 @@ class Fleet:
         request) or, from any other `origin` (`admin`, a discovery source), out of service
         until its replay."""
         config = self._config
-        if address.tls and self._ssl is None:
-            self._ssl = config.tls_context()  # a first https replica added at run time
+        if address.tls:
+            self._tls.add((address.host, address.port))
+            if self._ssl is None:
+                self._ssl = config.tls_context()  # a first https replica added at run time
         rid = self._next_rid
         self._next_rid += 1
         pool = UpstreamPool(
@@ -121,6 +143,53 @@ class Fleet:
             replica.life.remove()
             replica.pool.close()
             self._members_changed()
+        if self._listed.pop(replica.rid, None) is not None:
+            self._agree()
+
+    def listed(
+        self, replica: Replica, bases: Iterable[str], adapter: Callable[[str], bool]
+    ) -> None:
+        """Record the base names `replica`'s `/v1/models` just listed (its cards without a
+        parent) and recompute `base_models` (module docstring). `adapter(name)`: whether the
+        fence knows `name` as an adapter. A listing with no base name left says nothing and
+        does not count, nor does one that arrives after the replica was removed."""
+        if not replica.life.member:
+            return
+        names = set(bases)
+        shaped = {n for n in names if adapter(n) or self._lineages.versioned(n)}
+        if shaped:
+            log.warning(
+                "%s lists %d adapter-like names as base models (such as %s): never taken as "
+                "base models",
+                replica.describe(),
+                len(shaped),
+                ", ".join(repr(n[:80]) for n in sorted(shaped)[:3]),
+            )
+        kept = frozenset(names - shaped)
+        if kept:
+            self._listed[replica.rid] = kept
+        else:
+            self._listed.pop(replica.rid, None)
+        self._agree()
+
+    def _agree(self) -> None:
+        agreed = frozenset.intersection(*self._listed.values()) if self._listed else frozenset()
+        if agreed != self.base_models:
+            self.base_models.clear()
+            self.base_models.update(agreed)
+            self._changed()
+
+    @property
+    def full(self) -> bool:
+        """Whether the fleet has `--max-replicas` members: no other joins until one leaves
+        (the API refuses, discovery waits for room)."""
+        return len(self.replicas) >= self._config.max_replicas
+
+    def downgrade(self, address: ReplicaAddress) -> bool:
+        """Whether `address` is plain http to a host and port the fleet has known as https (a
+        `--replicas` entry, or any member since start): refused wherever a replica joins, so
+        the token never goes in clear text to an endpoint that was reached over TLS."""
+        return not address.tls and (address.host, address.port) in self._tls
 
     def find(self, rid: int) -> Replica | None:
         return next((r for r in self.replicas if r.rid == rid), None)

@@ -11,7 +11,9 @@ Each replica's watcher task asks its `/health` every `health_interval` (bounded 
   passes is also asked its `/v1/models`: lacking an adapter that was live before the question,
   it restarted (vLLM keeps adapters in process memory) and is ejected at once, then replayed;
 - an ejected replica that passes `health_successes` checks in a row is **re-admitted** through
-  a replay (replay.py); only then does it become routable.
+  a replay (replay.py); only then does it become routable. While it is out and failing, its
+  checks space out, doubling after each failure up to `DOWN_SPACING_MAX` intervals: dead
+  members cost little while idle, and one that comes back is seen within that many.
 
 **Passive health** (`report_status`): a serving replica's check uses what its routed answers
 proved since the previous check began:
@@ -25,10 +27,11 @@ proved since the previous check began:
   ejects it. A 404 for an adapter the fence says is live is a restart: ejected at once and
   replayed. A 503 while the fleet is paused is vLLM refusing work on purpose, never counted.
 
-A replica that stays out of service is logged at a bounded rate: a failed replay is a WARNING
-when its reason is new, then at most once every `OUT_LOG_INTERVAL` seconds while the same
-reason repeats, with the count of the failures not logged (a rejected token answers every
-check: one line per check would bury the log).
+A replica that stays out of service is logged at a bounded rate, whatever keeps it out (a
+failed check, a failed replay) and however it joined (`--replicas`, discovery, the API): a
+WARNING when the reason is new, then at most once every `OUT_LOG_INTERVAL` seconds while the
+same reason repeats, with the count of the failures not logged (a rejected token answers every
+check: one line per check would bury the log; a member that never answers must still show).
 
 A replay that did not stick (the replica lacks a live adapter again soon after re-admission, or
 answers "already loaded" for a name its listing does not show) puts its lifecycle in back-off
@@ -61,6 +64,7 @@ from lora_router.fleet.replica import Replica
 log = logging.getLogger(__name__)
 
 OUT_LOG_INTERVAL = 300.0  # seconds between two lines about a replica kept out for one reason
+DOWN_SPACING_MAX = 8  # health intervals between checks of an out-of-service, failing replica
 
 
 class _Watch:
@@ -68,6 +72,7 @@ class _Watch:
 
     __slots__ = (
         "answered",
+        "down",
         "failures",
         "lock",
         "out_logged",
@@ -86,6 +91,7 @@ class _Watch:
         self.lock = asyncio.Lock()  # one re-admission at a time
         self.failures = 0
         self.successes = 0
+        self.down = 0  # failed checks in a row while out of service: its checks space out
         self.suspect = False
         # The last failed replay logged: its reason, when, and the failures since not logged.
         self.out_reason = ""
@@ -251,7 +257,8 @@ class HealthMonitor:
             # not `wait_for`: that wraps the wait in a Task of its own per interval, the most
             # of what an idle watcher costs once routed answers skip its probe (with 128
             # replicas, 64 wake-ups a second).
-            timer = loop.call_at(last + interval, watch.wake.set)
+            spacing = interval * min(1 << min(watch.down, 16), DOWN_SPACING_MAX)
+            timer = loop.call_at(last + spacing, watch.wake.set)
             try:
                 await watch.wake.wait()
             finally:
@@ -302,9 +309,13 @@ class HealthMonitor:
         watch.failures = 0
         if not ok:
             watch.successes = 0
+            watch.down += 1
             if replica.state is not State.REPLAYING:  # out already: this records why
-                replica.life.eject(str(answer.failure("/health")))
+                failure = str(answer.failure("/health"))
+                replica.life.eject(failure)
+                self._log_out(replica, watch, failure, asyncio.get_running_loop().time())
             return
+        watch.down = 0
         watch.successes += 1
         if watch.successes >= config.health_successes:
             await self.admit(replica)
@@ -367,13 +378,14 @@ class HealthMonitor:
                     self._note_slip(replica, slips, [exc.name])
                 self.readmission_failures += 1
                 watch.successes = 0
-                self._log_out(replica, watch, str(exc), loop.time())
+                self._log_out(replica, watch, f"replay failed: {exc}", loop.time())
                 return False
             self.readmissions += 1
             watch.out_reason, watch.out_quiet = "", 0
             watch.verified = {}  # nothing it answers proves its adapters before a listing does
             watch.successes = 0
             watch.failures = 0
+            watch.down = 0
             watch.suspect = False
             log.info(
                 "%s is back in service (%d adapters replayed in %.2f s)",
@@ -389,13 +401,11 @@ class HealthMonitor:
             watch.out_quiet += 1
             return
         since = (
-            f" ({watch.out_quiet} more failed replay(s) for this reason since the last line)"
+            f" ({watch.out_quiet} more time(s) for this reason since the last line)"
             if watch.out_quiet and reason == watch.out_reason
             else ""
         )
-        log.warning(
-            "%s stays out of service: replay failed: %s%s", replica.describe(), reason, since
-        )
+        log.warning("%s stays out of service: %s%s", replica.describe(), reason, since)
         watch.out_reason, watch.out_logged, watch.out_quiet = reason, now, 0
 
     # -- membership -------------------------------------------------------------------------

@@ -82,6 +82,10 @@ class Replay:
         self.lock = lock  # the broadcast lock (broadcast.py)
         self.loads = loads
 
+    def _known_adapter(self, name: str) -> bool:
+        """Whether the fence knows `name` as an adapter: never a base model (fleet.py)."""
+        return self.fence.state(name) is not None
+
     # -- start ------------------------------------------------------------------------------
 
     async def discover(self) -> int | None:
@@ -109,7 +113,7 @@ class Replay:
         if isinstance(held, Failure):
             return None, f"at start: {held}"
         replica.adapters = dict(held.adapters)
-        self.fleet.base_models.update(held.bases)
+        self.fleet.listed(replica, held.bases, self._known_adapter)
         info = await self.client.server_info(replica, held)
         await self._note_readiness(replica, info)
         if isinstance(info, Failure):
@@ -216,12 +220,10 @@ class Replay:
         if isinstance(held, Failure):
             raise ReplayError(str(held))
         fleet, fence, loads = self.fleet, self.fence, self.loads
-        if held.base_model is not None:
-            if fleet.base_models and held.base_model not in fleet.base_models:
-                log.warning(
-                    "%s serves base model %r, unlike the fleet", replica.describe(), held.base_model
-                )
-            fleet.base_models.update(held.bases)
+        base = held.base_model
+        if base is not None and fleet.base_models and base not in fleet.base_models:
+            log.warning("%s serves base model %r, unlike the fleet", replica.describe(), base)
+        fleet.listed(replica, held.bases, self._known_adapter)
         replica.adapters = dict(held.adapters)
         replica.loaded = {n: d for n, d in replica.loaded.items() if n in held.adapters}
         live = fence.live()

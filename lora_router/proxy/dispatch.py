@@ -9,7 +9,9 @@ spelling. Unknown paths answer 404, a known path with another method 405, as vLL
   (proxy/routed.py).
 - **Broadcast**: adapter loads and unloads, `/pause`, `/resume` and the cache resets — to every
   serving replica, serialized, through the broadcaster (fleet/broadcast.py).
-- **Answered by the router**: `/health` and `/ping` (every live replica must be healthy),
+- **Answered by the router**: `/health` and `/ping` (every live replica must be healthy; one
+  probe of the fleet at a time per route, whose answer every caller that arrived meanwhile
+  shares, so unauthenticated callers cannot multiply the replicas' connections),
   `/v1/models` (one replica's list, filtered by the fence), `/metrics`, `/router/status`, and
   the operators' membership routes under `/router/replicas` (a new replica's URL must be inside
   `--replica-hosts`: `Config.replica_allowed`).
@@ -102,6 +104,7 @@ class RouterApp(RoutedPath):
         self._loop = asyncio.get_running_loop()
         self._debug = log.isEnabledFor(logging.DEBUG)
         self.block_size = block_size  # of the replicas' KV cache: prompt keys use it
+        self._health_probes: dict[str, asyncio.Future[Reply]] = {}  # route -> the probe
         self.lineages = Lineages(config.lineage_pattern)  # placement keys (routing/keys.py)
         # Without a key every request passes (http/auth.py): the fast path skips the call.
         self._keyed = bool(config.api_key)
@@ -133,8 +136,8 @@ class RouterApp(RoutedPath):
             return adapters.get(path, self.dev_broadcast)
         if kind is Kind.LOCAL:
             local: dict[bytes, Handler] = {
-                b"/health": self.health_check,
-                b"/ping": self.health_check,
+                b"/health": partial(self.health_check, route="/health"),
+                b"/ping": partial(self.health_check, route="/ping"),
                 b"/v1/models": self.models,
                 b"/metrics": self.metrics,
                 b"/router/status": self.router_status,
@@ -184,8 +187,20 @@ class RouterApp(RoutedPath):
         query = request.query.decode("latin-1")
         _send(conn, await self.broadcaster.dev_broadcast(path[1:], path, query, request.body))
 
-    async def health_check(self, request: Request, conn: ClientConnection) -> None:
-        _send(conn, await self.broadcaster.health(request.path.decode("latin-1")))
+    async def health_check(self, request: Request, conn: ClientConnection, route: str) -> None:
+        """The probe of the fleet under way for `route`, or a new one (module docstring): a
+        caller that leaves does not cancel it for the others."""
+        probe = self._health_probes.get(route)
+        if probe is None:
+            probe = asyncio.ensure_future(self.broadcaster.health(route))
+            self._health_probes[route] = probe
+            probe.add_done_callback(partial(self._probed, route))
+        _send(conn, await asyncio.shield(probe))
+
+    def _probed(self, route: str, probe: asyncio.Future[Reply]) -> None:
+        del self._health_probes[route]
+        if not probe.cancelled():
+            probe.exception()  # retrieved, even when every caller left
 
     async def models(self, request: Request, conn: ClientConnection) -> None:
         _send(conn, await self.broadcaster.models())
@@ -241,6 +256,12 @@ class RouterApp(RoutedPath):
             address = ReplicaAddress.parse(url)
         except ValueError as exc:
             raise bad_request(str(exc), param="url") from None
+        if self.fleet.downgrade(address):
+            raise bad_request(
+                f"{address.name}: this host and port is an https replica of the fleet; it is "
+                "never reached over plain http (the token would cross in clear text).",
+                param="url",
+            )
         if not self.config.replica_allowed(address):
             raise HTTPError(
                 403,
@@ -251,6 +272,12 @@ class RouterApp(RoutedPath):
         existing = self.fleet.by_name(address.name)
         if existing is not None:
             raise HTTPError(409, f"{existing.describe()} is already in the fleet.")
+        if self.fleet.full:
+            raise HTTPError(
+                409,
+                f"The fleet has {len(self.fleet.replicas)} members, its cap (--max-replicas): "
+                "remove one first.",
+            )
         if self.config.cleartext_token(address):
             log.warning("%s", cleartext_warning(address.name))
         replica = await self.health.add(address, "admin")

@@ -13,10 +13,11 @@ path, the fleet's state, the views' wiring), so each could live in its own repos
 - `lora_router.config`: the typed settings, built from the command line;
 - `lora_router.command`: what every command shares (bad flags, `--help`, Ctrl-C);
 - `lora_router.runtime`: a running router, started and stopped in-process;
-- `lora_router.fleet.client`, `lora_router.fleet.failure`, `lora_router.fleet.leftovers` and
-  `lora_router.fleet.readiness`: the router's client of one replica, the causes and fixes it
-  names, how it judges the adapters left on a reused replica and whether a replica can take
-  part in a weight sync (so `--check` reads a replica as the router does);
+- `lora_router.fleet.client`, `lora_router.fleet.failure`, `lora_router.fleet.leftovers`,
+  `lora_router.fleet.readiness` and `lora_router.fleet.discovery`: the router's client of one
+  replica, the causes and fixes it names, how it judges the adapters left on a reused replica,
+  whether a replica can take part in a weight sync, and how it reads its membership sources
+  (so `--check` finds and reads the replicas as the router does);
 - `lora_router.routing`: the package's exported names (the policies, lineages), pure;
 - `lora_router.emulator`: the vLLM stand-in, a program of its own (the demo's replicas).
 

@@ -54,6 +54,7 @@ from lora_router.fleet.client import (
     parse_models,
     parse_server_info,
 )
+from lora_router.fleet.discovery import read_sources
 from lora_router.fleet.failure import FIX, Cause
 from lora_router.fleet.readiness import SyncFacts, loras_needed, sync_problems
 from lora_router.tools.table import render_table
@@ -83,7 +84,7 @@ class ReplicaFacts:
     An `answer` of "wrong path": no vLLM server under the URL's path (`detail` says why)."""
 
     name: str
-    answer: str = "ok"  # ok | unreachable | unauthorized | dead
+    answer: str = "ok"  # ok | unreachable | unauthorized | dead | wrong path | not vllm
     detail: str = ""  # why, when `answer` is not ok
     fix: str = ""  # its fix, when unreachable or unauthorized
     version: str | None = None
@@ -115,10 +116,36 @@ class Problem:
 # --- probing --------------------------------------------------------------------------------
 
 
-async def probe_fleet(config: Config) -> list[ReplicaFacts]:
-    """Probe every replica at once, with the router's token and TLS context."""
+async def probe_fleet(
+    config: Config, addresses: Sequence[ReplicaAddress] | None = None
+) -> list[ReplicaFacts]:
+    """Probe every replica at once (`addresses`, else `--replicas`), with the router's token
+    and TLS context."""
+    targets = config.replicas if addresses is None else addresses
     async with ReplicaClient(config) as client:
-        return list(await asyncio.gather(*(probe_replica(client, r) for r in config.replicas)))
+        return list(await asyncio.gather(*(probe_replica(client, r) for r in targets)))
+
+
+async def find_fleet(config: Config) -> tuple[list[ReplicaAddress], list[Problem]]:
+    """The replicas the router would serve: `--replicas` and every discovery source read
+    once as the router reads it (fleet/discovery.py), with a problem for each source that
+    fails, a note for each entry skipped, and one for a fleet with no replica at all."""
+    found, errors, skipped = await read_sources(config)
+    addresses = list({a.name: a for a in (*config.replicas, *found)}.values())
+    problems = [
+        Problem(None, error, "fix the source, or name the replicas with --replicas")
+        for error in errors
+    ]
+    problems += [Problem(None, f"skipped {entry}", note=True) for entry in skipped[:5]]
+    if not addresses:
+        problems.append(
+            Problem(
+                None,
+                "no replica to check: --replicas names none and discovery found none",
+                "give --replicas URL,... or a discovery source that names at least one",
+            )
+        )
+    return addresses, problems
 
 
 async def probe_replica(client: ReplicaClient, address: ReplicaAddress) -> ReplicaFacts:
@@ -126,9 +153,13 @@ async def probe_replica(client: ReplicaClient, address: ReplicaAddress) -> Repli
     try:
         health = await _ask(client, address, "GET", "/health")
         answer = await _ask(client, address, "GET", "/v1/models")
-        if address.path_prefix and health.status == answer.status == 404:
-            facts.answer = "wrong path"
-            facts.detail = f"/health and /v1/models answer 404 under {address.path_prefix}"
+        if health.status == answer.status == 404:  # nothing of vLLM's: no further question
+            if address.path_prefix:
+                facts.answer = "wrong path"
+                facts.detail = f"/health and /v1/models answer 404 under {address.path_prefix}"
+            else:
+                facts.answer = "not vllm"
+                facts.detail = "/health and /v1/models answer 404"
             return facts
         if health.status == 503:
             facts.answer, facts.detail = "dead", "/health answers 503: the engine is dead"
@@ -266,6 +297,14 @@ def _judge_replica(
     need = loras_needed(max_staleness)
     out: list[Problem] = []
     name = f.name
+    if f.answer == "not vllm":
+        return [
+            Problem(
+                name,
+                f"no vLLM server answers at this URL: {f.detail}",
+                FIX[Cause.NOT_VLLM],
+            )
+        ]
     if f.answer == "unreachable":
         return [Problem(name, f"unreachable: {f.detail}", f.fix)]
     if f.answer == "unauthorized":
@@ -427,14 +466,15 @@ def report(fleet: Sequence[ReplicaFacts], problems: Sequence[Problem], max_stale
 
 async def check(config: Config) -> tuple[list[ReplicaFacts], list[Problem]]:
     """Probe the fleet of `config` and judge it."""
-    fleet = await probe_fleet(config)
+    addresses, found = await find_fleet(config)
+    fleet = await probe_fleet(config, addresses)
     problems = judge(
         fleet,
         max_staleness=config.max_staleness,
         unload_stale=config.unload_stale,
         lineage_pattern=config.lineage_pattern,
     )
-    return fleet, problems
+    return fleet, found + problems
 
 
 def run_check(config: Config, out: TextIO | None = None) -> int:

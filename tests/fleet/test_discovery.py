@@ -371,6 +371,31 @@ async def test_srv_records_give_hosts_and_ports(
     assert _source(rt)["source"] == "srv:_vllm._tcp.fleet.test"
 
 
+async def test_an_srv_record_with_port_0_is_skipped_never_taken_as_port_80(
+    emulators: StartEmulators, router: StartRouter, zone: tuple[Zone, int]
+) -> None:
+    records, dns_port = zone
+    first, one = await emulators(2)
+    records.set("r.fleet.test.", "A", A("127.0.0.1"))
+    records.set(
+        "_vllm._tcp.fleet.test.",
+        "SRV",
+        SRV(0, 1, one.port, "r.fleet.test."),
+        SRV(0, 1, 0, "r.fleet.test."),
+    )
+    rt = await router(
+        [first],
+        replicas_srv=("_vllm._tcp.fleet.test",),
+        dns_server=f"127.0.0.1:{dns_port}",
+        dns_interval=0.2,
+        replica_hosts=ALLOWED,
+    )
+    await until(lambda: urls(rt, serving=True) == {first.url, one.url}, timeout=10)
+    [skipped] = _source(rt)["skipped"]
+    assert "port 0" in skipped and _source(rt)["skipped_count"] == 1
+    assert urls(rt) == {first.url, one.url}  # no http://127.0.0.1:80
+
+
 async def test_a_member_leaving_while_the_fleet_is_paused_is_resumed_with_the_fleet(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, tmp_path: Path
 ) -> None:

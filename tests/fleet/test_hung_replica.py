@@ -43,25 +43,6 @@ class Stoppable:
         os.kill(self.proc.pid, signal.SIGCONT)
 
 
-StartRouterAt = Callable[..., Awaitable[RouterRuntime]]
-
-
-@pytest.fixture
-async def router_at() -> AsyncIterator[StartRouterAt]:
-    """Routers in front of replicas given by URL (in-process emulators and stoppable ones)."""
-    started: list[RouterRuntime] = []
-
-    async def start(urls: list[str], **overrides: object) -> RouterRuntime:
-        runtime = RouterRuntime(router_config(urls, **{**FAST, **overrides}))
-        await runtime.start()
-        started.append(runtime)
-        return runtime
-
-    yield start
-    for runtime in started:
-        await runtime.stop(grace=0.0)
-
-
 @pytest.fixture
 async def stoppable() -> AsyncIterator[Callable[[], Awaitable[Stoppable]]]:
     started: list[Stoppable] = []
@@ -114,13 +95,13 @@ def state_of(rt: RouterRuntime, url: str) -> State:
 
 async def test_a_pause_is_answered_within_the_control_timeout_when_a_replica_is_stopped(
     emulators: StartEmulators,
-    router_at: StartRouterAt,
+    router: StartRouter,
     stoppable: Callable[[], Awaitable[Stoppable]],
     client: aiohttp.ClientSession,
 ) -> None:
     (emu,) = await emulators(1)
     frozen = await stoppable()
-    rt = await router_at([emu.url, frozen.url], control_timeout=1.0)
+    rt = await router([emu, frozen.url], control_timeout=1.0)
     frozen.stop()
     status, _, _ = await timed(post(client, rt.url + "/pause?mode=keep"), 1.0)
     # The broadcast completes on the rest; the stopped replica is out until it answers again.
@@ -134,14 +115,14 @@ async def test_a_pause_is_answered_within_the_control_timeout_when_a_replica_is_
 
 async def test_a_load_is_answered_by_its_deadline_when_a_replica_is_stopped(
     emulators: StartEmulators,
-    router_at: StartRouterAt,
+    router: StartRouter,
     stoppable: Callable[[], Awaitable[Stoppable]],
     client: aiohttp.ClientSession,
     adapter: Adapter,
 ) -> None:
     (emu,) = await emulators(1)
     frozen = await stoppable()
-    rt = await router_at([emu.url, frozen.url], load_deadline=2.0, control_timeout=30.0)
+    rt = await router([emu, frozen.url], load_deadline=2.0, control_timeout=30.0)
     frozen.stop()
     status, body, _ = await timed(load(client, rt.url, "trl-policy-v1", adapter("v1")), 2.0)
     assert status == 200, body  # --down-replica-policy replay: loaded on the rest
@@ -151,7 +132,7 @@ async def test_a_load_is_answered_by_its_deadline_when_a_replica_is_stopped(
 
 async def test_a_rollback_that_meets_a_stopped_replica_still_answers(
     emulators: StartEmulators,
-    router_at: StartRouterAt,
+    router: StartRouter,
     stoppable: Callable[[], Awaitable[Stoppable]],
     client: aiohttp.ClientSession,
     adapter: Adapter,
@@ -160,7 +141,7 @@ async def test_a_rollback_that_meets_a_stopped_replica_still_answers(
     failing.faults.load_delay_s = 0.5
     failing.faults.load_failures = 1
     frozen = await stoppable()
-    rt = await router_at([failing.url, frozen.url], control_timeout=1.0)
+    rt = await router([failing, frozen.url], control_timeout=1.0)
 
     async def stop_once_loaded() -> None:
         async def holds() -> bool:

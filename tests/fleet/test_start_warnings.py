@@ -1,14 +1,16 @@
-"""What the router says at start about a fleet that is half right: adapters left on a reused
-replica that the trainer's loads would collide with, named with the replica and the fix."""
+"""What the router says about a fleet that is half right: adapters left on a reused replica
+that the trainer's loads would collide with, named at start with the replica and the fix; a
+member that never answers, named once, not on every check."""
 
 from __future__ import annotations
 
 import logging
+import socket
 
 import aiohttp
 import pytest
 from emulated_fleet import StartEmulators, StartRouter
-from helpers import Adapter, load
+from helpers import Adapter, load, until
 
 
 async def test_a_leftover_trainer_version_is_named_at_start_with_its_fix(
@@ -46,3 +48,40 @@ async def test_a_leftover_the_given_pattern_clears_is_not_warned_of(
         await router(emus, unload_stale="trl-policy-*")
     assert not [r for r in caplog.records if "leftover" in r.getMessage()]
     assert "trl-policy-v3" not in emus[0].state.adapters
+
+
+async def test_a_member_that_never_answers_is_warned_of_once_not_every_check(
+    emulators: StartEmulators,
+    router: StartRouter,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    (emu,) = await emulators(1)
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with caplog.at_level(logging.WARNING, logger="lora_router"):
+        rt = await router([emu, dead], health_interval=0.02)
+        assert rt.health is not None
+        await until(lambda: rt.health is not None and rt.health.check_failures >= 10)
+    lines = [r.getMessage() for r in caplog.records if "stays out of service" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"Replica 1 ({dead}) stays out of service: cannot connect")
+
+
+async def test_health_answers_503_below_min_replicas_naming_the_one_out(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    (emu,) = await emulators(1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    rt = await router([emu, dead], min_replicas=2)
+    async with client.get(rt.url + "/health") as resp:
+        assert resp.status == 503
+        assert resp.headers["Retry-After"]
+        message = (await resp.json())["error"]["message"]
+    assert message.startswith("1 replica(s) in service, fewer than --min-replicas 2")
+    assert f"Replica 1 ({dead}) out of service: at start: cannot connect" in message
+    relaxed = await router([emu, dead])  # the default: 200 while one serves
+    async with client.get(relaxed.url + "/health") as resp:
+        assert resp.status == 200

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import aiohttp.web
 import pytest
 from helpers import router_config
 
@@ -237,3 +238,54 @@ async def test_a_replica_whose_two_listings_disagree_is_flagged(tmp_path: Path) 
     assert status == 1, text
     assert "two reads of /v1/models disagree (trl-policy-v1; then no adapter)" in text
     assert "its own --replicas URL" in text
+
+
+async def test_check_reads_the_replica_file_as_the_router_does(tmp_path: Path) -> None:
+    async with replicas(EmulatorConfig()) as emus:
+        listing = tmp_path / "replicas.txt"
+        listing.write_text(f"# the fleet\n{emus[0].url}\nhttp://10.1.2.3:8000\n")
+        out = io.StringIO()
+        argv = ["--check", "--replicas-file", str(listing), "--replica-hosts", "127.0.0.1"]
+        status = await asyncio.to_thread(_main_capturing, [*argv, "--no-token"], out)
+    text = out.getvalue()
+    assert status == 0, text
+    assert emus[0].url in text  # probed: the file named it
+    assert "skipped discovery file:" in text and "outside --replica-hosts" in text
+    assert text.splitlines()[-1].startswith("READY: 1 replica(s) agree")
+
+
+async def test_check_fails_on_a_fleet_it_cannot_find(tmp_path: Path) -> None:
+    missing = tmp_path / "nonexistent"
+    out = io.StringIO()
+    argv = ["--check", "--replicas-file", str(missing), "--replica-hosts", "127.0.0.1"]
+    status = await asyncio.to_thread(_main_capturing, [*argv, "--no-token"], out)
+    text = " ".join(out.getvalue().split())
+    assert status == 1, text
+    assert f"discovery file:{missing}: cannot read it: No such file or directory" in text
+    assert "no replica to check: --replicas names none and discovery found none" in text
+    assert "NOT READY: 2 problem(s)" in text
+
+
+async def test_a_server_that_is_not_vllm_is_named_as_such_and_nothing_else() -> None:
+    async def not_found(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        return aiohttp.web.json_response({"detail": "Not Found"}, status=404)
+
+    app = aiohttp.web.Application()
+    app.router.add_route("*", "/{tail:.*}", not_found)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        site = aiohttp.web.SockSite(runner, s)
+        await site.start()
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+        try:
+            status, text = await run_check(router_config([url]))
+        finally:
+            await runner.cleanup()
+    flat = " ".join(text.split())
+    assert status == 1
+    assert "no vLLM server answers at this URL: /health and /v1/models answer 404" in flat
+    assert "give the URL `vllm serve` listens on" in flat
+    assert "dev mode is off" not in flat and "runtime adapter loading is off" not in flat
