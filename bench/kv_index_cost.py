@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lora_router.emulator.kv_events import BlockRemoved, BlockStored, EventBatch  # noqa: E402
-from lora_router.fleet.kv_events import _decode, _Removed, _Stored  # noqa: E402
+from lora_router.fleet.kv_wire import Removed, Stored, decode  # noqa: E402
 from lora_router.routing.keys import Lineages, RouteKey, prompt_key  # noqa: E402
 from lora_router.routing.kv_index import LIVE, KvIndex  # noqa: E402
 from lora_router.routing.kv_policy import KvAffinity  # noqa: E402
@@ -172,8 +172,8 @@ def ingest(args: argparse.Namespace) -> dict[str, object]:
         index.set_state("r", LIVE)
         start = time.perf_counter_ns()
         for payload in payloads:
-            for event in _decode(payload).events:
-                if isinstance(event, _Stored):
+            for event in decode(payload).events:
+                if isinstance(event, Stored):
                     index.stored(
                         "r",
                         event.block_hashes,
@@ -182,7 +182,7 @@ def ingest(args: argparse.Namespace) -> dict[str, object]:
                         event.block_size,
                         event.lora_name,
                     )
-                elif isinstance(event, _Removed):
+                elif isinstance(event, Removed):
                     index.removed("r", event.block_hashes)
         times.append((time.perf_counter_ns() - start) / 1e9)
         assert index.held("r") == 0

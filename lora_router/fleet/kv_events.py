@@ -9,9 +9,9 @@ join later, or whose source could not be read, are tried again every `health_int
 the source of one whose publisher went away or that restarted (`auto`: a new process may
 publish elsewhere, and is then followed there).
 
-The wire is vLLM's (emulator/kv_events.py states it): `(topic, seq, payload)`, seq 8 bytes
-big-endian from 0 per process, the payload a msgpack array `[ts, events, dp_rank]`, events
-maps tagged "type". Only GPU blocks of KV-cache group 0 (or unnamed) are filed.
+The wire, and the caps on it, are kv_wire.py's: what breaks them is counted (`malformed`,
+`undecodable`, `refused`) and skipped; the subscription goes on. Only GPU blocks of KV-cache
+group 0 (or unnamed) are filed.
 
 A replica's stream state, set in the index (only `live` replicas are looked up):
 - the first batch (after a replay from 0 when there is a replay endpoint: what a router that
@@ -54,6 +54,18 @@ from zmq.utils.monitor import parse_monitor_message
 from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.client import ReplicaClient
 from lora_router.fleet.fleet import Fleet
+from lora_router.fleet.kv_wire import (
+    END_SEQ,
+    MAX_FRAME_BYTES,
+    RCV_HWM,
+    Batch,
+    Removed,
+    Stored,
+    bounded,
+    decode,
+    filed,
+    is_seq,
+)
 from lora_router.fleet.replica import Replica
 from lora_router.routing.kv_index import (
     GAP,
@@ -69,40 +81,8 @@ log = logging.getLogger(__name__)
 
 REPLAY_TIMEOUT_S = 2.0  # for a whole replay's answer
 SILENCE_S = 1.0  # the least time a computed block's batch may take to arrive
-_END_SEQ = (-1).to_bytes(8, "big", signed=True)
+RECONNECT_S = 1.0  # a dropped connection not back by then is connected anew (`_listen`)
 _WILDCARDS = ("*", "0.0.0.0", "[::]", "::")
-_GPU = (None, "GPU")
-
-Hash = int | bytes
-
-
-class _Stored(msgspec.Struct, tag="BlockStored", tag_field="type"):
-    block_hashes: list[Hash]
-    parent_block_hash: Hash | None
-    token_ids: list[int]
-    block_size: int
-    lora_name: str | None = None
-    medium: str | None = None
-    group_idx: int | None = None
-
-
-class _Removed(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
-    block_hashes: list[Hash]
-    medium: str | None = None
-    group_idx: int | None = None
-
-
-class _Cleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
-    pass
-
-
-class _Batch(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[_Stored | _Removed | _Cleared]
-    data_parallel_rank: int | None = None
-
-
-_decode = msgspec.msgpack.Decoder(_Batch).decode
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +140,9 @@ class Stream:
     restarts: int = 0
     disconnects: int = 0
     replays: int = 0
-    undecodable: int = 0
+    undecodable: int = 0  # payloads that are not a batch (counted as gaps too)
+    malformed: int = 0  # messages not (topic, 8-byte seq, payload), skipped
+    refused: int = 0  # stored events naming a hash or a name over its cap, skipped
     silences: int = 0
     batch_at: float = 0.0  # loop time the last batch arrived
     owed_since: float | None = None  # loop time a computed block's batch was first found missing
@@ -326,6 +308,8 @@ class KvEvents:
         assert self._ctx is not None
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        sub.setsockopt(zmq.RCVHWM, RCV_HWM)
         sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(source.endpoint)
@@ -347,11 +331,22 @@ class KvEvents:
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
+        # ZMQ never reconnects a connection it dropped for a protocol error (a frame over
+        # MAX_FRAME_BYTES): not connected again RECONNECT_S after a disconnect, connect anew
+        # (which drops ZMQ's own retry, if it was retrying).
+        reconnect_ms: int | None = None
         while True:
-            ready = dict(await poller.poll())
+            ready = dict(await poller.poll(reconnect_ms))
+            if not ready:
+                with contextlib.suppress(zmq.ZMQError):
+                    sub.disconnect(source.endpoint)
+                sub.connect(source.endpoint)
+                continue
             if monitor in ready:
                 event = parse_monitor_message(await monitor.recv_multipart())
+                reconnect_ms = None
                 if event["event"] == zmq.EVENT_DISCONNECTED:
+                    reconnect_ms = int(RECONNECT_S * 1000)
                     stream.disconnects += 1
                     stream.verify = True  # what it published meanwhile is unknown
                     stream.recheck = True  # a new process may publish elsewhere
@@ -360,8 +355,12 @@ class KvEvents:
                         log.warning("KV events of %s: its publisher went away", name)
             if sub in ready:
                 frames = await sub.recv_multipart()
-                if len(frames) == 3:
+                if len(frames) == 3 and is_seq(frames[1]):
                     await self._on_batch(name, stream, source, frames[1], frames[2])
+                else:
+                    stream.malformed += 1
+                    if stream.malformed == 1:
+                        log.warning("KV events of %s: a message not of vLLM's shape", name)
 
     async def _on_batch(
         self, name: str, stream: Stream, source: Source, seq_bytes: bytes, payload: bytes
@@ -369,7 +368,7 @@ class KvEvents:
         seq = int.from_bytes(seq_bytes, "big")
         stream.batch_at = asyncio.get_running_loop().time()
         try:
-            batch = _decode(payload)
+            batch = decode(payload)
         except msgspec.DecodeError:
             stream.undecodable += 1
             stream.gaps += 1
@@ -406,20 +405,22 @@ class KvEvents:
         name: str,
         stream: Stream,
         seq: int,
-        batch: _Batch,
+        batch: Batch,
         state: str,
         inherited: bool = False,
     ) -> None:
         """File one batch. `state`: the replica's state after it, unless the batch is the next
         in sequence, which ends a fault (a gap, a restart, a stop); a fault the index itself
-        found while filing (another block size, too many blocks) stands."""
+        found while filing (another block size, the index full) stands."""
         in_sequence = stream.next_seq is not None and seq == stream.next_seq
         index = self.index
         rep = index.replica(name)
         before = rep.state
         for event in batch.events:
-            if isinstance(event, _Stored):
-                if event.medium in _GPU and event.group_idx in (None, 0):
+            if isinstance(event, Stored):
+                if not bounded(event):
+                    stream.refused += 1
+                elif filed(event):
                     index.stored(
                         name,
                         event.block_hashes,
@@ -429,8 +430,8 @@ class KvEvents:
                         event.lora_name,
                         inherited,
                     )
-            elif isinstance(event, _Removed):
-                if event.medium in _GPU and event.group_idx in (None, 0):
+            elif isinstance(event, Removed):
+                if filed(event):
                     index.removed(name, event.block_hashes)
             else:
                 index.reset(name, rep.state, rep.reason)
@@ -490,14 +491,15 @@ class KvEvents:
 
     async def _replayed(
         self, source: Source, start: int, limit: int | None = None
-    ) -> list[tuple[int, _Batch]] | None:
+    ) -> list[tuple[int, Batch]] | None:
         """The batches the replay socket holds from `start` (at most `limit` kept), in order;
         None when it did not answer within REPLAY_TIMEOUT_S."""
         assert self._ctx is not None and source.replay is not None
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         sock.connect(source.replay)
-        out: list[tuple[int, _Batch]] = []
+        out: list[tuple[int, Batch]] = []
         try:
             async with asyncio.timeout(REPLAY_TIMEOUT_S):
                 await sock.send_multipart((b"", start.to_bytes(8, "big")))
@@ -505,12 +507,12 @@ class KvEvents:
                     frames = await sock.recv_multipart()
                     # 0.32: (b"", topic, seq, payload); earlier releases: (b"", seq, payload).
                     seq_bytes, payload = frames[-2], frames[-1]
-                    if seq_bytes == _END_SEQ:
+                    if seq_bytes == END_SEQ:
                         return out
-                    if limit is not None and len(out) >= limit:
+                    if (limit is not None and len(out) >= limit) or not is_seq(seq_bytes):
                         continue
                     with contextlib.suppress(msgspec.DecodeError):
-                        out.append((int.from_bytes(seq_bytes, "big"), _decode(payload)))
+                        out.append((int.from_bytes(seq_bytes, "big"), decode(payload)))
         except TimeoutError:
             return None
         finally:
@@ -561,11 +563,17 @@ class KvEvents:
                 "replays": stream.replays,
                 "orphans": rep.orphans if rep is not None else 0,
                 "undecodable": stream.undecodable,
+                "malformed": stream.malformed,
+                "refused": stream.refused,
+                "nameless": rep.nameless if rep is not None else 0,
+                "bytes": rep.bytes if rep is not None else 0,
                 "silences": stream.silences,
             }
         return {
             "mode": self.config.kv_events,
             "silence_s": self.silence_s,
             "silence_checks": self.silence_checks,
+            "bytes": self.index.bytes,
+            "max_bytes": self.index.max_bytes,
             "replicas": out,
         }
