@@ -575,5 +575,6 @@ class KvEvents:
             "silence_checks": self.silence_checks,
             "bytes": self.index.bytes,
             "max_bytes": self.index.max_bytes,
+            "max_replica_bytes": self.index.max_replica_bytes,
             "replicas": out,
         }

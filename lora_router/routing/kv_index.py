@@ -24,9 +24,9 @@ Rules:
 - Only replicas in `LIVE` state are looked up (`longest`); the caller (fleet/kv_events.py)
   decides the state from the event stream. A replica not live keeps what it holds only while
   `STALE` (the stream stopped; it resumes in sequence or is reset).
-- At most `max_bytes` in all, each block counted `block_cost` (a bound on what it costs, its
-  hash and name included; fleet/kv_wire.py caps both): beyond it, the replica holding the most
-  is reset and marked `GAP`. A new name beyond MAX_NAMES is refused (counted `nameless`).
+- At most `max_replica_bytes` a replica, `max_bytes` in all, a block counted `block_cost` (its
+  memory's bound; kv_wire.py caps hash and name): over either, the replica over its own, or the
+  one holding most, is reset (`GAP`). A name beyond MAX_NAMES is refused (counted `nameless`).
 - A block filed `inherited` (what the replicas held before this router started, read from
   their replay buffers) says so to `inherited` until it is removed: the policy tells a
   family placed before it from a prefix families placed since share (kv_policy.py).
@@ -34,7 +34,7 @@ Rules:
 Cost: `stored` O(blocks) (one xxh3 and two dict writes each); `removed` O(blocks); `reset`
 O(blocks held). `longest` for a prompt of b full blocks: at most b dict lookups and b set
 intersections of at most n holders (in C), stopping at the first block no live replica holds.
-Memory: `max_bytes`, plus a small dict per name (docs/design/kv-events.md#memory measures).
+Memory: `max_bytes` plus a dict per name (docs/design/kv-events.md#memory measures each).
 
 Never: I/O, clocks, logging; never a key for a block whose parent's key is unknown.
 """
@@ -57,7 +57,9 @@ INHERITED_BYTES = 384
 MAX_HASH_BYTES = 64
 MAX_NAME_BYTES = 256  # an adapter name (`lora_name`), in UTF-8 bytes
 MAX_NAMES = 1024  # adapter names filed at once, over the whole fleet (TRL uses a handful)
-DEFAULT_MAX_BYTES = 1 << 30  # about two million blocks, over the whole fleet
+# A replica: about 500,000 blocks of 512 bytes, several times the pool of an 80 GB GPU.
+DEFAULT_MAX_REPLICA_BYTES = 256 << 20
+DEFAULT_MAX_BYTES = 2 << 30  # the fleet: about four million blocks
 
 BlockHash = Hashable  # vLLM's ExternalBlockHash: an int (its default) or bytes
 
@@ -97,6 +99,7 @@ class KvIndex:
         "block_size",
         "bytes",
         "max_bytes",
+        "max_replica_bytes",
         "replicas",
         "root",
     )
@@ -106,10 +109,12 @@ class KvIndex:
         root: Callable[[str | None], int],
         block_size: int,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        max_replica_bytes: int = DEFAULT_MAX_REPLICA_BYTES,
     ) -> None:
         self.root = root  # adapter name (None: base) -> the seed its prompts' chains start from
         self.block_size = block_size  # the router's; set again once the replicas said theirs
         self.max_bytes = max_bytes
+        self.max_replica_bytes = max_replica_bytes
         self.bytes = 0  # the `block_cost` of every block filed, over all replicas
         self.replicas: dict[str, ReplicaBlocks] = {}
         # adapter name -> router key -> replica -> how many of its filed blocks have that key.
@@ -186,7 +191,7 @@ class KvIndex:
             if old is not None:
                 if old == (lora, key):
                     continue
-                self._unfile(name, rep, block_hash, old)
+                cost -= self._unfile(name, block_hash, old)
                 holders = self._holders.setdefault(lora, holders)  # if that emptied it
             blocks[block_hash] = (lora, key)
             heirs = self._inherited.setdefault((lora, key), set()) if inherited else None
@@ -203,7 +208,9 @@ class KvIndex:
         rep.stored += filed
         rep.bytes += cost
         self.bytes += cost
-        if self.bytes > self.max_bytes:
+        if rep.bytes > self.max_replica_bytes:
+            self.reset(name, GAP, f"its blocks passed {self.max_replica_bytes} bytes")
+        elif self.bytes > self.max_bytes:
             largest = max(self.replicas, key=lambda n: self.replicas[n].bytes)
             self.reset(largest, GAP, f"the KV index was full ({self.max_bytes} bytes)")
         return filed
@@ -214,37 +221,38 @@ class KvIndex:
         if rep is None:
             return
         pop = rep.blocks.pop
+        freed = 0
         for block_hash in hashes:
             old = pop(block_hash, None)
             if old is not None:
-                self._unfile(name, rep, block_hash, old)
+                freed += self._unfile(name, block_hash, old)
                 rep.removed += 1
+        rep.bytes -= freed
+        self.bytes -= freed
 
     def reset(self, name: str, state: str, reason: str | None = None) -> None:
         """Drop every block of the replica (`AllBlocksCleared`, a gap, a restart) and set its
         state."""
         rep = self.replica(name)
-        for block_hash, entry in rep.blocks.items():
-            self._unfile(name, rep, block_hash, entry)
+        freed = sum(self._unfile(name, h, entry) for h, entry in rep.blocks.items())
+        rep.bytes -= freed
+        self.bytes -= freed
         if rep.blocks:
             rep.resets += 1
         rep.blocks = {}
         self.set_state(name, state, reason)
 
-    def _unfile(
-        self, name: str, rep: ReplicaBlocks, block_hash: BlockHash, entry: tuple[str | None, int]
-    ) -> None:
-        """Take one block out of every map but `rep.blocks` (the caller's), and its cost off."""
+    def _unfile(self, name: str, block_hash: BlockHash, entry: tuple[str | None, int]) -> int:
+        """Take one block out of every map but the replica's `blocks` (the caller's); returns
+        its `block_cost`, which the caller takes off."""
         lora, key = entry
         heirs = self._inherited.get(entry)
-        inherited = heirs is not None and name in heirs
-        if heirs is not None:
+        inherited = False
+        if heirs is not None and name in heirs:
+            inherited = True
             heirs.discard(name)
             if not heirs:
                 del self._inherited[entry]
-        cost = block_cost(block_hash, lora, inherited)
-        rep.bytes -= cost
-        self.bytes -= cost
         holders = self._holders[lora]
         by_replica = holders[key]
         left = by_replica[name] - 1
@@ -256,6 +264,7 @@ class KvIndex:
                 del holders[key]
                 if not holders:
                     del self._holders[lora]
+        return block_cost(block_hash, lora, inherited)
 
     def longest(self, lora: str | None, chain: Sequence[int]) -> tuple[int, frozenset[str]]:
         """The most leading blocks of `chain` (a prompt's `PromptKey.chain` under `root(lora)`)

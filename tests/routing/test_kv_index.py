@@ -182,6 +182,19 @@ def test_an_index_over_its_bytes_resets_the_replica_holding_the_most() -> None:
     assert index.held("r1") == 3 and index.bytes == 3 * BLOCK_BYTES
 
 
+def test_a_replica_over_its_own_bytes_is_reset_alone() -> None:
+    index = KvIndex(root, BLOCK, max_replica_bytes=3 * BLOCK_BYTES)
+    for name in ("r0", "r1"):
+        index.set_state(name, LIVE)
+    index.stored("r1", [9], None, list(range(4)), BLOCK, None)
+    index.stored("r0", [1, 2, 3], None, list(range(12)), BLOCK, None)
+    assert index.replicas["r0"].state == LIVE
+    index.stored("r0", [4], 3, list(range(12, 16)), BLOCK, None)  # one block over its own
+    assert index.replicas["r0"].state == GAP and index.held("r0") == 0
+    assert "passed" in (index.replicas["r0"].reason or "")
+    assert index.held("r1") == 1 and index.bytes == BLOCK_BYTES
+
+
 @pytest.mark.parametrize(
     ("hash_bytes", "name", "inherited"),
     [
