@@ -57,14 +57,18 @@ from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.kv_wire import (
     END_SEQ,
     MAX_FRAME_BYTES,
+    MAX_REPLAY_BYTES,
     RCV_HWM,
     Batch,
     Removed,
+    Source,
     Stored,
     bounded,
     decode,
     filed,
+    host_of,
     is_seq,
+    parse_sources,
 )
 from lora_router.fleet.replica import Replica
 from lora_router.routing.kv_index import (
@@ -82,47 +86,6 @@ log = logging.getLogger(__name__)
 REPLAY_TIMEOUT_S = 2.0  # for a whole replay's answer
 SILENCE_S = 1.0  # the least time a computed block's batch may take to arrive
 RECONNECT_S = 1.0  # a dropped connection not back by then is connected anew (`_listen`)
-_WILDCARDS = ("*", "0.0.0.0", "[::]", "::")
-
-
-@dataclass(frozen=True, slots=True)
-class Source:
-    """Where one replica publishes."""
-
-    endpoint: str
-    replay: str | None = None
-    topic: str = ""
-
-
-def parse_sources(doc: object, host: str) -> Source | None:
-    """DP rank 0's source in a `/kv_event_sources` answer, its wildcard host made `host`."""
-    if not isinstance(doc, dict):
-        return None
-    rank0 = doc.get("0")
-    if not isinstance(rank0, dict) or rank0.get("publisher") not in (None, "zmq"):
-        return None
-    endpoint, replay = rank0.get("endpoint"), rank0.get("replay_endpoint")
-    if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
-        return None
-    topic = rank0.get("topic")
-    return Source(
-        _reachable(endpoint, host),
-        _reachable(replay, host) if isinstance(replay, str) else None,
-        topic if isinstance(topic, str) else "",
-    )
-
-
-def _host(endpoint: str) -> str:
-    """The host of a `tcp://HOST:PORT` endpoint, IPv6 brackets off."""
-    return endpoint.partition("://")[2].rpartition(":")[0].strip("[]")
-
-
-def _reachable(endpoint: str, host: str) -> str:
-    scheme, _, rest = endpoint.partition("://")
-    where, _, port = rest.rpartition(":")
-    if where in _WILDCARDS:
-        where = f"[{host}]" if ":" in host else host
-    return f"{scheme}://{where}:{port}"
 
 
 @dataclass(slots=True)
@@ -143,6 +106,7 @@ class Stream:
     undecodable: int = 0  # payloads that are not a batch (counted as gaps too)
     malformed: int = 0  # messages not (topic, 8-byte seq, payload), skipped
     refused: int = 0  # stored events naming a hash or a name over its cap, skipped
+    replays_refused: int = 0  # replay answers over MAX_REPLAY_BYTES, not applied
     silences: int = 0
     batch_at: float = 0.0  # loop time the last batch arrived
     owed_since: float | None = None  # loop time a computed block's batch was first found missing
@@ -278,7 +242,7 @@ class KvEvents:
                 "its /kv_event_sources names no ZMQ publisher (no --kv-events-config)",
                 False,
             )
-        foreign = [e for e in (source.endpoint, source.replay) if e and _host(e) != host]
+        foreign = [e for e in (source.endpoint, source.replay) if e and host_of(e) != host]
         if foreign:
             # The router connects only to the fleet's own hosts: another one is named only by
             # the operator (`--kv-events tcp://HOST:PORT`), never by what a replica answers.
@@ -458,11 +422,12 @@ class KvEvents:
             stream.next_seq = None
             self._fault(name, GAP, "reconnected, and no replay endpoint says what it missed")
             return
-        probe = await self._replayed(source, last, limit=1)
-        if probe and probe[0][0] == last and probe[0][1].ts == stream.last_ts:
+        probe = await self._replayed(stream, source, last, limit=1)
+        found = self._decoded(stream, probe[0][1]) if probe and probe[0][0] == last else None
+        if found is not None and found.ts == stream.last_ts:
             await self._replay(name, stream, source, last + 1)
             return
-        if probe and probe[0][0] == last:
+        if found is not None:
             stream.restarts += 1
             stream.next_seq = None
             self._fault(name, RESTARTED, f"batch {last} was published again: it restarted")
@@ -478,45 +443,71 @@ class KvEvents:
         """Ask the replay socket for every batch from `start` and apply those in sequence;
         True when it answered (whatever it still held). `inherited`: the start-up replay."""
         stream.replays += 1
-        batches = await self._replayed(source, start)
+        batches = await self._replayed(stream, source, start)
         if batches is None:
             return False
-        for seq, batch in batches:
+        for seq, payload in batches:
             expected = stream.next_seq
             if expected is not None and seq != expected:
                 continue  # before what was applied, or beyond a hole it cannot fill
+            batch = self._decoded(stream, payload)
+            if batch is None:
+                continue  # a hole: what follows it is out of sequence
             state = self.index.replica(name).state
             self._apply(name, stream, seq, batch, LIVE if state == STALE else state, inherited)
         return True
 
     async def _replayed(
-        self, source: Source, start: int, limit: int | None = None
-    ) -> list[tuple[int, Batch]] | None:
-        """The batches the replay socket holds from `start` (at most `limit` kept), in order;
-        None when it did not answer within REPLAY_TIMEOUT_S."""
+        self, stream: Stream, source: Source, start: int, limit: int | None = None
+    ) -> list[tuple[int, bytes]] | None:
+        """The payloads the replay socket holds from `start` (at most `limit` kept), in order,
+        still encoded; None when it did not answer within REPLAY_TIMEOUT_S, or answered more
+        than MAX_REPLAY_BYTES (counted `replays_refused`). A message not of the wire's shape is
+        counted `malformed` and skipped."""
         assert self._ctx is not None and source.replay is not None
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         sock.connect(source.replay)
-        out: list[tuple[int, Batch]] = []
+        out: list[tuple[int, bytes]] = []
+        budget = MAX_REPLAY_BYTES
         try:
             async with asyncio.timeout(REPLAY_TIMEOUT_S):
                 await sock.send_multipart((b"", start.to_bytes(8, "big")))
                 while True:
                     frames = await sock.recv_multipart()
                     # 0.32: (b"", topic, seq, payload); earlier releases: (b"", seq, payload).
+                    if len(frames) < 3 or not (is_seq(frames[-2]) or frames[-2] == END_SEQ):
+                        stream.malformed += 1
+                        continue
                     seq_bytes, payload = frames[-2], frames[-1]
                     if seq_bytes == END_SEQ:
                         return out
-                    if (limit is not None and len(out) >= limit) or not is_seq(seq_bytes):
+                    if limit is not None and len(out) >= limit:
                         continue
-                    with contextlib.suppress(msgspec.DecodeError):
-                        out.append((int.from_bytes(seq_bytes, "big"), decode(payload)))
+                    budget -= len(payload)
+                    if budget < 0:
+                        stream.replays_refused += 1
+                        log.warning(
+                            "KV events: the replay of %s holds more than %d bytes; not applied",
+                            source.replay,
+                            MAX_REPLAY_BYTES,
+                        )
+                        return None
+                    out.append((int.from_bytes(seq_bytes, "big"), payload))
         except TimeoutError:
             return None
         finally:
             sock.close(linger=0)
+
+    @staticmethod
+    def _decoded(stream: Stream, payload: bytes) -> Batch | None:
+        """A replayed payload decoded; None, counted `undecodable`, when it is not a batch."""
+        try:
+            return decode(payload)
+        except msgspec.DecodeError:
+            stream.undecodable += 1
+            return None
 
     def _fault(self, name: str, state: str, reason: str) -> None:
         """Drop what the replica held: its stream can no longer say what that is."""
@@ -565,6 +556,7 @@ class KvEvents:
                 "undecodable": stream.undecodable,
                 "malformed": stream.malformed,
                 "refused": stream.refused,
+                "replays_refused": stream.replays_refused,
                 "nameless": rep.nameless if rep is not None else 0,
                 "bytes": rep.bytes if rep is not None else 0,
                 "silences": stream.silences,

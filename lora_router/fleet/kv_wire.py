@@ -1,4 +1,5 @@
-"""vLLM's KV events on the wire, decoded and bounded (fleet/kv_events.py reads them).
+"""vLLM's KV events on the wire, decoded and bounded, and where a replica publishes them
+(`parse_sources`: its `/kv_event_sources` answer); fleet/kv_events.py follows them.
 
 The wire (emulator/kv_events.py states it, from vLLM 0.32): a PUB message `(topic, seq,
 payload)`, seq 8 bytes big-endian from 0 per process (a signed int64: the replay socket's end
@@ -6,8 +7,9 @@ marker is -1), the payload a msgpack array `[ts, events, dp_rank]`, events maps 
 
 Caps, so that no publisher grows the router beyond a stated bound:
 - a frame is at most MAX_FRAME_BYTES (ZMQ's MAXMSGSIZE on the subscriber and the replay
-  socket: a larger one drops the connection, which the subscriber reads as a stop), and at
-  most RCV_HWM messages wait per replica while the loop is busy;
+  socket: a larger one drops the connection, which the subscriber reads as a stop), at most
+  RCV_HWM messages wait per replica while the loop is busy, and a replay's answer is kept to
+  MAX_REPLAY_BYTES (more is treated as no answer);
 - a message that is not three frames with a sequence number (`is_seq`) is *malformed*, a payload
   that does not decode as a batch *undecodable*: both counted and skipped by the caller;
 - a stored event naming a block hash over MAX_HASH_BYTES or an adapter name over
@@ -21,6 +23,8 @@ Never: I/O, or a cost beyond O(frame bytes) for a message.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
 
 from lora_router.routing.kv_index import MAX_HASH_BYTES, MAX_NAME_BYTES
@@ -28,8 +32,11 @@ from lora_router.routing.kv_index import MAX_HASH_BYTES, MAX_NAME_BYTES
 # A batch is one engine step's events: a step of 64k prompt tokens is about 0.5 MiB of msgpack.
 MAX_FRAME_BYTES = 8 << 20
 RCV_HWM = 64  # so at most 64 x 3 frames of 8 MiB wait per replica
+# One replay's answer, kept encoded until applied one batch at a time: vLLM keeps 10,000 steps.
+MAX_REPLAY_BYTES = 64 << 20
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _GPU = (None, "GPU")
+_WILDCARDS = ("*", "0.0.0.0", "[::]", "::")
 
 Hash = int | bytes
 
@@ -82,3 +89,43 @@ def bounded(event: Stored) -> bool:
     if isinstance(parent, bytes) and len(parent) > MAX_HASH_BYTES:
         return False
     return not any(isinstance(h, bytes) and len(h) > MAX_HASH_BYTES for h in event.block_hashes)
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Where one replica publishes."""
+
+    endpoint: str
+    replay: str | None = None
+    topic: str = ""
+
+
+def parse_sources(doc: object, host: str) -> Source | None:
+    """DP rank 0's source in a `/kv_event_sources` answer, its wildcard host made `host`."""
+    if not isinstance(doc, dict):
+        return None
+    rank0 = doc.get("0")
+    if not isinstance(rank0, dict) or rank0.get("publisher") not in (None, "zmq"):
+        return None
+    endpoint, replay = rank0.get("endpoint"), rank0.get("replay_endpoint")
+    if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+        return None
+    topic = rank0.get("topic")
+    return Source(
+        _reachable(endpoint, host),
+        _reachable(replay, host) if isinstance(replay, str) else None,
+        topic if isinstance(topic, str) else "",
+    )
+
+
+def host_of(endpoint: str) -> str:
+    """The host of a `tcp://HOST:PORT` endpoint, IPv6 brackets off."""
+    return endpoint.partition("://")[2].rpartition(":")[0].strip("[]")
+
+
+def _reachable(endpoint: str, host: str) -> str:
+    scheme, _, rest = endpoint.partition("://")
+    where, _, port = rest.rpartition(":")
+    if where in _WILDCARDS:
+        where = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{where}:{port}"

@@ -5,6 +5,7 @@ routing/kv_index.py), and never ends the subscription: the next good batch is ap
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 import tracemalloc
@@ -17,14 +18,19 @@ import orjson
 import pytest
 import zmq
 from emulated_fleet import StartEmulators, StartRouter
-from helpers import call, until
+from helpers import call, completed, until
 
 from lora_router.emulator import Emulator
+from lora_router.emulator.kv_events import KVEventsConfig
+from lora_router.fleet import kv_events
 from lora_router.fleet.kv_wire import MAX_FRAME_BYTES
 from lora_router.routing.kv_index import MAX_HASH_BYTES
 from lora_router.runtime import RouterRuntime
 
 BLOCK = 16
+REPLAYED = KVEventsConfig(
+    enable_kv_cache_events=True, endpoint="tcp://*:0", replay_endpoint="tcp://*:0"
+)
 
 
 class Publisher:
@@ -199,3 +205,31 @@ async def subscribed_again(rt: RouterRuntime, emu: Emulator, pub: Publisher, hel
         except TimeoutError:
             continue
     raise AssertionError(f"the router never received a batch again {rt.kv_events.json()}")
+
+
+async def test_a_replay_over_its_budget_is_not_applied(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replay answer larger than MAX_REPLAY_BYTES (here 64 bytes, below one batch) is counted
+    and treated as no answer: nothing of it is filed, and the live stream goes on."""
+    monkeypatch.setattr(kv_events, "MAX_REPLAY_BYTES", 64)
+    (emu,) = await emulators(1, kv_events_config=REPLAYED)
+    await completed(client, emu.url, prompt=list(range(3000, 3064)), max_tokens=1)
+    rt = await router([emu], policy="kv")
+    assert rt.kv_events is not None
+    stream, index = rt.kv_events.streams[emu.url], rt.kv_events.index
+    await until(lambda: stream.replays_refused == 1)
+    assert index.held(emu.url) == 0
+    for i in itertools.count():  # the live stream (ZMQ's slow joiner: until one arrives)
+        await completed(client, emu.url, prompt=[60_000 + i] * BLOCK, max_tokens=1)
+        with contextlib.suppress(TimeoutError):
+            await until(lambda: index.held(emu.url) > 0, timeout=0.05)
+            break
+        assert i < 200
+    assert index.replica(emu.url).state == "live"
+    status, data, _ = await call(client, "GET", rt.url + "/router/status")
+    assert status == 200
+    assert orjson.loads(data)["kv_events"]["replicas"][emu.url]["replays_refused"] == 1
