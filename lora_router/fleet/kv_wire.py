@@ -24,6 +24,7 @@ Never: I/O, or a cost beyond O(frame bytes) for a message.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 import msgspec
 
@@ -39,12 +40,15 @@ _GPU = (None, "GPU")
 _WILDCARDS = ("*", "0.0.0.0", "[::]", "::")
 
 Hash = int | bytes
+# A token id as the router's keys pack it (routing/keys.py: 4 bytes): a batch naming another is
+# undecodable, as vLLM never sends one.
+Token = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
 
 
 class Stored(msgspec.Struct, tag="BlockStored", tag_field="type"):
     block_hashes: list[Hash]
     parent_block_hash: Hash | None
-    token_ids: list[int]
+    token_ids: list[Token]
     block_size: int
     lora_name: str | None = None
     medium: str | None = None

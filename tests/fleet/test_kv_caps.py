@@ -141,6 +141,25 @@ async def test_a_malformed_frame_is_counted_and_the_next_good_batch_applied(
     assert 'lora_router_kv_events_undecodable_total{replica="0"} 1.0' in data.decode()
 
 
+async def test_a_token_id_the_keys_cannot_hold_is_an_undecodable_batch(
+    emulators: StartEmulators, router: StartRouter, publisher: Publisher
+) -> None:
+    """Token ids are packed in 4 bytes (routing/keys.py): a batch naming 2**32 or -1 is
+    counted undecodable (a gap), and the next batch in sequence is applied."""
+    rt, emu = await kv_router(emulators, router, publisher)
+    assert rt.kv_events is not None
+    stream, index = rt.kv_events.streams[emu.url], rt.kv_events.index
+    for token in (1 << 32, -1):
+        event = publisher.stored()
+        event["token_ids"][0] = token
+        publisher.batch(event)
+    await until(lambda: stream.undecodable == 2)
+    publisher.batch(publisher.stored(2))
+    await until(lambda: index.held(emu.url) == 2)
+    assert index.replica(emu.url).state == "live"
+    assert stream.task is not None and not stream.task.done()
+
+
 async def test_oversized_hashes_never_grow_the_router(
     emulators: StartEmulators,
     router: StartRouter,
