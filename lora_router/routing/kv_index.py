@@ -210,7 +210,7 @@ class KvIndex:
         self.bytes += cost
         if rep.bytes > self.max_replica_bytes:
             self.reset(name, GAP, f"its blocks passed {self.max_replica_bytes} bytes")
-        elif self.bytes > self.max_bytes:
+        elif self.bytes > self.max_bytes:  # the largest holds at least this store's excess
             largest = max(self.replicas, key=lambda n: self.replicas[n].bytes)
             self.reset(largest, GAP, f"the KV index was full ({self.max_bytes} bytes)")
         return filed
