@@ -4,7 +4,7 @@
                                   [--requests 4000] [--rounds 5] [--out FILE]
 
 Routing: new families (every prompt distinct, so each one takes the fresh path, the only one
-`kv` changes) routed by `PrefixAffinity` and by `KvAffinity` over the same fleet, the KV index
+`kv` changes) routed by `PrefixAffinity` without and with its `KvLookup` over one fleet, the index
 holding `--held` blocks in all, spread over the replicas, a quarter of the prompts sharing a
 held prefix of half their blocks. Each request is keyed as the routed path keys it
 (`keys.prompt_key` under the lineage's seed) and `choose`n; the figure is the median over
@@ -37,10 +37,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lora_router.emulator.kv_events import BlockRemoved, BlockStored, EventBatch  # noqa: E402
-from lora_router.fleet.kv_events import _decode, _Removed, _Stored  # noqa: E402
+from lora_router.fleet.kv_wire import Removed, Stored, decode  # noqa: E402
 from lora_router.routing.keys import Lineages, RouteKey, prompt_key  # noqa: E402
 from lora_router.routing.kv_index import LIVE, KvIndex  # noqa: E402
-from lora_router.routing.kv_policy import KvAffinity  # noqa: E402
+from lora_router.routing.kv_policy import KvLookup  # noqa: E402
 from lora_router.routing.policy import Candidates, PrefixAffinity  # noqa: E402
 
 BLOCK = 16
@@ -120,7 +120,7 @@ def routing(held: int, args: argparse.Namespace) -> dict[str, object]:
         batch = prompts(args.requests, args.tokens, chains, rnd)
         prefix = PrefixAffinity()
         prefix.set_members(members)
-        kv = KvAffinity(index)
+        kv = PrefixAffinity(prefer=KvLookup(index))
         kv.set_members(members)
         # Alternated within the round, so that the machine's load moves both alike.
         rounds["prefix"].append(per_request_us(prefix, members, batch))
@@ -172,8 +172,8 @@ def ingest(args: argparse.Namespace) -> dict[str, object]:
         index.set_state("r", LIVE)
         start = time.perf_counter_ns()
         for payload in payloads:
-            for event in _decode(payload).events:
-                if isinstance(event, _Stored):
+            for event in decode(payload).events:
+                if isinstance(event, Stored):
                     index.stored(
                         "r",
                         event.block_hashes,
@@ -182,7 +182,7 @@ def ingest(args: argparse.Namespace) -> dict[str, object]:
                         event.block_size,
                         event.lora_name,
                     )
-                elif isinstance(event, _Removed):
+                elif isinstance(event, Removed):
                     index.removed("r", event.block_hashes)
         times.append((time.perf_counter_ns() - start) / 1e9)
         assert index.held("r") == 0

@@ -42,7 +42,7 @@ from lora_router.emulator import (  # noqa: E402
 )
 from lora_router.emulator.kv_events import KVEventsConfig  # noqa: E402
 from lora_router.routing.kv_index import KvIndex  # noqa: E402
-from lora_router.routing.kv_policy import KvAffinity  # noqa: E402
+from lora_router.routing.policy import PrefixAffinity  # noqa: E402
 from lora_router.runtime import RouterRuntime  # noqa: E402
 
 MODEL = "trl-policy-v1"
@@ -97,15 +97,15 @@ def counters(emus: list[Emulator]) -> tuple[int, int]:
 
 async def run(variant: str, args: argparse.Namespace, adapter: str) -> dict[str, Any]:
     policy = "prefix" if variant == "prefix" else "kv"
-    window, inherited = KvAffinity._window, KvIndex.inherited
+    window, inherited = PrefixAffinity.window, KvIndex.inherited
     if variant == "kv-no-window":
-        KvAffinity._window = lambda self: 1 << 62  # type: ignore[method-assign]
+        PrefixAffinity.window = lambda self: 1 << 62  # type: ignore[method-assign]
     if variant == "kv-window-only":
         KvIndex.inherited = lambda self, lora, key, name: False  # type: ignore[method-assign]
     try:
         return await _run(variant, policy, args, adapter)
     finally:
-        KvAffinity._window = window  # type: ignore[method-assign]
+        PrefixAffinity.window = window  # type: ignore[method-assign]
         KvIndex.inherited = inherited  # type: ignore[method-assign]
 
 

@@ -36,8 +36,8 @@ from lora_router.proxy.answers import cleartext_warning
 from lora_router.proxy.dispatch import RouterApp
 from lora_router.routing.keys import DEFAULT_BLOCK_SIZE, Lineages
 from lora_router.routing.kv_index import KvIndex
-from lora_router.routing.kv_policy import KvAffinity
-from lora_router.routing.policy import Policy, make_policy
+from lora_router.routing.kv_policy import KvLookup
+from lora_router.routing.policy import Policy, PrefixAffinity, make_policy
 
 log = logging.getLogger("lora_router")
 
@@ -89,7 +89,7 @@ class RouterRuntime:
         if config.policy == "kv":
             lineages = Lineages(config.lineage_pattern)  # the roots of the routed prompts' keys
             index = KvIndex(lambda lora: lineages.seeds(lora, lora is not None).token, 0)
-            policy = KvAffinity(index, **options)  # type: ignore[arg-type]
+            policy = PrefixAffinity(**options, prefer=KvLookup(index))  # type: ignore[arg-type]
         else:
             policy = make_policy(config.policy, **options)  # type: ignore[arg-type]
         policy.set_members(fleet.replicas)

@@ -34,5 +34,5 @@ The rest, by what each part knows:
 - `report.py`: one replica's `/metrics` scrape, kept on its `Replica`;
 - `kv_events.py`: with `--policy kv`, one ZMQ subscription per replica to its KV-cache events,
   feeding the KV index (routing/kv_index.py); it only listens, and asks `/kv_event_sources`
-  through `client.py`.
+  through `client.py`; `kv_wire.py` decodes those events and states the caps on them.
 """

@@ -9,9 +9,9 @@ join later, or whose source could not be read, are tried again every `health_int
 the source of one whose publisher went away or that restarted (`auto`: a new process may
 publish elsewhere, and is then followed there).
 
-The wire is vLLM's (emulator/kv_events.py states it): `(topic, seq, payload)`, seq 8 bytes
-big-endian from 0 per process, the payload a msgpack array `[ts, events, dp_rank]`, events
-maps tagged "type". Only GPU blocks of KV-cache group 0 (or unnamed) are filed.
+The wire, and the caps on it, are kv_wire.py's: what breaks them is counted (`malformed`,
+`undecodable`, `refused`) and skipped; the subscription goes on. Only GPU blocks of KV-cache
+group 0 (or unnamed) are filed.
 
 A replica's stream state, set in the index (only `live` replicas are looked up):
 - the first batch (after a replay from 0 when there is a replay endpoint: what a router that
@@ -54,6 +54,22 @@ from zmq.utils.monitor import parse_monitor_message
 from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.client import ReplicaClient
 from lora_router.fleet.fleet import Fleet
+from lora_router.fleet.kv_wire import (
+    END_SEQ,
+    MAX_FRAME_BYTES,
+    MAX_REPLAY_BYTES,
+    RCV_HWM,
+    Batch,
+    Removed,
+    Source,
+    Stored,
+    bounded,
+    decode,
+    filed,
+    host_of,
+    is_seq,
+    parse_sources,
+)
 from lora_router.fleet.replica import Replica
 from lora_router.routing.kv_index import (
     GAP,
@@ -69,80 +85,7 @@ log = logging.getLogger(__name__)
 
 REPLAY_TIMEOUT_S = 2.0  # for a whole replay's answer
 SILENCE_S = 1.0  # the least time a computed block's batch may take to arrive
-_END_SEQ = (-1).to_bytes(8, "big", signed=True)
-_WILDCARDS = ("*", "0.0.0.0", "[::]", "::")
-_GPU = (None, "GPU")
-
-Hash = int | bytes
-
-
-class _Stored(msgspec.Struct, tag="BlockStored", tag_field="type"):
-    block_hashes: list[Hash]
-    parent_block_hash: Hash | None
-    token_ids: list[int]
-    block_size: int
-    lora_name: str | None = None
-    medium: str | None = None
-    group_idx: int | None = None
-
-
-class _Removed(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
-    block_hashes: list[Hash]
-    medium: str | None = None
-    group_idx: int | None = None
-
-
-class _Cleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
-    pass
-
-
-class _Batch(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[_Stored | _Removed | _Cleared]
-    data_parallel_rank: int | None = None
-
-
-_decode = msgspec.msgpack.Decoder(_Batch).decode
-
-
-@dataclass(frozen=True, slots=True)
-class Source:
-    """Where one replica publishes."""
-
-    endpoint: str
-    replay: str | None = None
-    topic: str = ""
-
-
-def parse_sources(doc: object, host: str) -> Source | None:
-    """DP rank 0's source in a `/kv_event_sources` answer, its wildcard host made `host`."""
-    if not isinstance(doc, dict):
-        return None
-    rank0 = doc.get("0")
-    if not isinstance(rank0, dict) or rank0.get("publisher") not in (None, "zmq"):
-        return None
-    endpoint, replay = rank0.get("endpoint"), rank0.get("replay_endpoint")
-    if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
-        return None
-    topic = rank0.get("topic")
-    return Source(
-        _reachable(endpoint, host),
-        _reachable(replay, host) if isinstance(replay, str) else None,
-        topic if isinstance(topic, str) else "",
-    )
-
-
-def _host(endpoint: str) -> str:
-    """The host of a `tcp://HOST:PORT` endpoint, IPv6 brackets off."""
-    return endpoint.partition("://")[2].rpartition(":")[0].strip("[]")
-
-
-def _reachable(endpoint: str, host: str) -> str:
-    scheme, _, rest = endpoint.partition("://")
-    where, _, port = rest.rpartition(":")
-    if where in _WILDCARDS:
-        where = f"[{host}]" if ":" in host else host
-    return f"{scheme}://{where}:{port}"
+RECONNECT_S = 1.0  # a dropped connection not back by then is connected anew (`_listen`)
 
 
 @dataclass(slots=True)
@@ -160,7 +103,10 @@ class Stream:
     restarts: int = 0
     disconnects: int = 0
     replays: int = 0
-    undecodable: int = 0
+    undecodable: int = 0  # payloads that are not a batch (counted as gaps too)
+    malformed: int = 0  # messages not (topic, 8-byte seq, payload), skipped
+    refused: int = 0  # stored events naming a hash or a name over its cap, skipped
+    replays_refused: int = 0  # replay answers over MAX_REPLAY_BYTES, not applied
     silences: int = 0
     batch_at: float = 0.0  # loop time the last batch arrived
     owed_since: float | None = None  # loop time a computed block's batch was first found missing
@@ -296,7 +242,7 @@ class KvEvents:
                 "its /kv_event_sources names no ZMQ publisher (no --kv-events-config)",
                 False,
             )
-        foreign = [e for e in (source.endpoint, source.replay) if e and _host(e) != host]
+        foreign = [e for e in (source.endpoint, source.replay) if e and host_of(e) != host]
         if foreign:
             # The router connects only to the fleet's own hosts: another one is named only by
             # the operator (`--kv-events tcp://HOST:PORT`), never by what a replica answers.
@@ -326,6 +272,8 @@ class KvEvents:
         assert self._ctx is not None
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        sub.setsockopt(zmq.RCVHWM, RCV_HWM)
         sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(source.endpoint)
@@ -347,11 +295,22 @@ class KvEvents:
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
+        # ZMQ never reconnects a connection it dropped for a protocol error (a frame over
+        # MAX_FRAME_BYTES): not connected again RECONNECT_S after a disconnect, connect anew
+        # (which drops ZMQ's own retry, if it was retrying).
+        reconnect_ms: int | None = None
         while True:
-            ready = dict(await poller.poll())
+            ready = dict(await poller.poll(reconnect_ms))
+            if not ready:
+                with contextlib.suppress(zmq.ZMQError):
+                    sub.disconnect(source.endpoint)
+                sub.connect(source.endpoint)
+                continue
             if monitor in ready:
                 event = parse_monitor_message(await monitor.recv_multipart())
+                reconnect_ms = None
                 if event["event"] == zmq.EVENT_DISCONNECTED:
+                    reconnect_ms = int(RECONNECT_S * 1000)
                     stream.disconnects += 1
                     stream.verify = True  # what it published meanwhile is unknown
                     stream.recheck = True  # a new process may publish elsewhere
@@ -360,8 +319,12 @@ class KvEvents:
                         log.warning("KV events of %s: its publisher went away", name)
             if sub in ready:
                 frames = await sub.recv_multipart()
-                if len(frames) == 3:
+                if len(frames) == 3 and is_seq(frames[1]):
                     await self._on_batch(name, stream, source, frames[1], frames[2])
+                else:
+                    stream.malformed += 1
+                    if stream.malformed == 1:
+                        log.warning("KV events of %s: a message not of vLLM's shape", name)
 
     async def _on_batch(
         self, name: str, stream: Stream, source: Source, seq_bytes: bytes, payload: bytes
@@ -369,7 +332,7 @@ class KvEvents:
         seq = int.from_bytes(seq_bytes, "big")
         stream.batch_at = asyncio.get_running_loop().time()
         try:
-            batch = _decode(payload)
+            batch = decode(payload)
         except msgspec.DecodeError:
             stream.undecodable += 1
             stream.gaps += 1
@@ -406,20 +369,22 @@ class KvEvents:
         name: str,
         stream: Stream,
         seq: int,
-        batch: _Batch,
+        batch: Batch,
         state: str,
         inherited: bool = False,
     ) -> None:
         """File one batch. `state`: the replica's state after it, unless the batch is the next
         in sequence, which ends a fault (a gap, a restart, a stop); a fault the index itself
-        found while filing (another block size, too many blocks) stands."""
+        found while filing (another block size, the index full) stands."""
         in_sequence = stream.next_seq is not None and seq == stream.next_seq
         index = self.index
         rep = index.replica(name)
         before = rep.state
         for event in batch.events:
-            if isinstance(event, _Stored):
-                if event.medium in _GPU and event.group_idx in (None, 0):
+            if isinstance(event, Stored):
+                if not bounded(event):
+                    stream.refused += 1
+                elif filed(event):
                     index.stored(
                         name,
                         event.block_hashes,
@@ -429,8 +394,8 @@ class KvEvents:
                         event.lora_name,
                         inherited,
                     )
-            elif isinstance(event, _Removed):
-                if event.medium in _GPU and event.group_idx in (None, 0):
+            elif isinstance(event, Removed):
+                if filed(event):
                     index.removed(name, event.block_hashes)
             else:
                 index.reset(name, rep.state, rep.reason)
@@ -457,11 +422,12 @@ class KvEvents:
             stream.next_seq = None
             self._fault(name, GAP, "reconnected, and no replay endpoint says what it missed")
             return
-        probe = await self._replayed(source, last, limit=1)
-        if probe and probe[0][0] == last and probe[0][1].ts == stream.last_ts:
+        probe = await self._replayed(stream, source, last, limit=1)
+        found = self._decoded(stream, probe[0][1]) if probe and probe[0][0] == last else None
+        if found is not None and found.ts == stream.last_ts:
             await self._replay(name, stream, source, last + 1)
             return
-        if probe and probe[0][0] == last:
+        if found is not None:
             stream.restarts += 1
             stream.next_seq = None
             self._fault(name, RESTARTED, f"batch {last} was published again: it restarted")
@@ -477,44 +443,71 @@ class KvEvents:
         """Ask the replay socket for every batch from `start` and apply those in sequence;
         True when it answered (whatever it still held). `inherited`: the start-up replay."""
         stream.replays += 1
-        batches = await self._replayed(source, start)
+        batches = await self._replayed(stream, source, start)
         if batches is None:
             return False
-        for seq, batch in batches:
+        for seq, payload in batches:
             expected = stream.next_seq
             if expected is not None and seq != expected:
                 continue  # before what was applied, or beyond a hole it cannot fill
+            batch = self._decoded(stream, payload)
+            if batch is None:
+                continue  # a hole: what follows it is out of sequence
             state = self.index.replica(name).state
             self._apply(name, stream, seq, batch, LIVE if state == STALE else state, inherited)
         return True
 
     async def _replayed(
-        self, source: Source, start: int, limit: int | None = None
-    ) -> list[tuple[int, _Batch]] | None:
-        """The batches the replay socket holds from `start` (at most `limit` kept), in order;
-        None when it did not answer within REPLAY_TIMEOUT_S."""
+        self, stream: Stream, source: Source, start: int, limit: int | None = None
+    ) -> list[tuple[int, bytes]] | None:
+        """The payloads the replay socket holds from `start` (at most `limit` kept), in order,
+        still encoded; None when it did not answer within REPLAY_TIMEOUT_S, or answered more
+        than MAX_REPLAY_BYTES (counted `replays_refused`). A message not of the wire's shape is
+        counted `malformed` and skipped."""
         assert self._ctx is not None and source.replay is not None
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         sock.connect(source.replay)
-        out: list[tuple[int, _Batch]] = []
+        out: list[tuple[int, bytes]] = []
+        budget = MAX_REPLAY_BYTES
         try:
             async with asyncio.timeout(REPLAY_TIMEOUT_S):
                 await sock.send_multipart((b"", start.to_bytes(8, "big")))
                 while True:
                     frames = await sock.recv_multipart()
                     # 0.32: (b"", topic, seq, payload); earlier releases: (b"", seq, payload).
+                    if len(frames) < 3 or not (is_seq(frames[-2]) or frames[-2] == END_SEQ):
+                        stream.malformed += 1
+                        continue
                     seq_bytes, payload = frames[-2], frames[-1]
-                    if seq_bytes == _END_SEQ:
+                    if seq_bytes == END_SEQ:
                         return out
                     if limit is not None and len(out) >= limit:
                         continue
-                    with contextlib.suppress(msgspec.DecodeError):
-                        out.append((int.from_bytes(seq_bytes, "big"), _decode(payload)))
+                    budget -= len(payload)
+                    if budget < 0:
+                        stream.replays_refused += 1
+                        log.warning(
+                            "KV events: the replay of %s holds more than %d bytes; not applied",
+                            source.replay,
+                            MAX_REPLAY_BYTES,
+                        )
+                        return None
+                    out.append((int.from_bytes(seq_bytes, "big"), payload))
         except TimeoutError:
             return None
         finally:
             sock.close(linger=0)
+
+    @staticmethod
+    def _decoded(stream: Stream, payload: bytes) -> Batch | None:
+        """A replayed payload decoded; None, counted `undecodable`, when it is not a batch."""
+        try:
+            return decode(payload)
+        except msgspec.DecodeError:
+            stream.undecodable += 1
+            return None
 
     def _fault(self, name: str, state: str, reason: str) -> None:
         """Drop what the replica held: its stream can no longer say what that is."""
@@ -561,11 +554,19 @@ class KvEvents:
                 "replays": stream.replays,
                 "orphans": rep.orphans if rep is not None else 0,
                 "undecodable": stream.undecodable,
+                "malformed": stream.malformed,
+                "refused": stream.refused,
+                "replays_refused": stream.replays_refused,
+                "nameless": rep.nameless if rep is not None else 0,
+                "bytes": rep.bytes if rep is not None else 0,
                 "silences": stream.silences,
             }
         return {
             "mode": self.config.kv_events,
             "silence_s": self.silence_s,
             "silence_checks": self.silence_checks,
+            "bytes": self.index.bytes,
+            "max_bytes": self.index.max_bytes,
+            "max_replica_bytes": self.index.max_replica_bytes,
             "replicas": out,
         }

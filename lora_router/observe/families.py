@@ -163,6 +163,33 @@ def metric_families(state: RouterState) -> Iterator[Metric]:
 
     yield from telemetry_families(state)
     yield from accuracy_families(state.stats.cached)
+    yield from kv_families(state)
+
+
+def kv_families(state: RouterState) -> Iterator[Metric]:
+    """With `--policy kv`: what each replica's KV-event stream skipped (fleet/kv_wire.py's caps)
+    and the bytes its blocks cost in the KV index."""
+    kv = state.kv_events
+    if kv is None:
+        return
+    streams = [(r, s) for r in state.fleet.replicas if (s := kv.streams.get(r.name)) is not None]
+    for field, doc in _KV_SKIPPED:
+        rows: Rows = [([str(r.rid)], getattr(s, field)) for r, s in streams]
+        yield counter(f"lora_router_kv_events_{field}", doc, ["replica"], rows)
+    yield gauge(
+        "lora_router_kv_index_bytes",
+        "What each replica's blocks cost in the KV index, in bytes (bounded in all by its "
+        "max_bytes).",
+        ["replica"],
+        [([str(r.rid)], kv.index.held_bytes(r.name)) for r, _ in streams],
+    )
+
+
+_KV_SKIPPED = (
+    ("malformed", "KV-event messages skipped: not (topic, sequence number, payload)."),
+    ("undecodable", "KV-event payloads skipped: not a batch of vLLM's events (each a gap)."),
+    ("refused", "KV stored events skipped: a block hash or adapter name over its cap."),
+)
 
 
 def telemetry_families(state: RouterState) -> Iterator[Metric]:

@@ -9,8 +9,11 @@
 - `ranks`: the members kept in dealing order, for a new family's replica.
 - `policy`: the policies behind `--policy`: `prefix` (exact-prefix affinity + consistent
   hashing with bounded loads), `round-robin`, `least-loaded`; `make_policy` builds one.
+- `contract`: what a policy and its caller exchange (`Candidates`, `Decision`, `Policy`), and
+  the strategy a `prefix` policy may be given for a new family (`Prefer`).
 - `kv_index`: what each replica's cache really holds, from its KV events, in these keys;
-- `kv_policy`: `kv`, `prefix` with a new family sent where the KV index finds its prefix.
+- `kv_policy`: `kv`, `prefix` given a `KvLookup`: a new family sent where the KV index finds
+  its prefix.
 
 The rules, and the measurements that chose them: docs/design/routing.md.
 

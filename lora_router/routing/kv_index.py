@@ -24,8 +24,9 @@ Rules:
 - Only replicas in `LIVE` state are looked up (`longest`); the caller (fleet/kv_events.py)
   decides the state from the event stream. A replica not live keeps what it holds only while
   `STALE` (the stream stopped; it resumes in sequence or is reset).
-- At most `max_blocks` per replica: beyond it (removals lost without a gap), the replica is
-  reset and marked `GAP`.
+- At most `max_replica_bytes` a replica, `max_bytes` in all, a block counted `block_cost` (its
+  memory's bound; kv_wire.py caps hash and name): over either, the replica over its own, or the
+  one holding most, is reset (`GAP`). A name beyond MAX_NAMES is refused (counted `nameless`).
 - A block filed `inherited` (what the replicas held before this router started, read from
   their replay buffers) says so to `inherited` until it is removed: the policy tells a
   family placed before it from a prefix families placed since share (kv_policy.py).
@@ -33,7 +34,7 @@ Rules:
 Cost: `stored` O(blocks) (one xxh3 and two dict writes each); `removed` O(blocks); `reset`
 O(blocks held). `longest` for a prompt of b full blocks: at most b dict lookups and b set
 intersections of at most n holders (in C), stopping at the first block no live replica holds.
-Memory: two dict entries per block held (about 200 bytes), plus one small dict per distinct key.
+Memory: `max_bytes` plus a dict per name (docs/design/kv-events.md#memory measures each).
 
 Never: I/O, clocks, logging; never a key for a block whose parent's key is unknown.
 """
@@ -47,9 +48,28 @@ from .keys import prompt_key
 
 OFF, LIVE, STALE, GAP, RESTARTED, MISMATCH = "off", "live", "stale", "gap", "restarted", "mismatch"
 STATES = (OFF, LIVE, STALE, GAP, RESTARTED, MISMATCH)
-DEFAULT_MAX_BLOCKS = 4_000_000  # per replica: vLLM's own pool is far smaller
+# What filing one block costs at most, beyond its hash's and adapter name's own bytes: two
+# dict entries, its (name, key) tuple, its key and its holder's count (measured: at most 430);
+# an inherited block adds its entry in `_inherited` (measured: at most 330).
+BLOCK_BYTES = 512
+INHERITED_BYTES = 384
+# vLLM's block hashes are 64-bit ints or 32-byte digests (docs/design/kv-events.md): twice that.
+MAX_HASH_BYTES = 64
+MAX_NAME_BYTES = 256  # an adapter name (`lora_name`), in UTF-8 bytes
+MAX_NAMES = 1024  # adapter names filed at once, over the whole fleet (TRL uses a handful)
+# A replica: about 500,000 blocks of 512 bytes, several times the pool of an 80 GB GPU.
+DEFAULT_MAX_REPLICA_BYTES = 256 << 20
+DEFAULT_MAX_BYTES = 2 << 30  # the fleet: about four million blocks
 
 BlockHash = Hashable  # vLLM's ExternalBlockHash: an int (its default) or bytes
+
+
+def block_cost(block_hash: BlockHash, lora: str | None, inherited: bool) -> int:
+    """What filing one block costs at most, in bytes (`BLOCK_BYTES`); O(1)."""
+    cost = BLOCK_BYTES + INHERITED_BYTES if inherited else BLOCK_BYTES
+    if isinstance(block_hash, bytes):
+        cost += len(block_hash)
+    return cost if lora is None else cost + 4 * len(lora)  # a str's widest: 4 bytes a character
 
 
 @dataclass(slots=True)
@@ -62,7 +82,9 @@ class ReplicaBlocks:
     stored: int = 0  # blocks filed, ever
     removed: int = 0  # blocks unfiled by BlockRemoved
     orphans: int = 0  # stored blocks skipped: their parent was not filed
+    nameless: int = 0  # stored blocks skipped: a new adapter name beyond MAX_NAMES
     resets: int = 0  # times everything was dropped (a gap, a restart, a clear)
+    bytes: int = 0  # the `block_cost` of every block filed
     reason: str | None = None  # why the state is not live, if it is not
     last_fault: str | None = None  # the last reason it was not live, kept once it is again
 
@@ -70,17 +92,30 @@ class ReplicaBlocks:
 class KvIndex:
     """Per replica and adapter name, the router keys of the blocks it holds (module docstring)."""
 
-    __slots__ = ("_holders", "_inherited", "_live", "block_size", "max_blocks", "replicas", "root")
+    __slots__ = (
+        "_holders",
+        "_inherited",
+        "_live",
+        "block_size",
+        "bytes",
+        "max_bytes",
+        "max_replica_bytes",
+        "replicas",
+        "root",
+    )
 
     def __init__(
         self,
         root: Callable[[str | None], int],
         block_size: int,
-        max_blocks: int = DEFAULT_MAX_BLOCKS,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_replica_bytes: int = DEFAULT_MAX_REPLICA_BYTES,
     ) -> None:
         self.root = root  # adapter name (None: base) -> the seed its prompts' chains start from
         self.block_size = block_size  # the router's; set again once the replicas said theirs
-        self.max_blocks = max_blocks
+        self.max_bytes = max_bytes
+        self.max_replica_bytes = max_replica_bytes
+        self.bytes = 0  # the `block_cost` of every block filed, over all replicas
         self.replicas: dict[str, ReplicaBlocks] = {}
         # adapter name -> router key -> replica -> how many of its filed blocks have that key.
         self._holders: dict[str | None, dict[int, dict[str, int]]] = {}
@@ -140,19 +175,30 @@ class KvIndex:
         if len(tokens) != len(hashes) * block_size:
             rep.orphans += len(hashes)  # not whole blocks: nothing it says can be keyed
             return 0
+        if not hashes:
+            return 0
+        holders = self._holders.get(lora)
+        if holders is None:
+            if len(self._holders) >= MAX_NAMES:
+                rep.nameless += len(hashes)
+                return 0
+            holders = self._holders[lora] = {}
         chain = prompt_key(None, tokens, block_size, seed=seed).chain
-        holders = self._holders.setdefault(lora, {})
         blocks = rep.blocks
-        filed = 0
+        filed = cost = 0
         for block_hash, key in zip(hashes, chain, strict=True):
             old = blocks.get(block_hash)
             if old is not None:
                 if old == (lora, key):
                     continue
-                self._unfile(name, old)
+                cost -= self._unfile(name, block_hash, old)
+                holders = self._holders.setdefault(lora, holders)  # if that emptied it
             blocks[block_hash] = (lora, key)
-            if inherited:
-                self._inherited.setdefault((lora, key), set()).add(name)
+            heirs = self._inherited.setdefault((lora, key), set()) if inherited else None
+            # Charged as the replica joins the block's heirs, refunded as it leaves (`_unfile`).
+            cost += block_cost(block_hash, lora, heirs is not None and name not in heirs)
+            if heirs is not None:
+                heirs.add(name)
             by_replica = holders.get(key)
             if by_replica is None:
                 holders[key] = {name: 1}
@@ -160,8 +206,13 @@ class KvIndex:
                 by_replica[name] = by_replica.get(name, 0) + 1
             filed += 1
         rep.stored += filed
-        if len(blocks) > self.max_blocks:
-            self.reset(name, GAP, f"more than {self.max_blocks} blocks filed")
+        rep.bytes += cost
+        self.bytes += cost
+        if rep.bytes > self.max_replica_bytes:
+            self.reset(name, GAP, f"its blocks passed {self.max_replica_bytes} bytes")
+        elif self.bytes > self.max_bytes:  # the largest holds at least this store's excess
+            largest = max(self.replicas, key=lambda n: self.replicas[n].bytes)
+            self.reset(largest, GAP, f"the KV index was full ({self.max_bytes} bytes)")
         return filed
 
     def removed(self, name: str, hashes: Iterable[BlockHash]) -> None:
@@ -170,27 +221,35 @@ class KvIndex:
         if rep is None:
             return
         pop = rep.blocks.pop
+        freed = 0
         for block_hash in hashes:
             old = pop(block_hash, None)
             if old is not None:
-                self._unfile(name, old)
+                freed += self._unfile(name, block_hash, old)
                 rep.removed += 1
+        rep.bytes -= freed
+        self.bytes -= freed
 
     def reset(self, name: str, state: str, reason: str | None = None) -> None:
         """Drop every block of the replica (`AllBlocksCleared`, a gap, a restart) and set its
         state."""
         rep = self.replica(name)
-        for entry in rep.blocks.values():
-            self._unfile(name, entry)
+        freed = sum(self._unfile(name, h, entry) for h, entry in rep.blocks.items())
+        rep.bytes -= freed
+        self.bytes -= freed
         if rep.blocks:
             rep.resets += 1
         rep.blocks = {}
         self.set_state(name, state, reason)
 
-    def _unfile(self, name: str, entry: tuple[str | None, int]) -> None:
+    def _unfile(self, name: str, block_hash: BlockHash, entry: tuple[str | None, int]) -> int:
+        """Take one block out of every map but the replica's `blocks` (the caller's); returns
+        its `block_cost`, which the caller takes off."""
         lora, key = entry
         heirs = self._inherited.get(entry)
-        if heirs is not None:
+        inherited = False
+        if heirs is not None and name in heirs:
+            inherited = True
             heirs.discard(name)
             if not heirs:
                 del self._inherited[entry]
@@ -205,6 +264,7 @@ class KvIndex:
                 del holders[key]
                 if not holders:
                     del self._holders[lora]
+        return block_cost(block_hash, lora, inherited)
 
     def longest(self, lora: str | None, chain: Sequence[int]) -> tuple[int, frozenset[str]]:
         """The most leading blocks of `chain` (a prompt's `PromptKey.chain` under `root(lora)`)
@@ -239,3 +299,8 @@ class KvIndex:
         """Blocks filed for the replica."""
         rep = self.replicas.get(name)
         return len(rep.blocks) if rep is not None else 0
+
+    def held_bytes(self, name: str) -> int:
+        """The `block_cost` of the blocks filed for the replica."""
+        rep = self.replicas.get(name)
+        return rep.bytes if rep is not None else 0

@@ -1,9 +1,10 @@
 """`--policy kv`: prefix affinity, with a new family sent where its prefix really is.
 
-`KvAffinity` is `PrefixAffinity` (policy.py) with one rule changed, rule 3 (a fresh prompt,
-one the affinity table knows no family of): before the deal, it asks the KV index (kv_index.py,
-filled from the replicas' own KV events by fleet/kv_events.py) which live replicas hold the
-longest prefix of the prompt's block chain under the request's adapter name (`Candidates.model`).
+`PrefixAffinity` (policy.py) given a `KvLookup` as its `prefer` strategy, which changes one
+rule, rule 3 (a fresh prompt, one the affinity table knows no family of): before the deal,
+`KvLookup` asks the KV index (kv_index.py, filled from the replicas' own KV events by
+fleet/kv_events.py) which live replicas hold the longest prefix of the prompt's block chain
+under the request's adapter name (`Candidates.model`).
 - Some routable replica among those holding it has room under the load cap and either is
   inside the deal window (it holds fewer families than the window allows, or no more than the
   fewest) or holds the prefix's last block from before this router started (`inherited`: the
@@ -31,91 +32,49 @@ Never: I/O, clocks, randomness, logging; never a replica outside `routable`, nev
 
 from __future__ import annotations
 
+from .contract import Candidates, Deal, R
 from .keys import PromptKey
 from .kv_index import KvIndex
-from .policy import (
-    DEFAULT_LOAD_FACTOR,
-    DEFAULT_LOAD_SLACK,
-    DEFAULT_MOVE_PRICE,
-    DEFAULT_TABLE_SIZE,
-    Candidates,
-    Decision,
-    PrefixAffinity,
-    R,
-)
-from .ring import DEFAULT_VNODES
 
 _TOKEN_BYTES = 4
 
 
-class KvAffinity(PrefixAffinity):
-    """`PrefixAffinity` whose fresh prompts go where the KV index finds them (module docstring)."""
+class KvLookup:
+    """Where a new family's prefix really is, by the KV index (module docstring): the
+    `contract.Prefer` strategy of `--policy kv`."""
 
-    name = "kv"
+    __slots__ = ("index",)
 
-    def __init__(
-        self,
-        index: KvIndex,
-        *,
-        load_factor: float = DEFAULT_LOAD_FACTOR,
-        vnodes: int = DEFAULT_VNODES,
-        table_size: int = DEFAULT_TABLE_SIZE,
-        load_slack: int = DEFAULT_LOAD_SLACK,
-        move_price: int = DEFAULT_MOVE_PRICE,
-    ) -> None:
-        super().__init__(
-            load_factor=load_factor,
-            vnodes=vnodes,
-            table_size=table_size,
-            load_slack=load_slack,
-            move_price=move_price,
-        )
+    def __init__(self, index: KvIndex) -> None:
         self.index = index
 
-    def _fresh(self, key: PromptKey, routable: Candidates[R], cap: int) -> Decision[R]:
+    def among(
+        self, key: PromptKey, routable: Candidates[R], cap: int, deal: Deal
+    ) -> tuple[Candidates[R], int] | None:
+        """The routable holders of the prompt's longest prefix that have room, and its tokens
+        left to compute; None when the index finds none (module docstring)."""
         index = self.index
         lora = routable.model
-        if key.block_bytes == index.block_size * _TOKEN_BYTES and key.seed == index.root(lora):
-            level, holders = index.longest(lora, key.chain)
-            if level:
-                # The holders in name order (a set's order is not stable across processes),
-                # routable, below the cap, and inside the deal window.
-                window = self._window()
-                dealt = self._dealt.get
-                last = key.chain[level - 1]
-                found = (routable.get(name) for name in sorted(holders))
-                room = Candidates(
-                    (
-                        r
-                        for r in found
-                        if r is not None
-                        and r.in_flight < cap
-                        and (dealt(r.name, 0) < window or index.inherited(lora, last, r.name))
-                    ),
-                    lora,
-                )
-                if room:
-                    self.counts.kv += 1
-                    cached = level * index.block_size
-                    return Decision(
-                        self._deal(key.full, room, cap),
-                        "kv",
-                        max(0, key.tokens - cached),
-                        key.tokens,
-                    )
-        return super()._fresh(key, routable, cap)
-
-    def _window(self) -> int:
-        """A holder may take a new family while it holds fewer than this many: the deal
-        window's limit, and never less than one more than the fewest any member holds (the
-        deal's own first choice). O(1) with ranks: the lowest count kept may be one no member
-        holds any more, which only makes the bound stricter; a fleet that deals by a ring walk
-        keeps no ranks and reads its at most WALK_DEAL_MEMBERS counts."""
-        if not self._members:
-            return 1 << 62
-        if self._walk_deal:
-            fewest = min(self._dealt.values())
-        else:
-            counts = self._ranks.counts
-            fewest = counts[0] if counts else 0
-        return max(self._deal_limit(), fewest + 1)
+        if key.block_bytes != index.block_size * _TOKEN_BYTES or key.seed != index.root(lora):
+            return None
+        level, holders = index.longest(lora, key.chain)
+        if not level:
+            return None
+        # The holders in name order (a set's order is not stable across processes), routable,
+        # below the cap, and inside the deal window.
+        window = deal.window()
+        last = key.chain[level - 1]
+        found = (routable.get(name) for name in sorted(holders))
+        room = Candidates(
+            (
+                r
+                for r in found
+                if r is not None
+                and r.in_flight < cap
+                and (deal.families(r.name) < window or index.inherited(lora, last, r.name))
+            ),
+            lora,
+        )
+        if not room:
+            return None
+        return room, max(0, key.tokens - level * index.block_size)

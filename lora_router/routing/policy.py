@@ -41,13 +41,12 @@ what replicas report of themselves (their telemetry)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
 from fractions import Fraction
 from functools import partial
-from typing import Generic, NamedTuple, Protocol, TypeVar
 
 from .affinity import AffinityTable, anchor_first, anchor_tokens
+from .contract import Candidates, Decision, DecisionCounts, Policy, Prefer, R, Replica
 from .keys import PromptKey, RouteKey
 from .ranks import Ranks
 from .ring import DEFAULT_VNODES, HashRing
@@ -78,89 +77,6 @@ WALK_DEAL_MEMBERS = 4
 # One request in flight in the work the deal window compares, in prompt tokens: one
 # completion's decode (a new family has no later turns to price).
 DEAL_REQUEST_TOKENS = 40
-
-
-class Replica(Protocol):
-    """What a policy reads of a replica; the caller's own objects are passed through."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def in_flight(self) -> int: ...
-
-    @property
-    def in_flight_tokens(self) -> int:
-        """Prompt tokens the requests in flight must compute (`Decision.tokens` of each)."""
-        ...
-
-
-R = TypeVar("R", bound=Replica)
-
-
-class Decision(NamedTuple, Generic[R]):
-    replica: R
-    kind: str  # one of the fields of DecisionCounts
-    # The prompt tokens the replica must compute as far as the table knows (a sibling: 0; a
-    # continuation: those beyond the earlier prompt it extends; else all), which the caller
-    # counts in `in_flight_tokens`.
-    tokens: int = 0
-    # The prompt's own tokens as its key counts them (0: the policy did not look at the key), so
-    # `prompt - tokens` is what the policy expects the replica to have cached.
-    prompt: int = 0
-
-
-@dataclass(slots=True)
-class DecisionCounts:
-    """How many decisions of each kind a policy made (read by metrics and the status page)."""
-
-    sibling: int = 0  # this exact prompt's home
-    continuation: int = 0  # the home of an earlier prompt this one extends
-    spill: int = 0  # a home was known but full or unroutable: next on the ring with room
-    fresh: int = 0  # an unknown prompt: least loaded, ties in ring order from its key
-    nokey: int = 0  # no key: least loaded
-    balanced: int = 0  # RoundRobin / LeastLoaded: chosen without looking at keys
-    kv: int = 0  # a new family sent where its longest prefix really is (kv_policy.py)
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-
-class Candidates(list[R]):
-    """The replicas a request may go to, as a policy reads them: a list in fleet order that
-    also finds a replica by name in O(1) (`get`) and carries `in_flight`, the requests in
-    flight over all of them, which whoever counts requests keeps current (fleet/fleet.py
-    keeps one per model and adds or takes one off per request: O(1) to read here)."""
-
-    __slots__ = ("get", "in_flight", "model")
-
-    # The name index's own `dict.get`, bound once per set: the policy and Fleet.started /
-    # finished look a replica up 3 times per request, and a bound C method has no Python frame.
-    get: Callable[[str], R | None]
-
-    def __init__(self, replicas: Iterable[R] = (), model: str | None = None) -> None:
-        super().__init__(replicas)
-        self.get = {r.name: r for r in self}.get
-        self.in_flight = sum(r.in_flight for r in self)
-        self.model = model  # the adapter they were chosen for (None: the base model)
-
-
-class Policy(Protocol):
-    counts: DecisionCounts
-
-    def set_members(self, members: Sequence[Replica]) -> None:
-        """The full membership (the ring), with each member's load now; called at start and,
-        after adds or removes, before the next `choose` (once for several)."""
-
-    def load_changed(self, replica: Replica) -> None:
-        """`replica`'s `in_flight` or `in_flight_tokens` changed (the caller calls it after
-        every change it makes)."""
-
-    def choose(self, key: RouteKey | None, routable: Candidates[R]) -> Decision[R]:
-        """Pick a replica among `routable` (never empty); must not change `in_flight`. `key`
-        is the request's `RouteKey` under placement seeds (`keys.completion_key`): a policy
-        reads its `wire` first and builds its block `key` only when that is not enough."""
-        ...
 
 
 def _cap(total: int, n: int, grow: int, den: int, slack: int) -> int:
@@ -200,6 +116,7 @@ class PrefixAffinity:
         table_size: int = DEFAULT_TABLE_SIZE,
         load_slack: int = DEFAULT_LOAD_SLACK,
         move_price: int = DEFAULT_MOVE_PRICE,
+        prefer: Prefer | None = None,
     ) -> None:
         if load_factor < 0:
             raise ValueError("load_factor must be >= 0")
@@ -216,6 +133,7 @@ class PrefixAffinity:
         self.ring = HashRing((), vnodes)
         self.table = AffinityTable(table_size)
         self.counts = DecisionCounts()
+        self.prefer = prefer
         self._turn = 0
         self._dealt: dict[str, int] = {}  # member -> families dealt to it
         self._dealt_total = 0  # the sum of `_dealt` over the members
@@ -360,8 +278,11 @@ class PrefixAffinity:
         return decision
 
     def _fresh(self, key: PromptKey, routable: Candidates[R], cap: int) -> Decision[R]:
-        """A new family's replica (rule 3, the deal); `KvAffinity` first asks where its
-        prefix really is (kv_policy.py)."""
+        """A new family's replica (rule 3, the deal), among those `prefer` names, if any."""
+        found = None if self.prefer is None else self.prefer.among(key, routable, cap, self)
+        if found is not None:
+            self.counts.kv += 1
+            return Decision(self._deal(key.full, found[0], cap), "kv", found[1], key.tokens)
         self.counts.fresh += 1
         return Decision(self._deal(key.full, routable, cap), "fresh", key.tokens, key.tokens)
 
@@ -503,6 +424,20 @@ class PrefixAffinity:
         """The most families a member may hold once the next one is dealt (the deal window)."""
         return _WINDOW_NUM * (self._dealt_total + 1) // (_WINDOW_DEN * self._members)
 
+    def families(self, name: str) -> int:
+        """The new families dealt to a member (the deal's first criterion): O(1)."""
+        return self._dealt.get(name, 0)
+
+    def window(self) -> int:
+        """A member holding fewer families than this is inside the deal window: its limit, and
+        never less than one more than the fewest any member holds (the deal's first choice).
+        O(1) with ranks (the lowest count kept may be one no member holds any more: a stricter
+        bound), else at most WALK_DEAL_MEMBERS counts read."""
+        if not self._members:
+            return 1 << 62
+        fewest = min(self._dealt.values()) if self._walk_deal else (self._ranks.counts or [0])[0]
+        return max(self._deal_limit(), fewest + 1)
+
     def _first_routable(
         self, position: int, routable: Candidates[R], everyone: bool, group: set[str]
     ) -> R | None:
@@ -596,5 +531,5 @@ def make_policy(
     if name == "least-loaded":
         return LeastLoaded()
     if name == "kv":
-        raise ValueError("the kv policy needs its KV index: build kv_policy.KvAffinity")
+        raise ValueError("the kv policy needs its KV index: give a kv_policy.KvLookup")
     raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}")

@@ -5,7 +5,8 @@
 - `demo.py`: `lora-router --demo`, a GRPO-shaped run over emulated replicas (`demo_command.py`
   its command line, `demo_report.py` its closing table);
 - `top.py`: `lora-router top`, a live view of a running router read over HTTP;
-- `table.py`: the plain-text table check and the demo print.
+- `table.py`: the plain-text table check and the demo print;
+- `terminal.py`: untrusted names and messages made safe to print (`top`, `--check`).
 
 A tool imports only the public entry points of the package, never its internals (the request
 path, the fleet's state, the views' wiring), so each could live in its own repository:

@@ -58,6 +58,7 @@ from lora_router.fleet.discovery import read_sources
 from lora_router.fleet.failure import FIX, Cause
 from lora_router.fleet.readiness import SyncFacts, loras_needed, sync_problems
 from lora_router.tools.table import render_table
+from lora_router.tools.terminal import shown
 
 PROBE_TIMEOUT = 10.0  # seconds for one probe's whole answer
 
@@ -439,14 +440,15 @@ def report(fleet: Sequence[ReplicaFacts], problems: Sequence[Problem], max_stale
     notes = [p for p in problems if p.note]
     if errors:
         lines.append("Problems (NO, UPPER CASE and ! in the table):")
+    # A problem names replicas, adapters and models, and quotes their answers: `shown`.
     for n, p in enumerate(errors, 1):
-        lines.append(f"  {n}. {p.replica or 'fleet'}: {p.what}")
+        lines.append(f"  {n}. {shown(p.replica or 'fleet')}: {shown(p.what)}")
         if p.fix:
-            lines.append(f"     fix: {p.fix}")
+            lines.append(f"     fix: {shown(p.fix)}")
     for p in notes:
-        lines.append(f"  note: {p.replica or 'fleet'}: {p.what}")
+        lines.append(f"  note: {shown(p.replica or 'fleet')}: {shown(p.what)}")
         if p.fix:
-            lines.append(f"     fix: {p.fix}")
+            lines.append(f"     fix: {shown(p.fix)}")
     if errors or notes:
         lines.append("")
     if errors:
@@ -454,8 +456,8 @@ def report(fleet: Sequence[ReplicaFacts], problems: Sequence[Problem], max_stale
     else:
         f0 = fleet[0] if fleet else None
         summary = (
-            f" ({f0.base_model}, max_lora_rank {f0.max_lora_rank}, max_loras {f0.max_loras}, "
-            f"block size {f0.block_size})"
+            f" ({shown(str(f0.base_model))}, max_lora_rank {f0.max_lora_rank}, "
+            f"max_loras {f0.max_loras}, block size {f0.block_size})"
             if f0 is not None
             else ""
         )

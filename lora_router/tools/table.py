@@ -1,13 +1,15 @@
 """Plain-text tables for the terminal: what `--check` and `--demo` print.
 
 Columns are padded to their widest cell; a column whose every cell looks like a number is
-right-aligned. ASCII only, so the output reads the same in a terminal, a CI log or a bug report.
-Pure: returns a string, prints nothing.
+right-aligned. Each cell is `terminal.shown`: a name from a replica is printed literally, its
+control characters escaped. Pure: returns a string, prints nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from lora_router.tools.terminal import shown
 
 
 def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]], indent: int = 2) -> str:
@@ -38,7 +40,7 @@ def _cell(value: object) -> str:
         return "-"
     if isinstance(value, float):
         return f"{value:.2f}"
-    return str(value)
+    return shown(str(value))
 
 
 def _looks_numeric(text: str) -> bool:

@@ -36,7 +36,7 @@ share of unpaused scrapes in which a replica was running or queueing any request
    trainer to ask for more;
 6. otherwise **balanced**.
 
-This module never writes to the router; it only reads and renders.
+It never writes to the router; it shows each string read `terminal.shown`, as `Text`, not markup.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ from rich.text import Text
 
 from lora_router.command import HelpFormatter, Parser, interrupted
 from lora_router.config import secret_from_env
+from lora_router.tools.terminal import shown, shown_json
 
 PAUSED_TRAINER_BOUND = 0.25
 BUSY_INFERENCE_BOUND = 0.90
@@ -72,7 +73,7 @@ class StatusError(Exception):
 
 
 def fetch(url: str, api_key: str = "", timeout: float = 5.0) -> dict[str, Any]:
-    """`GET {url}/router/status`, decoded."""
+    """`GET {url}/router/status`, decoded, every string in it `shown`."""
     request = urllib.request.Request(url.rstrip("/") + "/router/status")
     if api_key:
         request.add_header("Authorization", f"Bearer {api_key}")
@@ -94,7 +95,7 @@ def fetch(url: str, api_key: str = "", timeout: float = 5.0) -> dict[str, Any]:
         raise StatusError(f"{url}/router/status is not JSON: is it a lora-router?") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("replicas"), list):
         raise StatusError(f"{url}/router/status is not a lora-router status")
-    return doc
+    return shown_json(doc)
 
 
 def verdict(status: dict[str, Any]) -> str:
@@ -130,7 +131,7 @@ def frame(status: dict[str, Any], url: str) -> RenderableType:
     fence = status.get("fence") or {}
     paused = status.get("paused")
     head = Text(
-        f"lora-router {url}  {serving}/{len(replicas)} replicas serving  "
+        f"lora-router {shown(url)}  {serving}/{len(replicas)} replicas serving  "
         f"paused: {'yes (' + paused + ')' if paused is not None else 'no'}  "
         f"fence v{fence.get('version', '?')} ({fence.get('waiting', 0)} waiting, "
         f"{fence.get('waits', 0)} waits, {fence.get('wait_timeouts', 0)} timeouts)",
@@ -199,7 +200,7 @@ def _replica_table(
         else:
             why = rep.get("reason") or "not scraped"
             cells += ["unknown", "", "", "", "", ratio, f"{held}  (figures unknown: {why})"]
-        table.add_row(*cells)
+        table.add_row(*(Text(cell) for cell in cells))  # never parsed as markup
     return table
 
 
@@ -372,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 status = fetch(args.url, api_key)
             except StatusError as exc:
-                print(f"lora-router top: {exc}", file=sys.stderr)
+                print(f"lora-router top: {shown(str(exc))}", file=sys.stderr)
                 return 1
             _plain().print(frame(status, args.url))
             return 0
@@ -396,7 +397,9 @@ def _current(url: str, api_key: str, interval: float) -> RenderableType:
     try:
         return frame(fetch(url, api_key, timeout=max(1.0, interval)), url)
     except StatusError as exc:
-        return Text(f"lora-router top: {exc} (retrying every {interval:g} s)", style="red")
+        return Text(
+            f"lora-router top: {shown(str(exc))} (retrying every {interval:g} s)", style="red"
+        )
 
 
 def _live(url: str, api_key: str, interval: float) -> int:

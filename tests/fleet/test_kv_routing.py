@@ -18,7 +18,7 @@ from helpers import Adapter, call, completed, load, until
 
 from lora_router.emulator import Emulator
 from lora_router.emulator.kv_events import KVEventsConfig
-from lora_router.fleet.kv_events import parse_sources
+from lora_router.fleet.kv_wire import parse_sources
 from lora_router.routing.keys import Lineages, RouteKey, prompt_key
 from lora_router.routing.policy import Candidates, PrefixAffinity
 from lora_router.runtime import RouterRuntime

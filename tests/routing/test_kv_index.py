@@ -8,13 +8,26 @@ holds, and `longest` finds the replicas that hold a prompt's longest prefix.
 
 from __future__ import annotations
 
+import tracemalloc
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lora_router.emulator.kv_events import BlockRemoved, BlockStored, stored_events
 from lora_router.emulator.prefix_cache import PrefixCache, block_hashes
 from lora_router.routing.keys import Lineages, prompt_key
-from lora_router.routing.kv_index import GAP, LIVE, MISMATCH, KvIndex
+from lora_router.routing.kv_index import (
+    BLOCK_BYTES,
+    GAP,
+    LIVE,
+    MAX_HASH_BYTES,
+    MAX_NAME_BYTES,
+    MAX_NAMES,
+    MISMATCH,
+    KvIndex,
+    block_cost,
+)
 
 BLOCK = 4
 LINEAGES = Lineages()
@@ -92,8 +105,12 @@ def test_the_index_files_exactly_the_blocks_the_caches_hold(
 
     for name, cache in caches.items():
         held = {h: truth[h] for h in cache._blocks}
-        assert index.replicas[name].blocks == held
-        assert index.replicas[name].orphans == 0
+        rep = index.replicas[name]
+        assert rep.blocks == held
+        assert rep.orphans == 0
+        # Every block filed is charged its cost, and every one unfiled refunded.
+        assert rep.bytes == sum(block_cost(h, lora, False) for h, (lora, _) in held.items())
+    assert index.bytes == sum(rep.bytes for rep in index.replicas.values())
 
     chain = router_chain(query, lora)
     extra = (lora,) if lora is not None else ()
@@ -152,11 +169,77 @@ def test_another_block_size_marks_the_replica_mismatched() -> None:
     assert rep.state == MISMATCH and index.held("r0") == 0 and "block size 8" in (rep.reason or "")
 
 
-def test_more_blocks_than_the_bound_resets_the_replica() -> None:
-    index = KvIndex(root, BLOCK, max_blocks=2)
-    index.set_state("r0", LIVE)
+def test_an_index_over_its_bytes_resets_the_replica_holding_the_most() -> None:
+    index = KvIndex(root, BLOCK, max_bytes=5 * BLOCK_BYTES)
+    for name in ("r0", "r1"):
+        index.set_state(name, LIVE)
     index.stored("r0", [1, 2, 3], None, list(range(12)), BLOCK, None)
+    index.stored("r1", [4, 5], None, list(range(8)), BLOCK, None)
+    assert index.bytes == 5 * BLOCK_BYTES and index.replicas["r0"].state == LIVE
+    index.stored("r1", [6], 5, list(range(8, 12)), BLOCK, None)  # one block over
     assert index.replicas["r0"].state == GAP and index.held("r0") == 0
+    assert "full" in (index.replicas["r0"].reason or "")
+    assert index.held("r1") == 3 and index.bytes == 3 * BLOCK_BYTES
+
+
+def test_a_replica_over_its_own_bytes_is_reset_alone() -> None:
+    index = KvIndex(root, BLOCK, max_replica_bytes=3 * BLOCK_BYTES)
+    for name in ("r0", "r1"):
+        index.set_state(name, LIVE)
+    index.stored("r1", [9], None, list(range(4)), BLOCK, None)
+    index.stored("r0", [1, 2, 3], None, list(range(12)), BLOCK, None)
+    assert index.replicas["r0"].state == LIVE
+    index.stored("r0", [4], 3, list(range(12, 16)), BLOCK, None)  # one block over its own
+    assert index.replicas["r0"].state == GAP and index.held("r0") == 0
+    assert "passed" in (index.replicas["r0"].reason or "")
+    assert index.held("r1") == 1 and index.bytes == BLOCK_BYTES
+
+
+@pytest.mark.parametrize(
+    ("hash_bytes", "name", "inherited"),
+    [
+        (0, None, False),
+        (MAX_HASH_BYTES, None, True),
+        (MAX_HASH_BYTES, "a" * MAX_NAME_BYTES, False),
+        (0, "\U0001f600" * (MAX_NAME_BYTES // 4), True),
+    ],
+    ids=["int", "digest-inherited", "ascii-name", "wide-name-inherited"],
+)
+def test_what_the_index_holds_stays_within_the_bytes_it_counts(
+    hash_bytes: int, name: str | None, inherited: bool
+) -> None:
+    """The stated bound is real memory: one block a store (the costliest shape, each with its
+    own copy of the name), hashes and names at their caps; then everything removed."""
+    index = KvIndex(root, BLOCK, max_bytes=1 << 40)
+    index.set_state("r0", LIVE)
+    blocks = 5000
+    hashes = [i.to_bytes(hash_bytes, "big") if hash_bytes else i + 2**40 for i in range(blocks)]
+    if name is not None:
+        root(name)  # the seed cache is `keys`'s memory, not the index's
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i, block_hash in enumerate(hashes):
+            lora = None if name is None else "".join(list(name))  # a fresh str, as decoded
+            tokens = list(range(i * BLOCK, (i + 1) * BLOCK))
+            assert index.stored("r0", [block_hash], None, tokens, BLOCK, lora, inherited) == 1
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert 0 < grown <= index.bytes, (grown, index.bytes)
+    index.removed("r0", hashes)
+    assert index.bytes == 0 and index.replicas["r0"].bytes == 0
+
+
+def test_a_new_adapter_name_beyond_the_cap_is_refused() -> None:
+    index = KvIndex(lambda lora: 7, BLOCK)
+    index.set_state("r0", LIVE)
+    for i in range(MAX_NAMES):
+        assert index.stored("r0", [i], None, [1, 2, 3, 4], BLOCK, f"n{i}") == 1
+    assert index.stored("r0", [-1], None, [1, 2, 3, 4], BLOCK, "one-more") == 0
+    assert index.replicas["r0"].nameless == 1
+    index.removed("r0", [0])  # n0's last block: its name is no longer held
+    assert index.stored("r0", [-1], None, [1, 2, 3, 4], BLOCK, "one-more") == 1
 
 
 def test_forgetting_a_replica_drops_its_keys() -> None:

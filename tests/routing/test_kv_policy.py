@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Sequence
+from pathlib import Path
 
 from routing_doubles import Pool, Rep, fleet, watch
 
+from lora_router.routing import kv_policy
 from lora_router.routing.keys import Lineages, PromptKey, RouteKey, prompt_key
 from lora_router.routing.kv_index import LIVE, STALE, KvIndex
-from lora_router.routing.kv_policy import KvAffinity
+from lora_router.routing.kv_policy import KvLookup
 from lora_router.routing.policy import PrefixAffinity
 
 BLOCK = 16
@@ -35,11 +38,11 @@ def pool(n: int, model: str | None = MODEL) -> Pool:
     return reps
 
 
-def setup(reps: Sequence[Rep]) -> tuple[KvAffinity, KvIndex]:
+def setup(reps: Sequence[Rep]) -> tuple[PrefixAffinity, KvIndex]:
     index = KvIndex(root, BLOCK)
     for r in reps:
         index.set_state(r.name, LIVE)
-    policy = KvAffinity(index)
+    policy = PrefixAffinity(prefer=KvLookup(index))
     watch(policy, reps)
     return policy, index
 
@@ -173,3 +176,22 @@ def test_families_placed_before_the_router_started_are_followed_past_the_window(
         index.stored(reps[0].name, [(i, b) for b in range(4)], None, tokens, BLOCK, MODEL, True)
     chosen = [policy.choose(route([*t, *range(90, 110)]), reps).replica for t in firsts]
     assert chosen == [reps[0]] * 4 and policy.counts.kv == 4
+
+
+def test_the_kv_lookup_is_given_to_the_prefix_policy_not_derived_from_it() -> None:
+    """Composition (#41): kv_policy.py's classes inherit nothing and read no underscore
+    attribute but those they set themselves; what they need of the deal is `contract.Deal`."""
+    tree = ast.parse(Path(kv_policy.__file__).read_text())
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        assert cls.bases == [], cls.name
+        own = {
+            node.attr
+            for node in ast.walk(cls)
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+        }
+        read = {
+            node.attr
+            for node in ast.walk(cls)
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_")
+        }
+        assert read <= own, (cls.name, read - own)
