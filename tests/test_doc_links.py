@@ -142,7 +142,6 @@ ANSWER_FIELDS = frozenset({"usage"})
 KNOWN_DRIFTS = frozenset(
     {
         ("docs/architecture.md", "fence.admit"),  # AdapterFence.admits
-        ("lora_router/tools/top.py", "fleet.busy_share"),  # fleet/telemetry.py's busy_share
     }
 )
 

@@ -24,7 +24,18 @@ A frame shows:
 The verdict. Let *paused* be the share of the last window (`syncs.paused_share_window`, 300 s)
 the fleet spent paused for weight syncs, and *busy* the mean over the reporting replicas of the
 share of unpaused scrapes in which a replica was running or queueing any request
-(`fleet.busy_share`). Then, in this order:
+(`telemetry.busy_share`). A stall is named before any share is judged, so that a stopped
+fleet never reads as an idle one:
+
+1. no replica in service: **down**, with the first one's cause and fix (`last_error`);
+2. a load waits for a replica's mount: **syncing**, with the replica, the adapter and how long
+   (it ends at `--load-deadline`, or when the client that asked leaves);
+3. the fleet is paused (`/pause` broadcast, no `/resume` since) while requests are in flight or
+   wait at the fence: **paused**, with their count and the way out (`POST /resume`);
+4. no replica in service can take part in a weight sync: **misconfigured**, with the first
+   problem and its fix (fleet/readiness.py).
+
+Then, on the shares:
 
 1. no replica reports: **unknown**;
 2. paused ≥ 25 %: **trainer-bound** — generation stands still a quarter of the time while the
@@ -98,8 +109,44 @@ def fetch(url: str, api_key: str = "", timeout: float = 5.0) -> dict[str, Any]:
     return shown_json(doc)
 
 
+def stall(status: dict[str, Any]) -> str | None:
+    """The stall the fleet is in (the module docstring's first list), or None."""
+    replicas = status.get("replicas") or []
+    serving = [r for r in replicas if _state(r) == "serving"]
+    if replicas and not serving:
+        first = replicas[0]
+        why = first.get("last_error") or _state(first)
+        return f"down: no replica is in service; replica {first.get('id')}: {why}"
+    waits = (status.get("broadcasts") or {}).get("mount_waits") or []
+    if waits:
+        w = max(waits, key=lambda w: float(w.get("seconds") or 0.0))
+        return (
+            f"syncing: load {w.get('adapter')!r} waits for replica {w.get('replica')}, which has "
+            f"answered 'No adapter found' for {float(w.get('seconds') or 0.0):.0f} s (it ends at "
+            "--load-deadline, or when the client that asked disconnects)"
+        )
+    fence_waiting = int((status.get("fence") or {}).get("waiting") or 0)
+    in_flight = sum(int(r.get("in_flight") or 0) for r in replicas)
+    if status.get("paused") is not None and (in_flight or fence_waiting):
+        return (
+            f"paused: the fleet is paused ({status['paused'] or 'pause'}) with {in_flight} "
+            f"request(s) in flight and {fence_waiting} waiting at the fence; a trainer that "
+            "stopped between /pause and /resume? POST /resume to the router resumes it"
+        )
+    problems = [r.get("sync_problems") or [] for r in serving]
+    if serving and all(problems):
+        return (
+            "misconfigured: no replica in service can take part in a weight sync; replica "
+            f"{serving[0].get('id')}: {problems[0][0]}"
+        )
+    return None
+
+
 def verdict(status: dict[str, Any]) -> str:
     """The one-line verdict of the module docstring, with the numbers it was judged on."""
+    stopped = stall(status)
+    if stopped is not None:
+        return stopped
     fleet = status.get("fleet") or {}
     syncs = status.get("syncs") or {}
     if not fleet.get("reporting"):
@@ -226,8 +273,9 @@ def _sources(sources: Sequence[dict[str, Any]], replicas: Sequence[dict[str, Any
         text = f"source {s.get('source')}: {n} member{'' if n == 1 else 's'}"
         text += f" (replicas {', '.join(ids)})" if ids else ""
         text += f", {age}"
-        if s.get("skipped"):
-            text += f", entries skipped: {len(s['skipped'])}"
+        skipped = s.get("skipped_count", len(s.get("skipped") or []))
+        if skipped:
+            text += f", entries skipped: {skipped}"
         if s.get("error"):
             lines.append(Text(f"{text}; last read failed: {s['error']}", style="red"))
         else:
