@@ -460,6 +460,13 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config
         replicas = tuple(ReplicaAddress.parse(u) for u in urls if u.strip())
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if not replicas and not (args.replicas_files or args.replicas_dns or args.replicas_srv):
+        # Asked first: which replicas comes before how to reach them.
+        raise UsageError(
+            "--replicas is required: a comma-separated list of replica URLs (or name a "
+            "--replicas-file, --replicas-dns or --replicas-srv; lora-router --demo tries it "
+            "without any)"
+        )
     token = api_key = Secret("")
     if args.token_env and args.no_token:
         raise UsageError("--token-env and --no-token contradict each other: give one of them")
@@ -484,11 +491,6 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Config
         )
     except ValueError as exc:  # each message names the flag
         raise UsageError(str(exc)) from None
-    if not replicas and not config.discovering:
-        raise UsageError(
-            "--replicas is required: a comma-separated list of replica URLs (or name a "
-            "--replicas-file, --replicas-dns or --replicas-srv)"
-        )
     return config
 
 

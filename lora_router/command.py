@@ -37,6 +37,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
             return text
         if action.default is False:
             return f"{text} (default: off)"
+        if action.default == []:  # a repeatable flag given no time
+            return f"{text} (default: none; repeatable)"
         return f"{text} (default: %(default)s)"
 
 

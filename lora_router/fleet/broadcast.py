@@ -224,22 +224,30 @@ class Broadcaster:
             raise
         self._note_queue(f"load {name!r}")
         abandoned = asyncio.Event()
-        return await self._queue(self._load_op(entry, name, path, body, abandoned), abandoned)
+        # The files are read from arrival on, while the load waits for its turn, so that no
+        # directory, however large or slow, is read under the lock from its start
+        # (adapter_files.py bounds the read itself); the turn stays the arrival order.
+        files = asyncio.ensure_future(_read_files(path))
+        op = self._load_op(entry, name, path, body, abandoned, files)
+        return await self._queue(op, abandoned)
 
     async def _load_op(
-        self, entry: AdapterEntry, name: str, path: str, body: bytes, abandoned: asyncio.Event
+        self,
+        entry: AdapterEntry,
+        name: str,
+        path: str,
+        body: bytes,
+        abandoned: asyncio.Event,
+        reading: asyncio.Future[tuple[str | None, str | None]],
     ) -> Reply:
         started = asyncio.get_running_loop().time()
         ok, failure, outcome = False, "the router stopped", "error"
         try:
-            # Before its turn, outside the lock: no directory, however large or slow, holds
-            # another broadcast (adapter_files.py bounds the read itself).
-            problem = await _judged(path)
-            if problem is not None:
-                raise Invalid(f"Cannot load adapter '{name}': lora_path '{path}' {problem}.")
-            files = await asyncio.to_thread(read_digest, path)
             async with self.lock:
                 self._check_running(f"load adapter '{name}'")
+                problem, files = await reading
+                if problem is not None:
+                    raise Invalid(f"Cannot load adapter '{name}': lora_path '{path}' {problem}.")
                 if entry.state is AdapterState.LIVE:
                     # It joined a load that went live before its turn (or that a later unload
                     # superseded, which then decides): the same files need nothing more.
@@ -584,12 +592,17 @@ class Broadcaster:
         return out
 
 
-async def _judged(path: str) -> str | None:
-    """`path_problem` off the event loop, within a second: a mount that hangs is not judged."""
+async def _read_files(path: str) -> tuple[str | None, str | None]:
+    """A load's directory as the router sees it: why it cannot be the adapter the load means
+    (`path_problem`, judged within a second: a mount that hangs is not judged), else its
+    files' digest (None: the router cannot tell). Off the event loop."""
     try:
-        return await asyncio.wait_for(asyncio.to_thread(path_problem, path), PATH_JUDGED_IN)
+        problem = await asyncio.wait_for(asyncio.to_thread(path_problem, path), PATH_JUDGED_IN)
     except TimeoutError:
-        return None
+        problem = None
+    if problem is not None:
+        return problem, None
+    return None, await asyncio.to_thread(read_digest, path)
 
 
 def _copied_headers(

@@ -366,6 +366,7 @@ class HealthMonitor:
             life = replica.life
             loop = asyncio.get_running_loop()
             started = loop.time()
+            first = life.state is State.JOINING  # added by discovery or the API, never served
             if not life.replay_begins(started, self.fleet.others_serving(replica)):
                 return False  # backing off while others serve, or no longer a member
             try:
@@ -388,8 +389,9 @@ class HealthMonitor:
             watch.down = 0
             watch.suspect = False
             log.info(
-                "%s is back in service (%d adapters replayed in %.2f s)",
+                "%s %s (%d adapters replayed in %.2f s)",
                 replica.describe(),
+                "joins the fleet" if first else "is back in service",
                 len(replica.adapters),
                 life.admitted_at - started,
             )

@@ -99,8 +99,8 @@ def no_replica_for(
     if not tried and not fleet.live():
         return fleet_error(no_replica_in_service(fleet, config))
     if tried:
-        names = ", ".join(str(r.rid) for r in tried)
-        message = f"No replica could take the request (tried replicas {names})."
+        names = ", ".join(r.describe() for r in tried)
+        message = f"No replica could take the request (tried {names})."
     else:
         message = f"No replica is available for model `{model}`." if model else ""
     return unavailable(message or "No replica is available.", config.health_interval)

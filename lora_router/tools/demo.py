@@ -130,6 +130,7 @@ class DemoResult:
     # and those the replicas reported, over the answers that carried a report.
     predicted_cached: int = 0
     reported_cached: int = 0
+    counted: int = 0  # answers both figures cover (none when the policy predicts nothing)
 
     @property
     def hit_rate(self) -> float:
@@ -527,6 +528,7 @@ async def _read_cache_metrics(result: DemoResult, urls: Sequence[str], router: s
             accuracy = (await resp.json())["routing_accuracy"]
         result.predicted_cached = accuracy["predicted_cached_tokens"]
         result.reported_cached = accuracy["reported_cached_tokens"]
+        result.counted = accuracy["answers"]
 
 
 def _metric_sum(exposition: str, name: str) -> float:

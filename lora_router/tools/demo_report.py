@@ -43,10 +43,18 @@ def summary(result: DemoResult) -> str:
         f"  prefix cache  {100 * result.hit_rate:.1f}% of prompt tokens were cache hits; "
         f"the best any routing could do: {100 * result.ideal_hit_rate:.1f}%",
         "                (each replica's vllm:prefix_cache_hits / vllm:prefix_cache_queries)",
-        f"  prediction    the router expected {result.predicted_cached:,} cached prompt tokens; "
-        f"the replicas reported {result.reported_cached:,}",
-        "                (routing_accuracy in /router/status: usage.prompt_tokens_details)",
     ]
+    if result.counted:
+        lines += [
+            f"  prediction    the router expected {result.predicted_cached:,} cached prompt "
+            f"tokens; the replicas reported {result.reported_cached:,}",
+            "                (routing_accuracy in /router/status: usage.prompt_tokens_details)",
+        ]
+    else:
+        lines.append(
+            "  prediction    none: this policy predicts no cache hits (prefix and kv do), so "
+            "nothing is compared"
+        )
     if waits:
         lines.append(
             f"  fence         {len(waits)} requests waited for their adapter's load to finish: "
