@@ -35,7 +35,10 @@ def test_load_waits_for_a_directory_renamed_into_place_later(
     """TRL publishes by atomic rename; a replica whose view lags answers 404 "No adapter
     found". The router retries until the directory appears and answers 200, never 404."""
     router = routers("--load-retry-interval", "0.3")
-    path = publish(V1, 0, rename=False)  # written beside its place, not yet renamed
+    staged = Path(publish(V1, 0, rename=False)).parent / f".{V1}.tmp"  # not yet in place
+    # A mount that has not caught up, under a parent the router does not see either (it
+    # judges a missing path only beside a parent it sees: fleet/adapter_files.py).
+    path = str(staged.parent.parent / "mount-catching-up" / ".vllm_lora" / V1)
     before = [load_404s(r) for r in fleet]
     answers: list[Answer] = []
     loader = threading.Thread(
@@ -49,7 +52,8 @@ def test_load_waits_for_a_directory_renamed_into_place_later(
         60,
         [r.log for r in fleet] + [router.log],
     )
-    Path(path).parent.joinpath(f".{V1}.tmp").rename(path)
+    Path(path).parent.mkdir(parents=True)
+    staged.rename(path)
     loader.join(timeout=120)
     assert not loader.is_alive()
     [answer] = answers
