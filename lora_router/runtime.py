@@ -33,6 +33,9 @@ from lora_router.observe.metrics import MetricsCollector, RequestStats, make_reg
 from lora_router.observe.status import summary_line
 from lora_router.proxy.answers import cleartext_warning
 from lora_router.proxy.dispatch import RouterApp
+from lora_router.proxy.forward import Forwarder
+from lora_router.proxy.retry import RetryBudget
+from lora_router.proxy.routed import CompletionRoute
 from lora_router.routing.keys import DEFAULT_BLOCK_SIZE, Lineages
 from lora_router.routing.kv_index import KvIndex
 from lora_router.routing.kv_policy import KvAffinity
@@ -59,6 +62,7 @@ class RouterRuntime:
         self.discovery: Discovery | None = None
         self.kv_events: KvEvents | None = None  # with --policy kv
         self.app: RouterApp | None = None
+        self.route: CompletionRoute | None = None  # the routed completion, in app's table
         self._summary: asyncio.Task[None] | None = None
 
     @property
@@ -103,8 +107,23 @@ class RouterRuntime:
         stats = RequestStats()
         collector = MetricsCollector(stats)
         registry = make_registry(collector)
+        budget = RetryBudget(config.retry_budget)
+        forwarder = Forwarder(config, fleet)
+        self.route = route = CompletionRoute(
+            config, fleet, policy, fence, health, stats, budget, forwarder, DEFAULT_BLOCK_SIZE
+        )
         self.app = app = RouterApp(
-            config, fleet, policy, fence, broadcaster, health, stats, registry, DEFAULT_BLOCK_SIZE
+            config,
+            fleet,
+            policy,
+            fence,
+            broadcaster,
+            health,
+            stats,
+            registry,
+            budget,
+            forwarder,
+            route,
         )
         self.telemetry = telemetry = Telemetry(config, client, fleet)
         app.state.telemetry = telemetry
@@ -117,7 +136,7 @@ class RouterRuntime:
             )
             # Bound now, accepting only once the fleet is known (`start_serving` below).
             self.server = await asyncio.get_running_loop().create_server(
-                lambda: ClientConnection(app.handle, config, count, app.handle_now),
+                lambda: ClientConnection(app.handle, config, count),
                 config.host,
                 config.port,
                 backlog=2048,
@@ -134,9 +153,9 @@ class RouterRuntime:
         except BaseException:
             await self.stop()
             raise
-        app.block_size = config.block_size or block_size or DEFAULT_BLOCK_SIZE
+        route.block_size = config.block_size or block_size or DEFAULT_BLOCK_SIZE
         if index is not None:
-            index.block_size = app.block_size
+            index.block_size = route.block_size
             self.kv_events = kv = KvEvents(config, client, fleet, index)
             health.on_restart = kv.restarted
             app.state.kv_events = kv

@@ -17,16 +17,6 @@ tried once. Nothing is ever retried once a response byte has been received; tryi
 replica is the caller's decision (`UpstreamError.retryable`). So the request's bytes are held
 (by its `Exchange`) only until the first response byte: a long stream does not keep them.
 
-Two ways in, one exchange. `forward` (a coroutine) is the general path: it may wait for a slot,
-connect, and applies the retry rule above itself. `take_now` and `send_now` are THE FAST PATH,
-for a caller running in a protocol callback: only when a slot is free with nobody queued and an
-idle pooled connection is at hand (`take_now`), the request is written at once (held to the end
-of the loop's pass, http/cork.py) and its exchange returned (`send_now`); its end is reported by
-calling `then(error)` from this connection's protocol callbacks, with no Task and no Future.
-A fast exchange that fails the way the retry rule re-sends (nothing received on its reused
-connection) is handed back to the general path by its caller: `resend` sends the same bytes
-once more on a fresh connection, as `forward` would have.
-
 A connection's objects die with it, by reference counting: its parser and timer refer back to
 it, and are dropped when it is lost (a cycle would wait for the cycle collector).
 """
@@ -37,16 +27,14 @@ import asyncio
 import re
 import ssl
 from collections import deque
-from collections.abc import Awaitable
 from typing import Final, cast
 
 import httptools
 
 from lora_router.config import ReplicaAddress
 from lora_router.http.cork import cork_for
-from lora_router.http.exchange import Exchange, Then, UpstreamError
+from lora_router.http.exchange import Exchange, UpstreamError
 from lora_router.http.headers import client_response_head
-from lora_router.http.request import ResponseSink
 from lora_router.http.timer import LazyTimer
 
 _MAX_HEAD: Final = 64 * 1024
@@ -295,8 +283,6 @@ class UpstreamConnection(asyncio.Protocol):
         assert ex is not None
         self._ex = None
         ex.sink.on_upstream(None)
-        # Back in the pool before the end is told: a fast-path caller may send its next
-        # request on this very connection from `then`.
         if keep and not self.closed:
             # A slow client may have paused this connection; in the pool it must read again,
             # or it would neither see the replica close it nor answer its next request.
@@ -402,70 +388,21 @@ class UpstreamPool:
         self._busy = 0  # exchanges in progress, at most max_connections
         self._waiters: deque[asyncio.Future[None]] = deque()
 
-    def forward(self, ex: Exchange) -> Awaitable[bool]:
+    async def forward(self, ex: Exchange) -> bool:
         """Send one exchange's request (`Exchange.request`, head + body) and stream the answer
-        into its sink (the general path: it may wait for a slot and connect).
+        into its sink, waiting for a slot and connecting as needed, and re-sending it once by
+        the retry rule (module docstring).
 
-        Awaited, returns whether the client connection may stay open. Raises UpstreamError.
+        Returns whether the client connection may stay open. Raises UpstreamError.
         From here on the request's bytes are held by the exchange alone, which drops them at
         the first response byte; the caller should hold no other reference to them.
         """
-        return self._send(ex, reuse=True)
-
-    def take_now(self) -> UpstreamConnection | None:
-        """THE FAST PATH's precondition (module docstring): a slot free with nobody queued and
-        an idle pooled connection at hand. Taken, with its slot, for `send_now`; else None and
-        nothing taken."""
-        if self._busy >= self.max_connections or self._waiters:
-            return None
-        idle = self._idle
-        while idle:  # `_take_idle`, written out (once per request)
-            conn, _ = idle.popitem()  # LIFO: the most recently used is least likely stale
-            if conn.usable:
-                self._busy += 1
-                return conn
-        return None
-
-    def send_now(
-        self, conn: UpstreamConnection, data: bytes, sink: ResponseSink, then: Then, *, http11: bool
-    ) -> Exchange:
-        """THE FAST PATH of `forward`: write the request (`data` = head + body, not a HEAD) on
-        the connection `take_now` gave, now; `then(error)` is called from the connection's
-        callbacks when the exchange ends, its slot already free.
-
-        The retry rule is the caller's here: an error with `retryable` set met this reused
-        connection before any response byte, and `resend` sends the request once more."""
-        ex = Exchange(sink, data, False, http11)
-        del data
-        ex.then = then
-        ex.pool = self
-        conn.start(ex, pooled=True)
-        return ex
-
-    def abandon(self, conn: UpstreamConnection, ex: Exchange) -> None:
-        """The fast exchange's client went away: drop it and its connection (which stops the
-        generation), free its slot; its `then` is never called."""
-        if ex.ended:
-            return
-        ex.ended = True
-        ex.then = None
-        conn.cancel()
-        self.release_slot()
-
-    def resend(self, ex: Exchange) -> Awaitable[bool]:
-        """A fast exchange that failed on its reused connection before any response byte (the
-        retry rule): sent once more on a fresh connection, as `forward` would have; awaited
-        like `forward`."""
-        ex.ended = False  # nothing was received: the exchange is as new
-        return self._send(ex, reuse=False)
-
-    async def _send(self, ex: Exchange, reuse: bool) -> bool:
         if self._busy < self.max_connections and not self._waiters:
             self._busy += 1
         else:
             await self._wait_for_slot()
         try:
-            conn = self._take_idle() if reuse else None
+            conn = self._take_idle()
             fresh = conn is None
             while True:
                 if conn is None:
@@ -482,7 +419,7 @@ class UpstreamPool:
                     # traceback holds this frame and `ex` (a cycle).
                     ex.done = None
                     ex.ended = False
-                    if fresh or exc.received or exc.kind == "timeout":
+                    if fresh or not exc.retryable:
                         raise
                     # A reused connection died before answering (nothing was received, so the
                     # exchange is as new): see the retry rule above.
