@@ -21,6 +21,12 @@ cycle) awaits `handler(request, connection)`; its HTTPError is the answer, any o
 500, and `answered()` then starts the next pipelined request. A client that goes away cancels
 the Task.
 
+Back-pressure: while the client's transport is paused for writing (`pause_writing`: the client
+does not read), no next request starts and no more input is read, whoever wrote the answer (a
+replica, or the router itself: an error, a 401, /router/status); `resume_writing` goes on.
+So a client that pipelines requests and never reads holds one answer's bytes, one read of
+input and the requests parsed from it; the keep-alive deadline then closes its connection.
+
 Never: answer a malformed or ambiguous request but with an error and a closed connection
 (request smuggling), let trailers add request headers, run two requests of a connection at once,
 or keep a reference cycle (a connection's parser and timer are dropped when it is lost).
@@ -91,6 +97,7 @@ class ClientConnection(asyncio.Protocol):
         "_header_bytes",
         "_header_timeout",
         "_headers",
+        "_held",
         "_http11",
         "_limits",
         "_loop",
@@ -145,6 +152,7 @@ class ClientConnection(asyncio.Protocol):
         self._queue: deque[Request] = deque()
         self._request: Request | None = None  # the one being answered
         self._busy = False  # a request is being answered (by its Task)
+        self._held = False  # the next request waits for the client to read (back-pressure)
         self._task: asyncio.Task[None] | None = None
         self._upstream: asyncio.Transport | None = None
         self._paused = False  # the client's socket buffer is full (pause_writing)
@@ -235,6 +243,9 @@ class ClientConnection(asyncio.Protocol):
         self._paused = False
         if self._upstream is not None:
             self._upstream.resume_reading()
+        if self._held and not self._closed:
+            self._held = False
+            self._next()
 
     # -- httptools callbacks --------------------------------------------------------------
 
@@ -358,7 +369,7 @@ class ClientConnection(asyncio.Protocol):
         self._receiving = 0  # counted as the request's `body` from now on
         self._phase = _Phase.IDLE
         self._continue = False
-        if not self._busy:
+        if not (self._busy or self._held):
             # Answering: no client deadline (the replica's apply); the timer, if any, wakes
             # up to find nothing due.
             self._deadline = math.inf
@@ -367,7 +378,8 @@ class ClientConnection(asyncio.Protocol):
         else:
             self._queue.append(request)
             if self.transport is not None:
-                # A pipelined request waits for the one in front; stop reading until then.
+                # A pipelined request waits for the one in front (or for the client to read
+                # its answer); stop reading until then.
                 self.transport.pause_reading()
 
     # -- dispatch ---------------------------------------------------------------------------
@@ -395,7 +407,8 @@ class ClientConnection(asyncio.Protocol):
         self.answered()
 
     def answered(self) -> None:
-        """The current request is answered (or its error sent): on to the next one."""
+        """The current request is answered (or its error sent): on to the next one, once the
+        client reads (back-pressure, module docstring)."""
         self._request = None
         self._busy = False
         if self._closed or self.transport is None:
@@ -403,6 +416,16 @@ class ClientConnection(asyncio.Protocol):
         if not self.keep_alive:
             self._close()
             return
+        if self._paused:
+            self._held = True
+            self.transport.pause_reading()
+            self._rearm()  # bounded: a client that never reads meets its deadline
+            return
+        self._next()
+
+    def _next(self) -> None:
+        """Start the next pipelined request, or wait for one."""
+        assert self.transport is not None
         if self._queue:
             self._start(self._queue.popleft())
             if not self._queue:
