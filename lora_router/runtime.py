@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import asdict
 
 from lora_router.config import Config
 from lora_router.fleet.broadcast import Broadcaster
@@ -80,21 +81,15 @@ class RouterRuntime:
             if config.cleartext_token(address):
                 log.warning("%s", cleartext_warning(address.name))
         self.fleet = fleet = Fleet(config, config.ssl_context())
-        options = dict(
-            load_factor=config.load_factor,
-            vnodes=config.vnodes,
-            table_size=config.affinity_table_size,
-            load_slack=config.load_slack,
-            move_price=config.move_price,
-        )
+        params = config.policy_params()
         index: KvIndex | None = None
         policy: Policy
         if config.policy == "kv":
             lineages = Lineages(config.lineage_pattern)  # the roots of the routed prompts' keys
             index = KvIndex(lambda lora: lineages.seeds(lora, lora is not None).token, 0)
-            policy = KvAffinity(index, **options)  # type: ignore[arg-type]
+            policy = KvAffinity(index, **asdict(params))
         else:
-            policy = make_policy(config.policy, **options)  # type: ignore[arg-type]
+            policy = make_policy(config.policy, params)
         policy.set_members(fleet.replicas)
         fleet.on_members = policy.set_members
         fleet.on_load = policy.load_changed

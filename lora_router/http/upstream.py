@@ -10,12 +10,12 @@ Flow control is done by the transports themselves: when the client's socket buff
 client connection pauses reading from the replica (`ResponseSink.on_upstream`), so a slow reader
 costs bounded memory however long the stream.
 
-Retry rule (stated once, here): a request is re-sent only when it went out on a *reused* pooled
-connection and that connection failed before a single response byte arrived — the replica most
-likely closed it while idle, and the request cannot have been processed. A fresh connection is
-tried once. Nothing is ever retried once a response byte has been received; trying *another*
-replica is the caller's decision (`UpstreamError.retryable`). So the request's bytes are held
-(by its `Exchange`) only until the first response byte: a long stream does not keep them.
+The re-send rule (stated once, here; trying *another* replica is proxy/retry.py's retry rule):
+a request is sent again to the same replica only when it went out on a *reused* pooled
+connection and that connection failed in a way `UpstreamError.retryable` allows (nothing
+received, not a timeout): the replica most likely closed it while idle, and the request cannot
+have been processed. A fresh connection is tried once. So the request's bytes are held (by its
+`Exchange`) only until the first response byte: a long stream does not keep them.
 
 A connection's objects die with it, by reference counting: its parser and timer refer back to
 it, and are dropped when it is lost (a cycle would wait for the cycle collector).
@@ -132,9 +132,10 @@ class UpstreamConnection(asyncio.Protocol):
     def _head(self, ex: Exchange, data: bytes) -> bool:
         """Collect the response head; once whole, send it on with what followed it."""
         if not ex.head_buf:
-            # The first response byte: the request will not be sent again (the retry rule). The
-            # replica is streaming, not thinking: `data_received` arms the stream-idle timeout
-            # unless this read ends the answer (the usual case: the pool's idle one follows).
+            # The first response byte: the request will not be sent again (the re-send rule
+            # above, and proxy/retry.py's). The replica is streaming, not thinking:
+            # `data_received` arms the stream-idle timeout unless this read ends the answer
+            # (the usual case: the pool's idle one follows).
             ex.request = b""
         buf = ex.tail = ex.head_buf + data if ex.head_buf else data
         while True:
@@ -163,15 +164,10 @@ class UpstreamConnection(asyncio.Protocol):
             buf = buf[body_at:]
         # The usual case: one parse of everything received, then one write. Parsed before
         # anything is forwarded, so bytes past the end of the response (a second response,
-        # response splitting) fail the exchange before a byte reaches the client. `_feed`,
-        # written out: this runs once per request.
-        try:
-            self._parser.feed_data(buf)
-        except httptools.HttpParserError as exc:
-            self._malformed(exc)
-            return False
+        # response splitting) fail the exchange before a byte reaches the client.
+        self._feed(buf)
         if self._ex is not ex:
-            return False
+            return False  # the parser failed the exchange
         ex.head_buf = b""
         ex.head_sent = True
         head = buf[:end]
@@ -244,13 +240,14 @@ class UpstreamConnection(asyncio.Protocol):
             self._parser = httptools.HttpResponseParser(_Dechunking(self) if ex.dechunk else self)
         self._ex = ex
         self._last = self._loop.time()
-        # `_arm`, written out (once per request), and the timer left alone when that is safe:
-        # a pooled connection's timer is pending and never sleeps past the pool's idle timeout
-        # (its horizon, http/timer.py), so a first-byte timeout at least that long would not
-        # move it.
-        self._limit = limit = self._pool.first_byte_timeout
+        # The first-byte timeout. A pooled connection's timer is pending and never sleeps past
+        # the pool's idle timeout (its horizon, http/timer.py): a limit at least that long
+        # needs no re-arming, only the limit it checks.
+        limit = self._pool.first_byte_timeout
         if not pooled or limit < self._pool.idle_timeout:
-            self._timer.arm(self._last, limit)
+            self._arm(limit)
+        else:
+            self._limit = limit
         ex.sink.on_upstream(self.transport)
         self._pool.cork.write(self.transport, ex.request)  # at the end of the pass
 
@@ -391,7 +388,7 @@ class UpstreamPool:
     async def forward(self, ex: Exchange) -> bool:
         """Send one exchange's request (`Exchange.request`, head + body) and stream the answer
         into its sink, waiting for a slot and connecting as needed, and re-sending it once by
-        the retry rule (module docstring).
+        the re-send rule (module docstring).
 
         Returns whether the client connection may stay open. Raises UpstreamError.
         From here on the request's bytes are held by the exchange alone, which drops them at
@@ -422,7 +419,7 @@ class UpstreamPool:
                     if fresh or not exc.retryable:
                         raise
                     # A reused connection died before answering (nothing was received, so the
-                    # exchange is as new): see the retry rule above.
+                    # exchange is as new): the re-send rule above.
                     conn, fresh = None, True
         finally:
             self.release_slot()
