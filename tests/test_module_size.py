@@ -1,7 +1,9 @@
-"""The package's modules stay small enough to read: at most 600 lines each (the emulator, a
-stand-in for vLLM rather than part of the router, aside), and a module docstring of at most 40
-lines, the emulator's included. A docstring keeps the rules, the invariants, the complexity and
-the "never"s; measurements, history and rejected designs live in docs/design/.
+"""Every module of the package opens with a docstring: its rules, its invariants and its
+"never"s, what a reader needs before the code (measurements, history and rejected designs live
+in docs/design/); a package's `__init__.py` says what its modules are for.
+
+Length is not tested: a long module is a reason to split it by concept in review, not a
+failing test (#41).
 """
 
 from __future__ import annotations
@@ -10,8 +12,6 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lora_router"
-MAX_LINES = 600
-MAX_DOCSTRING_LINES = 40
 
 
 def _modules() -> dict[str, str]:
@@ -35,20 +35,9 @@ def docstring_lines(source: str) -> int:
     return first.end_lineno - first.lineno + 1
 
 
-def test_no_module_exceeds_600_lines() -> None:
-    long = {
-        name
-        for name, source in MODULES.items()
-        if len(source.splitlines()) > MAX_LINES and not name.startswith("emulator/")
-    }
-    assert not long, long
-
-
-def test_no_module_docstring_exceeds_40_lines() -> None:
-    long = {
-        name for name, source in MODULES.items() if docstring_lines(source) > MAX_DOCSTRING_LINES
-    }
-    assert not long, long
+def test_every_module_opens_with_a_docstring() -> None:
+    bare = {name for name, source in MODULES.items() if docstring_lines(source) == 0}
+    assert not bare, bare
 
 
 def test_a_docstring_is_measured_from_quote_to_quote() -> None:
