@@ -110,6 +110,7 @@ class RouterApp:
         self.state = RouterState(fleet, fence, broadcaster, health, policy, stats, budget)
         self._registry = registry
         self._loop = asyncio.get_running_loop()
+        self._keyed = bool(config.api_key)
         # The route table with the operator's --forward-paths, its metric labels, and one
         # handler per path.
         self.table = with_forward_paths(config.forward_paths)
@@ -148,7 +149,16 @@ class RouterApp:
         started = self._loop.time()
         try:
             try:
-                await self._route(request, conn)
+                route = self.table.get(request.path)  # found as written: canonical (routes.py)
+                if route is None:
+                    route = self._judged(request)
+                if self._keyed:  # without a key every request passes (http/auth.py)
+                    authenticate(request, self.config)
+                if route is None:
+                    raise not_found()
+                if route.methods is not None and request.method not in route.methods:
+                    raise method_not_allowed(route.methods)
+                await self._handlers[route.path](request, conn)
             except FenceRefusal as refusal:
                 raise fence_error(refusal) from None
             except FleetRefusal as refusal:
@@ -167,17 +177,6 @@ class RouterApp:
         self.stats.observe(
             route, code, conn.replica, started, self._loop.time(), conn.first_byte_at
         )
-
-    async def _route(self, request: Request, conn: ClientConnection) -> None:
-        route = self.table.get(request.path)  # found as written: canonical (routes.py)
-        if route is None:
-            route = self._judged(request)
-        authenticate(request, self.config)
-        if route is None:
-            raise not_found()
-        if route.methods is not None and request.method not in route.methods:
-            raise method_not_allowed(route.methods)
-        await self._handlers[route.path](request, conn)
 
     def _judged(self, request: Request) -> Route | None:
         """The path rule (http/target.py) for a path not found as written: a 400, or the

@@ -51,16 +51,17 @@ log = logging.getLogger(__name__)
 ROUTED = {b"/v1/completions": False, b"/v1/chat/completions": True}
 
 
-class Stage(enum.Enum):
-    """Where a routed request is (h11-style: one state, explicit moves, `NEXT`)."""
+class Stage(enum.IntEnum):
+    """Where a routed request is (h11-style: one state, explicit moves, `NEXT`). An IntEnum:
+    hashed in C, once per move."""
 
-    ADMITTED = "admitted"  # past the fence and counted; no attempt on a replica
-    SENT = "sent"  # an attempt is on a replica; nothing of its answer reached the client
-    DIVERTED = "diverted"  # that attempt's 404/5xx head was held back: another attempt follows
-    PASSED = "passed"  # a head reached the client: no attempt will follow
-    ANSWERED = "answered"  # the end: the replica's answer was passed on whole
-    FAILED = "failed"  # the end: the router answers itself (or, past a head, closes)
-    GONE = "gone"  # the end: the client went away
+    ADMITTED = 0  # past the fence and counted; no attempt on a replica
+    SENT = 1  # an attempt is on a replica; nothing of its answer reached the client
+    DIVERTED = 2  # that attempt's 404/5xx head was held back: another attempt follows
+    PASSED = 3  # a head reached the client: no attempt will follow
+    ANSWERED = 4  # the end: the replica's answer was passed on whole
+    FAILED = 5  # the end: the router answers itself (or, past a head, closes)
+    GONE = 6  # the end: the client went away
 
 
 NEXT: dict[Stage, frozenset[Stage]] = {
@@ -85,6 +86,7 @@ class RoutedRequest:
         "diverted",
         "held",
         "model",
+        "on_upstream",
         "prompt",
         "replica",
         "request",
@@ -129,6 +131,8 @@ class RoutedRequest:
         self.prompt = 0
         self.diverted = 0  # the status of the current attempt's held-back head
         self.write: Callable[[bytes | memoryview], None] = conn.write
+        # The client's flow control, for the replica's connection (ResponseSink).
+        self.on_upstream = conn.on_upstream
 
     def move(self, stage: Stage) -> None:
         """The one way to change `stage`: along `NEXT`, or a RuntimeError (a bug)."""
@@ -149,11 +153,9 @@ class RoutedRequest:
             self.write = _drop
             return
         self.move(Stage.PASSED)
-        self.release()
+        if self.held is not None:
+            self.release()
         self.conn.head(status, data, body)
-
-    def on_upstream(self, transport: asyncio.Transport | None) -> None:
-        self.conn.on_upstream(transport)
 
     def release(self) -> None:
         """Its fence count goes, once: when its head passes or it ends."""
@@ -209,10 +211,31 @@ class CompletionRoute:
                 # model; whether it exists is unknown, so not vLLM's 404 but "not now".
                 raise fleet_error(no_replica_in_service(self.fleet, self.config))
             await self.fence.wait(model)
-        job, key = self.admit(request, conn, chat, fields)
-        del fields  # the key holds the prompt now, and only until a replica is chosen
+        job, first = self.admit(request, conn, chat, fields)
+        key: RouteKey | None = first
+        del fields, first  # the key holds the prompt now, and only until a replica is chosen
         try:
-            await self.attempts(job, key)
+            # The retry loop: pick, send, settle, until settled (returns) or refused (raises).
+            while True:
+                replica = self.pick(job, key)
+                key = None
+                ex = self.forwarder.exchange(request, replica, job)
+                job.move(Stage.SENT)
+                failure: UpstreamError | None = None
+                try:
+                    await self.forwarder.send(ex, conn, replica, job.tokens)
+                except UpstreamError as exc:
+                    failure = exc.with_traceback(None)  # its frames would hold `ex`: a cycle
+                except asyncio.CancelledError:  # the client went away
+                    if job.prompt:
+                        self.account(job, ex, ended=False)
+                    raise
+                if self.settle(job, replica, failure):
+                    job.move(Stage.ANSWERED)
+                    if job.prompt:
+                        self.account(job, ex)
+                    return
+                job.move(Stage.ADMITTED)
         except asyncio.CancelledError:
             job.move(Stage.GONE)
             raise
@@ -220,7 +243,8 @@ class CompletionRoute:
             job.move(Stage.FAILED)
             raise
         finally:
-            job.release()
+            if job.held is not None:
+                job.release()
 
     def admit(
         self, request: Request, conn: ClientConnection, chat: bool, fields: Completion
@@ -241,29 +265,6 @@ class CompletionRoute:
             # let it through: an unload waits for it before it is broadcast (fleet/fence.py).
             self.fence.hold(job.held)
         return job, key
-
-    async def attempts(self, job: RoutedRequest, key: RouteKey | None) -> None:
-        """The retry loop: pick, send, settle, until settled (returns) or refused (raises)."""
-        while True:
-            replica = self.pick(job, key)
-            key = None
-            ex = self.forwarder.exchange(job.request, replica, job)
-            job.move(Stage.SENT)
-            failure: UpstreamError | None = None
-            try:
-                await self.forwarder.send(ex, job.conn, replica, job.tokens)
-            except UpstreamError as exc:
-                failure = exc.with_traceback(None)  # its frames would hold `ex`: a cycle
-            except asyncio.CancelledError:  # the client went away
-                if job.prompt:
-                    self.account(job, ex, ended=False)
-                raise
-            if self.settle(job, replica, failure):
-                job.move(Stage.ANSWERED)
-                if job.prompt:
-                    self.account(job, ex)
-                return
-            job.move(Stage.ADMITTED)
 
     def pick(self, job: RoutedRequest, key: RouteKey | None) -> Replica:
         """The next attempt's replica (raises the 503 when none can take it), set on `job`
