@@ -110,7 +110,7 @@ class UpstreamConnection(asyncio.Protocol):
         ex = self._ex
         if ex is None:
             # Bytes nobody asked for: the connection is no longer in a known state.
-            self._abort()
+            self.abort()
             return
         self._last = self._loop.time()
         if ex.head_sent:
@@ -289,15 +289,15 @@ class UpstreamConnection(asyncio.Protocol):
             # is the timer's horizon, and the timer of an open connection that was armed once
             # is pending, so `_arm` would not move it (http/timer.py).
             self._limit = self._pool.idle_timeout
-            self._pool._idle[self] = None  # back in the pool
+            self._pool.put_back(self)
         else:
-            self._abort()
+            self.abort()
         ex.end(None)
 
     def _fail(self, kind: str, message: str, received: bool) -> None:
         ex = self._ex
         self._ex = None
-        self._abort()
+        self.abort()
         if ex is None or ex.ended:
             return
         ex.sink.on_upstream(None)
@@ -317,18 +317,25 @@ class UpstreamConnection(asyncio.Protocol):
             return
         ex = self._ex
         if ex is None:
-            self._abort()  # idle in the pool for too long
+            self.abort()  # idle in the pool for too long
             return
         received = ex.head_sent or bool(ex.head_buf)
         what = "between response bytes" if received else "for the first response byte"
         self._fail("timeout", f"the replica sent nothing {what} for {self._limit:g} s", received)
 
+    def decoded(self, body: bytes) -> None:
+        """Body bytes decoded for an HTTP/1.0 client (`_Dechunking`), written on."""
+        ex = self._ex
+        if ex is not None:
+            ex.sink.write(body)
+
     def cancel(self) -> None:
         """The client went away: drop the exchange and the connection (stops the generation)."""
         self._ex = None
-        self._abort()
+        self.abort()
 
-    def _abort(self) -> None:
+    def abort(self) -> None:
+        """Close the connection at once; an exchange on it fails (`connection_lost`)."""
         self.closed = True
         self._timer.cancel()
         if self.transport is not None:
@@ -348,9 +355,7 @@ class _Dechunking:
         self.on_message_complete = conn.on_message_complete
 
     def on_body(self, body: bytes) -> None:
-        ex = self._conn._ex
-        if ex is not None:
-            ex.sink.write(body)
+        self._conn.decoded(body)
 
 
 class UpstreamPool:
@@ -378,7 +383,7 @@ class UpstreamPool:
         self.stream_idle_timeout = stream_idle_timeout
         self.idle_timeout = idle_timeout
         # Idle connections, in the order they were released (a dict: `forget` is O(1)); put
-        # back by `UpstreamConnection._finish`.
+        # back by `put_back`.
         self._idle: dict[UpstreamConnection, None] = {}
         self._all: set[UpstreamConnection] = set()
         self.max_connections = max_connections
@@ -443,6 +448,11 @@ class UpstreamPool:
                 return
         self._busy -= 1
 
+    def put_back(self, conn: UpstreamConnection) -> None:
+        """An open connection whose exchange ended whole: idle in the pool, the most recent
+        last."""
+        self._idle[conn] = None
+
     def _take_idle(self) -> UpstreamConnection | None:
         while self._idle:
             conn, _ = self._idle.popitem()  # LIFO: the most recently used is least likely stale
@@ -486,5 +496,5 @@ class UpstreamPool:
 
     def close(self) -> None:
         for conn in list(self._all):
-            conn._abort()
+            conn.abort()
         self._idle.clear()
