@@ -40,6 +40,8 @@ from lora_router.routing.policy import (
     DEFAULT_TABLE_SIZE,
     DEFAULT_VNODES,
     POLICIES,
+    ParamError,
+    PolicyParams,
 )
 
 
@@ -267,7 +269,7 @@ class Config:
     # ENDPOINT[,REPLAY] templates with {host} (fleet/kv_events.py).
     kv_events: str = "auto"
     block_size: int | None = None  # None: read cache_config.block_size from the replicas, else 16
-    # The policy's own defaults (routing/policy.py explains them).
+    # The policy's parameters, with its defaults (routing/policy.py's PolicyParams owns them).
     load_factor: float = DEFAULT_LOAD_FACTOR  # ε of consistent hashing with bounded loads
     load_slack: int = DEFAULT_LOAD_SLACK  # requests in flight a replica may take over the mean
     # A first later turn leaves a home heavier by more than this many times its prompt (0: never).
@@ -391,11 +393,14 @@ class Config:
                 raise ValueError(f"{_flag(name)} must be positive")
         if self.block_size is not None and self.block_size <= 0:
             raise ValueError("--block-size must be positive")
-        for name in ("load_slack", "move_price", "max_staleness", "retries"):
+        for name in ("max_staleness", "retries"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} must be 0 or more")
-        if not (math.isfinite(self.load_factor) and self.load_factor > 0):
-            raise ValueError("--load-factor must be positive")
+        try:
+            self.policy_params()
+        except ParamError as exc:
+            flag = _flag("affinity_table_size" if exc.param == "table_size" else exc.param)
+            raise ValueError(f"{flag} {exc.rule}") from None
         if not (math.isfinite(self.retry_budget) and self.retry_budget >= 0):
             raise ValueError("--retry-budget must be a share of 0 or more (0.2: 20%)")
         try:
@@ -416,6 +421,16 @@ class Config:
             raise ValueError(
                 "--max-buffered-bytes must be at least --max-body-bytes (one whole body)"
             )
+
+    def policy_params(self) -> PolicyParams:
+        """The routing policy's parameters from their flags (validated by PolicyParams)."""
+        return PolicyParams(
+            load_factor=self.load_factor,
+            load_slack=self.load_slack,
+            move_price=self.move_price,
+            vnodes=self.vnodes,
+            table_size=self.affinity_table_size,
+        )
 
     @property
     def discovering(self) -> bool:
@@ -470,8 +485,6 @@ _SECONDS = (
 )
 _SECONDS_OR_ZERO = ("shutdown_grace", "status_interval", "unload_wait", "discovery_grace")
 _POSITIVE = (
-    "vnodes",
-    "affinity_table_size",
     "max_body_bytes",
     "max_header_bytes",
     "max_headers",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import asdict
 
 from lora_router.config import Config
 from lora_router.fleet.broadcast import Broadcaster
@@ -34,6 +35,9 @@ from lora_router.observe.metrics import MetricsCollector, RequestStats, make_reg
 from lora_router.observe.status import summary_line
 from lora_router.proxy.answers import cleartext_warning
 from lora_router.proxy.dispatch import RouterApp
+from lora_router.proxy.forward import Forwarder
+from lora_router.proxy.retry import RetryBudget
+from lora_router.proxy.routed import CompletionRoute
 from lora_router.routing.keys import DEFAULT_BLOCK_SIZE, Lineages
 from lora_router.routing.kv_index import KvIndex
 from lora_router.routing.kv_policy import KvLookup
@@ -60,6 +64,7 @@ class RouterRuntime:
         self.discovery: Discovery | None = None
         self.kv_events: KvEvents | None = None  # with --policy kv
         self.app: RouterApp | None = None
+        self.route: CompletionRoute | None = None  # the routed completion, in app's table
         self._summary: asyncio.Task[None] | None = None
 
     @property
@@ -77,21 +82,15 @@ class RouterRuntime:
             if config.cleartext_token(address):
                 log.warning("%s", cleartext_warning(address.name))
         self.fleet = fleet = Fleet(config, config.ssl_context())
-        options = dict(
-            load_factor=config.load_factor,
-            vnodes=config.vnodes,
-            table_size=config.affinity_table_size,
-            load_slack=config.load_slack,
-            move_price=config.move_price,
-        )
+        params = config.policy_params()
         index: KvIndex | None = None
         policy: Policy
         if config.policy == "kv":
             lineages = Lineages(config.lineage_pattern)  # the roots of the routed prompts' keys
             index = KvIndex(lambda lora: lineages.seeds(lora, lora is not None).token, 0)
-            policy = PrefixAffinity(**options, prefer=KvLookup(index))  # type: ignore[arg-type]
+            policy = PrefixAffinity(**asdict(params), prefer=KvLookup(index))
         else:
-            policy = make_policy(config.policy, **options)  # type: ignore[arg-type]
+            policy = make_policy(config.policy, params)
         policy.set_members(fleet.replicas)
         fleet.on_members = policy.set_members
         fleet.on_load = policy.load_changed
@@ -105,8 +104,23 @@ class RouterRuntime:
         stats = RequestStats()
         collector = MetricsCollector(stats)
         registry = make_registry(collector)
+        budget = RetryBudget(config.retry_budget)
+        forwarder = Forwarder(config, fleet)
+        self.route = route = CompletionRoute(
+            config, fleet, policy, fence, health, stats, budget, forwarder, DEFAULT_BLOCK_SIZE
+        )
         self.app = app = RouterApp(
-            config, fleet, policy, fence, broadcaster, health, stats, registry, DEFAULT_BLOCK_SIZE
+            config,
+            fleet,
+            policy,
+            fence,
+            broadcaster,
+            health,
+            stats,
+            registry,
+            budget,
+            forwarder,
+            route,
         )
         self.telemetry = telemetry = Telemetry(config, client, fleet)
         app.state.telemetry = telemetry
@@ -119,7 +133,7 @@ class RouterRuntime:
             )
             # Bound now, accepting only once the fleet is known (`start_serving` below).
             self.server = await asyncio.get_running_loop().create_server(
-                lambda: ClientConnection(app.handle, config, count, app.handle_now),
+                lambda: ClientConnection(app.handle, config, count),
                 config.host,
                 config.port,
                 backlog=2048,
@@ -136,9 +150,9 @@ class RouterRuntime:
         except BaseException:
             await self.stop()
             raise
-        app.block_size = config.block_size or block_size or DEFAULT_BLOCK_SIZE
+        route.block_size = config.block_size or block_size or DEFAULT_BLOCK_SIZE
         if index is not None:
-            index.block_size = app.block_size
+            index.block_size = route.block_size
             self.kv_events = kv = KvEvents(config, client, fleet, index)
             health.on_restart = kv.restarted
             app.state.kv_events = kv

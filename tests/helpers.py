@@ -1,6 +1,6 @@
 """What the tests share, defined once: a client's calls to a router or a replica, the settings of
-a router under test, waiting for a condition that has no event to await, a `/metrics` page's
-samples, and `lora-router top` run as a command.
+a router under test, its `/router/status`, a free port, waiting for a condition that has no
+event to await, a `/metrics` page's samples, and `lora-router top` run as a command.
 
 The fixtures every test folder uses (`client`, `adapter`) are in tests/conftest.py; each folder's
 conftest.py adds only what its tests alone need.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -30,6 +31,22 @@ async def call(
     """One request, read whole: status, body, headers."""
     async with client.request(method, url, json=json, **kwargs) as response:
         return response.status, await response.read(), response.headers
+
+
+async def router_status(client: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    """The router at `url`'s `/router/status`, which must answer 200."""
+    code, body, _ = await call(client, "GET", url + "/router/status")
+    assert code == 200, body
+    doc: dict[str, Any] = orjson.loads(body)
+    return doc
+
+
+def free_port() -> int:
+    """A loopback port the OS says is free now (for a program that cannot bind port 0 and say
+    which it got)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 async def load(client: aiohttp.ClientSession, url: str, name: str, path: str) -> tuple[int, bytes]:

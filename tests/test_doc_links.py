@@ -137,13 +137,6 @@ CLOSED_BASES = frozenset(
 )
 # vLLM's answer fields that share a module's name: `usage.prompt_tokens` is not proxy/usage.py.
 ANSWER_FIELDS = frozenset({"usage"})
-# Drifts in files other branches of #41 rewrite: the lead fixes them at the merge, and an entry
-# that no longer drifts fails below, so the list cannot outlive its drifts.
-KNOWN_DRIFTS = frozenset(
-    {
-        ("docs/architecture.md", "fence.admit"),  # AdapterFence.admits
-    }
-)
 
 
 @dataclass
@@ -341,10 +334,8 @@ def test_every_file_test_and_symbol_the_docs_and_docstrings_name_exists() -> Non
     found = {
         (str(f.relative_to(ROOT)), ref, why) for f in named_in(ROOT) for ref, why in drifts(f, tree)
     }
-    bad = sorted(f"{name}:{why}" for name, ref, why in found if (name, ref) not in KNOWN_DRIFTS)
-    stale = KNOWN_DRIFTS - {(name, ref) for name, ref, _ in found}
+    bad = sorted(f"{name}:{why}" for name, _, why in found)
     assert not bad, "\n".join(bad)
-    assert not stale, f"no longer drifts, drop from KNOWN_DRIFTS: {sorted(stale)}"
 
 
 def test_the_check_catches_a_missing_file_test_and_symbol(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """The package's layering, read from the source: which module may import which.
 
 - routing/ is pure: it imports neither http/ nor fleet/;
+- http/ is the protocol alone: it imports only itself and config.py;
 - nothing imports cli (the command line is the outermost layer);
 - the router never imports the emulator: only tools/demo.py (the emulator's client) and the
   emulator itself do;
@@ -72,6 +73,18 @@ def test_routing_imports_neither_http_nor_fleet() -> None:
     for module in (m for m in MODULES if m.startswith("lora_router.routing")):
         bad = {
             i for i in imports(module) if i.startswith(("lora_router.http", "lora_router.fleet"))
+        }
+        assert not bad, f"{module} imports {bad}"
+
+
+def test_http_imports_only_itself_and_the_config() -> None:
+    for module in (m for m in MODULES if m.startswith("lora_router.http")):
+        bad = {
+            i
+            for i in imports(module)
+            if i.startswith("lora_router")
+            and not i.startswith(("lora_router.http.", "lora_router.config."))
+            and i not in ("lora_router.http", "lora_router.config")
         }
         assert not bad, f"{module} imports {bad}"
 

@@ -1,28 +1,20 @@
 """One exchange with a replica: its per-request state (`Exchange`) and how it can fail
-(`UpstreamError`), shared by the pool's two ways in (http/upstream.py).
+(`UpstreamError`), for the pool that carries it (http/upstream.py).
 
-Rules: an exchange ends once (`Exchange.end`), told either to the general path's future or to
-the fast path's `then`; on the fast path its pool slot is freed before `then` runs, so `then`
-may send the next request at once. The request's bytes are held only until the first response
-byte (`request` becomes b""): a long stream does not keep them; of the answer, only its last
-two reads are kept (`tail`, `prior`). `UpstreamError.retryable` is
-the one judgement of whether a failed exchange may go to another replica: nothing of the
-answer arrived, and it was not a timeout (the replica may still be working on it).
+Rules: an exchange ends once (`Exchange.end`), told to the future its pool awaits. The
+request's bytes are held only until the first response byte (`request` becomes b""): a long
+stream does not keep them; of the answer, only its last three reads are kept (`tail`, `prior`,
+`earlier`: what proxy/usage.py reads). `UpstreamError.retryable` is the one judgement of
+whether a failed exchange may be sent again, on a fresh connection (http/upstream.py) or to
+another replica (proxy/retry.py): nothing of the answer arrived, and it was not a timeout (the
+replica may still be working on it).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Protocol
 
 from lora_router.http.request import ResponseSink
-
-
-class SlotPool(Protocol):
-    """What an exchange needs of its pool: to give back the slot it held."""
-
-    def release_slot(self) -> None: ...
 
 
 class UpstreamError(Exception):
@@ -47,15 +39,12 @@ class UpstreamError(Exception):
         return not self.received and self.kind != "timeout"
 
 
-Then = Callable[["UpstreamError | None"], None]
-
-
 class Exchange:
     """Per-request state of one upstream connection.
 
-    Its end is told once, by `end`: to the general path's `done` future, or, on the fast path,
-    to `then` (None: the answer is complete; else the UpstreamError). `client_keep_alive` then
-    says whether the client connection may stay open.
+    Its end is told once, by `end`, to the `done` future its pool awaits: the answer is
+    complete (its result: `client_keep_alive`, whether the client connection may stay open),
+    or the UpstreamError.
     """
 
     __slots__ = (
@@ -69,21 +58,17 @@ class Exchange:
         "head_buf",
         "head_only",
         "head_sent",
-        "pool",
         "prior",
         "request",
         "reusable",
         "sink",
         "status",
         "tail",
-        "then",
     )
 
     def __init__(self, sink: ResponseSink, request: bytes, head_only: bool, http11: bool) -> None:
         self.sink = sink
-        self.done: asyncio.Future[bool] | None = None  # the general path's
-        self.then: Then | None = None  # the fast path's
-        self.pool: SlotPool | None = None  # the fast path's: its slot is freed at the end
+        self.done: asyncio.Future[bool] | None = None  # set by the pool for each attempt
         self.ended = False
         self.request = request  # head + body, until the first response byte (b"" after)
         self.head_only = head_only
@@ -108,14 +93,8 @@ class Exchange:
         if self.ended:
             return
         self.ended = True
-        done, then = self.done, self.then
-        if then is not None:
-            self.then = None  # it refers to the caller's state: not kept past the end
-            pool = self.pool
-            assert pool is not None
-            pool.release_slot()  # before `then`, which may send the next request
-            then(error)
-        elif done is not None and not done.done():
+        done = self.done
+        if done is not None and not done.done():
             if error is None:
                 done.set_result(self.client_keep_alive)
             else:

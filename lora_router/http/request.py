@@ -31,7 +31,7 @@ class Request(msgspec.Struct):
     dataclass: built in C, with no Python `__init__` frame, once per request.)
 
     `body` becomes b"" once a response head for it reaches the client (`ClientConnection.head`):
-    from then on nothing may send the request again (the retry rule, proxy/routed.py).
+    from then on nothing may send the request again (the retry rule, proxy/retry.py).
     """
 
     method: bytes

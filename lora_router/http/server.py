@@ -16,11 +16,16 @@ them through the loop's cork, http/cork.py, slowed by `pause_writing`/`resume_wr
 input while a request is in flight means the client is gone: the replica's connection closes
 too, and vLLM aborts.
 
-Two ways a request is answered. THE FAST PATH: `fast(request, connection)`, called from the
-callback that completed the request or from the end of the answer in front of it, may answer
-it from protocol callbacks alone, with no Task (the app's `handle_now`), ending with
-`answered()` or handing the request to the general path with `hand_over(work)`; `on_lost` tells
-it the client went away. When `fast` declines, a Task awaits `handler(request, connection)`.
+One way a request is answered: a Task per request (as uvicorn's httptools_impl runs a request
+cycle) awaits `handler(request, connection)`; its HTTPError is the answer, any other error a
+500, and `answered()` then starts the next pipelined request. A client that goes away cancels
+the Task.
+
+Back-pressure: while the client's transport is paused for writing (`pause_writing`: the client
+does not read), no next request starts and no more input is read, whoever wrote the answer (a
+replica, or the router itself: an error, a 401, /router/status); `resume_writing` goes on.
+So a client that pipelines requests and never reads holds one answer's bytes, one read of
+input and the requests parsed from it; the keep-alive deadline then closes its connection.
 
 Never: answer a malformed or ambiguous request but with an error and a closed connection
 (request smuggling), let trailers add request headers, run two requests of a connection at once,
@@ -60,8 +65,6 @@ _LINGER = 2.0  # seconds a closing connection keeps draining the client's input
 
 
 Handler = Callable[[Request, "ClientConnection"], Awaitable[None]]
-# The fast path (module docstring): True when it took the request.
-FastHandler = Callable[[Request, "ClientConnection"], bool]
 
 
 class _Phase:
@@ -89,12 +92,12 @@ class ClientConnection(asyncio.Protocol):
         "_count",
         "_deadline",
         "_error",
-        "_fast",
         "_framing",
         "_handler",
         "_header_bytes",
         "_header_timeout",
         "_headers",
+        "_held",
         "_http11",
         "_limits",
         "_loop",
@@ -113,7 +116,6 @@ class ClientConnection(asyncio.Protocol):
         "_url",
         "first_byte_at",
         "keep_alive",
-        "on_lost",
         "replica",
         "response_started",
         "status",
@@ -125,10 +127,8 @@ class ClientConnection(asyncio.Protocol):
         handler: Handler,
         limits: Limits,
         count: ConnectionCount,
-        fast: FastHandler | None = None,
     ) -> None:
         self._handler = handler
-        self._fast = fast
         self._limits = limits
         # Read on every request: copied out of `limits` once.
         self._max_header_bytes = limits.max_header_bytes
@@ -151,10 +151,9 @@ class ClientConnection(asyncio.Protocol):
         self._armed = _Phase.NONE  # the phase `_deadline` was set for (see `data_received`)
         self._queue: deque[Request] = deque()
         self._request: Request | None = None  # the one being answered
-        self._busy = False  # a request is being answered (by a Task or the fast path)
+        self._busy = False  # a request is being answered (by its Task)
+        self._held = False  # the next request waits for the client to read (back-pressure)
         self._task: asyncio.Task[None] | None = None
-        # Set by the fast path while it answers: called if the client goes away meanwhile.
-        self.on_lost: Callable[[], None] | None = None
         self._upstream: asyncio.Transport | None = None
         self._paused = False  # the client's socket buffer is full (pause_writing)
         self.response_started = False
@@ -209,9 +208,6 @@ class ClientConnection(asyncio.Protocol):
             self._upstream = None
         if self._task is not None and not self._task.done():
             self._task.cancel()
-        elif self.on_lost is not None:
-            on_lost, self.on_lost = self.on_lost, None
-            on_lost()
 
     def data_received(self, data: bytes) -> None:
         if self._closed or self._broken:
@@ -247,6 +243,9 @@ class ClientConnection(asyncio.Protocol):
         self._paused = False
         if self._upstream is not None:
             self._upstream.resume_reading()
+        if self._held and not self._closed:
+            self._held = False
+            self._next()
 
     # -- httptools callbacks --------------------------------------------------------------
 
@@ -370,7 +369,7 @@ class ClientConnection(asyncio.Protocol):
         self._receiving = 0  # counted as the request's `body` from now on
         self._phase = _Phase.IDLE
         self._continue = False
-        if not self._busy:
+        if not (self._busy or self._held):
             # Answering: no client deadline (the replica's apply); the timer, if any, wakes
             # up to find nothing due.
             self._deadline = math.inf
@@ -379,7 +378,8 @@ class ClientConnection(asyncio.Protocol):
         else:
             self._queue.append(request)
             if self.transport is not None:
-                # A pipelined request waits for the one in front; stop reading until then.
+                # A pipelined request waits for the one in front (or for the client to read
+                # its answer); stop reading until then.
                 self.transport.pause_reading()
 
     # -- dispatch ---------------------------------------------------------------------------
@@ -391,17 +391,6 @@ class ClientConnection(asyncio.Protocol):
         self.first_byte_at = 0.0
         self.keep_alive = self.keep_alive and request.keep_alive
         self._busy = True
-        if self._fast is not None:
-            try:
-                if self._fast(request, self):
-                    return  # the fast path took it: it ends with `answered` or `hand_over`
-            except Exception:
-                # Never into the parser (it would read as malformed input): answered as the
-                # general path answers an unhandled error.
-                log.exception("unhandled error while handling %s %s", request.method, request.path)
-                self.send_error(HTTPError(500, "Internal router error."))
-                self.answered()
-                return
         self._task = self._loop.create_task(self._run(request, self._handler(request, self)))
 
     async def _run(self, request: Request, work: Awaitable[None]) -> None:
@@ -418,14 +407,25 @@ class ClientConnection(asyncio.Protocol):
         self.answered()
 
     def answered(self) -> None:
-        """The current request is answered (or its error sent): on to the next one."""
-        self._request = self.on_lost = None
+        """The current request is answered (or its error sent): on to the next one, once the
+        client reads (back-pressure, module docstring)."""
+        self._request = None
         self._busy = False
         if self._closed or self.transport is None:
             return
         if not self.keep_alive:
             self._close()
             return
+        if self._paused:
+            self._held = True
+            self.transport.pause_reading()
+            self._rearm()  # bounded: a client that never reads meets its deadline
+            return
+        self._next()
+
+    def _next(self) -> None:
+        """Start the next pipelined request, or wait for one."""
+        assert self.transport is not None
         if self._queue:
             self._start(self._queue.popleft())
             if not self._queue:
@@ -436,14 +436,6 @@ class ClientConnection(asyncio.Protocol):
             self._write_continue()
         self._continue = False
         self.transport.resume_reading()
-
-    def hand_over(self, work: Awaitable[None]) -> None:
-        """The fast path passes the current request on to the general path: `work` runs in a
-        Task, as a handler would (its HTTPError is the answer; a client going away cancels it).
-        Only before `on_lost` was called: a fast path told the client is gone ends there."""
-        assert self._request is not None and not self._closed
-        self.on_lost = None
-        self._task = self._loop.create_task(self._run(self._request, work))
 
     # -- writing answers ---------------------------------------------------------------------
 

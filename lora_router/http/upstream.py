@@ -10,22 +10,12 @@ Flow control is done by the transports themselves: when the client's socket buff
 client connection pauses reading from the replica (`ResponseSink.on_upstream`), so a slow reader
 costs bounded memory however long the stream.
 
-Retry rule (stated once, here): a request is re-sent only when it went out on a *reused* pooled
-connection and that connection failed before a single response byte arrived — the replica most
-likely closed it while idle, and the request cannot have been processed. A fresh connection is
-tried once. Nothing is ever retried once a response byte has been received; trying *another*
-replica is the caller's decision (`UpstreamError.retryable`). So the request's bytes are held
-(by its `Exchange`) only until the first response byte: a long stream does not keep them.
-
-Two ways in, one exchange. `forward` (a coroutine) is the general path: it may wait for a slot,
-connect, and applies the retry rule above itself. `take_now` and `send_now` are THE FAST PATH,
-for a caller running in a protocol callback: only when a slot is free with nobody queued and an
-idle pooled connection is at hand (`take_now`), the request is written at once (held to the end
-of the loop's pass, http/cork.py) and its exchange returned (`send_now`); its end is reported by
-calling `then(error)` from this connection's protocol callbacks, with no Task and no Future.
-A fast exchange that fails the way the retry rule re-sends (nothing received on its reused
-connection) is handed back to the general path by its caller: `resend` sends the same bytes
-once more on a fresh connection, as `forward` would have.
+The re-send rule (stated once, here; trying *another* replica is proxy/retry.py's retry rule):
+a request is sent again to the same replica only when it went out on a *reused* pooled
+connection and that connection failed in a way `UpstreamError.retryable` allows (nothing
+received, not a timeout): the replica most likely closed it while idle, and the request cannot
+have been processed. A fresh connection is tried once. So the request's bytes are held (by its
+`Exchange`) only until the first response byte: a long stream does not keep them.
 
 A connection's objects die with it, by reference counting: its parser and timer refer back to
 it, and are dropped when it is lost (a cycle would wait for the cycle collector).
@@ -37,16 +27,14 @@ import asyncio
 import re
 import ssl
 from collections import deque
-from collections.abc import Awaitable
 from typing import Final, cast
 
 import httptools
 
 from lora_router.config import ReplicaAddress
 from lora_router.http.cork import cork_for
-from lora_router.http.exchange import Exchange, Then, UpstreamError
+from lora_router.http.exchange import Exchange, UpstreamError
 from lora_router.http.headers import client_response_head
-from lora_router.http.request import ResponseSink
 from lora_router.http.timer import LazyTimer
 
 _MAX_HEAD: Final = 64 * 1024
@@ -122,7 +110,7 @@ class UpstreamConnection(asyncio.Protocol):
         ex = self._ex
         if ex is None:
             # Bytes nobody asked for: the connection is no longer in a known state.
-            self._abort()
+            self.abort()
             return
         self._last = self._loop.time()
         if ex.head_sent:
@@ -144,9 +132,10 @@ class UpstreamConnection(asyncio.Protocol):
     def _head(self, ex: Exchange, data: bytes) -> bool:
         """Collect the response head; once whole, send it on with what followed it."""
         if not ex.head_buf:
-            # The first response byte: the request will not be sent again (the retry rule). The
-            # replica is streaming, not thinking: `data_received` arms the stream-idle timeout
-            # unless this read ends the answer (the usual case: the pool's idle one follows).
+            # The first response byte: the request will not be sent again (the re-send rule
+            # above, and proxy/retry.py's). The replica is streaming, not thinking:
+            # `data_received` arms the stream-idle timeout unless this read ends the answer
+            # (the usual case: the pool's idle one follows).
             ex.request = b""
         buf = ex.tail = ex.head_buf + data if ex.head_buf else data
         while True:
@@ -175,15 +164,10 @@ class UpstreamConnection(asyncio.Protocol):
             buf = buf[body_at:]
         # The usual case: one parse of everything received, then one write. Parsed before
         # anything is forwarded, so bytes past the end of the response (a second response,
-        # response splitting) fail the exchange before a byte reaches the client. `_feed`,
-        # written out: this runs once per request.
-        try:
-            self._parser.feed_data(buf)
-        except httptools.HttpParserError as exc:
-            self._malformed(exc)
-            return False
+        # response splitting) fail the exchange before a byte reaches the client.
+        self._feed(buf)
         if self._ex is not ex:
-            return False
+            return False  # the parser failed the exchange
         ex.head_buf = b""
         ex.head_sent = True
         head = buf[:end]
@@ -256,13 +240,14 @@ class UpstreamConnection(asyncio.Protocol):
             self._parser = httptools.HttpResponseParser(_Dechunking(self) if ex.dechunk else self)
         self._ex = ex
         self._last = self._loop.time()
-        # `_arm`, written out (once per request), and the timer left alone when that is safe:
-        # a pooled connection's timer is pending and never sleeps past the pool's idle timeout
-        # (its horizon, http/timer.py), so a first-byte timeout at least that long would not
-        # move it.
-        self._limit = limit = self._pool.first_byte_timeout
+        # The first-byte timeout. A pooled connection's timer is pending and never sleeps past
+        # the pool's idle timeout (its horizon, http/timer.py): a limit at least that long
+        # needs no re-arming, only the limit it checks.
+        limit = self._pool.first_byte_timeout
         if not pooled or limit < self._pool.idle_timeout:
-            self._timer.arm(self._last, limit)
+            self._arm(limit)
+        else:
+            self._limit = limit
         ex.sink.on_upstream(self.transport)
         self._pool.cork.write(self.transport, ex.request)  # at the end of the pass
 
@@ -295,8 +280,6 @@ class UpstreamConnection(asyncio.Protocol):
         assert ex is not None
         self._ex = None
         ex.sink.on_upstream(None)
-        # Back in the pool before the end is told: a fast-path caller may send its next
-        # request on this very connection from `then`.
         if keep and not self.closed:
             # A slow client may have paused this connection; in the pool it must read again,
             # or it would neither see the replica close it nor answer its next request.
@@ -306,15 +289,15 @@ class UpstreamConnection(asyncio.Protocol):
             # is the timer's horizon, and the timer of an open connection that was armed once
             # is pending, so `_arm` would not move it (http/timer.py).
             self._limit = self._pool.idle_timeout
-            self._pool._idle[self] = None  # back in the pool
+            self._pool.put_back(self)
         else:
-            self._abort()
+            self.abort()
         ex.end(None)
 
     def _fail(self, kind: str, message: str, received: bool) -> None:
         ex = self._ex
         self._ex = None
-        self._abort()
+        self.abort()
         if ex is None or ex.ended:
             return
         ex.sink.on_upstream(None)
@@ -334,18 +317,25 @@ class UpstreamConnection(asyncio.Protocol):
             return
         ex = self._ex
         if ex is None:
-            self._abort()  # idle in the pool for too long
+            self.abort()  # idle in the pool for too long
             return
         received = ex.head_sent or bool(ex.head_buf)
         what = "between response bytes" if received else "for the first response byte"
         self._fail("timeout", f"the replica sent nothing {what} for {self._limit:g} s", received)
 
+    def decoded(self, body: bytes) -> None:
+        """Body bytes decoded for an HTTP/1.0 client (`_Dechunking`), written on."""
+        ex = self._ex
+        if ex is not None:
+            ex.sink.write(body)
+
     def cancel(self) -> None:
         """The client went away: drop the exchange and the connection (stops the generation)."""
         self._ex = None
-        self._abort()
+        self.abort()
 
-    def _abort(self) -> None:
+    def abort(self) -> None:
+        """Close the connection at once; an exchange on it fails (`connection_lost`)."""
         self.closed = True
         self._timer.cancel()
         if self.transport is not None:
@@ -365,9 +355,7 @@ class _Dechunking:
         self.on_message_complete = conn.on_message_complete
 
     def on_body(self, body: bytes) -> None:
-        ex = self._conn._ex
-        if ex is not None:
-            ex.sink.write(body)
+        self._conn.decoded(body)
 
 
 class UpstreamPool:
@@ -395,77 +383,28 @@ class UpstreamPool:
         self.stream_idle_timeout = stream_idle_timeout
         self.idle_timeout = idle_timeout
         # Idle connections, in the order they were released (a dict: `forget` is O(1)); put
-        # back by `UpstreamConnection._finish`.
+        # back by `put_back`.
         self._idle: dict[UpstreamConnection, None] = {}
         self._all: set[UpstreamConnection] = set()
         self.max_connections = max_connections
         self._busy = 0  # exchanges in progress, at most max_connections
         self._waiters: deque[asyncio.Future[None]] = deque()
 
-    def forward(self, ex: Exchange) -> Awaitable[bool]:
+    async def forward(self, ex: Exchange) -> bool:
         """Send one exchange's request (`Exchange.request`, head + body) and stream the answer
-        into its sink (the general path: it may wait for a slot and connect).
+        into its sink, waiting for a slot and connecting as needed, and re-sending it once by
+        the re-send rule (module docstring).
 
-        Awaited, returns whether the client connection may stay open. Raises UpstreamError.
+        Returns whether the client connection may stay open. Raises UpstreamError.
         From here on the request's bytes are held by the exchange alone, which drops them at
         the first response byte; the caller should hold no other reference to them.
         """
-        return self._send(ex, reuse=True)
-
-    def take_now(self) -> UpstreamConnection | None:
-        """THE FAST PATH's precondition (module docstring): a slot free with nobody queued and
-        an idle pooled connection at hand. Taken, with its slot, for `send_now`; else None and
-        nothing taken."""
-        if self._busy >= self.max_connections or self._waiters:
-            return None
-        idle = self._idle
-        while idle:  # `_take_idle`, written out (once per request)
-            conn, _ = idle.popitem()  # LIFO: the most recently used is least likely stale
-            if conn.usable:
-                self._busy += 1
-                return conn
-        return None
-
-    def send_now(
-        self, conn: UpstreamConnection, data: bytes, sink: ResponseSink, then: Then, *, http11: bool
-    ) -> Exchange:
-        """THE FAST PATH of `forward`: write the request (`data` = head + body, not a HEAD) on
-        the connection `take_now` gave, now; `then(error)` is called from the connection's
-        callbacks when the exchange ends, its slot already free.
-
-        The retry rule is the caller's here: an error with `retryable` set met this reused
-        connection before any response byte, and `resend` sends the request once more."""
-        ex = Exchange(sink, data, False, http11)
-        del data
-        ex.then = then
-        ex.pool = self
-        conn.start(ex, pooled=True)
-        return ex
-
-    def abandon(self, conn: UpstreamConnection, ex: Exchange) -> None:
-        """The fast exchange's client went away: drop it and its connection (which stops the
-        generation), free its slot; its `then` is never called."""
-        if ex.ended:
-            return
-        ex.ended = True
-        ex.then = None
-        conn.cancel()
-        self.release_slot()
-
-    def resend(self, ex: Exchange) -> Awaitable[bool]:
-        """A fast exchange that failed on its reused connection before any response byte (the
-        retry rule): sent once more on a fresh connection, as `forward` would have; awaited
-        like `forward`."""
-        ex.ended = False  # nothing was received: the exchange is as new
-        return self._send(ex, reuse=False)
-
-    async def _send(self, ex: Exchange, reuse: bool) -> bool:
         if self._busy < self.max_connections and not self._waiters:
             self._busy += 1
         else:
             await self._wait_for_slot()
         try:
-            conn = self._take_idle() if reuse else None
+            conn = self._take_idle()
             fresh = conn is None
             while True:
                 if conn is None:
@@ -482,10 +421,10 @@ class UpstreamPool:
                     # traceback holds this frame and `ex` (a cycle).
                     ex.done = None
                     ex.ended = False
-                    if fresh or exc.received or exc.kind == "timeout":
+                    if fresh or not exc.retryable:
                         raise
                     # A reused connection died before answering (nothing was received, so the
-                    # exchange is as new): see the retry rule above.
+                    # exchange is as new): the re-send rule above.
                     conn, fresh = None, True
         finally:
             self.release_slot()
@@ -508,6 +447,11 @@ class UpstreamPool:
                 waiter.set_result(None)  # the slot passes to it as it is
                 return
         self._busy -= 1
+
+    def put_back(self, conn: UpstreamConnection) -> None:
+        """An open connection whose exchange ended whole: idle in the pool, the most recent
+        last."""
+        self._idle[conn] = None
 
     def _take_idle(self) -> UpstreamConnection | None:
         while self._idle:
@@ -552,5 +496,5 @@ class UpstreamPool:
 
     def close(self) -> None:
         for conn in list(self._all):
-            conn._abort()
+            conn.abort()
         self._idle.clear()

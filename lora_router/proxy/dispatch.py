@@ -5,8 +5,8 @@ A request's path is judged once (http/target.py) and matched against the route t
 all. Whatever is forwarded carries the canonical path of the route applied, never the client's
 spelling. Unknown paths answer 404, a known path with another method 405, as vLLM does.
 
-- **Routed**: `POST /v1/completions` and `/v1/chat/completions`: the routed path
-  (proxy/routed.py).
+- **Routed**: `POST /v1/completions` and `/v1/chat/completions`: the completion route
+  (proxy/routed.py), an object the dispatcher is given.
 - **Broadcast**: adapter loads and unloads, `/pause`, `/resume` and the cache resets — to every
   serving replica, serialized, through the broadcaster (fleet/broadcast.py).
 - **Answered by the router**: `/health` and `/ping` (every live replica must be healthy; one
@@ -36,9 +36,7 @@ Retries on the control plane (the whole rule; fleet/client.py and fleet/broadcas
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import os
 from collections.abc import Awaitable, Callable
 from functools import partial
 
@@ -48,22 +46,31 @@ from prometheus_client.registry import CollectorRegistry
 
 from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.broadcast import Broadcaster, Reply
-from lora_router.fleet.fence import AdapterFence
+from lora_router.fleet.fence import AdapterFence, FenceRefusal
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
+from lora_router.fleet.refusals import FleetRefusal
 from lora_router.http.auth import authenticate
 from lora_router.http.errors import HTTPError, bad_request, method_not_allowed, not_found
+from lora_router.http.exchange import UpstreamError
 from lora_router.http.request import Request
 from lora_router.http.server import ClientConnection
 from lora_router.http.target import canonical
 from lora_router.observe.metrics import RequestStats
 from lora_router.observe.status import RouterState, replica_json, status
-from lora_router.proxy.answers import cleartext_warning, refusal
-from lora_router.proxy.body import CompletionReader, load_fields, unload_name
+from lora_router.proxy.answers import (
+    cleartext_warning,
+    exchange_failed,
+    fence_error,
+    fleet_error,
+    no_replica_for,
+    refusal,
+)
+from lora_router.proxy.body import load_fields, unload_name
+from lora_router.proxy.forward import Forwarder
 from lora_router.proxy.retry import RetryBudget
-from lora_router.proxy.routed import ROUTED, RoutedPath
+from lora_router.proxy.routed import ROUTED, CompletionRoute
 from lora_router.routes import REPLICA, Kind, Route, lookup, with_forward_paths
-from lora_router.routing.keys import Lineages
 from lora_router.routing.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -75,8 +82,9 @@ _LOOPBACK = (b"127.", b"::1", b"::ffff:127.")
 Handler = Callable[[Request, ClientConnection], Awaitable[None]]
 
 
-class RouterApp(RoutedPath):
-    """Everything a request needs, wired once at start."""
+class RouterApp:
+    """Everything a request needs, wired once at start (runtime.py): the route table, one
+    handler per path, and the count of every request answered."""
 
     def __init__(
         self,
@@ -88,34 +96,24 @@ class RouterApp(RoutedPath):
         health: HealthMonitor,
         stats: RequestStats,
         registry: CollectorRegistry,
-        block_size: int,
+        budget: RetryBudget,
+        forwarder: Forwarder,
+        completions: CompletionRoute,
     ) -> None:
         self.config = config
         self.fleet = fleet
         self.policy = policy
-        self.fence = fence
         self.broadcaster = broadcaster
         self.health = health
         self.stats = stats
-        self.reader = CompletionReader(config.max_prompt_tokens)
-        self.budget = RetryBudget(config.retry_budget)
-        self.state = RouterState(fleet, fence, broadcaster, health, policy, stats, self.budget)
+        self.budget = budget
+        self.forwarder = forwarder
+        self.completions = completions
+        self.state = RouterState(fleet, fence, broadcaster, health, policy, stats, budget)
         self._registry = registry
         self._loop = asyncio.get_running_loop()
-        self._debug = log.isEnabledFor(logging.DEBUG)
-        self.block_size = block_size  # of the replicas' KV cache: prompt keys use it
         self._health_probes: dict[str, asyncio.Future[Reply]] = {}  # route -> the probe
-        self.lineages = Lineages(config.lineage_pattern)  # placement keys (routing/keys.py)
-        # Without a key every request passes (http/auth.py): the fast path skips the call.
         self._keyed = bool(config.api_key)
-        token = config.token.reveal()
-        self._authorization = f"Bearer {token}".encode() if token else None
-        # Request ids for requests that come without one: unique per process and cheap (a
-        # counter behind a random prefix, not a uuid4 and its getrandom call per request).
-        # 32 hex digits like a uuid4's: 16 random, then a 64-bit counter.
-        # A C-level callable: no Python frame per id.
-        ids = map((os.urandom(8).hex().encode() + b"%016x").__mod__, itertools.count(1))
-        self._new_request_id: Callable[[], bytes] = ids.__next__
         # The route table with the operator's --forward-paths, its metric labels, and one
         # handler per path.
         self.table = with_forward_paths(config.forward_paths)
@@ -127,7 +125,7 @@ class RouterApp(RoutedPath):
         """What answers `route` (routes.py says which kind it is)."""
         kind, path = route.kind, route.path
         if kind is Kind.ROUTED:
-            return partial(self.completion, chat=ROUTED[path])
+            return partial(self.completions.completion, chat=ROUTED[path])
         if kind is Kind.FORWARD:
             return self.forward_one
         if kind is Kind.BROADCAST:
@@ -146,22 +144,42 @@ class RouterApp(RoutedPath):
             return local[path]  # a LOCAL route without a handler fails at start
         return partial(self._refuse, route)
 
-    def handle(self, request: Request, conn: ClientConnection) -> Awaitable[None]:
-        """Answer one request and count it (route, status, replica, latency, first byte): the
-        general path, awaited in a Task."""
+    async def handle(self, request: Request, conn: ClientConnection) -> None:
+        """Answer one request (in its Task, http/server.py) and count it once: route, status,
+        replica, latency, first byte. A refusal of the fence or the fleet becomes vLLM's
+        answer here (proxy/answers.py); a client gone counts as 499."""
         conn.replica = b"-"
-        return self._observed(request, conn, self._loop.time(), self._route(request, conn))
+        started = self._loop.time()
+        try:
+            try:
+                route = self.table.get(request.path)  # found as written: canonical (routes.py)
+                if route is None:
+                    route = self._judged(request)
+                if self._keyed:  # without a key every request passes (http/auth.py)
+                    authenticate(request, self.config)
+                if route is None:
+                    raise not_found()
+                if route.methods is not None and request.method not in route.methods:
+                    raise method_not_allowed(route.methods)
+                await self._handlers[route.path](request, conn)
+            except FenceRefusal as refusal:
+                raise fence_error(refusal) from None
+            except FleetRefusal as refusal:
+                raise fleet_error(refusal) from None
+        except HTTPError as exc:
+            # Answered by the router itself after this returns (unless a stream had begun).
+            self._observe(request, conn, started, conn.status or exc.status)
+            raise
+        except asyncio.CancelledError:
+            self._observe(request, conn, started, conn.status or 499)  # the client went away
+            raise
+        self._observe(request, conn, started, conn.status)
 
-    async def _route(self, request: Request, conn: ClientConnection) -> None:
-        route = self.table.get(request.path)  # found as written: canonical (routes.py)
-        if route is None:
-            route = self._judged(request)
-        authenticate(request, self.config)
-        if route is None:
-            raise not_found()
-        if route.methods is not None and request.method not in route.methods:
-            raise method_not_allowed(route.methods)
-        await self._handlers[route.path](request, conn)
+    def _observe(self, request: Request, conn: ClientConnection, started: float, code: int) -> None:
+        route = self.labels.get(request.path, "other")
+        self.stats.observe(
+            route, code, conn.replica, started, self._loop.time(), conn.first_byte_at
+        )
 
     def _judged(self, request: Request) -> Route | None:
         """The path rule (http/target.py) for a path not found as written: a 400, or the
@@ -174,6 +192,20 @@ class RouterApp(RoutedPath):
         return lookup(path, self.table)
 
     # -- broadcasts and read-only routes ----------------------------------------------------
+
+    async def forward_one(self, request: Request, conn: ClientConnection) -> None:
+        """A read-only route (or a --forward-path): one replica answers, as a single server
+        would; never retried."""
+        routable = self.fleet.routable(None)
+        if not routable:
+            raise no_replica_for(self.fleet, None, (), self.config)
+        replica = min(routable, key=lambda r: r.in_flight)
+        try:
+            await self.forwarder.send(
+                self.forwarder.exchange(request, replica, conn), conn, replica
+            )
+        except UpstreamError as exc:
+            raise exchange_failed(replica, exc) from None
 
     async def load_adapter(self, request: Request, conn: ClientConnection) -> None:
         name, path, inplace = load_fields(request.body)

@@ -56,18 +56,20 @@ class Verdict(enum.Enum):
 
 def verdict(
     outcome: Outcome,
-    status: int,
+    *,
     attempts: int,
     limit: int,
-    paused: bool,
-    others: bool,
-    failing: bool,
-    room: bool,
+    status: int = 0,
+    paused: bool = False,
+    others: bool = True,
+    failing: bool = False,
+    room: bool = True,
 ) -> Verdict:
-    """The retry rule (module docstring) for an attempt that ended with `outcome` (`status`:
-    the replica's, for a 5xx) after `attempts` attempts, `limit` retries allowed; `others`:
-    a replica is left to try; `failing`: most of the live fleet is failing; `room`: the budget
-    has room for a counted retry."""
+    """The retry rule (module docstring) for an attempt that ended with `outcome` after
+    `attempts` attempts, `limit` retries allowed. For a 5xx only: `status`, the replica's;
+    `paused`, the fleet is paused; `others`, a replica is left to try; `failing`, most of the
+    live fleet is failing; `room`, the budget has room for a counted retry (the defaults say
+    nothing against a retry, and no other outcome reads them)."""
     if attempts > limit or outcome is Outcome.UNSAFE:
         return Verdict.ANSWER
     if outcome is not Outcome.STATUS_5XX:
@@ -79,7 +81,7 @@ def verdict(
     return Verdict.COUNTED if room else Verdict.DENIED
 
 
-def counted(failing: bool, onto_failing: bool) -> bool:
+def counted(*, failing: bool, onto_failing: bool) -> bool:
     """Whether a 5xx retry, at its pick, counts against the budget: made while most of the
     fleet is failing, or onto a replica that is itself failing."""
     return failing or onto_failing

@@ -41,7 +41,9 @@ what replicas report of themselves (their telemetry)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from fractions import Fraction
 from functools import partial
 
@@ -103,6 +105,39 @@ def least_loaded(routable: Sequence[R], turn: int) -> R:
     return ties[turn % len(ties)]
 
 
+class ParamError(ValueError):
+    """A policy parameter out of its bounds: `param` (a `PolicyParams` field) and its `rule`."""
+
+    def __init__(self, param: str, rule: str) -> None:
+        super().__init__(f"{param} {rule}")
+        self.param = param
+        self.rule = rule
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyParams:
+    """The prefix policy's parameters, typed and validated here, once (config.py builds them
+    from its flags; `PrefixAffinity` is built from them). `load_factor` is ε of the load cap
+    (module docstring): 0 or more, 0 leaving the spread to `load_slack`; `move_price` 0 turns
+    moves off."""
+
+    load_factor: float = DEFAULT_LOAD_FACTOR
+    load_slack: int = DEFAULT_LOAD_SLACK
+    move_price: int = DEFAULT_MOVE_PRICE
+    vnodes: int = DEFAULT_VNODES
+    table_size: int = DEFAULT_TABLE_SIZE
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.load_factor) and self.load_factor >= 0):
+            raise ParamError("load_factor", "must be 0 or more")
+        for name in ("load_slack", "move_price"):
+            if getattr(self, name) < 0:
+                raise ParamError(name, "must be 0 or more")
+        for name in ("vnodes", "table_size"):
+            if getattr(self, name) <= 0:
+                raise ParamError(name, "must be positive")
+
+
 class PrefixAffinity:
     """Consistent hashing with bounded loads plus exact-prefix affinity (module docstring)."""
 
@@ -118,12 +153,8 @@ class PrefixAffinity:
         move_price: int = DEFAULT_MOVE_PRICE,
         prefer: Prefer | None = None,
     ) -> None:
-        if load_factor < 0:
-            raise ValueError("load_factor must be >= 0")
-        if load_slack < 0:
-            raise ValueError("load_slack must be >= 0")
-        if move_price < 0:
-            raise ValueError("move_price must be >= 0")
+        # Validated by their one owner (raises ParamError).
+        self.params = PolicyParams(load_factor, load_slack, move_price, vnodes, table_size)
         self.move_price = move_price
         # A decimal flag value such as 0.1 is meant as 1/10, not as its binary float.
         self.load_factor = Fraction(str(load_factor))
@@ -508,24 +539,11 @@ class LeastLoaded(_KeyBlind):
 POLICIES = ("prefix", "round-robin", "least-loaded", "kv")
 
 
-def make_policy(
-    name: str,
-    *,
-    load_factor: float = DEFAULT_LOAD_FACTOR,
-    vnodes: int = DEFAULT_VNODES,
-    table_size: int = DEFAULT_TABLE_SIZE,
-    load_slack: int = DEFAULT_LOAD_SLACK,
-    move_price: int = DEFAULT_MOVE_PRICE,
-) -> Policy:
-    """The policy called `name` (`--policy`), one of `POLICIES`."""
+def make_policy(name: str, params: PolicyParams) -> Policy:
+    """The policy called `name` (`--policy`), one of `POLICIES`; `params` for the prefix
+    policy."""
     if name == "prefix":
-        return PrefixAffinity(
-            load_factor=load_factor,
-            vnodes=vnodes,
-            table_size=table_size,
-            load_slack=load_slack,
-            move_price=move_price,
-        )
+        return PrefixAffinity(**asdict(params))
     if name == "round-robin":
         return RoundRobin()
     if name == "least-loaded":

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from helpers import free_port
 
 BIN = Path(sys.executable).parent
 HERE = Path(__file__).parent
@@ -64,13 +65,6 @@ REPLICA_FLAGS = (
     "100",
     "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens
 )
-
-
-def free_port() -> int:
-    """A port the OS says is free now (vLLM cannot be told to bind port 0 and report it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def tail(path: Path, lines: int = 40) -> str:

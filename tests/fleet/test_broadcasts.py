@@ -356,7 +356,7 @@ async def test_disagreeing_replicas_are_reported_at_start(
     text = caplog.text
     assert "disagree on max_loras (replica 0: 6, replica 1: 4, replica 2: 6)" in text
     assert "disagree on block size" in text
-    assert rt.app is not None and rt.app.block_size == 16  # no agreement: vLLM's default
+    assert rt.route is not None and rt.route.block_size == 16  # no agreement: vLLM's default
 
 
 async def test_block_size_is_read_from_the_replicas(
@@ -364,7 +364,7 @@ async def test_block_size_is_read_from_the_replicas(
 ) -> None:
     emus = await emulators(2, block_size=32)
     rt = await router(emus)
-    assert rt.app is not None and rt.app.block_size == 32
+    assert rt.route is not None and rt.route.block_size == 32
 
 
 async def test_broadcasts_run_one_at_a_time_in_arrival_order(

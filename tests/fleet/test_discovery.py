@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Any, cast
 
 import aiohttp
-import orjson
 import pytest
 from dnslib import QTYPE, RCODE, RR, SRV, A, DNSRecord
 from dnslib.server import BaseResolver, DNSServer
 from emulated_fleet import FenceMonitor, StartEmulators, StartRouter
-from helpers import Adapter, call, complete, load, until
+from helpers import Adapter, call, complete, load, router_status, until
 
 from lora_router.config import Config
 from lora_router.emulator import Emulator, Faults
@@ -36,13 +35,6 @@ ALLOWED = ("127.0.0.0/8",)
 def write_members(path: Path, *emus: Emulator, extra: str = "") -> None:
     """Replace the file atomically, as a launcher should (write aside, then rename)."""
     os.replace(_aside(path, "# the fleet\n" + "".join(f"{e.url}\n" for e in emus) + extra), path)
-
-
-async def status(client: aiohttp.ClientSession, rt: RouterRuntime) -> dict[str, Any]:
-    code, data, _ = await call(client, "GET", rt.url + "/router/status")
-    assert code == 200
-    doc: dict[str, Any] = orjson.loads(data)
-    return doc
 
 
 def urls(rt: RouterRuntime, *, serving: bool = False) -> set[str]:
@@ -85,7 +77,7 @@ async def test_a_member_named_in_the_file_joins_replayed_then_takes_work(
     assert [code for code, _ in answers] == [200] * 30
     assert completions(second) > 0 and completions(third) > 0  # new families go there too
     assert monitor.violations == []
-    doc = await status(client, rt)
+    doc = await router_status(client, rt.url)
     origins = {r["url"]: r["origin"] for r in doc["replicas"]}
     assert origins == {
         first.url: "replicas",
@@ -170,7 +162,7 @@ async def test_a_source_that_fails_keeps_its_last_good_set(
     discovery.step = counted_step  # type: ignore[method-assign]
     await until(lambda: len(steps) >= 2, timeout=10)
     assert urls(rt, serving=True) == {first.url, member.url}
-    doc = await status(client, rt)
+    doc = await router_status(client, rt.url)
     assert doc["discovery"][0]["errors"] >= 2 and doc["discovery"][0]["members"] == 1
     code, metrics, _ = await call(client, "GET", rt.url + "/metrics")
     assert code == 200
@@ -340,7 +332,7 @@ async def test_a_records_name_the_members_and_a_servfail_keeps_them(
     await until(lambda: _source(rt)["error"] is not None, timeout=10)
     assert "failed" in _source(rt)["error"] or "timed out" in _source(rt)["error"]
     assert urls(rt, serving=True) == {first.url, a.url, b.url}
-    doc = await status(client, rt)
+    doc = await router_status(client, rt.url)
     assert doc["discovery"][0]["source"] == f"dns:vllm.fleet.test:{a.port}"
     assert doc["discovery"][0]["members"] == 2
 

@@ -9,21 +9,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
-import orjson
 import pytest
 from emulated_fleet import StartEmulators, StartRouter
-from helpers import Adapter, call, complete, load, samples, until
+from helpers import Adapter, call, complete, load, router_status, samples, until
 
 from lora_router.emulator import Emulator, EmulatorConfig, Engine, start_emulator
 from lora_router.emulator import control as emulator_control
 from lora_router.emulator import metrics as emulator_metrics
-
-
-async def status_of(client: aiohttp.ClientSession, url: str) -> dict[str, Any]:
-    code, body, _ = await call(client, "GET", url + "/router/status")
-    assert code == 200
-    doc: dict[str, Any] = orjson.loads(body)
-    return doc
 
 
 def prompt(i: int) -> list[int]:
@@ -42,7 +34,7 @@ async def test_status_shows_what_each_replica_reports(
         code, _ = await complete(client, rt.url, prompt=prompt(i), max_tokens=8)
         assert code == 200
     await rt.telemetry.scrape_all()
-    doc = await status_of(client, rt.url)
+    doc = await router_status(client, rt.url)
     by_url = {e.url: e for e in emus}
     for replica in doc["replicas"]:
         engine = by_url[replica["url"]].state
@@ -94,7 +86,7 @@ async def test_a_replicas_report_shows_its_queue_with_the_adapters_in_it(
         # The queue a routing policy can read from the replica's snapshot.
         assert (report.running, report.waiting) == (1, 1)
         assert report.adapters_running == ("v1",) and report.adapters_waiting == ("v1",)
-        rep = (await status_of(client, rt.url))["replicas"][0]["reported"]
+        rep = (await router_status(client, rt.url))["replicas"][0]["reported"]
         assert rep["adapters_running"] == ["v1"] and rep["adapters_waiting"] == ["v1"]
         assert rep["kv_cache_usage"] > 0
     finally:
@@ -196,7 +188,7 @@ async def assert_unknown_and_serving(
     """Replica `rid` shows unknown, is never ejected through several scrapes and health checks,
     and still takes its share of completions."""
     await until(lambda: rt.telemetry.scrapes >= 8 and rt.health.checks >= 8)
-    doc = await status_of(client, rt.url)
+    doc = await router_status(client, rt.url)
     replica = doc["replicas"][rid]
     assert replica["reported"]["status"] == "unknown"
     assert reason in replica["reported"]["reason"]
@@ -281,10 +273,10 @@ async def test_pause_then_resume_is_one_timed_sync(
     emus = await emulators(2)
     rt = await router(emus)
     assert (await call(client, "POST", rt.url + "/pause?mode=keep"))[0] == 200
-    during = (await status_of(client, rt.url))["syncs"]
+    during = (await router_status(client, rt.url))["syncs"]
     assert during["paused_now"] and during["count"] == 0 and during["paused_seconds"] > 0
     assert (await call(client, "POST", rt.url + "/resume"))[0] == 200
-    syncs = (await status_of(client, rt.url))["syncs"]
+    syncs = (await router_status(client, rt.url))["syncs"]
     assert syncs["count"] == 1 and not syncs["paused_now"]
     (recent,) = syncs["recent"]
     assert 0 < recent["seconds"] == pytest.approx(syncs["paused_seconds"], abs=1e-3)
@@ -334,7 +326,7 @@ async def test_a_replica_whose_metrics_hang_delays_neither_health_checks_nor_req
     assert rt.telemetry.scrape_failures == 0  # ... still hanging
     assert (await complete(client, rt.url, max_tokens=2))[0] == 200
     await until(lambda: rt.telemetry.scrape_failures >= 1)
-    (replica,) = (await status_of(client, rt.url))["replicas"]
+    (replica,) = (await router_status(client, rt.url))["replicas"]
     assert replica["reported"] == {
         "status": "unknown",
         "reason": "/metrics: no answer within 0.5 s",

@@ -77,14 +77,13 @@ _STREAM = (
 )
 
 
-@pytest.mark.parametrize("path", ["general", "fast"])
+@pytest.mark.parametrize("connection", ["new", "pooled"])
 async def test_a_stream_its_client_closes_at_done_is_counted(
-    router_factory, replica_factory, clients, path
+    router_factory, replica_factory, clients, connection
 ) -> None:
     """A client that closes at `[DONE]`, before the replica's chunked terminator (as httpx-based
     SDKs may when they close the response there; it never comes here): the router counts the
-    answer from the usage frame that passed, on the general path (a new replica connection)
-    and on the fast path (a pooled one)."""
+    answer from the usage frame that passed, on a new replica connection and on a pooled one."""
     streaming: asyncio.Queue[ReplicaConn] = asyncio.Queue()
 
     async def respond(req: Received, conn: ReplicaConn) -> None:
@@ -96,7 +95,7 @@ async def test_a_stream_its_client_closes_at_done_is_counted(
 
     replica: FakeReplica = await replica_factory(respond)
     router = await router_factory(replica.url, policy="prefix")  # round-robin predicts nothing
-    if path == "fast":  # leaves an idle pooled connection to the replica
+    if connection == "pooled":  # leaves an idle pooled connection to the replica
         warm = await request(router.url, "POST", "/v1/completions", completion("warm"))
         assert warm.status == 200
     client = await clients(router.url)

@@ -7,9 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import aiohttp
-import orjson
 from emulated_fleet import StartEmulators, StartRouter
-from helpers import Adapter, call, completed, load, samples
+from helpers import Adapter, call, completed, load, router_status, samples
 
 from lora_router.observe.accuracy import MIN_ANSWERS
 from lora_router.observe.status import summary_line
@@ -18,9 +17,7 @@ G = 4  # samples of each prompt, sent as separate identical requests as TRL send
 
 
 async def status(client: aiohttp.ClientSession, url: str) -> Any:
-    code, body, _ = await call(client, "GET", url + "/router/status")
-    assert code == 200
-    return orjson.loads(body)["routing_accuracy"]
+    return (await router_status(client, url))["routing_accuracy"]
 
 
 async def rollouts(

@@ -59,7 +59,19 @@ def test_the_rule_by_case(
     room: bool,
     expected: Verdict,
 ) -> None:
-    assert verdict(outcome, status, attempts, limit, paused, others, failing, room) is expected
+    assert (
+        verdict(
+            outcome,
+            status=status,
+            attempts=attempts,
+            limit=limit,
+            paused=paused,
+            others=others,
+            failing=failing,
+            room=room,
+        )
+        is expected
+    )
 
 
 @given(
@@ -82,7 +94,16 @@ def test_the_rule_never_retries_past_its_bounds(
     failing: bool,
     room: bool,
 ) -> None:
-    rule = verdict(outcome, status, attempts, limit, paused, others, failing, room)
+    rule = verdict(
+        outcome,
+        status=status,
+        attempts=attempts,
+        limit=limit,
+        paused=paused,
+        others=others,
+        failing=failing,
+        room=room,
+    )
     retried = rule in (FREE, COUNTED)
     if retried:
         assert attempts <= limit and outcome is not Outcome.UNSAFE
@@ -105,7 +126,7 @@ def test_most_of_the_fleet_is_a_strict_majority(sick: int, extra: int) -> None:
 
 
 def test_a_retry_is_counted_when_the_fleet_or_its_target_is_failing() -> None:
-    assert [counted(f, o) for f in (False, True) for o in (False, True)] == [
+    assert [counted(failing=f, onto_failing=o) for f in (False, True) for o in (False, True)] == [
         False,
         True,
         True,

@@ -21,6 +21,8 @@ from lora_router.routing.policy import (
     DEAL_REQUEST_TOKENS,
     DEFAULT_LOAD_SLACK,
     LeastLoaded,
+    ParamError,
+    PolicyParams,
     PrefixAffinity,
     RoundRobin,
     make_policy,
@@ -524,7 +526,7 @@ def test_choose_never_changes_in_flight(name, prompt, load, n):
     reps = fleet(n)
     for rep, extra in zip(reps, load, strict=False):
         rep.in_flight = extra
-    policy = make_policy(name, load_factor=0.25, vnodes=160, table_size=100)
+    policy = make_policy(name, PolicyParams(load_factor=0.25, vnodes=160, table_size=100))
     watch(policy, reps)
     for key in (prompt_key("m", prompt), prompt_key("m", prompt), None):
         policy.choose(route(key), reps)
@@ -611,12 +613,34 @@ def test_counts_tally_every_kind_of_decision():
 
 
 def test_make_policy_knows_three_policies():
-    options: dict[str, Any] = {"load_factor": 0.25, "vnodes": 160, "table_size": 10}
-    assert isinstance(make_policy("prefix", **options), PrefixAffinity)
-    assert isinstance(make_policy("round-robin", **options), RoundRobin)
-    assert isinstance(make_policy("least-loaded", **options), LeastLoaded)
+    params = PolicyParams(load_factor=0.25, vnodes=160, table_size=10)
+    assert isinstance(make_policy("prefix", params), PrefixAffinity)
+    assert isinstance(make_policy("round-robin", params), RoundRobin)
+    assert isinstance(make_policy("least-loaded", params), LeastLoaded)
     with pytest.raises(ValueError, match="unknown policy"):
-        make_policy("random", **options)
+        make_policy("random", params)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "rule"),
+    [
+        ("load_factor", -0.1, "must be 0 or more"),
+        ("load_factor", float("nan"), "must be 0 or more"),
+        ("load_slack", -1, "must be 0 or more"),
+        ("move_price", -1, "must be 0 or more"),
+        ("vnodes", 0, "must be positive"),
+        ("table_size", 0, "must be positive"),
+    ],
+)
+def test_the_policy_parameters_are_refused_out_of_their_bounds(
+    field: str, value: float, rule: str
+) -> None:
+    with pytest.raises(ParamError) as refused:
+        PolicyParams(**{field: value})
+    assert (refused.value.param, refused.value.rule) == (field, rule)
+    with pytest.raises(ParamError):
+        PrefixAffinity(**{field: value})  # the same rule, from the same owner
+    assert PolicyParams(load_factor=0).load_factor == 0  # the cap is proven at 0 (above)
 
 
 # -- siblings by their wire text --------------------------------------------------------------

@@ -19,7 +19,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from helpers import free_port
 
 from lora_router.emulator import Emulator, start_emulator, write_adapter
 from lora_router.emulator.cli import build_parser, config_from_args
@@ -96,12 +96,6 @@ class Fleet:
 async def emulator(flags: list[str], port: int) -> Emulator:
     args = build_parser().parse_args([*flags, "--host", "127.0.0.1", "--port", str(port)])
     return await start_emulator(config_from_args(args))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @asynccontextmanager

@@ -118,16 +118,34 @@ def router(routers: Callable[..., Router]) -> Router:
 @pytest.fixture
 def publish(model: Path, tmp_path: Path) -> Callable[..., str]:
     """Publish an adapter as TRL does: written beside its final place, then renamed into
-    `<output_dir>/.vllm_lora/<name>`. Returns the absolute path TRL sends as `lora_path`."""
+    `<output_dir>/.vllm_lora/<name>`. Returns the absolute path TRL sends as `lora_path`.
+
+    With `rename=False` the directory is only staged, and the path returned is on a mount that
+    has not caught up: under a parent nobody sees yet, the router included (it judges a missing
+    path only beside a parent it sees, fleet/adapter_files.py, and leaves the rest to the
+    replicas' answers); `arrive(path)` renames it into place."""
     root = tmp_path / ".vllm_lora"
     root.mkdir()
 
     def _publish(name: str, index: int = 0, *, rename: bool = True) -> str:
         staging = root / f".{name}.tmp"
         shutil.copytree(adapter_dir(model, index), staging)
-        final = root / name
         if rename:
-            staging.rename(final)
-        return str(final)
+            staging.rename(root / name)
+            return str(root / name)
+        return str(tmp_path / "mount-catching-up" / ".vllm_lora" / name)
 
     return _publish
+
+
+@pytest.fixture
+def arrive(tmp_path: Path) -> Callable[[str], None]:
+    """The lagging mount of `publish(..., rename=False)` catches up: the staged directory is
+    renamed to the path `publish` returned."""
+
+    def _arrive(path: str) -> None:
+        final = Path(path)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / ".vllm_lora" / f".{final.name}.tmp").rename(final)
+
+    return _arrive

@@ -30,15 +30,15 @@ def load_404s(replica: Replica) -> int:
 
 
 def test_load_waits_for_a_directory_renamed_into_place_later(
-    fleet: list[Replica], routers: Callable[..., Router], publish: Callable[..., str]
+    fleet: list[Replica],
+    routers: Callable[..., Router],
+    publish: Callable[..., str],
+    arrive: Callable[[str], None],
 ) -> None:
     """TRL publishes by atomic rename; a replica whose view lags answers 404 "No adapter
     found". The router retries until the directory appears and answers 200, never 404."""
     router = routers("--load-retry-interval", "0.3")
-    staged = Path(publish(V1, 0, rename=False)).parent / f".{V1}.tmp"  # not yet in place
-    # A mount that has not caught up, under a parent the router does not see either (it
-    # judges a missing path only beside a parent it sees: fleet/adapter_files.py).
-    path = str(staged.parent.parent / "mount-catching-up" / ".vllm_lora" / V1)
+    path = publish(V1, 0, rename=False)  # on a mount that has not caught up
     before = [load_404s(r) for r in fleet]
     answers: list[Answer] = []
     loader = threading.Thread(
@@ -52,8 +52,7 @@ def test_load_waits_for_a_directory_renamed_into_place_later(
         60,
         [r.log for r in fleet] + [router.log],
     )
-    Path(path).parent.mkdir(parents=True)
-    staged.rename(path)
+    arrive(path)
     loader.join(timeout=120)
     assert not loader.is_alive()
     [answer] = answers

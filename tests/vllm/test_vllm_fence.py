@@ -6,7 +6,6 @@ import asyncio
 import random
 import threading
 from collections.abc import Callable
-from pathlib import Path
 
 import replica_log
 
@@ -26,7 +25,11 @@ def load_404s(replica: Replica, offset: int) -> int:
 
 
 def test_rollouts_naming_a_version_whose_files_lag_never_reach_a_replica_early(
-    fleet: list[Replica], routers: Callable[..., Router], publish: Callable[..., str], base: str
+    fleet: list[Replica],
+    routers: Callable[..., Router],
+    publish: Callable[..., str],
+    arrive: Callable[[str], None],
+    base: str,
 ) -> None:
     """TRL's rollouts keep flowing under v1 while v2 is loaded, and rollouts naming v2 are sent
     right after its load was asked for (an eager client). v2's directory is renamed into place
@@ -39,7 +42,7 @@ def test_rollouts_naming_a_version_whose_files_lag_never_reach_a_replica_early(
     v1 = Rollouts(router.url, base, version=1, max_tokens=2)
     later = Rollouts(router.url, base, version=2, max_tokens=2)
     offsets = [r.log_size() for r in fleet]
-    v2 = publish(V2, 1, rename=False)  # written beside its place: the mount lags
+    v2 = publish(V2, 1, rename=False)  # the mount lags
     loaded: list[int] = []
     loader = threading.Thread(
         target=lambda: loaded.append(router.post("/v1/load_lora_adapter", _body(V2, v2)).status)
@@ -87,7 +90,7 @@ def test_rollouts_naming_a_version_whose_files_lag_never_reach_a_replica_early(
             60,
             [router.log],
         )
-        Path(v2).parent.joinpath(f".{V2}.tmp").rename(v2)
+        arrive(v2)
         loader.join(timeout=120)
         assert loaded == [200]
     finally:

@@ -1,0 +1,106 @@
+"""Fixtures for the data-plane tests (tests/http and tests/proxy conftest.py import them):
+fake replicas, routers started in-process with short timeouts, raw-socket clients, and the
+token scan.
+
+The replica token is `TOKEN`; after each test, every log record the router produced (at debug
+level) and every byte a `RawClient` received is searched for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from helpers import router_config
+from http_harness import (
+    RECEIVED,
+    TEST_CONFIG,
+    TOKEN,
+    FakeReplica,
+    LogCapture,
+    RawClient,
+    Responder,
+    ok_responder,
+)
+
+from lora_router.runtime import RouterRuntime
+
+
+@pytest.fixture
+async def replica_factory() -> AsyncIterator[Callable[..., Awaitable[FakeReplica]]]:
+    started: list[FakeReplica] = []
+
+    async def make(responder: Responder = ok_responder, **kwargs: Any) -> FakeReplica:
+        replica = await FakeReplica(responder, **kwargs).start()
+        started.append(replica)
+        return replica
+
+    yield make
+    for replica in started:
+        await replica.stop()
+
+
+@pytest.fixture
+async def replica(replica_factory: Callable[..., Awaitable[FakeReplica]]) -> FakeReplica:
+    return await replica_factory()
+
+
+@pytest.fixture
+async def router_factory() -> AsyncIterator[Callable[..., Awaitable[RouterRuntime]]]:
+    started: list[RouterRuntime] = []
+
+    async def make(*urls: str, **overrides: Any) -> RouterRuntime:
+        runtime = RouterRuntime(router_config(urls, **{**TEST_CONFIG, **overrides}))
+        await runtime.start()
+        started.append(runtime)
+        return runtime
+
+    yield make
+    for runtime in started:
+        await runtime.stop(grace=0.0)
+
+
+@pytest.fixture
+async def router(
+    router_factory: Callable[..., Awaitable[RouterRuntime]], replica: FakeReplica
+) -> RouterRuntime:
+    return await router_factory(replica.url)
+
+
+@pytest.fixture
+async def clients() -> AsyncIterator[Callable[[str | int], Awaitable[RawClient]]]:
+    opened: list[RawClient] = []
+
+    async def connect(url: str | int) -> RawClient:
+        client = await RawClient.connect(url)
+        opened.append(client)
+        return client
+
+    yield connect
+    for client in opened:
+        client.close()
+        with contextlib.suppress(Exception):
+            await client.writer.wait_closed()
+
+
+@pytest.fixture(autouse=True)
+def token_never_leaks() -> Any:
+    """Every test: the router logs at debug level, and no log line of any logger (the router's,
+    asyncio's, aiohttp's) nor any byte a client received contains the replica token."""
+    capture = LogCapture()
+    logger = logging.getLogger("lora_router")
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    root = logging.getLogger()
+    root.addHandler(capture)
+    RECEIVED.clear()
+    yield capture
+    root.removeHandler(capture)
+    logger.setLevel(level)
+    for line in capture.records:
+        assert TOKEN not in line, "the replica token appeared in a log line"
+    assert TOKEN.encode() not in b"".join(RECEIVED), "the replica token reached a client"
+    RECEIVED.clear()

@@ -1,0 +1,10 @@
+"""The data-plane fixtures (tests/data_plane.py), the token scan included, for this folder."""
+
+from data_plane import (  # noqa: F401 (fixtures, found by name)
+    clients,
+    replica,
+    replica_factory,
+    router,
+    router_factory,
+    token_never_leaks,
+)
