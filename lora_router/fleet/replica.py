@@ -32,6 +32,7 @@ class Replica:
         "_adapters",
         "breaker",
         "computed_at",
+        "cut_streams",
         "host_header",
         "in_flight",
         "in_flight_tokens",
@@ -70,6 +71,8 @@ class Replica:
         self.breaker = breaker
         self.in_flight = 0
         self.in_flight_tokens = 0  # prompt tokens its requests in flight must compute (placement)
+        # Answers it broke off after their head had reached the client (proxy/routed.py).
+        self.cut_streams = 0
         # Loop time the latest request arrived whose answer reported a full block computed:
         # its KV events must have said so since (fleet/kv_events.py's silence check).
         self.computed_at = 0.0

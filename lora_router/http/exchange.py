@@ -59,6 +59,7 @@ class Exchange:
         "head_only",
         "head_sent",
         "prior",
+        "received",
         "request",
         "reusable",
         "sink",
@@ -77,6 +78,7 @@ class Exchange:
         self.head_buf = b""
         self.head_sent = False
         self.status = 0  # of the last head parsed
+        self.received = 0  # bytes of the answer read from the replica, its head included
         self.complete = False
         # Whether the connection may carry another request. Never after HEAD: the parser still
         # expects the body the headers announced.

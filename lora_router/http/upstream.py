@@ -113,6 +113,7 @@ class UpstreamConnection(asyncio.Protocol):
             self.abort()
             return
         self._last = self._loop.time()
+        ex.received += len(data)
         if ex.head_sent:
             ex.earlier, ex.prior, ex.tail = ex.prior, ex.tail, data
             # Parse before forwarding: bytes past the end of this response never reach the

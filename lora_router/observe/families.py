@@ -56,6 +56,13 @@ def metric_families(state: RouterState) -> Iterator[Metric]:
         per_replica(lambda r: r.life.ejections),
     )
     yield counter(
+        "lora_router_cut_streams",
+        "Answers each replica broke off after their head had reached the client (a crash "
+        "mid-stream): the client saw a truncated answer; never retried.",
+        replica,
+        per_replica(lambda r: r.cut_streams),
+    )
+    yield counter(
         "lora_router_breaker_opens",
         "Times each replica's circuit breaker opened.",
         replica,

@@ -97,6 +97,7 @@ def replica_json(r: Replica, busy_share: float | None = None) -> dict[str, objec
         "breaker": r.breaker.state,
         "breaker_opens": r.breaker.opens,
         "ejections": r.life.ejections,
+        "cut_streams": r.cut_streams,
         "adapters": sorted(r.adapters),
         "last_error": r.life.last_error,
         # Why it cannot take part in a weight sync (fleet/readiness.py); empty when it can.

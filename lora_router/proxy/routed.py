@@ -14,7 +14,12 @@ the end of the answer, in one Task per request (http/server.py runs it).
   has its cached tokens accounted (proxy/usage.py).
 
 A request's life is one `RoutedRequest`, in one `Stage` at a time, moved only by `move` along
-`NEXT` (any other move is a bug, and raises). It is also the sink of its current attempt's
+`NEXT` (any other move is a bug, and raises). An answer a replica breaks off once its head has
+reached the client (a crash mid-stream) is a *cut stream*: never retried (the client has part
+of an answer; a second one would be spliced onto it), so the client's connection is closed
+and it sees a truncated answer, never a clean end; it is counted on the replica
+(`cut_streams`, in `/router/status` and `/metrics`) and logged with the bytes that came. It is
+also the sink of its current attempt's
 answer: a 404 or 5xx head that the retry rule sends elsewhere is swallowed with its body
 (`diverted` holds its status), any other head and everything after it goes to the client.
 Every routed outcome is reported to the health monitor (fleet/health.py).
@@ -226,6 +231,8 @@ class CompletionRoute:
                     await self.forwarder.send(ex, conn, replica, job.tokens)
                 except UpstreamError as exc:
                     failure = exc.with_traceback(None)  # its frames would hold `ex`: a cycle
+                    if job.stage is Stage.PASSED:
+                        self.cut(job, replica, failure, ex.received)
                 except asyncio.CancelledError:  # the client went away
                     if job.prompt:
                         self.account(job, ex, ended=False)
@@ -298,6 +305,20 @@ class CompletionRoute:
             job.diverted = 0
             job.write = job.conn.write
         return replica
+
+    def cut(self, job: RoutedRequest, replica: Replica, failure: UpstreamError, got: int) -> None:
+        """A cut stream (module docstring): counted and logged; the retry rule then closes."""
+        replica.cut_streams += 1
+        path = "/v1/chat/completions" if job.chat else "/v1/completions"
+        log.warning(
+            "cut stream: %s broke off its answer to %s after %s bytes (%s); the client's "
+            "connection is closed, so it sees a truncated answer, never retried: part of the "
+            "answer had reached it",
+            replica.describe(),
+            path,
+            f"{got:,}",
+            failure,
+        )
 
     def settle(self, job: RoutedRequest, replica: Replica, failure: UpstreamError | None) -> bool:
         """The outcome of one attempt, by the retry rule (proxy/retry.py): True when the
