@@ -102,6 +102,7 @@ ROUTES: tuple[Route, ...] = (
         "/load",
         "/is_paused",
         "/is_sleeping",
+        "/checkpoint/status",  # vLLM 0.34, --enable-sleep-mode: one replica's, read-only
         "/get_world_size",  # TRL calls it
         "/weight_info",
         "/kv_event_sources",
@@ -169,6 +170,13 @@ ROUTES: tuple[Route, ...] = (
         "/wake_up",
         "/release_kv_cache_memory",
         why="it puts an engine to sleep, wakes it or frees its KV cache" + _ONE,
+    ),
+    *_entries(
+        Kind.REFUSED,
+        "POST",
+        "/checkpoint/prepare",  # vLLM 0.34, --enable-sleep-mode (not dev-mode gated)
+        "/checkpoint/restore",
+        why="it pauses an engine and frees its KV cache for a checkpoint, or restores it" + _ONE,
     ),
     *_entries(
         Kind.REFUSED,
