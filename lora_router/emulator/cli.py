@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import uvloop
 
 from lora_router.command import HelpFormatter, Parser, first_signal, interrupted
-from lora_router.emulator.config import SUPPORTED_VERSIONS, EmulatorConfig
+from lora_router.emulator.config import PROFILES, SUPPORTED_VERSIONS, EmulatorConfig
 from lora_router.emulator.faults import Faults
 from lora_router.emulator.kv_events import KVEventsConfig
 from lora_router.emulator.server import start_emulator
@@ -139,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens one engine step computes at most (decodes first, then prefill chunks)",
     )
     g.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default=None,
+        help="measured step costs (tiny-cpu: vLLM's CPU build on the tier's tiny model); "
+        "the three cost flags below override its values (default: every cost 0)",
+    )
+    g.add_argument(
         "--prefill-s-per-token",
         type=float,
         default=None,
@@ -253,7 +260,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         crash_after_frames=args.crash_after_frames,
         dead=args.dead,
     )
-    costs = EmulatorConfig().step_costs
+    costs = PROFILES[args.profile] if args.profile else EmulatorConfig().step_costs
     return EmulatorConfig(
         host=args.host,
         port=args.port,

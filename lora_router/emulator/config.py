@@ -24,6 +24,14 @@ from lora_router.emulator.kv_events import KVEventsConfig
 # where 0.32 queues them as 0.27 does, and its streams send `: keep-alive` every 15 s by
 # default, where 0.32 sends none unless `--sse-keep-alive-interval` is given.
 SUPPORTED_VERSIONS = ("0.27", "0.32", "0.33")
+# Measured step costs (batching.py; docs/design/capacity-model.md says how they were measured):
+# `tiny-cpu` is vLLM 0.32's CPU build serving the real-vLLM tier's tiny model
+# (tests/vllm/tiny_model.py) with one OpenMP thread, as tests/vllm starts it.
+PROFILES: dict[str, StepCosts] = {
+    "tiny-cpu": StepCosts(
+        prefill_s_per_token=14e-6, decode_s_per_token=3.2e-3, decode_s_per_seq=0.065e-3
+    ),
+}
 # What `/version` reports for each emulated release line.
 RELEASE_OF_VERSION = {"0.27": "0.27.1", "0.32": "0.32.0", "0.33": "0.33.0"}
 

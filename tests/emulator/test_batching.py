@@ -12,6 +12,7 @@ import pytest
 from lora_router.emulator import EmulatorConfig, tokens
 from lora_router.emulator.batching import Progress, StepCosts, plan_step
 from lora_router.emulator.cli import build_parser, config_from_args
+from lora_router.emulator.config import PROFILES
 from lora_router.emulator.engine import Engine
 
 from .conftest import StartEmulator
@@ -94,9 +95,13 @@ def test_costs_and_speed_are_checked() -> None:
         EmulatorConfig(max_num_batched_tokens=0)
 
 
-def test_a_cost_flag_left_out_keeps_its_default() -> None:
-    config = config_from_args(build_parser().parse_args(["--decode-s-per-seq", "0.5"]))
-    assert config.step_costs == StepCosts(decode_s_per_seq=0.5)
+def test_a_profile_sets_the_costs_and_a_flag_overrides_one() -> None:
+    args = build_parser().parse_args(["--profile", "tiny-cpu", "--decode-s-per-seq", "0.5"])
+    config = config_from_args(args)
+    profile = PROFILES["tiny-cpu"]
+    assert config.prefill_s_per_token == profile.prefill_s_per_token
+    assert config.decode_s_per_token == profile.decode_s_per_token
+    assert config.decode_s_per_seq == 0.5
     plain = config_from_args(build_parser().parse_args(["--speed", "0.5"]))
     assert plain.step_costs == StepCosts(speed=0.5)
 
