@@ -1,8 +1,8 @@
 """RL's clock: routers judged by how long a GRPO group waits for its slowest sample, in front
 of emulated replicas that batch continuously.
 
-    python bench/rl_clock.py                 # the matrix below, 3 interleaved rounds
-    python bench/rl_clock.py --quick         # one round of a smaller matrix (a few minutes)
+    python bench/rl_clock.py                 # the matrix below, 2 interleaved rounds
+    python bench/rl_clock.py --quick         # g8 on 4 and 4h replicas, 1 round (7 minutes)
     python bench/rl_clock.py --traces g8 --fleets 4h --loads saturating --rounds 1
 
 Replicas: lora_router.emulator with the capacity model of lora_router/emulator/batching.py:
@@ -16,7 +16,7 @@ cost of replica 0 doubled). They run in one subprocess on core 1; routers and th
 generator on core 0 (bench/routing.py's arrangement); replicas restart empty before every run.
 
 Traces (bench/grpo_trace.py, TRL 1.16's async GRPO worker): S problems per step (S = 2 N, so
-every fleet size gets the same work per replica), each sampled G times, 4 steps, a new adapter
+every fleet size gets the same work per replica), each sampled G times, 3 steps, a new adapter
 version every 2 steps (TRL's weight sync: pause, load, resume, unload v(N-5)); completion
 lengths log-normal (median 64 tokens, sigma 1, 8 to 512: RL's long tail).
 - `g8`, `g16`: single-turn, a 23-token template, G = 8 or 16;
@@ -26,7 +26,9 @@ lengths log-normal (median 64 tokens, sigma 1, 8 to 512: RL's long tail).
   later turns; a version every 2 rounds, so syncs land during rollouts).
 Every contender gets byte-identical requests naming `trl-policy-vN`. Load: `light` keeps
 N x `--max-num-seqs` / 4 requests in flight, `saturating` 2 N x `--max-num-seqs` (a replica's
-batch full and as many waiting). A later turn goes once its parent has answered.
+batch full and as many waiting). A later turn goes once its parent has answered. The matrix:
+g8 and multi-turn on every fleet at saturating load, g16 and long-prompt on the 4-replica
+fleets, and g8 at light load on those (55 minutes here; `cells` says how to change it).
 
 Contenders, interleaved round by round so a slow spell of the shared machine hits all:
 lora-router's default (`--policy prefix`), vllm-router 0.1.17 `consistent_hash`, `cache_aware`
@@ -44,7 +46,7 @@ uniform fleet at saturating load, lora-router's group p90 at most the best conte
 hit rate at least 0.99 of the best's; with one replica at half speed, its group p90 at most
 0.9 x the best contender's.
 
-Outputs: rl-clock.json (every run, the summaries, the command) and README.md's tables in
+Outputs: rl-clock.json (every run, the summaries, the targets, the command) and tables.md in
 `--out` (default bench/results/rl-clock; with --quick, a temporary directory). Only 127.0.0.1
 is used; every child process is stopped on exit; every request has a timeout (120 s) and
 every run a deadline (`--deadline`).
@@ -160,17 +162,22 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--loads", default=",".join(LOADS), help="of: " + ", ".join(LOADS))
     p.add_argument(
         "--light-cells",
-        default="g8,multi-turn",
+        default="g8",
         help="the traces run at light load too (light load runs only on the 4 and 4h fleets)",
+    )
+    p.add_argument(
+        "--every-fleet",
+        default="g8,multi-turn",
+        help="the traces run on every fleet (the others only on the 4 and 4h fleets)",
     )
     p.add_argument(
         "--routers",
         default=",".join(c.key for c in CONTENDERS),
         help="of: " + ", ".join(c.key for c in CONTENDERS),
     )
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell")
-    p.add_argument("--quick", action="store_true", help="g8 and multi-turn on 4 and 4h, 1 round")
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per cell")
+    p.add_argument("--quick", action="store_true", help="g8 on 4 and 4h replicas, 1 round")
+    p.add_argument("--steps", type=int, default=3)
     p.add_argument("--problems-per-replica", type=int, default=2, help="S / N per step")
     p.add_argument("--seed", type=int, default=0, help="the trace seed")
     p.add_argument("--decode-ms", type=float, default=12.0, help="a step decoding one sequence")
@@ -183,7 +190,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.quick:
-        args.traces, args.fleets, args.light_cells, args.rounds = "g8,multi-turn", "4,4h", "g8", 1
+        args.traces, args.fleets, args.rounds = "g8", "4h,4", 1
     if args.out is None:
         quick = Path(tempfile.mkdtemp(prefix="rl-clock-quick-"))
         args.out = quick if args.quick else HERE / "results" / "rl-clock"
@@ -191,6 +198,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args.fleet_list = [f for f in args.fleets.split(",") if f]
     args.load_list = [x for x in args.loads.split(",") if x]
     args.light_list = [t for t in args.light_cells.split(",") if t]
+    args.every_fleet_list = [t for t in args.every_fleet.split(",") if t]
     args.router_list = [r for r in args.routers.split(",") if r]
     unknown = set(args.trace_list) - set(TRACES)
     unknown |= {f for f in args.fleet_list if f.removesuffix("h") not in {"2", "4", "8"}}
@@ -204,15 +212,17 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def cells(args: argparse.Namespace) -> list[tuple[str, str, str]]:
-    """(fleet, trace, load) in run order: light load only where --light-cells and --fleets
-    say (the 4-replica fleets by default)."""
+    """(fleet, trace, load) in run order. On the 2- and 8-replica fleets only the
+    --every-fleet traces run, and light load only for the --light-cells traces on the
+    4-replica fleets: the matrix stays within an hour."""
     out = []
     for fleet in args.fleet_list:
+        four = fleet.removesuffix("h") == "4"
         for trace in args.trace_list:
+            if not four and trace not in args.every_fleet_list:
+                continue
             for load in args.load_list:
-                if load == "light" and (
-                    trace not in args.light_list or fleet.removesuffix("h") != "4"
-                ):
+                if load == "light" and (trace not in args.light_list or not four):
                     continue
                 out.append((fleet, trace, load))
     return out
