@@ -76,7 +76,7 @@ CLIENT_CPUS = "0"
 sys.path.insert(0, str(HERE))  # bench/ modules, run as scripts
 import grpo_trace  # noqa: E402
 from lib.procs import git_revision  # noqa: E402
-from lib.rl_clock_report import summarize, write_json, write_markdown  # noqa: E402
+from lib.rl_clock_report import load_runs, summarize, write_json, write_markdown  # noqa: E402
 from lib.rl_clock_runs import (  # noqa: E402
     ClockResult,
     Fleet,
@@ -188,6 +188,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--deadline", type=float, default=300.0, help="seconds a run may last")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        help="no runs: summarize this rl-clock.json's runs again, into its own directory",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.traces, args.fleets, args.rounds = "g8", "4h,4", 1
@@ -337,6 +343,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     args = parse_args(raw)
     args.argv = raw
+    if args.from_json is not None:
+        meta, runs = load_runs(args.from_json)
+        summaries = summarize(runs)
+        write_json(args.from_json, meta, summaries, runs)
+        write_markdown(args.from_json.parent / "tables.md", meta, summaries)
+        print(f"summaries rewritten in {args.from_json.parent}")
+        return 0
     return asyncio.run(bench_main(args))
 
 

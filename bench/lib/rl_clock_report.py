@@ -25,8 +25,9 @@ class Summary:
     load: str
     contender: str
     label: str
-    rounds: int
+    rounds: int  # complete runs: every request answered (the figures are theirs)
     failed: int  # requests, over every round
+    incomplete: int  # runs with a failed request, left out of the figures
     group_p50_s: float
     group_p90_s: float
     group_max_s: float
@@ -42,12 +43,16 @@ def _median(values: list[float]) -> float:
 
 
 def summarize(results: list[ClockResult]) -> list[Summary]:
+    """Medians over each contender's complete runs in each cell (a run where a request failed
+    measured another workload, so it only counts as `incomplete`)."""
     cells: dict[tuple[str, str, str, str], list[ClockResult]] = {}
     for r in results:
-        if r.status == "ok":
-            cells.setdefault((r.trace, r.fleet, r.load, r.contender), []).append(r)
+        cells.setdefault((r.trace, r.fleet, r.load, r.contender), []).append(r)
     out = []
-    for (trace, fleet, load, contender), runs in cells.items():
+    for (trace, fleet, load, contender), every in cells.items():
+        runs = [r for r in every if r.status == "ok" and r.failed == 0]
+        if not runs:
+            continue
         p90s = [r.group_p90_s for r in runs]
         middle = sorted(runs, key=lambda r: r.group_p90_s)[len(runs) // 2]
         out.append(
@@ -58,7 +63,8 @@ def summarize(results: list[ClockResult]) -> list[Summary]:
                 contender,
                 runs[0].label,
                 len(runs),
-                sum(r.failed for r in runs),
+                sum(r.failed for r in every),
+                len(every) - len(runs),
                 _median([r.group_p50_s for r in runs]),
                 _median(p90s),
                 _median([r.group_max_s for r in runs]),
@@ -112,6 +118,12 @@ def target(cell: tuple[str, str, str], rows: list[Summary]) -> dict[str, Any] | 
     }
 
 
+def load_runs(path: Path) -> tuple[dict[str, Any], list[ClockResult]]:
+    """The meta and the runs of an rl-clock.json (to summarize them again)."""
+    doc = json.loads(path.read_text())
+    return doc["meta"], [ClockResult(**run) for run in doc["runs"]]
+
+
 def write_json(
     path: Path, meta: dict[str, Any], summaries: list[Summary], results: list[ClockResult]
 ) -> None:
@@ -134,7 +146,8 @@ def write_markdown(path: Path, meta: dict[str, Any], summaries: list[Summary]) -
         f"Command: `{meta['command']}` ({meta['date']}, git {meta['git']}, "
         f"{meta['rounds']} rounds, {meta['elapsed_s'] / 60:.0f} min).",
         "",
-        "Per cell: medians over the rounds; group p90 range = its min and max over the rounds.",
+        "Per cell: medians over each router's complete runs (every request answered); group p90 "
+        "range = its min and max over them.",
         "",
     ]
     for cell, rows in by_cell(summaries).items():
@@ -143,15 +156,16 @@ def write_markdown(path: Path, meta: dict[str, Any], summaries: list[Summary]) -
             f"### {trace}, {fleet}, {load} load",
             "",
             "| router | group p50 s | group p90 s (range) | group max s | step s | samples/s "
-            "| hit rate | requests per replica | failed |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| hit rate | requests per replica | complete runs | failed requests |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for s in sorted(rows, key=lambda s: s.group_p90_s):
             low, high = s.group_p90_range_s
             lines.append(
                 f"| {s.label} | {s.group_p50_s:.2f} | {s.group_p90_s:.2f} ({low:.2f}-{high:.2f}) "
                 f"| {s.group_max_s:.2f} | {s.step_s:.2f} | {s.samples_per_s:.1f} "
-                f"| {s.hit_rate:.3f} | {' '.join(map(str, s.per_replica_requests))} | {s.failed} |"
+                f"| {s.hit_rate:.3f} | {' '.join(map(str, s.per_replica_requests))} "
+                f"| {s.rounds} of {s.rounds + s.incomplete} | {s.failed} |"
             )
         t = target(cell, rows)
         if t is not None:
