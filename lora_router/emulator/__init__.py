@@ -4,7 +4,7 @@ Tests, benchmarks and demos of lora-router run against it. It answers every rout
 contract (`shared/docs/vllm-contract.md` §2) with vLLM's statuses, bodies, headers and SSE
 framing, for vLLM 0.32 (the default), 0.27 or 0.33 (`config.SUPPORTED_VERSIONS` says how they
 differ), and simulates what routing changes: a prefix cache, LoRA slots, a batch scheduler
-with a timing model. Faults can be switched on to test fault tolerance.
+and a capacity model of continuous batching. Faults can be switched on to test fault tolerance.
 
 Layout, one concept per module:
 - `config`: `EmulatorConfig`, the settings (the `vllm serve` flags that matter, plus timing);
@@ -15,7 +15,8 @@ Layout, one concept per module:
 - `adapter_files`: reading and writing adapter directories (`write_adapter`);
 - `adapters`: the adapter registry and the GPU/CPU slots (pure);
 - `scheduler`: admission into the running batch (`max_num_seqs`, `max_loras`);
-- `engine`: `Engine`, the state a replica holds and the timing of its work (`emu.state`);
+- `batching`: the capacity model: how an engine step is filled and how long it takes (pure);
+- `engine`: `Engine`, the state a replica holds, running its batch step by step (`emu.state`);
 - `replies`: HTTP answers shaped as vLLM shapes them, server-independent;
 - `completions`: parsing generation requests and rendering their answers (pure);
 - `control`: every non-generation route, shared by both servers;

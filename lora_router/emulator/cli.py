@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import uvloop
 
 from lora_router.command import HelpFormatter, Parser, first_signal, interrupted
-from lora_router.emulator.config import SUPPORTED_VERSIONS, EmulatorConfig
+from lora_router.emulator.config import PROFILES, SUPPORTED_VERSIONS, EmulatorConfig
 from lora_router.emulator.faults import Faults
 from lora_router.emulator.kv_events import KVEventsConfig
 from lora_router.emulator.server import start_emulator
@@ -133,16 +133,43 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-num-seqs", type=int, default=c.max_num_seqs, help="sequences running at once"
     )
     g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=c.max_num_batched_tokens,
+        help="tokens one engine step computes at most (decodes first, then prefill chunks)",
+    )
+    g.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default=None,
+        help="measured step costs (tiny-cpu: vLLM's CPU build on the tier's tiny model); "
+        "the three cost flags below override its values (default: every cost 0)",
+    )
+    g.add_argument(
         "--prefill-s-per-token",
         type=float,
-        default=c.prefill_s_per_token,
-        help="seconds per prompt token not found in the prefix cache",
+        default=None,
+        help=f"seconds per prompt token not found in the prefix cache (default: "
+        f"{c.prefill_s_per_token})",
     )
     g.add_argument(
         "--decode-s-per-token",
         type=float,
-        default=c.decode_s_per_token,
-        help="seconds per generated token",
+        default=None,
+        help=f"seconds a step takes to decode one sequence (default: {c.decode_s_per_token})",
+    )
+    g.add_argument(
+        "--decode-s-per-seq",
+        type=float,
+        default=None,
+        help=f"seconds each further decoding sequence adds to a step (default: "
+        f"{c.decode_s_per_seq})",
+    )
+    g.add_argument(
+        "--speed",
+        type=float,
+        default=c.speed,
+        help="this replica's relative speed: every step cost is divided by it (0.5: half speed)",
     )
     g.add_argument(
         "--adapter-load-s",
@@ -233,6 +260,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         crash_after_frames=args.crash_after_frames,
         dead=args.dead,
     )
+    costs = PROFILES[args.profile] if args.profile else EmulatorConfig().step_costs
     return EmulatorConfig(
         host=args.host,
         port=args.port,
@@ -251,8 +279,11 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         block_size=args.block_size,
         cache_blocks=args.cache_blocks,
         max_num_seqs=args.max_num_seqs,
-        prefill_s_per_token=args.prefill_s_per_token,
-        decode_s_per_token=args.decode_s_per_token,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_s_per_token=_given(args.prefill_s_per_token, costs.prefill_s_per_token),
+        decode_s_per_token=_given(args.decode_s_per_token, costs.decode_s_per_token),
+        decode_s_per_seq=_given(args.decode_s_per_seq, costs.decode_s_per_seq),
+        speed=args.speed,
         adapter_load_s=args.adapter_load_s,
         mean_output_tokens=args.mean_output_tokens,
         seed=args.seed,
@@ -262,6 +293,10 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         faults=faults,
         record_requests=False,
     )
+
+
+def _given(flag: float | None, default: float) -> float:
+    return default if flag is None else flag
 
 
 async def run(config: EmulatorConfig, restart_every: float | None) -> signal.Signals:

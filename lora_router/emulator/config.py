@@ -12,6 +12,7 @@ from __future__ import annotations
 import ssl
 from dataclasses import dataclass, field
 
+from lora_router.emulator.batching import StepCosts
 from lora_router.emulator.faults import Faults
 from lora_router.emulator.kv_events import KVEventsConfig
 
@@ -23,6 +24,14 @@ from lora_router.emulator.kv_events import KVEventsConfig
 # where 0.32 queues them as 0.27 does, and its streams send `: keep-alive` every 15 s by
 # default, where 0.32 sends none unless `--sse-keep-alive-interval` is given.
 SUPPORTED_VERSIONS = ("0.27", "0.32", "0.33")
+# Measured step costs (batching.py; docs/design/capacity-model.md says how they were measured):
+# `tiny-cpu` is vLLM 0.32's CPU build serving the real-vLLM tier's tiny model
+# (tests/vllm/tiny_model.py) with one OpenMP thread, as tests/vllm starts it.
+PROFILES: dict[str, StepCosts] = {
+    "tiny-cpu": StepCosts(
+        prefill_s_per_token=14e-6, decode_s_per_token=3.2e-3, decode_s_per_seq=0.065e-3
+    ),
+}
 # What `/version` reports for each emulated release line.
 RELEASE_OF_VERSION = {"0.27": "0.27.1", "0.32": "0.32.0", "0.33": "0.33.0"}
 
@@ -58,12 +67,15 @@ class EmulatorConfig:
     max_loras: int = 6
     max_cpu_loras: int | None = None  # None: same as max_loras, as vLLM defaults it
 
-    # Engine model
+    # Engine model: continuous batching (batching.py says how a step is filled and timed)
     block_size: int = 16
     cache_blocks: int = 8192  # prefix-cache capacity in blocks (LRU beyond it)
     max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192  # tokens one engine step computes at most
     prefill_s_per_token: float = 0.0  # per *uncached* prompt token
-    decode_s_per_token: float = 0.0  # per generated token
+    decode_s_per_token: float = 0.0  # a step that decodes one sequence
+    decode_s_per_seq: float = 0.0  # added to a step by each further decoding sequence
+    speed: float = 1.0  # this replica's relative speed: every step cost is divided by it
     adapter_load_s: float = 0.0  # re-reading an evicted adapter from its path
     mean_output_tokens: int = 64  # mean natural length before the EOS token
     seed: int = 0  # makes unseeded requests and fault draws reproducible across runs
@@ -87,6 +99,9 @@ class EmulatorConfig:
             )
         if self.block_size < 1 or self.cache_blocks < 0 or self.max_num_seqs < 1:
             raise ValueError("block_size and max_num_seqs must be >= 1, cache_blocks >= 0")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        _ = self.step_costs  # building it checks the costs and the speed
         if self.max_loras < 1:
             raise ValueError("max_loras must be >= 1")
         if self.kv_events_config is not None and not self.since("0.32"):
@@ -98,6 +113,13 @@ class EmulatorConfig:
     def since(self, version: str) -> bool:
         """Whether the emulated line is `version` or newer (a behaviour that line brought)."""
         return SUPPORTED_VERSIONS.index(self.vllm_version) >= SUPPORTED_VERSIONS.index(version)
+
+    @property
+    def step_costs(self) -> StepCosts:
+        """The capacity model's constants (batching.py)."""
+        return StepCosts(
+            self.prefill_s_per_token, self.decode_s_per_token, self.decode_s_per_seq, self.speed
+        )
 
     @property
     def cpu_loras(self) -> int:

@@ -2,9 +2,13 @@
 
 It ties together the pieces a router's decisions act on — the adapter registry and slots
 (`adapters`), the prefix cache (`prefix_cache`), the batch scheduler (`scheduler`) and the
-deterministic model (`tokens`) — with a timing model: a sequence costs `prefill_s_per_token`
-per *uncached* prompt token and `decode_s_per_token` per generated token, after waiting for a
-place in the batch. So a cache hit makes a request faster and an overloaded replica slower.
+deterministic model (`tokens`) — with the capacity model of `batching`: the sequences the
+scheduler admitted advance together, one engine step at a time, a single task (`_step_loop`)
+planning each step and sleeping its duration, then waking the sequences it gave tokens to. So
+a cache hit makes a request faster, a growing batch makes every step slower, and a full batch
+(`max_num_seqs`) makes a request wait. With every cost 0 (the default) steps take no time and
+an answer comes at once. Steps shorter than 2 ms are run back to back and slept as one, so
+fine-grained costs do not turn into one event-loop wake-up per token.
 
 It also owns the pause state of vLLM's dev-mode endpoints:
 - `abort` aborts every sequence in flight (they finish with reason "abort");
@@ -22,7 +26,6 @@ its cache stores, evicts and clears goes, as vLLM's KV events, to `kv_sink` when
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -35,6 +38,7 @@ from lora_router.emulator.adapter_files import (
     read_adapter,
 )
 from lora_router.emulator.adapters import Adapter, AdapterRegistry, AdapterSlots
+from lora_router.emulator.batching import Progress, plan_step
 from lora_router.emulator.config import EmulatorConfig
 from lora_router.emulator.kv_events import (
     AllBlocksCleared,
@@ -46,7 +50,7 @@ from lora_router.emulator.prefix_cache import PrefixCache, block_hashes
 from lora_router.emulator.scheduler import Aborted, Scheduler, Seq
 
 PAUSE_MODES = ("abort", "wait", "keep")
-# Below this, sleeping per token costs more in event-loop overhead than it models.
+# Below this, sleeping per step costs more in event-loop overhead than it models.
 _MIN_SLEEP_S = 0.002
 
 
@@ -93,6 +97,7 @@ class _PauseState:
     paused: bool = False
     mode: str | None = None
     resumed: asyncio.Event = field(default_factory=asyncio.Event)
+    stepping: asyncio.Event = field(default_factory=asyncio.Event)  # clear: paused in keep mode
 
 
 class Engine:
@@ -110,8 +115,11 @@ class Engine:
         self.queued_while_paused = 0  # requests waiting at the door for /resume
         self._pause = _PauseState()
         self._pause.resumed.set()
+        self._pause.stepping.set()
         self._frozen: set[Seq] = set()
         self._holding: dict[Seq, SampleJob] = {}  # samples in the batch, holding KV blocks
+        self._progress: dict[Seq, Progress] = {}  # the batch's work, in admission order
+        self._stepper: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()
         self._idle.set()
         self._rng = random.Random(config.seed)
@@ -268,20 +276,20 @@ class Engine:
             # scheduled right after this one already hits them.
             self._insert(job, job.prompt, job.prompt_hashes)
             self.counters.prompt_tokens += len(job.prompt)
-            uncached = len(job.prompt) - job.cached_tokens
-            await self._sleep(seq, uncached * self.config.prefill_s_per_token)
             planned = job.sample.tokens
-            per_step = self._tokens_per_step(len(planned))
+            progress = Progress(len(job.prompt) - job.cached_tokens, len(planned))
+            self._progress[seq] = progress
+            self._start_stepping()
             while job.emitted < len(planned):
                 if self._pause.paused and self._pause.mode == "keep":
                     await self._freeze(seq)
                 if seq.aborted:
                     raise Aborted
-                chunk = planned[job.emitted : job.emitted + per_step]
-                await self._sleep(seq, len(chunk) * self.config.decode_s_per_token)
-                if seq.aborted:
-                    raise Aborted
-                job.emitted += len(chunk)
+                if progress.granted == job.emitted:
+                    await seq.sleep_until_woken()  # the step loop wakes it with tokens
+                    continue
+                chunk = planned[job.emitted : progress.granted]
+                job.emitted = progress.granted
                 self.counters.generated_tokens += len(chunk)
                 await emit(chunk)
             job.finish_reason = job.sample.finish_reason
@@ -291,6 +299,7 @@ class Engine:
             job.finish_reason = "abort"
             self.counters.aborted += 1
         finally:
+            self._progress.pop(seq, None)
             self.scheduler.release(seq)
             self._holding.pop(seq, None)
             self._frozen.discard(seq)
@@ -301,11 +310,45 @@ class Engine:
     def note_cancelled(self) -> None:
         self.counters.cancelled += 1
 
-    def _tokens_per_step(self, total: int) -> int:
-        per_token = self.config.decode_s_per_token
-        if per_token <= 0:
-            return max(1, total)
-        return max(1, math.ceil(_MIN_SLEEP_S / per_token))
+    def _start_stepping(self) -> None:
+        if self._stepper is None or self._stepper.done():
+            self._stepper = asyncio.get_running_loop().create_task(self._step_loop())
+
+    async def _step_loop(self) -> None:
+        """Run engine steps while the batch has work (batching.py plans and times each).
+
+        Steps are planned back to back until they add up to `_MIN_SLEEP_S` (or the work runs
+        out), slept as one, and only then are the sequences they advanced woken: a token is
+        never seen before the time that computes it has passed. The steps keep their own
+        clock: each ends at the previous one's end plus its duration, not at the previous
+        wake-up plus it, so the event loop's late timers (uvloop's are rounded to the
+        millisecond) do not add up over a busy period. Paused in keep mode, no step runs
+        until `/resume`."""
+        costs = self.config.step_costs
+        budget = self.config.max_num_batched_tokens
+        loop = asyncio.get_running_loop()
+        ends = loop.time()  # when the last step planned ends
+        while True:
+            if not self._pause.stepping.is_set():
+                await self._pause.stepping.wait()
+                ends = loop.time()
+            elapsed = 0.0
+            advanced: dict[Progress, None] = {}
+            while elapsed < _MIN_SLEEP_S:
+                work = [p for p in self._progress.values() if not p.done]
+                if not work:
+                    break
+                step, moved = plan_step(work, budget)
+                elapsed += costs.step_s(step.decoding, step.prefill_tokens)
+                advanced.update(dict.fromkeys(moved))
+            if not advanced:
+                return
+            if elapsed > 0:
+                ends = max(ends, loop.time() - _MIN_SLEEP_S) + elapsed
+                await asyncio.sleep(ends - loop.time())
+            for seq, progress in list(self._progress.items()):
+                if progress in advanced:
+                    seq.wake()
 
     async def _activate_adapter(self, seq: Seq) -> None:
         assert seq.lora_id is not None
@@ -368,13 +411,20 @@ class Engine:
         self._pause.paused = True
         self._pause.mode = mode
         self._pause.resumed.clear()
+        if mode == "keep":
+            self._pause.stepping.clear()
+        else:
+            self._pause.stepping.set()
         if mode == "abort":
             for seq in self.scheduler.in_flight() + list(self._frozen):
                 seq.abort()
         elif mode == "wait":
             await self._idle.wait()
         elif mode == "keep":
-            # Sequences freeze at their next step; the cache is kept ("ignored when keep").
+            # No step runs, and every sequence freezes where it is; the cache is kept
+            # ("ignored when keep").
+            for seq in self.scheduler.running:
+                seq.wake()
             return
         if clear_cache:
             self._clear_cache()
@@ -383,6 +433,7 @@ class Engine:
         self._pause.paused = False
         self._pause.mode = None
         self._pause.resumed.set()
+        self._pause.stepping.set()
         for seq in list(self._frozen):
             seq.wake()
 
@@ -394,6 +445,8 @@ class Engine:
         return True
 
     def abort_all(self) -> None:
-        """Abort every sequence (the replica is going down)."""
+        """Abort every sequence and stop stepping (the replica is going down)."""
         for seq in self.scheduler.in_flight() + list(self._frozen):
             seq.abort()
+        if self._stepper is not None:
+            self._stepper.cancel()

@@ -1,0 +1,180 @@
+"""RL's clock (bench/rl_clock.py): per-cell summaries over the rounds, the issue's targets
+(#43), and the JSON and markdown they are written to."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .rl_clock_runs import ClockResult
+
+DEFAULT = "lr-prefix"  # lora-router's default policy: the contender the targets judge
+HIT_FRACTION = 0.99  # uniform fleet, saturating load: hit rate >= this x the best contender's
+SLOW_FLEET_P90 = 0.9  # one replica at half speed: group p90 <= this x the best contender's
+
+
+@dataclass(slots=True)
+class Summary:
+    """One contender in one cell (trace, fleet, load): medians over its rounds."""
+
+    trace: str
+    fleet: str
+    load: str
+    contender: str
+    label: str
+    rounds: int  # complete runs: every request answered (the figures are theirs)
+    failed: int  # requests, over every round
+    incomplete: int  # runs with a failed request, left out of the figures
+    group_p50_s: float
+    group_p90_s: float
+    group_max_s: float
+    step_s: float
+    samples_per_s: float
+    hit_rate: float
+    group_p90_range_s: list[float] = field(default_factory=list)
+    per_replica_requests: list[int] = field(default_factory=list)  # the median round's
+
+
+def _median(values: list[float]) -> float:
+    return round(statistics.median(values), 4)
+
+
+def summarize(results: list[ClockResult]) -> list[Summary]:
+    """Medians over each contender's complete runs in each cell (a run where a request failed
+    measured another workload, so it only counts as `incomplete`)."""
+    cells: dict[tuple[str, str, str, str], list[ClockResult]] = {}
+    for r in results:
+        cells.setdefault((r.trace, r.fleet, r.load, r.contender), []).append(r)
+    out = []
+    for (trace, fleet, load, contender), every in cells.items():
+        runs = [r for r in every if r.status == "ok" and r.failed == 0]
+        if not runs:
+            continue
+        p90s = [r.group_p90_s for r in runs]
+        middle = sorted(runs, key=lambda r: r.group_p90_s)[len(runs) // 2]
+        out.append(
+            Summary(
+                trace,
+                fleet,
+                load,
+                contender,
+                runs[0].label,
+                len(runs),
+                sum(r.failed for r in every),
+                len(every) - len(runs),
+                _median([r.group_p50_s for r in runs]),
+                _median(p90s),
+                _median([r.group_max_s for r in runs]),
+                _median([r.step_s for r in runs]),
+                _median([r.samples_per_s for r in runs]),
+                _median([r.hit_rate for r in runs]),
+                [min(p90s), max(p90s)],
+                middle.per_replica_requests,
+            )
+        )
+    return out
+
+
+def by_cell(summaries: list[Summary]) -> dict[tuple[str, str, str], list[Summary]]:
+    cells: dict[tuple[str, str, str], list[Summary]] = {}
+    for s in summaries:
+        cells.setdefault((s.trace, s.fleet, s.load), []).append(s)
+    return cells
+
+
+def target(cell: tuple[str, str, str], rows: list[Summary]) -> dict[str, Any] | None:
+    """The issue's target for a cell where one applies: saturating load on a uniform fleet
+    (p90 and hit rate), or any load with a replica at half speed (p90 against 0.9 x best)."""
+    _, fleet, load = cell
+    ours = next((s for s in rows if s.contender == DEFAULT), None)
+    others = [s for s in rows if s.contender != DEFAULT]
+    if ours is None or not others:
+        return None
+    best = min(others, key=lambda s: s.group_p90_s)
+    best_hit = max(s.hit_rate for s in others)
+    if "half speed" in fleet:
+        bound = SLOW_FLEET_P90 * best.group_p90_s
+        return {
+            "kind": "half speed",
+            "ours_p90_s": ours.group_p90_s,
+            "best": best.contender,
+            "best_p90_s": best.group_p90_s,
+            "ratio": round(ours.group_p90_s / best.group_p90_s, 3),
+            "met": ours.group_p90_s <= bound,
+        }
+    if load != "saturating":
+        return None
+    return {
+        "kind": "uniform, saturating",
+        "ours_p90_s": ours.group_p90_s,
+        "best": best.contender,
+        "best_p90_s": best.group_p90_s,
+        "ratio": round(ours.group_p90_s / best.group_p90_s, 3),
+        "hit_fraction": round(ours.hit_rate / best_hit, 4) if best_hit else None,
+        "met": ours.group_p90_s <= best.group_p90_s and ours.hit_rate >= HIT_FRACTION * best_hit,
+    }
+
+
+def load_runs(path: Path) -> tuple[dict[str, Any], list[ClockResult]]:
+    """The meta and the runs of an rl-clock.json (to summarize them again)."""
+    doc = json.loads(path.read_text())
+    return doc["meta"], [ClockResult(**run) for run in doc["runs"]]
+
+
+def write_json(
+    path: Path, meta: dict[str, Any], summaries: list[Summary], results: list[ClockResult]
+) -> None:
+    targets = [
+        {"trace": c[0], "fleet": c[1], "load": c[2], **t}
+        for c, rows in by_cell(summaries).items()
+        if (t := target(c, rows)) is not None
+    ]
+    doc = {
+        "meta": meta,
+        "targets": targets,
+        "summaries": [asdict(s) for s in summaries],
+        "runs": [asdict(r) for r in results],
+    }
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def write_markdown(path: Path, meta: dict[str, Any], summaries: list[Summary]) -> None:
+    lines = [
+        f"Command: `{meta['command']}` ({meta['date']}, git {meta['git']}, "
+        f"{meta['rounds']} rounds, {meta['elapsed_s'] / 60:.0f} min).",
+        "",
+        "Per cell: medians over each router's complete runs (every request answered); group p90 "
+        "range = its min and max over them.",
+        "",
+    ]
+    for cell, rows in by_cell(summaries).items():
+        trace, fleet, load = cell
+        lines += [
+            f"### {trace}, {fleet}, {load} load",
+            "",
+            "| router | group p50 s | group p90 s (range) | group max s | step s | samples/s "
+            "| hit rate | requests per replica | complete runs | failed requests |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for s in sorted(rows, key=lambda s: s.group_p90_s):
+            low, high = s.group_p90_range_s
+            lines.append(
+                f"| {s.label} | {s.group_p50_s:.2f} | {s.group_p90_s:.2f} ({low:.2f}-{high:.2f}) "
+                f"| {s.group_max_s:.2f} | {s.step_s:.2f} | {s.samples_per_s:.1f} "
+                f"| {s.hit_rate:.3f} | {' '.join(map(str, s.per_replica_requests))} "
+                f"| {s.rounds} of {s.rounds + s.incomplete} | {s.failed} |"
+            )
+        t = target(cell, rows)
+        if t is not None:
+            verdict = "met" if t["met"] else "NOT met"
+            extra = f", hit rate {t['hit_fraction']} of the best" if "hit_fraction" in t else ""
+            lines.append("")
+            lines.append(
+                f"Target ({t['kind']}): {verdict}: lora-router's p90 {t['ours_p90_s']:.2f} s is "
+                f"{t['ratio']:.2f}x the best other ({t['best']}, {t['best_p90_s']:.2f} s){extra}."
+            )
+        lines.append("")
+    path.write_text("\n".join(lines))

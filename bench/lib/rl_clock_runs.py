@@ -1,0 +1,412 @@
+"""RL's clock (bench/rl_clock.py): the fleet of batching replicas, the TRL-shaped rollouts
+replayed through one router, and the figures a trainer feels.
+
+A *group* is one problem's G samples and all their later turns (a GRPO step can use it only
+when its slowest sample is back); its time runs from its first request's send to its last
+answer. A *step* is complete when its last group is; the step time is the gap between two
+steps' completions (the first one's from the start). Accepted samples: rollouts whose every
+turn answered 200. The hit rate is the replicas' own: `vllm:prefix_cache_hits` /
+`vllm:prefix_cache_queries` summed over their /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import aiohttp
+
+from lora_router.emulator import EmulatorConfig, start_emulator, write_adapter
+
+from .procs import free_port, pinned
+from .routing_procs import (
+    FAMILY_HEADER,
+    REPLICA_CPUS,
+    REQUEST_TIMEOUT_S,
+    START_TIMEOUT_S,
+    Contender,
+    ReplicaHost,
+    RouterOptions,
+    RouterProcess,
+    SeedLog,
+    router_argv,
+)
+from .routing_runs import Outcome, post, replica_metrics
+from .routing_traces import MAX_STALENESS, MODEL, Item
+
+SESSION_HEADER = "X-Session-ID"  # vllm-router's session key, as prime-rl sends it
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    """The emulated replicas: their capacity model (batching.py) and their speeds."""
+
+    replicas: int
+    speeds: tuple[float, ...]  # one per replica
+    prefill_s_per_token: float
+    decode_s_per_token: float
+    decode_s_per_seq: float
+    max_num_seqs: int
+    max_num_batched_tokens: int = 8192
+    cache_blocks: int = 4096
+
+    def settings(self) -> list[dict[str, Any]]:
+        """Each replica's `EmulatorConfig` keyword arguments."""
+        return [
+            {
+                "host": "127.0.0.1",
+                "port": 0,
+                "max_num_seqs": self.max_num_seqs,
+                "max_num_batched_tokens": self.max_num_batched_tokens,
+                "cache_blocks": self.cache_blocks,
+                "prefill_s_per_token": self.prefill_s_per_token,
+                "decode_s_per_token": self.decode_s_per_token,
+                "decode_s_per_seq": self.decode_s_per_seq,
+                "speed": speed,
+                "max_lora_rank": 1,
+                "max_loras": MAX_STALENESS + 2,
+                "max_model_len": 16384,
+                "record_requests": True,
+            }
+            for speed in self.speeds
+        ]
+
+
+async def serve_fleet(settings: list[dict[str, Any]]) -> None:
+    """`serve-fleet`: one emulator per settings object in this process, driven on stdin as
+    bench/lib/routing_procs.py's `serve_replicas` is (`reset`, `dump`, `quit`)."""
+    emulators = [await start_emulator(EmulatorConfig(**s)) for s in settings]
+    logs = [SeedLog() for _ in emulators]
+    for emulator, log in zip(emulators, logs, strict=True):
+        emulator.requests = log
+
+    def answer(obj: object) -> None:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    answer({"urls": [e.url for e in emulators]})
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    try:
+        while line := (await reader.readline()).decode().strip():
+            if line == "reset":
+                for i, emulator in enumerate(emulators):
+                    await emulator.restart()
+                    logs[i] = SeedLog()
+                    emulator.requests = logs[i]
+                answer({"ok": True})
+            elif line == "dump":
+                answer({"seeds": [log.seeds for log in logs]})
+            elif line == "quit":
+                break
+            else:
+                answer({"error": f"unknown command {line!r}"})
+    finally:
+        for emulator in emulators:
+            await emulator.stop()
+
+
+async def start_fleet(script: Path, fleet: Fleet, log: IO[bytes]) -> ReplicaHost:
+    """The fleet in a subprocess (`script serve-fleet`), pinned to the replicas' core."""
+    argv = [sys.executable, str(script), "serve-fleet", json.dumps(fleet.settings())]
+    proc = await asyncio.create_subprocess_exec(
+        *pinned(argv, REPLICA_CPUS),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=log,
+    )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), START_TIMEOUT_S)
+        if not line:
+            raise RuntimeError("the replica host exited (see its log)")
+        return ReplicaHost(proc, json.loads(line)["urls"])
+    except BaseException:
+        await ReplicaHost(proc, []).close()
+        raise
+
+
+@dataclass(slots=True)
+class ClockResult:
+    """One run: a trace through one router to one fleet, at one load."""
+
+    trace: str
+    fleet: str  # e.g. "4 uniform", "4, one at half speed"
+    load: str  # light | saturating
+    contender: str
+    label: str
+    round: int = 0
+    status: str = "ok"
+    requests: int = 0
+    failed: int = 0
+    first_error: str = ""
+    groups: int = 0
+    group_p50_s: float = 0.0
+    group_p90_s: float = 0.0
+    group_max_s: float = 0.0
+    step_s: float = 0.0  # median gap between two steps' completions
+    samples_per_s: float = 0.0  # accepted samples (every turn answered) per second
+    hit_rate: float = 0.0
+    wall_s: float = 0.0
+    per_replica_requests: list[int] = field(default_factory=list)
+    syncs: int = 0
+    sync_failures: int = 0
+    finished_sessions: int | None = None  # /finish_session answered 200 (sticky_least_loaded)
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The q-quantile of `values`, linearly interpolated between order statistics."""
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+class Rollouts:
+    """Replays a workload as TRL's rollout worker sends it: items in trace order, at most
+    `cap` in flight, a later turn once its parent answered, and each new version synced
+    before its first request: through the router for lora-router (its fence broadcasts it),
+    directly to every replica for the others (as a trainer that drives each server does).
+    With `sessions`, every request carries the group's id in `X-Session-ID` and the group is
+    released (`POST /finish_session`) when its last answer is in, as prime-rl does."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        replica_urls: list[str],
+        items: list[Item],
+        cap: int,
+        adapters: Path,
+        through_router: bool,
+        sessions: bool,
+        deadline_s: float,
+    ) -> None:
+        self.session = session
+        self.url = url
+        self.replica_urls = replica_urls
+        self.items = items
+        self.cap = cap
+        self.adapters = adapters
+        self.through_router = through_router
+        self.sessions = sessions
+        self.deadline_s = deadline_s
+        self.outcomes: dict[int, Outcome] = {}
+        self.loaded = 0
+        self.syncs = self.sync_failures = 0
+        self.finished_sessions = 0
+        self._left: dict[int, int] = {}  # family -> its items not answered yet
+        for item in items:
+            self._left[item.family] = self._left.get(item.family, 0) + 1
+
+    async def sync(self, version: int) -> None:
+        """TRL's weight sync for `version`: pause (keep), load, resume, unload v(N-5)."""
+        name = f"trl-policy-v{version}"
+        load = {"lora_name": name, "lora_path": str(self.adapters / name)}
+        old = version - MAX_STALENESS - 1
+        targets = [self.url] if self.through_router else self.replica_urls
+
+        async def one(url: str) -> list[int]:
+            statuses = [await post(self.session, url + "/pause?mode=keep")]
+            statuses.append(await post(self.session, url + "/v1/load_lora_adapter", load))
+            statuses.append(await post(self.session, url + "/resume"))
+            if old >= 1:
+                await post(
+                    self.session,
+                    url + "/v1/unload_lora_adapter",
+                    {"lora_name": f"trl-policy-v{old}"},
+                )
+            return statuses
+
+        results = await asyncio.gather(*(one(u) for u in targets))
+        self.syncs += 1
+        self.sync_failures += any(s != 200 for statuses in results for s in statuses)
+        self.loaded = version
+
+    async def send(self, item: Item) -> Outcome:
+        out = Outcome(sent_at=time.perf_counter())
+        headers = {"content-type": "application/json", FAMILY_HEADER: str(item.family)}
+        if self.sessions:
+            headers[SESSION_HEADER] = f"group-{item.family}"
+        try:
+            async with self.session.post(
+                self.url + "/v1/completions",
+                data=item.body,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S),
+            ) as resp:
+                raw = await resp.read()
+                out.done_at = time.perf_counter()
+                out.status = resp.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            out.error = f"{type(exc).__name__}: {exc}"
+            return out
+        if out.status != 200:
+            out.error = f"{out.status}: {raw[:200].decode(errors='replace')}"
+        return out
+
+    async def finish_session(self, family: int) -> None:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            status = await post(
+                self.session, f"{self.url}/finish_session?session_id=group-{family}"
+            )
+            self.finished_sessions += status == 200
+
+    async def replay(self) -> float:
+        """Send every item; returns the wall time (first send to last answer)."""
+        children: dict[int, list[int]] = {}
+        ready: list[int] = []
+        for item in self.items:
+            if item.parent is None:
+                ready.append(item.index)
+            else:
+                children.setdefault(item.parent, []).append(item.index)
+        heapq.heapify(ready)
+        by_index = {item.index: item for item in self.items}
+        wake = asyncio.Event()
+        running = 0
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def one(item: Item) -> None:
+            nonlocal running
+            try:
+                self.outcomes[item.index] = await self.send(item)
+            finally:
+                running -= 1
+                for child in children.get(item.index, ()):
+                    heapq.heappush(ready, child)
+                self._left[item.family] -= 1
+                if self.sessions and self._left[item.family] == 0:
+                    await self.finish_session(item.family)
+                wake.set()
+
+        start = time.perf_counter()
+        deadline = start + self.deadline_s
+        while len(self.outcomes) < len(self.items):
+            while ready and running < self.cap:
+                item = by_index[heapq.heappop(ready)]
+                while item.version > self.loaded:
+                    await self.sync(self.loaded + 1)
+                running += 1
+                task = asyncio.create_task(one(item))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            wake.clear()
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), left)
+        wall = time.perf_counter() - start
+        for task in list(tasks):
+            task.cancel()
+        for item in self.items:
+            self.outcomes.setdefault(item.index, Outcome(error="not sent before the deadline"))
+        return wall
+
+
+def clock_figures(
+    result: ClockResult, items: list[Item], outcomes: dict[int, Outcome], per_step: int
+) -> None:
+    """Fill the group, step and throughput figures of `result` from the outcomes."""
+    spans: dict[int, tuple[float, float]] = {}
+    failed_families: set[int] = set()
+    for item in items:
+        out = outcomes[item.index]
+        if out.status != 200:
+            failed_families.add(item.family)
+            continue
+        first, last = spans.get(item.family, (out.sent_at, out.done_at))
+        spans[item.family] = (min(first, out.sent_at), max(last, out.done_at))
+    complete = {f: s for f, s in spans.items() if f not in failed_families}
+    durations = [end - begin for begin, end in complete.values()]
+    result.groups = len(complete)
+    if durations:
+        result.group_p50_s = round(quantile(durations, 0.5), 4)
+        result.group_p90_s = round(quantile(durations, 0.9), 4)
+        result.group_max_s = round(max(durations), 4)
+    start = min((o.sent_at for o in outcomes.values() if o.sent_at), default=0.0)
+    step_done: dict[int, float] = {}
+    for family, (_, end) in complete.items():
+        step = family // per_step
+        step_done[step] = max(step_done.get(step, 0.0), end)
+    ends = [start, *sorted(step_done.values())]
+    gaps = [b - a for a, b in itertools.pairwise(ends)]
+    result.step_s = round(statistics.median(gaps), 4) if gaps else 0.0
+    rollouts = {(i.family, i.seed) for i in items if i.parent is None}
+    turns_failed = {i.family for i in items if outcomes[i.index].status != 200}
+    accepted = sum(1 for family, _ in rollouts if family not in turns_failed)
+    result.samples_per_s = round(accepted / result.wall_s, 3) if result.wall_s else 0.0
+
+
+def write_adapters(adapters: Path, versions: int) -> None:
+    for version in range(1, versions + 1):
+        path = adapters / f"trl-policy-v{version}"
+        if not path.exists():
+            write_adapter(path, rank=1, base_model=MODEL)
+
+
+async def run_one(
+    host: ReplicaHost,
+    c: Contender,
+    items: list[Item],
+    result: ClockResult,
+    cap: int,
+    per_step: int,
+    adapters: Path,
+    log: Path,
+    deadline_s: float,
+) -> ClockResult:
+    """One run: fresh replicas, the router started, v1 live, the rollouts, the figures."""
+    result.requests = len(items)
+    await host.command("reset")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    router = RouterProcess(router_argv(c, port, host.urls, RouterOptions()), log)
+    connector = aiohttp.TCPConnector(limit=cap + 16)
+    try:
+        async with aiohttp.ClientSession(connector=connector) as session:
+            await router.wait_ready(session, url)
+            rollouts = Rollouts(
+                session,
+                url,
+                host.urls,
+                items,
+                cap,
+                adapters,
+                through_router=c.kind == "lora-router",
+                sessions=c.policy == "sticky_least_loaded",
+                deadline_s=deadline_s,
+            )
+            await rollouts.sync(1)  # v1 is live before the clock starts, as in TRL
+            rollouts.syncs = rollouts.sync_failures = 0
+            result.wall_s = round(await rollouts.replay(), 3)
+            queries, hits = await replica_metrics(session, host.urls)
+            seeds = (await host.command("dump"))["seeds"]
+    except Exception as exc:
+        result.status = f"error: {type(exc).__name__}: {exc}"[:300]
+        result.failed = len(items)
+        return result
+    finally:
+        router.stop()
+    result.hit_rate = round(hits / queries, 4) if queries else 0.0
+    result.per_replica_requests = [len(s) for s in seeds]
+    failures = [o for o in rollouts.outcomes.values() if o.status != 200]
+    result.failed = len(failures)
+    result.first_error = failures[0].error[:200] if failures else ""
+    result.syncs, result.sync_failures = rollouts.syncs, rollouts.sync_failures
+    if rollouts.sessions:
+        result.finished_sessions = rollouts.finished_sessions
+    clock_figures(result, items, rollouts.outcomes, per_step)
+    return result
