@@ -12,22 +12,23 @@ The emulator runs the `tiny-cpu` profile (config.PROFILES), the constants measur
 this tier's tiny model (docs/design/capacity-model.md); the test holds it to the real replica
 within a stated tolerance at batch sizes 1, 8 and 32.
 
-Run alone, `PYTHONPATH=tests/vllm .venv-vllm/bin/python tests/vllm/test_vllm_capacity.py`
+Run alone, `.venv-vllm/bin/python tests/vllm/test_vllm_capacity.py`
 starts one replica and prints the table the profile was fitted to.
 """
 
 from __future__ import annotations
 
 import asyncio
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import aiohttp
-from vllm_harness import TOKEN, Replica
 
 from lora_router.emulator import EmulatorConfig, start_emulator
 from lora_router.emulator.config import PROFILES
+from lora_router.testbed.vllm_harness import TOKEN, Replica
 
 BATCHES = (1, 8, 32)
 DECODE_STEPS = 96
@@ -79,15 +80,16 @@ async def difference(
     long: tuple[int, int],
     repeats: int = 5,
 ) -> float:
-    """The least over `repeats` of wall(long) - wall(short), each pair run back to back
-    ((prompt, tokens) each). The least: the machine is shared, and other work only ever makes
-    the longer run longer; the model stands for the replica's own speed."""
+    """The median over `repeats` of wall(long) - wall(short), each pair run back to back
+    ((prompt, tokens) each). The median: the machine is shared, and other work lengthens either
+    run of a pair (the least of the differences read below zero for the prefill once, with
+    other work running)."""
     differences = []
     for _ in range(repeats):
         low = await wall(session, url, model, batch, *short)
         high = await wall(session, url, model, batch, *long)
         differences.append(high - low)
-    return min(differences)
+    return statistics.median(differences)
 
 
 async def step_time(session: aiohttp.ClientSession, url: str, model: str, batch: int) -> float:
@@ -138,7 +140,7 @@ def test_the_emulators_step_time_follows_a_real_replica(fleet: list[Replica], ba
 
 def main() -> None:
     """Start one replica, measure it at more batch sizes, print milliseconds (calibration)."""
-    from tiny_model import model_dir
+    from lora_router.testbed.tiny_model import model_dir
 
     model = model_dir()
     replica = Replica(model=model / "model", log=Path("/tmp/capacity-replica.log"))
