@@ -2,8 +2,8 @@
 
 Tests, benchmarks and demos of lora-router run against it. It answers every route of the
 contract (`shared/docs/vllm-contract.md` §2) with vLLM's statuses, bodies, headers and SSE
-framing, for vLLM 0.32 (the default), 0.27 or 0.33 (`config.SUPPORTED_VERSIONS` says how they
-differ), and simulates what routing changes: a prefix cache, LoRA slots, a batch scheduler
+framing, for vLLM 0.32 (the default), 0.27, 0.33 or 0.34 (`config.SUPPORTED_VERSIONS` says how
+they differ), and simulates what routing changes: a prefix cache, LoRA slots, a batch scheduler
 and a capacity model of continuous batching. Faults can be switched on to test fault tolerance.
 
 Layout, one concept per module:

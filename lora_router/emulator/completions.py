@@ -403,13 +403,18 @@ class Renderer:
         return {"content": content}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict[str, Any]:
-    """vLLM's `usage`; `cached_tokens` None: without --enable-prompt-tokens-details."""
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None, *, omit: bool = False
+) -> dict[str, Any]:
+    """vLLM's `usage`; `cached_tokens` None: without --enable-prompt-tokens-details, when
+    `prompt_tokens_details` is `null`, or left out with `omit` (vLLM 0.34)."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None
-        if cached_tokens is None
-        else {"cached_tokens": cached_tokens},
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    elif not omit:
+        out["prompt_tokens_details"] = None
+    return out

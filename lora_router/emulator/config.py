@@ -23,7 +23,9 @@ from lora_router.emulator.kv_events import KVEventsConfig
 # code, not seen running): it answers new requests 503 while paused in abort or wait mode,
 # where 0.32 queues them as 0.27 does, and its streams send `: keep-alive` every 15 s by
 # default, where 0.32 sends none unless `--sse-keep-alive-interval` is given.
-SUPPORTED_VERSIONS = ("0.27", "0.32", "0.33")
+# 0.34 (read from its released code, not seen running) leaves `usage.prompt_tokens_details` out
+# when it has nothing to report, where 0.32 and 0.33 send `null`.
+SUPPORTED_VERSIONS = ("0.27", "0.32", "0.33", "0.34")
 # Measured step costs (batching.py; docs/design/capacity-model.md says how they were measured):
 # `tiny-cpu` is vLLM 0.32's CPU build serving the real-vLLM tier's tiny model
 # (tests/vllm/tiny_model.py) with one OpenMP thread, as tests/vllm starts it.
@@ -33,7 +35,7 @@ PROFILES: dict[str, StepCosts] = {
     ),
 }
 # What `/version` reports for each emulated release line.
-RELEASE_OF_VERSION = {"0.27": "0.27.1", "0.32": "0.32.0", "0.33": "0.33.0"}
+RELEASE_OF_VERSION = {"0.27": "0.27.1", "0.32": "0.32.0", "0.33": "0.33.0", "0.34": "0.34.0"}
 
 
 @dataclass(slots=True)

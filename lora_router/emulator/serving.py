@@ -24,6 +24,7 @@ from aiohttp import web
 from lora_router.emulator import completions, tokens
 from lora_router.emulator.adapters import Adapter
 from lora_router.emulator.completions import ChoiceState, GenerationParams, Renderer
+from lora_router.emulator.config import EmulatorConfig
 from lora_router.emulator.control import Replica, is_dead
 from lora_router.emulator.engine import (
     Engine,
@@ -197,13 +198,16 @@ async def _stop(tasks: list[asyncio.Task[None]]) -> None:
             await task
 
 
-def _usage(jobs: list[SampleJob], params: GenerationParams, details: bool) -> dict[str, Any]:
+def _usage(
+    jobs: list[SampleJob], params: GenerationParams, config: EmulatorConfig
+) -> dict[str, Any]:
     prompt_tokens = sum(len(p) for p in params.prompts)
     completion_tokens = sum(job.emitted for job in jobs)
     # The first sample of each prompt reports the prompt's cached tokens, as vLLM does; only
     # with `details` (--enable-prompt-tokens-details), as vLLM does.
+    details = config.prompt_tokens_details
     cached = sum(job.cached_tokens for job in jobs[:: params.n]) if details else None
-    return completions.usage(prompt_tokens, completion_tokens, cached)
+    return completions.usage(prompt_tokens, completion_tokens, cached, omit=config.since("0.34"))
 
 
 async def _whole(
@@ -235,11 +239,7 @@ async def _whole(
                 return to_response(engine_dead())
     finally:
         await _stop(tasks)
-    return to_response(
-        json_reply(
-            renderer.whole(choices, _usage(jobs, params, engine.config.prompt_tokens_details))
-        )
-    )
+    return to_response(json_reply(renderer.whole(choices, _usage(jobs, params, engine.config))))
 
 
 class _SseWriter:
@@ -321,7 +321,7 @@ async def _stream(
                     chunk = renderer.token_chunk(choice, [sampled], finish, not started[number])
                     started[number] = True
                     if params.continuous_usage:
-                        chunk["usage"] = _usage(jobs, params, engine.config.prompt_tokens_details)
+                        chunk["usage"] = _usage(jobs, params, engine.config)
                     await writer.frame(sse_frame(chunk))
             elif kind == "end":
                 pending -= 1
@@ -333,11 +333,7 @@ async def _stream(
                 await writer.frame(sse_error_frame(DEAD_MESSAGE, "InternalServerError", 500))
                 break
         if params.include_usage:
-            await writer.frame(
-                sse_frame(
-                    renderer.usage_chunk(_usage(jobs, params, engine.config.prompt_tokens_details))
-                )
-            )
+            await writer.frame(sse_frame(renderer.usage_chunk(_usage(jobs, params, engine.config))))
         await writer.frame(SSE_DONE)
     except GenerationPaused:
         await writer.frame(sse_error_frame(PAUSED_MESSAGE, "ServiceUnavailableError", 503))

@@ -126,3 +126,22 @@ async def test_a_cache_emptied_behind_the_routers_back_is_flagged(
     assert "routing predicts far more cached tokens than the replicas report" in summary_line(
         rt.app.state
     )
+
+
+async def test_a_034_usage_without_details_is_read_as_unreported_and_one_with_them_counted(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    """vLLM 0.34 leaves `prompt_tokens_details` out when it has nothing to report (0.32 sends
+    `null`): read the same; with the details on, a 0.34 report is counted like any other."""
+    bare = await emulators(1, vllm_version="0.34", prompt_tokens_details=False)
+    rt = await router(bare)
+    for _ in range(2):
+        body = await completed(client, rt.url, prompt=list(range(64)))
+        assert "prompt_tokens_details" not in body["usage"]
+    got = await status(client, rt.url)
+    assert got["answers"] == 0 and got["unreported"] == 2
+    detailed = await emulators(1, vllm_version="0.34")
+    rt = await router(detailed)
+    reported = await rollouts(client, rt.url, detailed[0].config.model, prompts=1)
+    got = await status(client, rt.url)
+    assert got["answers"] == 2 * G and got["reported_cached_tokens"] == reported > 0
