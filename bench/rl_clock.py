@@ -15,10 +15,10 @@ core. A fleet is N replicas (`2`, `4`, `8`), or N with replica 0 at half speed (
 cost of replica 0 doubled). They run in one subprocess on core 1; routers and this load
 generator on core 0 (bench/routing.py's arrangement); replicas restart empty before every run.
 
-Traces (bench/grpo_trace.py, TRL 1.16's async GRPO worker): S problems per step (S = 2 N, so
-every fleet size gets the same work per replica), each sampled G times, 3 steps, a new adapter
-version every 2 steps (TRL's weight sync: pause, load, resume, unload v(N-5)); completion
-lengths log-normal (median 64 tokens, sigma 1, 8 to 512: RL's long tail).
+Traces (lora_router/testbed/grpo_trace.py, TRL 1.16's async GRPO worker): S problems per step
+(S = 2 N, so every fleet size gets the same work per replica), each sampled G times, 3 steps, a
+new adapter version every 2 steps (TRL's weight sync: pause, load, resume, unload v(N-5));
+completion lengths log-normal (median 64 tokens, sigma 1, 8 to 512: RL's long tail).
 - `g8`, `g16`: single-turn, a 23-token template, G = 8 or 16;
 - `long-prompt`: single-turn, G = 8, a 1,500-token shared system prompt;
 - `multi-turn`: 3-turn tool rollouts, G = 8, a turn's prompt is the previous prompt, its

@@ -28,7 +28,7 @@ from lora_router.emulator.kv_events import KVEventsConfig
 SUPPORTED_VERSIONS = ("0.27", "0.32", "0.33", "0.34")
 # Measured step costs (batching.py; docs/design/capacity-model.md says how they were measured):
 # `tiny-cpu` is vLLM 0.32's CPU build serving the real-vLLM tier's tiny model
-# (tests/vllm/tiny_model.py) with one OpenMP thread, as tests/vllm starts it.
+# (lora_router/testbed/tiny_model.py) with one OpenMP thread, as tests/vllm starts it.
 PROFILES: dict[str, StepCosts] = {
     "tiny-cpu": StepCosts(
         prefill_s_per_token=14e-6, decode_s_per_token=3.2e-3, decode_s_per_seq=0.065e-3
