@@ -176,6 +176,15 @@ class RouterRuntime:
             len(fleet.live()),
             config.policy,
         )
+        if not fleet.replicas:
+            # Discovery alone, and nothing found yet (a file not written yet, a name not yet
+            # in DNS): the router starts, as a scheduler may write the file after it, and says
+            # so once, loudly (docs/operating.md, discovery).
+            log.warning(
+                "no replica yet: the router serves nothing, and /health answers 503, until %s "
+                "names one",
+                " or ".join(s.label for s in discovery.sources),
+            )
 
     def in_flight(self) -> tuple[int, int]:
         """Routed requests running on replicas, and broadcasts received and not yet answered:

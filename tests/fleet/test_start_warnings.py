@@ -1,16 +1,21 @@
 """What the router says about a fleet that is half right: adapters left on a reused replica
 that the trainer's loads would collide with, named at start with the replica and the fix; a
-member that never answers, named once, not on every check."""
+member that never answers, named once, not on every check; fewer replicas than
+`--min-replicas`; a replica file that is not there yet."""
 
 from __future__ import annotations
 
 import logging
 import socket
+from pathlib import Path
 
 import aiohttp
 import pytest
-from emulated_fleet import StartEmulators, StartRouter
+from emulated_fleet import FAST, StartEmulators, StartRouter
 from helpers import Adapter, load, until
+
+from lora_router.config import Config
+from lora_router.runtime import RouterRuntime
 
 
 async def test_a_leftover_trainer_version_is_named_at_start_with_its_fix(
@@ -85,3 +90,29 @@ async def test_health_answers_503_below_min_replicas_naming_the_one_out(
     relaxed = await router([emu, dead])  # the default: 200 while one serves
     async with client.get(relaxed.url + "/health") as resp:
         assert resp.status == 200
+
+
+async def test_a_router_whose_replica_file_is_missing_starts_and_says_so(
+    client: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    missing = tmp_path / "replicas.txt"  # a scheduler writes it later
+    config = Config(
+        replicas=(),
+        replicas_files=(str(missing),),
+        replica_hosts=("127.0.0.1",),
+        **{**FAST, "dns_interval": 1.0},
+    )
+    rt = RouterRuntime(config)
+    with caplog.at_level(logging.WARNING, logger="lora_router"):
+        await rt.start()
+    try:
+        assert any(
+            r.getMessage()
+            == f"no replica yet: the router serves nothing, and /health answers 503, until "
+            f"file:{missing} names one"
+            for r in caplog.records
+        )
+        async with client.get(rt.url + "/health") as resp:
+            assert resp.status == 503
+    finally:
+        await rt.stop()

@@ -71,3 +71,16 @@ async def test_top_names_a_fleet_with_no_replica_in_service_and_why(
     line = verdict_line(out)
     assert line.startswith("down: no replica is in service; replica 0: at start: HTTP 401")
     assert "none was sent" in line and "idle" not in line
+
+
+async def test_top_names_a_replica_without_dev_mode_when_it_is_the_only_one(
+    emulators: StartEmulators, router: StartRouter
+) -> None:
+    rt = await router(await emulators(1, dev_mode=False))
+    code, out, err = await run_top("--once", "--url", rt.url)
+    assert code == 0, err
+    assert verdict_line(out).startswith(
+        "misconfigured: no replica in service can take part in a weight sync; replica 0: "
+        "dev mode is off: /pause, /resume and /server_info do not exist; fix: start it with "
+        "VLLM_SERVER_DEV_MODE=1"
+    )
