@@ -74,7 +74,6 @@ SCRIPT = Path(__file__).resolve()
 CLIENT_CPUS = "0"
 
 sys.path.insert(0, str(HERE))  # bench/ modules, run as scripts
-import grpo_trace  # noqa: E402
 from lib.procs import git_revision  # noqa: E402
 from lib.rl_clock_report import load_runs, summarize, write_json, write_markdown  # noqa: E402
 from lib.rl_clock_runs import (  # noqa: E402
@@ -87,6 +86,8 @@ from lib.rl_clock_runs import (  # noqa: E402
 )
 from lib.routing_procs import Contender, available  # noqa: E402
 from lib.routing_traces import build_workload  # noqa: E402
+
+from lora_router.testbed import grpo_trace  # noqa: E402
 
 CONTENDERS = (
     Contender("lr-prefix", "lora-router prefix (default)", "lora-router", "prefix", False),

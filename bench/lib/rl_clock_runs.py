@@ -25,7 +25,7 @@ from typing import IO, Any
 
 import aiohttp
 
-from lora_router.emulator import EmulatorConfig, start_emulator, write_adapter
+from lora_router.emulator import EmulatorConfig, write_adapter
 
 from .procs import free_port, pinned
 from .routing_procs import (
@@ -37,8 +37,8 @@ from .routing_procs import (
     ReplicaHost,
     RouterOptions,
     RouterProcess,
-    SeedLog,
     router_argv,
+    serve_emulators,
 )
 from .routing_runs import Outcome, post, replica_metrics
 from .routing_traces import MAX_STALENESS, MODEL, Item
@@ -83,37 +83,8 @@ class Fleet:
 
 async def serve_fleet(settings: list[dict[str, Any]]) -> None:
     """`serve-fleet`: one emulator per settings object in this process, driven on stdin as
-    bench/lib/routing_procs.py's `serve_replicas` is (`reset`, `dump`, `quit`)."""
-    emulators = [await start_emulator(EmulatorConfig(**s)) for s in settings]
-    logs = [SeedLog() for _ in emulators]
-    for emulator, log in zip(emulators, logs, strict=True):
-        emulator.requests = log
-
-    def answer(obj: object) -> None:
-        sys.stdout.write(json.dumps(obj) + "\n")
-        sys.stdout.flush()
-
-    answer({"urls": [e.url for e in emulators]})
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    try:
-        while line := (await reader.readline()).decode().strip():
-            if line == "reset":
-                for i, emulator in enumerate(emulators):
-                    await emulator.restart()
-                    logs[i] = SeedLog()
-                    emulator.requests = logs[i]
-                answer({"ok": True})
-            elif line == "dump":
-                answer({"seeds": [log.seeds for log in logs]})
-            elif line == "quit":
-                break
-            else:
-                answer({"error": f"unknown command {line!r}"})
-    finally:
-        for emulator in emulators:
-            await emulator.stop()
+    bench/lib/routing_procs.py's `serve_emulators` says (`reset`, `dump`, `quit`)."""
+    await serve_emulators([EmulatorConfig(**s) for s in settings])
 
 
 async def start_fleet(script: Path, fleet: Fleet, log: IO[bytes]) -> ReplicaHost:

@@ -19,7 +19,7 @@ from typing import IO, Any
 import aiohttp
 from aiohttp import web
 
-from lora_router.emulator import start_emulator
+from lora_router.emulator import EmulatorConfig, start_emulator
 from lora_router.emulator.control import RecordedRequest
 
 from .procs import find_binary, free_port, pinned, process_cpu_seconds
@@ -101,11 +101,16 @@ class SeedLog(list[RecordedRequest]):
 
 
 async def serve_replicas(count: int, timing: Timing) -> None:
-    """`serve-replicas`: N emulators in this process; commands on stdin, answers on stdout
+    """`serve-replicas`: N emulators of one timing in this process (`serve_emulators`)."""
+    await serve_emulators([timing.emulator_config() for _ in range(count)])
+
+
+async def serve_emulators(configs: list[EmulatorConfig]) -> None:
+    """One emulator per config in this process; commands on stdin, answers on stdout
     (one JSON line each): `reset` restarts them all (fresh caches, counters, adapters),
     `restart I DOWN_S` crashes replica I and brings it back empty DOWN_S later (bench/
     cache_pressure.py), `dump` returns the seeds each one received since, `quit` stops."""
-    emulators = [await start_emulator(timing.emulator_config()) for _ in range(count)]
+    emulators = [await start_emulator(config) for config in configs]
     logs = [SeedLog() for _ in emulators]
     for emulator, log in zip(emulators, logs, strict=True):
         emulator.requests = log
