@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -21,6 +20,7 @@ from multidict import CIMultiDictProxy
 from prometheus_client.parser import text_string_to_metric_families
 
 from lora_router.config import Config, ReplicaAddress
+from lora_router.testbed.net import free_port  # noqa: F401 (tests import it from here)
 
 Adapter = Callable[..., str]  # the `adapter` fixture: (name, rank=1) -> the directory written
 
@@ -39,14 +39,6 @@ async def router_status(client: aiohttp.ClientSession, url: str) -> dict[str, An
     assert code == 200, body
     doc: dict[str, Any] = orjson.loads(body)
     return doc
-
-
-def free_port() -> int:
-    """A loopback port the OS says is free now (for a program that cannot bind port 0 and say
-    which it got)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def load(client: aiohttp.ClientSession, url: str, name: str, path: str) -> tuple[int, bytes]:

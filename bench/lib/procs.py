@@ -15,6 +15,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from lora_router.testbed.net import free_port  # noqa: F401 (bench/lib imports it from here)
+
 # The repository: `git archive` and `git describe` run at its root (in bench/, `git archive`
 # archives bench/ only).
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,12 +61,6 @@ def git_revision() -> str:
     except (OSError, subprocess.TimeoutExpired):
         return "?"
     return out.stdout.strip() or "?"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_port(port: int, timeout: float = 20.0) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from helpers import free_port
+from lora_router.testbed.net import free_port
 
 BIN = Path(sys.executable).parent
 HERE = Path(__file__).parent
