@@ -321,3 +321,22 @@ def test_bench_and_tests_do_not_import_each_other() -> None:
                     else []
                 )
     assert not bad, "\n".join(bad)
+
+
+def test_the_package_imports_nothing_of_tests_or_bench() -> None:
+    """The package stands alone: no module of it imports a module of tests/ or bench/ (the
+    testbed holds what they share), which would work under pytest and fail anywhere else."""
+    root = PACKAGE.parent
+    theirs = {
+        p.stem
+        for folder in ("tests", "bench")
+        for p in (root / folder).rglob("*.py")
+        if p.stem not in ("__init__", "conftest")
+    } | {"tests", "bench", "lib"}
+    bad = {
+        f"{module} imports {name}"
+        for module in MODULES
+        for name in imports(module)
+        if name.split(".")[0] in theirs
+    }
+    assert not bad, sorted(bad)
