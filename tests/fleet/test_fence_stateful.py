@@ -230,14 +230,18 @@ class FleetMachine(RuleBasedStateMachine):
         if not self.control:
             return
         self.run(_all(self.control), timeout=10.0)
+        # 503: every replica was silent through a load's deadline on a busy machine, so each
+        # was ejected as unreachable (fleet/replica_loads.py), and the calls after it found
+        # none in service. Never 404.
+        answers = (200, 500, 503, 504)
         for name, task in self.loads.items():
             status, data, _ = task.result()
-            assert status in (200, 500, 504), (name, status, data)  # never 404
+            assert status in answers, (name, status, data)
             if self.kinds[name] == "never":
                 assert status != 200
         for task in self.control:
             status, data, _ = task.result()
-            assert status in (200, 500, 504), data
+            assert status in answers, data
         assert self.rt is not None and self.rt.fence is not None
         live = {n for n, t in self.loads.items() if t.result()[0] == 200} - self.unload_asked
         assert set(self.rt.fence.live()) == live
