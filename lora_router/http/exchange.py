@@ -13,6 +13,7 @@ replica may still be working on it).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from lora_router.http.request import ResponseSink
 
@@ -44,7 +45,10 @@ class Exchange:
 
     Its end is told once, by `end`, to the `done` future its pool awaits: the answer is
     complete (its result: `client_keep_alive`, whether the client connection may stay open),
-    or the UpstreamError.
+    or the UpstreamError. The answer's last reads are let go at that moment, in the pass of the
+    loop it ends in: kept until the awaiting Task resumes, a pass later, the reads of many
+    answers grow the heap and hand it back every pass (page faults: bench/results/onepath-ab).
+    Whoever reads an answer's end (proxy/usage.py) does it in `on_end`, called just before.
     """
 
     __slots__ = (
@@ -58,6 +62,7 @@ class Exchange:
         "head_buf",
         "head_only",
         "head_sent",
+        "on_end",
         "prior",
         "received",
         "request",
@@ -89,12 +94,16 @@ class Exchange:
         self.tail = b""
         self.prior = b""
         self.earlier = b""
+        self.on_end: Callable[[Exchange], None] | None = None  # reads the end (class docstring)
 
     def end(self, error: UpstreamError | None) -> None:
         """The exchange is over (complete, or failed with `error`): tell whoever waits, once."""
         if self.ended:
             return
         self.ended = True
+        if self.on_end is not None:
+            self.on_end(self)
+        self.tail = self.prior = self.earlier = b""
         done = self.done
         if done is not None and not done.done():
             if error is None:

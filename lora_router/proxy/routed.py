@@ -94,6 +94,7 @@ class RoutedRequest:
         "on_upstream",
         "prompt",
         "replica",
+        "reported",
         "request",
         "route",
         "seeds",
@@ -134,6 +135,8 @@ class RoutedRequest:
         self.replica: Replica | None = None
         self.tokens = 0
         self.prompt = 0
+        # The cached tokens the current attempt's answer reported, read at its end (`read_end`).
+        self.reported: int | None = None
         self.diverted = 0  # the status of the current attempt's held-back head
         self.write: Callable[[bytes | memoryview], None] = conn.write
         # The client's flow control, for the replica's connection (ResponseSink).
@@ -161,6 +164,11 @@ class RoutedRequest:
         if self.held is not None:
             self.release()
         self.conn.head(status, data, body)
+
+    def read_end(self, ex: Exchange) -> None:
+        """The exchange's `on_end` for a counted answer: its report, read from its last reads
+        in the pass it ends in, before the exchange lets them go (http/exchange.py)."""
+        self.reported = reported_cached_tokens(ex.tail, ex.prior, ex.earlier)
 
     def release(self) -> None:
         """Its fence count goes, once: when its head passes or it ends."""
@@ -225,6 +233,9 @@ class CompletionRoute:
                 replica = self.pick(job, key)
                 key = None
                 ex = self.forwarder.exchange(request, replica, job)
+                if job.prompt:
+                    job.reported = None
+                    ex.on_end = job.read_end
                 job.move(Stage.SENT)
                 failure: UpstreamError | None = None
                 try:
@@ -389,7 +400,11 @@ class CompletionRoute:
         replica = job.replica
         if job.conn.status != 200 or replica is None:
             return
-        reported = reported_cached_tokens(answer.tail, answer.prior, answer.earlier)
+        reported = (
+            job.reported
+            if answer.ended
+            else reported_cached_tokens(answer.tail, answer.prior, answer.earlier)
+        )
         if reported is None:  # the prediction is kept only beside a report (`CacheAccount`)
             if ended:
                 self.stats.cached.record(replica.label, job.seeds.lineage, 0, None)
