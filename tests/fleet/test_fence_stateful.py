@@ -125,7 +125,14 @@ class FleetMachine(RuleBasedStateMachine):
             self.rt = RouterRuntime(
                 router_config(
                     (e.url for e in self.emus),
-                    **{**FAST, "load_deadline": DEADLINE, "load_retry_interval": 0.01},
+                    # A completion waits at the fence for its load's end, which may come after
+                    # a queue of earlier loads on a busy machine: never the fence's 503.
+                    **{
+                        **FAST,
+                        "load_deadline": DEADLINE,
+                        "load_retry_interval": 0.01,
+                        "fence_timeout": 60.0,
+                    },
                 )
             )
             await self.rt.start()
