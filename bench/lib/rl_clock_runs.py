@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import itertools
 import json
 import statistics
@@ -40,7 +39,7 @@ from .routing_procs import (
     router_argv,
     serve_emulators,
 )
-from .routing_runs import Outcome, post, replica_metrics
+from .routing_runs import Outcome, drive, post, replica_metrics
 from .routing_traces import MAX_STALENESS, MODEL, Item
 
 SESSION_HEADER = "X-Session-ID"  # vllm-router's session key, as prime-rl sends it
@@ -235,56 +234,20 @@ class Rollouts:
             self.finished_sessions += status == 200
 
     async def replay(self) -> float:
-        """Send every item; returns the wall time (first send to last answer)."""
-        children: dict[int, list[int]] = {}
-        ready: list[int] = []
-        for item in self.items:
-            if item.parent is None:
-                ready.append(item.index)
-            else:
-                children.setdefault(item.parent, []).append(item.index)
-        heapq.heapify(ready)
-        by_index = {item.index: item for item in self.items}
-        wake = asyncio.Event()
-        running = 0
-        tasks: set[asyncio.Task[None]] = set()
+        """Send every item (routing_runs.py's `drive`); returns the wall time."""
 
-        async def one(item: Item) -> None:
-            nonlocal running
-            try:
-                self.outcomes[item.index] = await self.send(item)
-            finally:
-                running -= 1
-                for child in children.get(item.index, ()):
-                    heapq.heappush(ready, child)
-                self._left[item.family] -= 1
-                if self.sessions and self._left[item.family] == 0:
-                    await self.finish_session(item.family)
-                wake.set()
+        async def before(item: Item) -> None:
+            while item.version > self.loaded:
+                await self.sync(self.loaded + 1)
 
-        start = time.perf_counter()
-        deadline = start + self.deadline_s
-        while len(self.outcomes) < len(self.items):
-            while ready and running < self.cap:
-                item = by_index[heapq.heappop(ready)]
-                while item.version > self.loaded:
-                    await self.sync(self.loaded + 1)
-                running += 1
-                task = asyncio.create_task(one(item))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            wake.clear()
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), left)
-        wall = time.perf_counter() - start
-        for task in list(tasks):
-            task.cancel()
-        for item in self.items:
-            self.outcomes.setdefault(item.index, Outcome(error="not sent before the deadline"))
-        return wall
+        async def after(item: Item) -> None:
+            self._left[item.family] -= 1
+            if self.sessions and self._left[item.family] == 0:
+                await self.finish_session(item.family)
+
+        return await drive(
+            self.items, self.outcomes, self.cap, self.deadline_s, self.send, before, after
+        )
 
 
 def clock_figures(

@@ -11,7 +11,7 @@ import re
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -191,57 +191,22 @@ class Run:
         return out
 
     async def replay(self) -> float:
-        """Send every item, in trace order among the eligible ones, at most `in_flight_cap`
-        at a time; a later turn becomes eligible when its parent has answered. Returns the
-        wall time."""
-        children: dict[int, list[int]] = {}
-        ready: list[int] = []
-        for item in self.items:
-            if item.parent is None:
-                ready.append(item.index)
-            else:
-                children.setdefault(item.parent, []).append(item.index)
-        heapq.heapify(ready)
-        by_index = {item.index: item for item in self.items}
-        wake = asyncio.Event()
-        running = 0
-        tasks: set[asyncio.Task[None]] = set()
+        """Send every item (`drive`), syncing the version a turn names first; returns the wall
+        time."""
 
-        async def one(item: Item) -> None:
-            nonlocal running
-            try:
-                self.outcomes[item.index] = outcome = await self.send(item)
-                if self.on_answer is not None:
-                    self.on_answer(item, outcome)
-            finally:
-                running -= 1
-                for child in children.get(item.index, ()):
-                    heapq.heappush(ready, child)
-                wake.set()
+        async def send(item: Item) -> Outcome:
+            outcome = await self.send(item)
+            if self.on_answer is not None:
+                self.on_answer(item, outcome)
+            return outcome
 
-        start = time.perf_counter()
-        deadline = start + self.deadline_s
-        while len(self.outcomes) < len(self.items):
-            while ready and running < self.in_flight_cap:
-                item = by_index[heapq.heappop(ready)]
-                while self.adapters is not None and item.version > self.loaded:
-                    await self.sync(self.loaded + 1)
-                running += 1
-                task = asyncio.create_task(one(item))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            wake.clear()
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), left)
-        wall = time.perf_counter() - start
-        for task in list(tasks):
-            task.cancel()
-        for item in self.items:
-            self.outcomes.setdefault(item.index, Outcome(error="not sent before the deadline"))
-        return wall
+        async def before(item: Item) -> None:
+            while self.adapters is not None and item.version > self.loaded:
+                await self.sync(self.loaded + 1)
+
+        return await drive(
+            self.items, self.outcomes, self.in_flight_cap, self.deadline_s, send, before
+        )
 
 
 async def replica_metrics(session: aiohttp.ClientSession, urls: list[str]) -> tuple[int, int]:
@@ -428,3 +393,66 @@ class Bench:
         result.syncs, result.sync_failures = run.syncs, run.sync_failures
         summarize(result, items, run.outcomes, seeds, self.timing)
         return result
+
+
+async def drive(
+    items: list[Item],
+    outcomes: dict[int, Outcome],
+    cap: int,
+    deadline_s: float,
+    send: Callable[[Item], Awaitable[Outcome]],
+    before: Callable[[Item], Awaitable[None]],
+    after: Callable[[Item], Awaitable[None]] | None = None,
+) -> float:
+    """Send every item, in trace order among the eligible ones, at most `cap` at a time; a
+    later turn becomes eligible when its parent has answered. `before(item)` runs before its
+    send (a weight sync), `after(item)` once it ended, whatever its outcome. Whatever was not
+    sent by `deadline_s` is an error outcome. Returns the wall time (first send to last
+    answer)."""
+    children: dict[int, list[int]] = {}
+    ready: list[int] = []
+    for item in items:
+        if item.parent is None:
+            ready.append(item.index)
+        else:
+            children.setdefault(item.parent, []).append(item.index)
+    heapq.heapify(ready)
+    by_index = {item.index: item for item in items}
+    wake = asyncio.Event()
+    running = 0
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def one(item: Item) -> None:
+        nonlocal running
+        try:
+            outcomes[item.index] = await send(item)
+        finally:
+            running -= 1
+            for child in children.get(item.index, ()):
+                heapq.heappush(ready, child)
+            if after is not None:
+                await after(item)
+            wake.set()
+
+    start = time.perf_counter()
+    deadline = start + deadline_s
+    while len(outcomes) < len(items):
+        while ready and running < cap:
+            item = by_index[heapq.heappop(ready)]
+            await before(item)
+            running += 1
+            task = asyncio.create_task(one(item))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        wake.clear()
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            break
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), left)
+    wall = time.perf_counter() - start
+    for task in list(tasks):
+        task.cancel()
+    for item in items:
+        outcomes.setdefault(item.index, Outcome(error="not sent before the deadline"))
+    return wall
