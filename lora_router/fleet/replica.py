@@ -79,7 +79,7 @@ class Replica:
         self.life = life  # its service state; only `life`'s own methods change it
         # Called when its acknowledged adapters change (the fleet's kept candidate sets).
         self.on_change: Callable[[], None] | None = None
-        self._adapters = _Adapters(self)  # adapter name -> lora_path, as acknowledged
+        self._adapters = _Adapters(self._announce)  # adapter name -> lora_path, as acknowledged
         self.load_seconds = 0.0  # how long its last adapter load took (broadcast order)
         # Why it cannot take part in a weight sync, as last seen (fleet/readiness.py): a
         # standing warning, shown in /router/status; empty when it can.
@@ -100,7 +100,7 @@ class Replica:
 
     @adapters.setter
     def adapters(self, adapters: dict[str, str]) -> None:
-        self._adapters = _Adapters(self, adapters)
+        self._adapters = _Adapters(self._announce, adapters)
         self._announce()
 
     def _announce(self) -> None:
@@ -125,41 +125,42 @@ class Replica:
 
 
 class _Adapters(dict[str, str]):
-    """A replica's acknowledged adapters: a dict that tells its replica of every change."""
+    """A replica's acknowledged adapters: a dict that calls `changed` (its replica's
+    announcement) after every change."""
 
-    __slots__ = ("_owner",)
+    __slots__ = ("_changed",)
 
-    def __init__(self, owner: Replica, items: dict[str, str] | None = None) -> None:
+    def __init__(self, changed: Callable[[], None], items: dict[str, str] | None = None) -> None:
         super().__init__(items or {})
-        self._owner = owner
+        self._changed = changed
 
     def __setitem__(self, name: str, path: str) -> None:
         super().__setitem__(name, path)
-        self._owner._announce()
+        self._changed()
 
     def __delitem__(self, name: str) -> None:
         super().__delitem__(name)
-        self._owner._announce()
+        self._changed()
 
     def pop(self, name: str, *default: Any) -> Any:
         out = super().pop(name, *default)
-        self._owner._announce()
+        self._changed()
         return out
 
     def popitem(self) -> tuple[str, str]:
         out = super().popitem()
-        self._owner._announce()
+        self._changed()
         return out
 
     def clear(self) -> None:
         super().clear()
-        self._owner._announce()
+        self._changed()
 
     def update(self, *args: Any, **kwargs: str) -> None:
         super().update(*args, **kwargs)
-        self._owner._announce()
+        self._changed()
 
     def setdefault(self, name: str, default: str = "") -> str:
         out = super().setdefault(name, default)
-        self._owner._announce()
+        self._changed()
         return out

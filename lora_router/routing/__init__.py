@@ -8,7 +8,8 @@
   prompts does this one start with?" at any length.
 - `ranks`: the members kept in dealing order, for a new family's replica.
 - `policy`: the policies behind `--policy`: `prefix` (exact-prefix affinity + consistent
-  hashing with bounded loads), `round-robin`, `least-loaded`; `make_policy` builds one.
+  hashing with bounded loads), and `round-robin` and `least-loaded` (one `KeyBlind` policy
+  given its pick); `make_policy` builds one.
 - `contract`: what a policy and its caller exchange (`Candidates`, `Decision`, `Policy`), and
   the strategy a `prefix` policy may be given for a new family (`Prefer`).
 - `kv_index`: what each replica's cache really holds, from its KV events, in these keys;
@@ -31,10 +32,9 @@ from .policy import (
     Candidates,
     Decision,
     DecisionCounts,
-    LeastLoaded,
+    KeyBlind,
     Policy,
     PrefixAffinity,
-    RoundRobin,
     make_policy,
 )
 from .ring import HashRing
@@ -45,12 +45,11 @@ __all__ = [
     "Decision",
     "DecisionCounts",
     "HashRing",
-    "LeastLoaded",
+    "KeyBlind",
     "Lineages",
     "Policy",
     "PrefixAffinity",
     "PromptKey",
-    "RoundRobin",
     "RouteKey",
     "completion_key",
     "make_policy",

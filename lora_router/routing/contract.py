@@ -60,7 +60,7 @@ class DecisionCounts:
     spill: int = 0  # a home was known but full or unroutable: next on the ring with room
     fresh: int = 0  # an unknown prompt: least loaded, ties in ring order from its key
     nokey: int = 0  # no key: least loaded
-    balanced: int = 0  # RoundRobin / LeastLoaded: chosen without looking at keys
+    balanced: int = 0  # KeyBlind (round-robin, least-loaded): chosen without looking at keys
     kv: int = 0  # a new family sent where its longest prefix really is (kv_policy.py)
 
     def as_dict(self) -> dict[str, int]:

@@ -27,7 +27,7 @@ a known prompt O(blocks), then O(1) per replica tried (a move: one ring walk, O(
 spill O(1 + s), s the members the walk passes over; a new family O(log n) per rank passed over
 (`ranks`) plus O(min(k, n / k)) for k tied members (at most O(sqrt(n)); twice with the window
 open) plus O(log n) per member whose load changed since, or one ring walk with at most
-`WALK_DEAL_MEMBERS` members (the same choice); O(n) only in `LeastLoaded`, `set_members`.
+`WALK_DEAL_MEMBERS` members (the same choice); O(n) only in `least_loaded`, `set_members`.
 
 Contract with the caller: one `choose(key, routable)` per attempt, `key` the request's
 `RouteKey` or None, dropped once decided (a retry builds a new one); `routable` a non-empty,
@@ -42,10 +42,11 @@ what replicas report of themselves (their telemetry)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from functools import partial
+from typing import cast
 
 from .affinity import AffinityTable, anchor_first, anchor_tokens
 from .contract import Candidates, Decision, DecisionCounts, Policy, Prefer, R, Replica
@@ -490,12 +491,19 @@ class PrefixAffinity:
         return least_loaded(routable, self._turn)
 
 
-class _KeyBlind:
-    """A policy that ignores keys: `_pick` chooses among the routable replicas."""
+def round_robin(routable: Sequence[R], turn: int) -> R:
+    """Each routable replica in turn."""
+    return routable[turn % len(routable)]
 
-    name = ""
 
-    def __init__(self) -> None:
+class KeyBlind:
+    """A policy that ignores keys (`round-robin`, `least-loaded`): it is given `pick`, which
+    chooses among the routable replicas with a turn that counts the requests chosen
+    (`round_robin`, `least_loaded`); it keeps no state of the fleet."""
+
+    def __init__(self, name: str, pick: Callable[[Sequence[Replica], int], Replica]) -> None:
+        self.name = name
+        self.pick = pick
         self.counts = DecisionCounts()
         self._turn = -1
 
@@ -508,31 +516,7 @@ class _KeyBlind:
     def choose(self, key: RouteKey | None, routable: Candidates[R]) -> Decision[R]:
         self._turn += 1
         self.counts.balanced += 1
-        return Decision(self._pick(routable, self._turn), "balanced")
-
-    @staticmethod
-    def _pick(routable: Sequence[R], turn: int) -> R:
-        raise NotImplementedError
-
-
-class RoundRobin(_KeyBlind):
-    """Each routable replica in turn, keys ignored."""
-
-    name = "round-robin"
-
-    @staticmethod
-    def _pick(routable: Sequence[R], turn: int) -> R:
-        return routable[turn % len(routable)]
-
-
-class LeastLoaded(_KeyBlind):
-    """Fewest requests in flight, round robin among ties, keys ignored."""
-
-    name = "least-loaded"
-
-    @staticmethod
-    def _pick(routable: Sequence[R], turn: int) -> R:
-        return least_loaded(routable, turn)
+        return Decision(cast(R, self.pick(routable, self._turn)), "balanced")
 
 
 # `kv` (kv_policy.py) is built with its KV index by the runtime, not by `make_policy`.
@@ -545,9 +529,9 @@ def make_policy(name: str, params: PolicyParams) -> Policy:
     if name == "prefix":
         return PrefixAffinity(**asdict(params))
     if name == "round-robin":
-        return RoundRobin()
+        return KeyBlind(name, round_robin)
     if name == "least-loaded":
-        return LeastLoaded()
+        return KeyBlind(name, least_loaded)
     if name == "kv":
         raise ValueError("the kv policy needs its KV index: give a kv_policy.KvLookup")
     raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}")

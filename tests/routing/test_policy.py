@@ -20,12 +20,13 @@ from lora_router.routing.keys import PromptKey, RouteKey, prompt_key, wire_key
 from lora_router.routing.policy import (
     DEAL_REQUEST_TOKENS,
     DEFAULT_LOAD_SLACK,
-    LeastLoaded,
+    KeyBlind,
     ParamError,
     PolicyParams,
     PrefixAffinity,
-    RoundRobin,
+    least_loaded,
     make_policy,
+    round_robin,
 )
 
 
@@ -577,14 +578,14 @@ def test_prompts_without_a_key_go_to_the_least_loaded_in_turn():
 
 def test_round_robin_takes_each_replica_in_turn():
     reps = fleet(3)
-    policy = RoundRobin()
+    policy = KeyBlind("round-robin", round_robin)
     reps[0].in_flight = 9
     assert [policy.choose(None, reps).replica for _ in range(4)] == [*reps, reps[0]]
 
 
 def test_least_loaded_takes_the_fewest_in_flight_rotating_ties():
     reps = fleet(3)
-    policy = LeastLoaded()
+    policy = KeyBlind("least-loaded", least_loaded)
     reps[0].in_flight = 2
     assert [policy.choose(None, reps).replica for _ in range(3)] == [reps[1], reps[2], reps[1]]
     reps[1].in_flight = reps[2].in_flight = 4
@@ -615,8 +616,10 @@ def test_counts_tally_every_kind_of_decision():
 def test_make_policy_knows_three_policies():
     params = PolicyParams(load_factor=0.25, vnodes=160, table_size=10)
     assert isinstance(make_policy("prefix", params), PrefixAffinity)
-    assert isinstance(make_policy("round-robin", params), RoundRobin)
-    assert isinstance(make_policy("least-loaded", params), LeastLoaded)
+    for name in ("round-robin", "least-loaded"):
+        policy = make_policy(name, params)
+        assert isinstance(policy, KeyBlind)
+        assert policy.name == name
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("random", params)
 
@@ -787,7 +790,10 @@ def test_a_wire_key_only_shortcuts_the_decision_of_the_block_key(size, n, rnd, o
 
 def test_key_blind_policies_never_build_a_key() -> None:
     reps = fleet(2)
-    for policy in (RoundRobin(), LeastLoaded()):
+    for policy in (
+        make_policy("round-robin", PolicyParams()),
+        make_policy("least-loaded", PolicyParams()),
+    ):
         builder = Unbuilt(prompt_key("m", [1]))
         for _ in range(3):
             assert policy.choose(RouteKey(builder, wire_key("m", b"[1]")), reps).kind == "balanced"
