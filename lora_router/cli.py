@@ -247,6 +247,21 @@ def build_parser() -> argparse.ArgumentParser:
         "placement follows across versions (default: TRL's {lora_name}-v{N}, so trl-policy-v7 "
         "is placed as trl-policy); names it does not match are their own lineage",
     )
+    g.add_argument(
+        "--session-ttl",
+        type=float,
+        default=d.session_ttl,
+        metavar="SECONDS",
+        help="a session named by X-Session-ID (prime-rl, SkyRL, NeMo Gym; TRL sends none) is "
+        "forgotten after this long without a request; POST /finish_session releases it sooner",
+    )
+    g.add_argument(
+        "--max-sessions",
+        type=int,
+        default=d.max_sessions,
+        help="sessions kept at most (about 250 bytes each); one more forgets the least "
+        "recently used",
+    )
 
     g = p.add_argument_group("timeouts (seconds)")
     g.add_argument(

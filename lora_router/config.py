@@ -278,6 +278,10 @@ class Config:
     affinity_table_size: int = DEFAULT_TABLE_SIZE
     # Adapter name -> lineage, the placement key's name (routing/keys.py): TRL's `{name}-v{N}`.
     lineage_pattern: str = DEFAULT_LINEAGE_PATTERN
+    # Sessions named by X-Session-ID (routing/sessions.py): forgotten after this long unused,
+    # and at most this many kept (the least recently used forgotten first).
+    session_ttl: float = 1800.0
+    max_sessions: int = 100_000
 
     # Timeouts (seconds)
     connect_timeout: float = 10.0
@@ -482,6 +486,7 @@ _SECONDS = (
     "health_interval",
     "health_timeout",
     "breaker_cooldown",
+    "session_ttl",
 )
 _SECONDS_OR_ZERO = ("shutdown_grace", "status_interval", "unload_wait", "discovery_grace")
 _POSITIVE = (
@@ -499,6 +504,7 @@ _POSITIVE = (
     "min_replicas",
     "breaker_failures",
     "scrape_budget",
+    "max_sessions",
 )
 _CHOICES = {
     "policy": POLICIES,

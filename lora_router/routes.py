@@ -6,7 +6,7 @@ with its methods and its kind:
 - ROUTED: a completion, routed by prefix affinity behind the adapter fence;
 - BROADCAST: sent to every replica, one operation at a time (fleet/broadcast.py);
 - LOCAL: answered by the router itself (the fleet's health, its model list, its own metrics
-  and status, membership);
+  and status, membership, vllm-router's `/finish_session`);
 - FORWARD: read-only, answered by one healthy replica as a single server would;
 - CLOSED: a vLLM route the router does not route (other generation and pooling APIs, which
   would reach one replica with neither affinity nor fence): 501, naming `--forward-path`,
@@ -94,6 +94,8 @@ ROUTES: tuple[Route, ...] = (
     ),
     *_entries(Kind.LOCAL, "GET", "/health", "/v1/models", "/metrics", "/router/status"),
     *_entries(Kind.LOCAL, "GET,POST", "/ping", "/router/replicas"),
+    # vllm-router's release of an X-Session-ID session (routing/sessions.py).
+    *_entries(Kind.LOCAL, "POST", "/finish_session"),
     *_entries(
         Kind.FORWARD,
         "GET",

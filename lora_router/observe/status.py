@@ -26,6 +26,7 @@ from lora_router.fleet.telemetry import WINDOW_S, Telemetry, fleet_figures
 from lora_router.observe.accuracy import accuracy_json, overpredicting, totals
 from lora_router.observe.metrics import RequestStats
 from lora_router.routing.policy import Policy
+from lora_router.routing.sessions import SessionTable
 
 
 class RetryCounts(Protocol):
@@ -50,6 +51,7 @@ class RouterState:
     policy: Policy
     stats: RequestStats
     budget: RetryCounts
+    sessions: SessionTable  # X-Session-ID sessions (routing/sessions.py)
     telemetry: Telemetry | None = None  # set by the runtime once its loop runs
     discovery: Discovery | None = None  # set by the runtime
     kv_events: KvEvents | None = None  # set by the runtime with --policy kv
@@ -152,6 +154,7 @@ def status(state: RouterState) -> dict[str, object]:
             ],
         },
         "routing": state.policy.counts.as_dict(),
+        "sessions": state.sessions.json(),
         "routing_accuracy": accuracy_json(state.stats.cached),
         # Per replica: its KV-event stream's state (live, stale, gap, restarted, mismatch, off).
         "kv_events": state.kv_events.json() if state.kv_events is not None else None,

@@ -12,7 +12,8 @@ spelling. Unknown paths answer 404, a known path with another method 405, as vLL
 - **Answered by the router**: `/health` and `/ping` (every live replica must be healthy; one
   probe of the fleet at a time per route, whose answer every caller that arrived meanwhile
   shares, so unauthenticated callers cannot multiply the replicas' connections),
-  `/v1/models` (one replica's list, filtered by the fence), `/metrics`, `/router/status`, and
+  `/v1/models` (one replica's list, filtered by the fence), `/metrics`, `/router/status`,
+  `/finish_session` (releases an `X-Session-ID` session: routing/sessions.py), and
   the operators' membership routes under `/router/replicas` (a new replica's URL must be inside
   `--replica-hosts`: `Config.replica_allowed`).
 - **Forwarded to one healthy replica**: the read-only routes (`/server_info`, `/tokenize`,
@@ -72,6 +73,7 @@ from lora_router.proxy.retry import RetryBudget
 from lora_router.proxy.routed import ROUTED, CompletionRoute
 from lora_router.routes import REPLICA, Kind, Route, lookup, with_forward_paths
 from lora_router.routing.policy import Policy
+from lora_router.routing.sessions import SessionIdError, finish_id
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +111,9 @@ class RouterApp:
         self.budget = budget
         self.forwarder = forwarder
         self.completions = completions
-        self.state = RouterState(fleet, fence, broadcaster, health, policy, stats, budget)
+        self.state = RouterState(
+            fleet, fence, broadcaster, health, policy, stats, budget, completions.sessions
+        )
         self._registry = registry
         self._loop = asyncio.get_running_loop()
         self._health_probes: dict[str, asyncio.Future[Reply]] = {}  # route -> the probe
@@ -139,6 +143,7 @@ class RouterApp:
                 b"/v1/models": self.models,
                 b"/metrics": self.metrics,
                 b"/router/status": self.router_status,
+                b"/finish_session": self.finish_session,
                 _ADMIN: self.membership,
             }
             return local[path]  # a LOCAL route without a handler fails at start
@@ -245,6 +250,18 @@ class RouterApp:
     async def router_status(self, request: Request, conn: ClientConnection) -> None:
         """What an operator reads first when training stalls (see observe/status.py)."""
         conn.send(200, orjson.dumps(status(self.state), option=orjson.OPT_INDENT_2), _JSON)
+
+    async def finish_session(self, request: Request, conn: ClientConnection) -> None:
+        """vllm-router's `POST /finish_session?session_id=ID`: the session is released (200
+        whether it was kept or not: an unknown id is harmless); no id, or one the rules refuse,
+        is a 400 (routing/sessions.py)."""
+        try:
+            session = finish_id(request.query, request.body)
+        except SessionIdError as exc:
+            raise bad_request(str(exc), param="session_id") from None
+        released = self.completions.sessions.finish(session)
+        payload = {"session_id": session.decode("ascii"), "released": released}
+        conn.send(200, orjson.dumps(payload), _JSON)
 
     # -- membership (operators) -------------------------------------------------------------
 

@@ -5,8 +5,9 @@ the end of the answer, in one Task per request (http/server.py runs it).
 - admit: the body is read and validated once (proxy/body.py); the request waits at the adapter
   fence while its adapter is being loaded (fleet/fence.py), then is counted by the fence and
   the retry budget; routing gets one `RouteKey` (routing/keys.py);
-- pick: the policy picks one of the fleet's kept candidates (`Fleet.routable`); the key is
-  dropped at once (a stream holds no copy of the prompt's parsed forms);
+- pick: the policy picks one of the fleet's kept candidates (`Fleet.routable`), or of those
+  the session table leaves a request carrying `X-Session-ID` (routing/sessions.py, its rules);
+  the key is dropped at once (a stream holds no copy of the prompt's parsed forms);
 - send: the body goes out byte for byte and the answer streams back untouched
   (proxy/forward.py);
 - settle: the retry rule (proxy/retry.py, its only statement) judges the outcome: another
@@ -38,6 +39,7 @@ from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
 from lora_router.fleet.refusals import no_replica_in_service
 from lora_router.fleet.replica import Replica
+from lora_router.http.errors import bad_request
 from lora_router.http.exchange import Exchange, UpstreamError
 from lora_router.http.request import Request
 from lora_router.http.server import ClientConnection
@@ -49,6 +51,7 @@ from lora_router.proxy.retry import Outcome, RetryBudget, Verdict, counted, most
 from lora_router.proxy.usage import predicted_cached_tokens, reported_cached_tokens
 from lora_router.routing.keys import Lineages, RouteKey, Seeds, completion_key
 from lora_router.routing.policy import Policy
+from lora_router.routing.sessions import SessionIdError, SessionTable, header_id
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +101,7 @@ class RoutedRequest:
         "request",
         "route",
         "seeds",
+        "session",
         "stage",
         "started",
         "tokens",
@@ -123,6 +127,7 @@ class RoutedRequest:
         self.model = model
         self.adapter = adapter
         self.seeds = seeds
+        self.session: bytes | None = None  # its X-Session-ID (routing/sessions.py)
         self.started = started  # loop time it passed the fence
         self.stage = Stage.ADMITTED
         self.tried: list[Replica] = []
@@ -209,11 +214,18 @@ class CompletionRoute:
         self.reader = CompletionReader(config.max_prompt_tokens)
         self.lineages = Lineages(config.lineage_pattern)  # placement keys (routing/keys.py)
         self.loop = asyncio.get_running_loop()
+        self.sessions = SessionTable(
+            config.session_ttl, config.max_sessions, config.load_slack, self.loop.time
+        )
         self.debug = log.isEnabledFor(logging.DEBUG)
 
     async def completion(self, request: Request, conn: ClientConnection, chat: bool) -> None:
         """Answer one routed completion: admit, then attempts until the retry rule settles."""
         fields = self.reader.read(request.body, chat=chat)  # validated whole, or a 400
+        try:
+            session = header_id(request.headers)
+        except SessionIdError as exc:
+            raise bad_request(str(exc), param="X-Session-ID") from None
         model = fields.model
         # The fence: passes at once for the base model and live adapters; waits while the
         # adapter's load is being broadcast; raises vLLM's 404 for unknown names.
@@ -225,6 +237,7 @@ class CompletionRoute:
                 raise fleet_error(no_replica_in_service(self.fleet, self.config))
             await self.fence.wait(model)
         job, first = self.admit(request, conn, chat, fields)
+        job.session = session
         key: RouteKey | None = first
         del fields, first  # the key holds the prompt now, and only until a replica is chosen
         try:
@@ -295,11 +308,16 @@ class CompletionRoute:
             fields = self.reader.read(job.request.body, chat=job.chat)
             key = completion_key(fields, job.seeds, self.block_size)
         wire = key.wire
+        session = job.session
+        if session is not None:  # the pinned replica alone, while the session stays
+            routable = self.sessions.narrow(session, routable)
         decision = self.policy.choose(key, routable)
         # The stream that follows may last minutes: it must not hold the prompt's ids, packed
         # bytes and chain (issue 16); `decision` keeps the ints it needs.
         del key
         replica = decision.replica
+        if session is not None:
+            self.sessions.pin(session, replica.name)
         # Counted only for one token-id prompt (its wire key): its token count is exact.
         job.prompt = decision.prompt if wire is not None else 0
         if self.debug:  # one line per decision, only when asked (--log-level debug)
