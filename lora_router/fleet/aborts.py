@@ -21,7 +21,7 @@ it does for any id). The body was checked first, as vLLM checks it (proxy/body.p
   them; for "abort all", the sum of every replica's count), on the scale-out route vLLM's empty
   200. Otherwise the most telling failure, as the broadcasts report theirs
   (refusals.py's `replica_failure`): a replica's own refusal first (a 4xx before the rest:
-  dev mode off, scale-out disabled, a rejected token say what to fix), passed on with its
+  dev mode off, with its fix, or scale-out disabled, say what to do), passed on with its
   status and the replica named, and the replicas that did abort; else an unreachable one, 503.
 - A replica that does not answer is **not ejected**: an abort changes no fleet state a
   replay would restore, and the health checks judge the replica (health.py).
