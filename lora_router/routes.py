@@ -5,6 +5,8 @@ with its methods and its kind:
 
 - ROUTED: a completion, routed by prefix affinity behind the adapter fence;
 - BROADCAST: sent to every replica, one operation at a time (fleet/broadcast.py);
+- FAN_OUT: sent to every replica at once, never queued behind a broadcast: vLLM's aborts
+  (fleet/aborts.py);
 - LOCAL: answered by the router itself (the fleet's health, its model list, its own metrics
   and status, membership, vllm-router's `/finish_session`);
 - FORWARD: read-only, answered by one healthy replica as a single server would;
@@ -37,6 +39,7 @@ from lora_router.http.target import canonical
 class Kind(enum.Enum):
     ROUTED = "routed"
     BROADCAST = "broadcast to every replica"
+    FAN_OUT = "sent to every replica at once"
     LOCAL = "answered by the router"
     FORWARD = "forwarded to one replica"
     CLOSED = "not forwarded unless --forward-path names it"
@@ -92,6 +95,8 @@ ROUTES: tuple[Route, ...] = (
         "/reset_mm_cache",  # caches only: clearing them everywhere means what it says
         "/reset_encoder_cache",
     ),
+    # vLLM 0.32: the RLHF dev route (dev mode) and the scale-out route (--enable-scale-out).
+    *_entries(Kind.FAN_OUT, "POST", "/abort_requests", "/inference/v1/abort_requests"),
     *_entries(Kind.LOCAL, "GET", "/health", "/v1/models", "/metrics", "/router/status"),
     *_entries(Kind.LOCAL, "GET,POST", "/ping", "/router/replicas"),
     # vllm-router's release of an X-Session-ID session (routing/sessions.py).
@@ -187,13 +192,6 @@ ROUTES: tuple[Route, ...] = (
         why="its `reset` action resets the model's weights" + _ONE,
     ),
     *_entries(
-        Kind.REFUSED,
-        "POST",
-        "/abort_requests",
-        "/inference/v1/abort_requests",
-        why="it aborts requests (the router aborts a request when its client disconnects)" + _ONE,
-    ),
-    *_entries(
         Kind.REFUSED, "POST", "/start_profile", "/stop_profile", why="it runs the profiler" + _ONE
     ),
     *_entries(
@@ -244,6 +242,11 @@ def forward_path_error(path: str) -> str | None:
     route = lookup(path.encode())
     if path.startswith("/router/") or (route is not None and route.kind is Kind.LOCAL):
         return f"--forward-path {path}: the router answers that path itself"
-    if route is not None and route.kind in (Kind.ROUTED, Kind.BROADCAST, Kind.REFUSED):
+    if route is not None and route.kind in (
+        Kind.ROUTED,
+        Kind.BROADCAST,
+        Kind.FAN_OUT,
+        Kind.REFUSED,
+    ):
         return f"--forward-path {path}: that route is {route.kind.value}, never forwarded as is"
     return None

@@ -104,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="as without VLLM_SERVER_DEV_MODE=1 (/pause, /resume ... 404)",
     )
     g.add_argument(
+        "--enable-scale-out",
+        action="store_true",
+        help="as vLLM's --enable-scale-out (/inference/v1/abort_requests; else 403)",
+    )
+    g.add_argument(
         "--no-prompt-tokens-details",
         action="store_true",
         help="as without --enable-prompt-tokens-details (usage.prompt_tokens_details is null)",
@@ -272,6 +277,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         enable_lora=not args.no_lora,
         runtime_lora_updating=not args.no_runtime_lora_updating,
         dev_mode=not args.no_dev_mode,
+        enable_scale_out=args.enable_scale_out,
         prompt_tokens_details=not args.no_prompt_tokens_details,
         max_lora_rank=args.max_lora_rank,
         max_loras=args.max_loras,

@@ -60,6 +60,8 @@ class EmulatorConfig:
     enable_lora: bool = True
     runtime_lora_updating: bool = True  # VLLM_ALLOW_RUNTIME_LORA_UPDATING=1
     dev_mode: bool = True  # VLLM_SERVER_DEV_MODE=1: /pause, /resume, /server_info ...
+    # --enable-scale-out (0.32 on): /inference/v1/abort_requests works (else it answers 403).
+    enable_scale_out: bool = False
     # --enable-prompt-tokens-details: `usage.prompt_tokens_details.cached_tokens` (else null).
     prompt_tokens_details: bool = True
     # Keep every request received in `Emulator.requests` (tests read it); a standalone

@@ -96,8 +96,9 @@ Handler = Callable[[Replica, PlainRequest], Awaitable[Reply | ControlReply]]
 
 
 def unauthorized(config: EmulatorConfig, path: str, headers: Mapping[str, str]) -> Reply | None:
-    """vLLM's `--api-key` guard: only /v1/* needs `Authorization: Bearer <key>`."""
-    if config.api_key is None or not path.startswith("/v1"):
+    """vLLM's `--api-key` guard: only /v1/* and /inference/* need `Authorization: Bearer
+    <key>`."""
+    if config.api_key is None or not path.startswith(("/v1", "/inference")):
         return None
     if headers.get("authorization") == f"Bearer {config.api_key}":
         return None
@@ -421,6 +422,60 @@ async def resume(replica: Replica, req: PlainRequest) -> Reply:
     return json_reply({"status": "resumed"})
 
 
+async def abort_requests(replica: Replica, req: PlainRequest) -> Reply:
+    """vLLM 0.32's RLHF dev route: `request_ids` (external ids, serving.py) aborts those, an
+    empty or missing one every request in flight; 200 `{"status": "aborted", "aborted": N}`,
+    N the ids given, or the requests aborted. No content-type check (it reads the body as
+    JSON itself); a body that is not JSON or not an object is a 400, an id list vLLM cannot
+    iterate a 500 in the dev routes' flat shape."""
+    try:
+        doc = orjson.loads(req.body)
+    except orjson.JSONDecodeError:
+        return error_reply("Invalid JSON format", "Bad Request", 400)
+    if not isinstance(doc, dict):
+        return error_reply("Request body must be a JSON object", "Bad Request", 400)
+    ids = doc.get("request_ids")
+    if not ids:
+        return json_reply({"status": "aborted", "aborted": replica.state.abort(None)})
+    if isinstance(ids, str):
+        ids = [ids]
+    if not isinstance(ids, list | dict):
+        return flat_error(
+            f"Failed to abort requests: '{type(ids).__name__}' object is not iterable", 500
+        )
+    named = [i for i in ids if isinstance(i, str)]
+    replica.state.abort(named)
+    return json_reply({"status": "aborted", "aborted": len(ids)})
+
+
+async def scale_out_abort_requests(replica: Replica, req: PlainRequest) -> Reply:
+    """vLLM 0.32's `/inference/v1/abort_requests` with `--enable-scale-out` (behind
+    `--api-key`): `request_ids` required (400 without), aborts those, 200 with an empty body.
+    Without the flag vLLM registers it as a 403 (`scale_out_disabled`)."""
+    try:
+        doc = orjson.loads(req.body)
+    except orjson.JSONDecodeError as exc:
+        return error_reply(f"JSON decode error: {exc}", "Bad Request", 400)
+    if not isinstance(doc, dict):
+        message = f"'{type(doc).__name__}' object has no attribute 'get'"
+        return error_reply(message, "InternalServerError", 500)
+    ids = doc.get("request_ids")
+    if ids is None:
+        return error_reply("Missing 'request_ids' in request body", "Bad Request", 400)
+    ids = [ids] if isinstance(ids, str) else ids
+    if isinstance(ids, list):
+        replica.state.abort([i for i in ids if isinstance(i, str)])
+    return empty(200)
+
+
+async def scale_out_disabled(replica: Replica, req: PlainRequest) -> Reply:
+    message = (
+        "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to "
+        "enable them."
+    )
+    return error_reply(message, "PermissionDeniedError", 403)
+
+
 async def get_world_size(replica: Replica, req: PlainRequest) -> Reply:
     # TP * PP (* DP): one process each here. TRL's weight-transfer client reads it.
     return json_reply({"world_size": 1})
@@ -520,6 +575,8 @@ def routes(config: EmulatorConfig) -> dict[str, dict[str, Handler]]:
     }
     if config.since("0.32"):
         table["/kv_event_sources"] = {"GET": kv_event_sources}
+        scale_out = scale_out_abort_requests if config.enable_scale_out else scale_out_disabled
+        table["/inference/v1/abort_requests"] = {"POST": scale_out}
     if config.enable_lora and config.runtime_lora_updating:
         table["/v1/load_lora_adapter"] = {"POST": load_lora_adapter}
         table["/v1/unload_lora_adapter"] = {"POST": unload_lora_adapter}
@@ -533,6 +590,8 @@ def routes(config: EmulatorConfig) -> dict[str, dict[str, Handler]]:
         table["/is_sleeping"] = {"GET": is_sleeping}
         table["/sleep"] = {"POST": sleep}
         table["/wake_up"] = {"POST": wake_up}
+        if config.since("0.32"):
+            table["/abort_requests"] = {"POST": abort_requests}
     return table
 
 

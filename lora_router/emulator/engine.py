@@ -10,6 +10,9 @@ a cache hit makes a request faster, a growing batch makes every step slower, and
 an answer comes at once. Steps shorter than 2 ms are run back to back and slept as one, so
 fine-grained costs do not turn into one event-loop wake-up per token.
 
+Each sequence carries its request's external id, as vLLM forms it from `X-Request-Id`
+(serving.py), which `/abort_requests` names (`abort`).
+
 It also owns the pause state of vLLM's dev-mode endpoints:
 - `abort` aborts every sequence in flight (they finish with reason "abort");
 - `wait` returns once every sequence in flight has finished;
@@ -443,6 +446,21 @@ class Engine:
             return False
         self._clear_cache()
         return True
+
+    def abort(self, request_ids: list[str] | None) -> int:
+        """`/abort_requests`: abort the sequences of these external request ids (None: every
+        one in flight, queued, running or frozen), without pausing; an id no sequence has is
+        ignored, as in vLLM. They end with reason "abort", as a pause in abort mode ends them.
+        Returns how many sequences were aborted."""
+        wanted = None if request_ids is None else set(request_ids)
+        hit = [
+            seq
+            for seq in dict.fromkeys(self.scheduler.in_flight() + list(self._frozen))
+            if wanted is None or seq.request_id in wanted
+        ]
+        for seq in hit:
+            seq.abort()
+        return len(hit)
 
     def abort_all(self) -> None:
         """Abort every sequence and stop stepping (the replica is going down)."""

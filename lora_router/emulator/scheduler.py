@@ -16,14 +16,14 @@ from dataclasses import dataclass
 
 
 class Aborted(Exception):
-    """The engine aborted the sequence (pause in abort mode)."""
+    """The engine aborted the sequence (pause in abort mode, or /abort_requests)."""
 
 
 @dataclass(slots=True, eq=False)
 class Seq:
     """One sample of one request, as the scheduler sees it."""
 
-    request_id: str
+    request_id: str  # vLLM's external id: what /abort_requests names (serving.py forms it)
     lora_id: int | None = None
     lora_name: str | None = None
     lora_path: str | None = None  # captured when the request came in, as vLLM's LoRARequest

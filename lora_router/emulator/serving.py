@@ -136,6 +136,13 @@ async def serve_generation(
         raise
 
 
+def external_request_id(request_id: str, chat: bool, prompt_index: int) -> str:
+    """The id vLLM 0.32's engine knows a prompt of a request by, and `/abort_requests` names:
+    `chatcmpl-<X-Request-Id>` (one prompt), `cmpl-<X-Request-Id>-<i>` for a completion's i-th
+    prompt; the `n` samples of a prompt share it."""
+    return f"chatcmpl-{request_id}" if chat else f"cmpl-{request_id}-{prompt_index}"
+
+
 def _plan(
     engine: Engine, params: GenerationParams, adapter: Adapter | None, request_id: str
 ) -> tuple[list[SampleJob], list[ChoiceState]]:
@@ -148,6 +155,7 @@ def _plan(
     choices: list[ChoiceState] = []
     seed = params.seed if params.seed is not None else engine.draw_seed()
     for p_index, prompt in enumerate(params.prompts):
+        external_id = external_request_id(request_id, params.chat, p_index)
         hashes = block_hashes(prompt, config.block_size, extra)
         max_tokens = completions.effective_max_tokens(params, prompt, config.max_model_len)
         for s_index in range(params.n):
@@ -162,7 +170,7 @@ def _plan(
                 ignore_eos=params.ignore_eos,
                 mean_output_tokens=config.mean_output_tokens,
             )
-            jobs.append(engine.new_job(request_id, adapter, prompt, hashes, sample))
+            jobs.append(engine.new_job(external_id, adapter, prompt, hashes, sample))
             choices.append(ChoiceState(index=p_index * params.n + s_index, prompt=prompt))
     return jobs, choices
 

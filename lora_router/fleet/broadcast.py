@@ -474,7 +474,7 @@ class Broadcaster:
                 # A replica taken out of service while paused, with requests still running on
                 # it (ejected for its listing, or draining), is resumed too, best effort: else
                 # they would wait, paused, for its replay or until it is removed.
-                stranded = [] if op != "resume" else self._stranded()
+                stranded = [] if op != "resume" else self.fleet.stranded()
                 quick = self.config.health_timeout  # best effort: never the trainer's wait
                 answers, _ = await asyncio.gather(
                     asyncio.gather(
@@ -512,12 +512,6 @@ class Broadcaster:
             if op == "resume":  # the sync ends when the fleet was told to go on, whatever came
                 self.syncs.resume(time.monotonic())
             self._record(op, outcome, started, detail=detail)
-
-    def _stranded(self) -> list[Replica]:
-        """Replicas out of service (not removed) that still have routed requests running,
-        draining ones included: paused, a leaving member's requests would never finish."""
-        out = (*OUT, State.REPLAYING, State.DRAINING)
-        return [r for r in self.fleet.replicas if r.in_flight and r.state in out]
 
     # -- read-only --------------------------------------------------------------------------
 

@@ -66,7 +66,14 @@ FIX = {
 
 _PROBES = ("/health", "/v1/models")
 _LOAD_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
-_DEV_ROUTES = ("/pause", "/resume", "/is_paused", "/server_info", "/reset_prefix_cache")
+_DEV_ROUTES = (
+    "/pause",
+    "/resume",
+    "/is_paused",
+    "/server_info",
+    "/reset_prefix_cache",
+    "/abort_requests",
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.breaker import CLOSED, CircuitBreaker
-from lora_router.fleet.lifecycle import Lifecycle, State
+from lora_router.fleet.lifecycle import OUT, Lifecycle, State
 from lora_router.fleet.replica import Replica
 from lora_router.http.upstream import UpstreamPool
 from lora_router.routing.keys import Lineages
@@ -200,6 +200,13 @@ class Fleet:
     def live(self) -> list[Replica]:
         """Replicas that take traffic and broadcasts (see `Replica.live`)."""
         return [r for r in self.replicas if r.live]
+
+    def stranded(self) -> list[Replica]:
+        """Members out of service that still run routed requests (ejected, replaying or
+        draining): a resume or an abort reaches them too, best effort, where their requests
+        would otherwise wait (paused) or decode on (fleet/broadcast.py, fleet/aborts.py)."""
+        out = (*OUT, State.REPLAYING, State.DRAINING)
+        return [r for r in self.replicas if r.in_flight and r.state in out]
 
     def others_serving(self, replica: Replica) -> bool:
         """Whether a replica other than `replica` serves (the lifecycle's last-replica rules)."""

@@ -1,5 +1,6 @@
-"""What the router reads of a body: a completion's model, prompt to key on and `stream`, and an
-adapter load's or unload's fields (`load_fields`, `unload_name`).
+"""What the router reads of a body: a completion's model, prompt to key on and `stream`, an
+adapter load's or unload's fields (`load_fields`, `unload_name`), and an abort's request ids
+(`abort_ids`).
 
 The body is decoded once with msgspec and forwarded byte for byte; nothing here re-encodes it.
 Validation covers only what the router itself relies on, and answers like vLLM would (400,
@@ -44,6 +45,7 @@ import orjson
 from xxhash import xxh3_64_intdigest
 
 from lora_router.http.errors import HTTPError, bad_request
+from lora_router.http.framing import body_too_big
 from lora_router.routing.keys import TEXT_BYTES_PER_TOKEN
 
 
@@ -319,3 +321,44 @@ def unload_name(body: bytes) -> str:
             400, "'lora_name' needs to be provided to unload an adapter.", type="InvalidUserInput"
         )
     return name
+
+
+# -- aborts (their bodies go to every replica as they are: fleet/aborts.py) ----------------
+
+ABORT_PATH = "/abort_requests"  # the RLHF dev route; the other is the scale-out route
+ABORT_BODY_BYTES = 1 << 20  # about 20,000 request ids: more is no abort a client means
+
+
+def abort_ids(path: str, body: bytes) -> list[str] | None:
+    """The request ids an abort on `path` names (None: every request in flight), checked as
+    vLLM 0.32 checks them, with its messages: a body that is not JSON or not a JSON object is
+    a 400; on `/inference/v1/abort_requests` a missing `request_ids` is a 400, and an empty
+    list aborts nothing; on `/abort_requests` an empty or missing one aborts everything.
+
+    Stricter than vLLM on purpose: `request_ids` must be null, a string or a list of strings
+    (vLLM would abort everything for a falsy `0`, `false` or `{}` on `/abort_requests`, and
+    answer 500 for a number), and the scale-out route's body must be an object (vLLM answers
+    500); a body over `ABORT_BODY_BYTES` is a 413. A typo must not abort a fleet's work."""
+    if len(body) > ABORT_BODY_BYTES:
+        raise body_too_big(ABORT_BODY_BYTES)
+    dev = path == ABORT_PATH
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request("Invalid JSON format" if dev else f"JSON decode error: {exc}") from None
+    if not isinstance(doc, dict):
+        raise bad_request("Request body must be a JSON object")
+    ids = doc.get("request_ids")
+    if ids is None and not dev:
+        raise bad_request("Missing 'request_ids' in request body")
+    if not (
+        ids is None
+        or isinstance(ids, str)
+        or (isinstance(ids, list) and all(isinstance(i, str) for i in ids))
+    ):
+        raise bad_request(
+            "'request_ids' must be a list of request ids (strings), or null.", "request_ids"
+        )
+    if dev and not ids:
+        return None
+    return [ids] if isinstance(ids, str) else ids

@@ -9,6 +9,8 @@ spelling. Unknown paths answer 404, a known path with another method 405, as vLL
   (proxy/routed.py), an object the dispatcher is given.
 - **Broadcast**: adapter loads and unloads, `/pause`, `/resume` and the cache resets — to every
   serving replica, serialized, through the broadcaster (fleet/broadcast.py).
+- **Fanned out**: `/abort_requests` and `/inference/v1/abort_requests`, their body checked
+  (proxy/body.py's `abort_ids`), then to every serving replica at once (fleet/aborts.py).
 - **Answered by the router**: `/health` and `/ping` (every live replica must be healthy; one
   probe of the fleet at a time per route, whose answer every caller that arrived meanwhile
   shares, so unauthenticated callers cannot multiply the replicas' connections),
@@ -46,6 +48,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from lora_router.config import Config, ReplicaAddress
+from lora_router.fleet.aborts import Aborts
 from lora_router.fleet.broadcast import Broadcaster, Reply
 from lora_router.fleet.fence import AdapterFence, FenceRefusal
 from lora_router.fleet.fleet import Fleet
@@ -67,7 +70,7 @@ from lora_router.proxy.answers import (
     no_replica_for,
     refusal,
 )
-from lora_router.proxy.body import load_fields, unload_name
+from lora_router.proxy.body import abort_ids, load_fields, unload_name
 from lora_router.proxy.forward import Forwarder
 from lora_router.proxy.retry import RetryBudget
 from lora_router.proxy.routed import ROUTED, CompletionRoute
@@ -111,6 +114,7 @@ class RouterApp:
         self.budget = budget
         self.forwarder = forwarder
         self.completions = completions
+        self.aborts = Aborts(config, fleet, broadcaster.call)
         self.state = RouterState(
             fleet, fence, broadcaster, health, policy, stats, budget, completions.sessions
         )
@@ -136,6 +140,8 @@ class RouterApp:
             adapters = {b"/v1/load_lora_adapter": self.load_adapter}
             adapters[b"/v1/unload_lora_adapter"] = self.unload_adapter
             return adapters.get(path, self.dev_broadcast)
+        if kind is Kind.FAN_OUT:
+            return self.abort
         if kind is Kind.LOCAL:
             local: dict[bytes, Handler] = {
                 b"/health": partial(self.health_check, route="/health"),
@@ -223,6 +229,11 @@ class RouterApp:
         path = request.path.decode("latin-1")
         query = request.query.decode("latin-1")
         _send(conn, await self.broadcaster.dev_broadcast(path[1:], path, query, request.body))
+
+    async def abort(self, request: Request, conn: ClientConnection) -> None:
+        path = request.path.decode("latin-1")
+        ids = abort_ids(path, request.body)
+        _send(conn, await self.aborts.abort(path, request.body, ids))
 
     async def health_check(self, request: Request, conn: ClientConnection, route: str) -> None:
         """The probe of the fleet under way for `route`, or a new one (module docstring): a
