@@ -94,10 +94,26 @@ CONTENDERS = (
     Contender("vllm-ch", "vllm-router consistent_hash", "vllm-router", "consistent_hash", False),
     Contender("vllm-ca", "vllm-router cache_aware", "vllm-router", "cache_aware", False),
     Contender(
-        "vllm-sll", "vllm-router sticky_least_loaded", "vllm-router", "sticky_least_loaded", False
+        "vllm-sll",
+        "vllm-router sticky_least_loaded",
+        "vllm-router",
+        "sticky_least_loaded",
+        False,
+        sessions=True,
     ),
     Contender("round-robin", "round robin (lora-router)", "lora-router", "round-robin", False),
+    # Not in the default matrix (`--routers`): lora-router given the session header as
+    # sticky_least_loaded is (docs/sessions.md), beside it on the same trace.
+    Contender(
+        "lr-session",
+        "lora-router prefix + X-Session-ID",
+        "lora-router",
+        "prefix",
+        False,
+        sessions=True,
+    ),
 )
+DEFAULT_ROUTERS = ("lr-prefix", "vllm-ch", "vllm-ca", "vllm-sll", "round-robin")
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +189,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--routers",
-        default=",".join(c.key for c in CONTENDERS),
+        default=",".join(DEFAULT_ROUTERS),
         help="of: " + ", ".join(c.key for c in CONTENDERS),
     )
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per cell")

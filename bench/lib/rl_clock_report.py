@@ -12,6 +12,8 @@ from typing import Any
 from .rl_clock_runs import ClockResult
 
 DEFAULT = "lr-prefix"  # lora-router's default policy: the contender the targets judge
+# lora-router's own other runs (not contenders the targets compare it with).
+OURS = {DEFAULT, "lr-session"}
 HIT_FRACTION = 0.99  # uniform fleet, saturating load: hit rate >= this x the best contender's
 SLOW_FLEET_P90 = 0.9  # one replica at half speed: group p90 <= this x the best contender's
 
@@ -90,7 +92,7 @@ def target(cell: tuple[str, str, str], rows: list[Summary]) -> dict[str, Any] | 
     (p90 and hit rate), or any load with a replica at half speed (p90 against 0.9 x best)."""
     _, fleet, load = cell
     ours = next((s for s in rows if s.contender == DEFAULT), None)
-    others = [s for s in rows if s.contender != DEFAULT]
+    others = [s for s in rows if s.contender not in OURS]
     if ours is None or not others:
         return None
     best = min(others, key=lambda s: s.group_p90_s)

@@ -131,7 +131,7 @@ class ClockResult:
     per_replica_requests: list[int] = field(default_factory=list)
     syncs: int = 0
     sync_failures: int = 0
-    finished_sessions: int | None = None  # /finish_session answered 200 (sticky_least_loaded)
+    finished_sessions: int | None = None  # /finish_session answered 200 (a `sessions` contender)
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -320,7 +320,7 @@ async def run_one(
                 cap,
                 adapters,
                 through_router=c.kind == "lora-router",
-                sessions=c.policy == "sticky_least_loaded",
+                sessions=c.sessions,
                 deadline_s=deadline_s,
             )
             await rollouts.sync(1)  # v1 is live before the clock starts, as in TRL

@@ -44,6 +44,8 @@ class Contender:
     policy: str
     base: bool  # requests name the base model (no adapter syncs)
     alt: bool = False  # lora-router run from --alt-source (an A/B of two revisions in one run)
+    # Requests carry a session header, released at the group's end (bench/rl_clock.py).
+    sessions: bool = False
 
 
 CONTENDERS = (
