@@ -156,7 +156,7 @@ async def test_a_reset_before_any_byte_goes_back_to_admitted_and_on_to_the_next_
         await Replica(fails_from(0, reset)).start(replica_factory),
         await Replica(ok).start(replica_factory),
     ]
-    rt = await router([*(r.url for r in replicas)], breaker_failures=100)
+    rt = await router(replicas, breaker_failures=100)
     for _ in range(2):  # round-robin: one of two starts on replica 0
         assert (await answered_by(rt))[0] == 200
     assert replicas[0].completions >= 1
@@ -194,7 +194,7 @@ async def test_a_500_held_back_goes_diverted_then_admitted_and_the_next_replica_
         await Replica(fails_from(0, error_500)).start(replica_factory),
         await Replica(ok).start(replica_factory),
     ]
-    rt = await router([*(r.url for r in replicas)], breaker_failures=100)
+    rt = await router(replicas, breaker_failures=100)
     for _ in range(2):
         assert await answered_by(rt) == (200, b"1")
     assert replicas[0].completions >= 1
@@ -208,7 +208,7 @@ async def test_a_404_for_a_live_adapter_is_retried_on_the_next_replica(
         await Replica(fails_from(0, adapter_404)).start(replica_factory),
         await Replica(ok).start(replica_factory),
     ]
-    rt = await router([*(r.url for r in replicas)], breaker_failures=100)
+    rt = await router(replicas, breaker_failures=100)
     await load_pol_v1(rt)
     for _ in range(2):
         assert await answered_by(rt, model="pol-v1") == (200, b"1")
@@ -314,7 +314,7 @@ async def test_a_client_leaving_while_a_500_is_held_back_goes_gone(
         await hold(conn)
 
     replicas = [await Replica(answer).start(replica_factory) for _ in range(2)]
-    rt = await router([*(r.url for r in replicas)], breaker_failures=100)
+    rt = await router(replicas, breaker_failures=100)
     client = await clients(rt.url)
     body = completion()
     head = b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-length: %d\r\n\r\n" % len(body)
