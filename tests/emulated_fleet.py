@@ -1,6 +1,6 @@
 """Replicas behind an in-process router, for every test folder (a plugin of tests/conftest.py):
 `emulators` on free ports, the invariant monitor, and `router`, the one way a test starts a
-router in its own process: `await router(replicas, **overrides)`, in front of emulators, fake
+router in the test's process: `await router(replicas, **overrides)`, in front of emulators, fake
 replicas (tests/http_harness.py) or replicas' URLs, with the folder's `router_settings` (`FAST`
 here; tests/data_plane.py's for tests/http and tests/proxy) under the test's overrides.
 `start_router` is the same start for code that runs its own loop (a Hypothesis state machine).
