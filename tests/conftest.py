@@ -5,8 +5,8 @@
   bounded by pytest-timeout; no example has a time limit.
 - Every async test runs on uvloop, the router's own loop.
 - `client`, an HTTP client session, and `adapter`, adapter directories as TRL lays them out:
-  the fixtures every folder uses; tests/emulated_fleet.py adds emulated replicas and a router
-  in front of them (the shared helpers are tests/helpers.py).
+  the fixtures every folder uses; tests/emulated_fleet.py adds emulated replicas and `router`,
+  the one way a test starts a router in-process (the shared helpers are tests/helpers.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Fixtures for the data-plane tests (tests/http and tests/proxy conftest.py import them):
-fake replicas, routers started in-process with short timeouts, raw-socket clients, and the
-token scan.
+fake replicas, the settings of their routers (started by tests/emulated_fleet.py's `router`),
+raw-socket clients, and the token scan.
 
 The replica token is `TOKEN`; after each test, every log record the router produced (at debug
 level) and every byte a `RawClient` received is searched for it.
@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-from helpers import router_config
 from http_harness import (
     RECEIVED,
     TEST_CONFIG,
@@ -25,8 +24,6 @@ from http_harness import (
     Responder,
     ok_responder,
 )
-
-from lora_router.runtime import RouterRuntime
 
 
 @pytest.fixture
@@ -49,25 +46,10 @@ async def replica(replica_factory: Callable[..., Awaitable[FakeReplica]]) -> Fak
 
 
 @pytest.fixture
-async def router_factory() -> AsyncIterator[Callable[..., Awaitable[RouterRuntime]]]:
-    started: list[RouterRuntime] = []
-
-    async def make(*urls: str, **overrides: Any) -> RouterRuntime:
-        runtime = RouterRuntime(router_config(urls, **{**TEST_CONFIG, **overrides}))
-        await runtime.start()
-        started.append(runtime)
-        return runtime
-
-    yield make
-    for runtime in started:
-        await runtime.stop(grace=0.0)
-
-
-@pytest.fixture
-async def router(
-    router_factory: Callable[..., Awaitable[RouterRuntime]], replica: FakeReplica
-) -> RouterRuntime:
-    return await router_factory(replica.url)
+def router_settings() -> dict[str, Any]:
+    """The settings of the routers these tests start with tests/emulated_fleet.py's `router`:
+    `TEST_CONFIG`, the replica token and round-robin included."""
+    return TEST_CONFIG
 
 
 @pytest.fixture

@@ -1,6 +1,9 @@
-"""An emulated fleet behind an in-process router, for every test folder (a plugin of
-tests/conftest.py): `emulators` on free ports, a `router` started with short timeouts (`FAST`),
-and the invariant monitor.
+"""Replicas behind an in-process router, for every test folder (a plugin of tests/conftest.py):
+`emulators` on free ports, the invariant monitor, and `router`, the one way a test starts a
+router in the test's process: `await router(replicas, **overrides)`, in front of emulators, fake
+replicas (tests/http_harness.py) or replicas' URLs, with the folder's `router_settings` (`FAST`
+here; tests/data_plane.py's for tests/http and tests/proxy) under the test's overrides.
+`start_router` is the same start for code that runs its own loop (a Hypothesis state machine).
 
 `FenceMonitor` watches the fence's invariant from the replicas' side: every time an emulated
 replica resolves the model of a completion naming an adapter, it records a violation unless
@@ -10,7 +13,7 @@ that replica holds the adapter and every replica the router counts as live holds
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import pytest
@@ -39,6 +42,22 @@ FAST = dict(
 
 StartEmulators = Callable[..., Awaitable[list[Emulator]]]
 StartRouter = Callable[..., Awaitable[RouterRuntime]]
+
+
+class Addressed(Protocol):
+    """A replica a test started: an emulator or a fake replica."""
+
+    @property
+    def url(self) -> str: ...
+
+
+async def start_router(replicas: Iterable[Addressed | str], **settings: Any) -> RouterRuntime:
+    """A router started in front of `replicas` (replicas, or URLs: a process of its own, a port
+    nothing listens on) with exactly `settings`; the caller stops it."""
+    urls = (r if isinstance(r, str) else r.url for r in replicas)
+    runtime = RouterRuntime(router_config(urls, **settings))
+    await runtime.start()
+    return runtime
 
 
 class FenceMonitor:
@@ -98,15 +117,22 @@ async def emulators(monitor: FenceMonitor) -> AsyncIterator[StartEmulators]:
 
 
 @pytest.fixture
-async def router(monitor: FenceMonitor) -> AsyncIterator[StartRouter]:
+def router_settings() -> dict[str, Any]:
+    """The settings of every router a test in this folder starts (a folder's conftest.py may
+    give its own)."""
+    return FAST
+
+
+@pytest.fixture
+async def router(
+    monitor: FenceMonitor, router_settings: dict[str, Any]
+) -> AsyncIterator[StartRouter]:
     started: list[RouterRuntime] = []
 
-    async def start(emus: Iterable[Emulator | str], **overrides: Any) -> RouterRuntime:
-        """A router in front of `emus`: emulators, or replicas' URLs (a process of its own,
-        a port nothing listens on)."""
-        urls = (e if isinstance(e, str) else e.url for e in emus)
-        runtime = RouterRuntime(router_config(urls, **{**FAST, **overrides}))
-        await runtime.start()
+    async def start(replicas: Iterable[Addressed | str], **overrides: Any) -> RouterRuntime:
+        """A router in front of `replicas`, `overrides` over the folder's settings; stopped
+        after the test."""
+        runtime = await start_router(replicas, **{**router_settings, **overrides})
         started.append(runtime)
         monitor.router = runtime
         return runtime

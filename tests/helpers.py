@@ -1,6 +1,8 @@
 """What the tests share, defined once: a client's calls to a router or a replica, the settings of
 a router under test, its `/router/status`, a free port, waiting for a condition that has no
-event to await, a `/metrics` page's samples, and `lora-router top` run as a command.
+event to await, a `/metrics` page's samples, and the commands run as processes of their own: a
+router (`router_process`, for what only a real process shows: signals, its memory) and
+`lora-router top`. A router in the test's own process is tests/emulated_fleet.py's `router`.
 
 The fixtures every test folder uses (`client`, `adapter`) are in tests/conftest.py; each folder's
 conftest.py adds only what its tests alone need.
@@ -10,8 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -117,3 +122,50 @@ async def run_top(*args: str, env: dict[str, str] | None = None) -> tuple[int, s
         out, err = await proc.communicate()
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
+
+
+@dataclass
+class RouterProcess:
+    """A router running as `python -m lora_router.cli`: its process, the port it listens on,
+    and its stderr read so far."""
+
+    proc: asyncio.subprocess.Process
+    port: int = 0
+    log: bytes = b""
+
+    async def read_until(self, pattern: bytes) -> re.Match[bytes]:
+        """Read stderr line by line until `pattern` matches what was read (the caller bounds
+        the wait); an end of stderr before it fails."""
+        assert self.proc.stderr is not None
+        while not (match := re.search(pattern, self.log)):
+            line = await self.proc.stderr.readline()
+            assert line, self.log
+            self.log += line
+        return match
+
+
+@asynccontextmanager
+async def router_process(
+    *args: str, env: dict[str, str] | None = None
+) -> AsyncIterator[RouterProcess]:
+    """`python -m lora_router.cli ARGS --port 0`, once its log says where it listens (within
+    20 s); killed on the way out if it still runs."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "lora_router.cli",
+        *args,
+        "--port",
+        "0",
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+    )
+    router = RouterProcess(proc)
+    try:
+        async with asyncio.timeout(20):
+            router.port = int((await router.read_until(rb"listening on [\d.]+:(\d+)")).group(1))
+        yield router
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

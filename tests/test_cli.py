@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import sys
 import pytest
 import uvloop
 from help_text import assert_every_flag_described, help_entries
+from helpers import router_process
 from interrupt import assert_one_line, interrupt_when_ready
 
 from lora_router.cli import UsageError, build_config, build_parser, main
@@ -187,59 +187,34 @@ def test_sigterm_lets_the_request_in_flight_finish_then_exits_0() -> None:
 async def _sigterm_drains() -> None:
     # A slow replica: about 1 s for this completion.
     emu = await start_emulator(EmulatorConfig(port=0, decode_s_per_token=0.05, api_key=TOKEN))
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "lora_router.cli",
-        "--replicas",
-        emu.url,
-        "--token-env",
-        "HF_TOKEN",
-        "--port",
-        "0",
-        "--shutdown-grace",
-        "10",
-        "--log-level",
-        "debug",
-        stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "HF_TOKEN": TOKEN},
-    )
-    assert proc.stderr is not None
-    log = b""
+    argv = ("--replicas", emu.url, "--token-env", "HF_TOKEN", "--shutdown-grace", "10")
     try:
-        async with asyncio.timeout(20):
-            while not (m := re.search(rb"listening on [\d.]+:(\d+)", log)):
-                line = await proc.stderr.readline()
-                assert line, log
-                log += line
-        port = int(m.group(1))
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        body = b'{"model": "%s", "prompt": [1, 2, 3], "max_tokens": 20, "stream": true}' % (
-            emu.config.model.encode()
-        )
-        writer.write(
-            b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\n\r\n" % len(body) + body
-        )
-        async with asyncio.timeout(10):
-            first = await reader.readuntil(b"data: ")  # the stream has started
-        proc.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(15):
-            rest = await reader.read()  # to the close, after the whole stream
-            code = await proc.wait()
-            log += await proc.stderr.read()
-        answer = first + rest
-        assert answer.startswith(b"HTTP/1.1 200")
-        assert answer.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
-        assert code == 0, log
-        with pytest.raises(OSError):  # no longer listening
-            await asyncio.open_connection("127.0.0.1", port)
-        assert TOKEN.encode() not in log and TOKEN.encode() not in answer
-        writer.close()
+        async with router_process(*argv, "--log-level", "debug", env={"HF_TOKEN": TOKEN}) as router:
+            reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+            body = b'{"model": "%s", "prompt": [1, 2, 3], "max_tokens": 20, "stream": true}' % (
+                emu.config.model.encode()
+            )
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n" % len(body) + body
+            )
+            async with asyncio.timeout(10):
+                first = await reader.readuntil(b"data: ")  # the stream has started
+            router.proc.send_signal(signal.SIGTERM)
+            async with asyncio.timeout(15):
+                rest = await reader.read()  # to the close, after the whole stream
+                code = await router.proc.wait()
+                assert router.proc.stderr is not None
+                log = router.log + await router.proc.stderr.read()
+            answer = first + rest
+            assert answer.startswith(b"HTTP/1.1 200")
+            assert answer.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+            assert code == 0, log
+            with pytest.raises(OSError):  # no longer listening
+                await asyncio.open_connection("127.0.0.1", router.port)
+            assert TOKEN.encode() not in log and TOKEN.encode() not in answer
+            writer.close()
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
         await emu.stop()
 
 
@@ -256,50 +231,30 @@ async def test_ctrl_c_stops_the_router_with_one_line_and_status_130() -> None:
 async def test_a_second_ctrl_c_exits_at_once_with_status_130() -> None:
     emu = await start_emulator(EmulatorConfig(port=0))
     emu.faults.stall = True  # the request below stays in flight
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "lora_router.cli",
-        *("--replicas", emu.url, "--no-token", "--port", "0", "--shutdown-grace", "120"),
-        stderr=asyncio.subprocess.PIPE,
-    )
-    assert proc.stderr is not None
-    log = b""
-
-    async def read_until(pattern: bytes) -> re.Match[bytes]:
-        nonlocal log
-        assert proc.stderr is not None
-        while not (m := re.search(pattern, log)):
-            line = await proc.stderr.readline()
-            assert line, log
-            log += line
-        return m
-
+    argv = ("--replicas", emu.url, "--no-token", "--shutdown-grace", "120")
     try:
-        async with asyncio.timeout(20):
-            port = int((await read_until(rb"listening on [\d.]+:(\d+)")).group(1))
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            body = b'{"prompt": [1, 2, 3], "max_tokens": 5}'
-            writer.write(
-                b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json"
-                b"\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
-            )
-            while emu.faults.stalled == 0:
-                await asyncio.sleep(0.01)
-            proc.send_signal(signal.SIGINT)
-            await read_until(rb"Ctrl-C again to exit now")
-        assert b"up to 120 s (--shutdown-grace) for 1 request(s)" in log
-        proc.send_signal(signal.SIGINT)
-        async with asyncio.timeout(5):  # not the 120 s of grace
-            code = await proc.wait()
-            log += await proc.stderr.read()
-        assert code == 130, log
-        assert log.rstrip().endswith(b"lora-router: interrupted")
-        writer.close()
+        async with router_process(*argv) as router:
+            async with asyncio.timeout(20):
+                _, writer = await asyncio.open_connection("127.0.0.1", router.port)
+                body = b'{"prompt": [1, 2, 3], "max_tokens": 5}'
+                writer.write(
+                    b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json"
+                    b"\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+                )
+                while emu.faults.stalled == 0:
+                    await asyncio.sleep(0.01)
+                router.proc.send_signal(signal.SIGINT)
+                await router.read_until(rb"Ctrl-C again to exit now")
+            assert b"up to 120 s (--shutdown-grace) for 1 request(s)" in router.log
+            router.proc.send_signal(signal.SIGINT)
+            async with asyncio.timeout(5):  # not the 120 s of grace
+                code = await router.proc.wait()
+                assert router.proc.stderr is not None
+                log = router.log + await router.proc.stderr.read()
+            assert code == 130, log
+            assert log.rstrip().endswith(b"lora-router: interrupted")
+            writer.close()
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
         emu.faults.stall = False
         await emu.stop()
 

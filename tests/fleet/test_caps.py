@@ -81,15 +81,10 @@ async def probed() -> AsyncIterator[Probed]:
     await runner.cleanup()
 
 
-class _Url:
-    def __init__(self, url: str) -> None:
-        self.url = url
-
-
 async def test_a_health_storm_makes_one_probe_of_each_replica_at_a_time(
     router: StartRouter, client: aiohttp.ClientSession, probed: Probed
 ) -> None:
-    rt = await router([_Url(probed.url)])
+    rt = await router([probed.url])
     async with asyncio.timeout(20):
         codes = await asyncio.gather(*(call(client, "GET", rt.url + "/health") for _ in range(200)))
     assert [c for c, _, _ in codes] == [200] * 200

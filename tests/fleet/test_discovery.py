@@ -53,6 +53,18 @@ async def file_router(
     return await router(emus, replicas_files=(str(path),), **settings)
 
 
+async def srv_router(router: StartRouter, first: Emulator, dns_port: int) -> RouterRuntime:
+    """A router in front of `first` that follows _vllm._tcp.fleet.test's SRV records, asked of
+    the test's DNS server on `dns_port`."""
+    return await router(
+        [first],
+        replicas_srv=("_vllm._tcp.fleet.test",),
+        dns_server=f"127.0.0.1:{dns_port}",
+        dns_interval=0.2,
+        replica_hosts=ALLOWED,
+    )
+
+
 async def test_a_member_named_in_the_file_joins_replayed_then_takes_work(
     emulators: StartEmulators,
     router: StartRouter,
@@ -352,13 +364,7 @@ async def test_srv_records_give_hosts_and_ports(
         SRV(0, 1, one.port, "r.fleet.test."),
         SRV(0, 1, two.port, "r.fleet.test."),
     )
-    rt = await router(
-        [first],
-        replicas_srv=("_vllm._tcp.fleet.test",),
-        dns_server=f"127.0.0.1:{dns_port}",
-        dns_interval=0.2,
-        replica_hosts=ALLOWED,
-    )
+    rt = await srv_router(router, first, dns_port)
     await until(lambda: urls(rt, serving=True) == {first.url, one.url, two.url}, timeout=10)
     assert _source(rt)["source"] == "srv:_vllm._tcp.fleet.test"
 
@@ -375,13 +381,7 @@ async def test_an_srv_record_with_port_0_is_skipped_never_taken_as_port_80(
         SRV(0, 1, one.port, "r.fleet.test."),
         SRV(0, 1, 0, "r.fleet.test."),
     )
-    rt = await router(
-        [first],
-        replicas_srv=("_vllm._tcp.fleet.test",),
-        dns_server=f"127.0.0.1:{dns_port}",
-        dns_interval=0.2,
-        replica_hosts=ALLOWED,
-    )
+    rt = await srv_router(router, first, dns_port)
     await until(lambda: urls(rt, serving=True) == {first.url, one.url}, timeout=10)
     [skipped] = _source(rt)["skipped"]
     assert "port 0" in skipped and _source(rt)["skipped_count"] == 1

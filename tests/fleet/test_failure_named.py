@@ -23,7 +23,7 @@ import orjson
 import pytest
 from aiohttp import ClientSession, web
 from emulated_fleet import StartEmulators, StartRouter
-from helpers import Adapter, load, run_top, until
+from helpers import Adapter, free_port, load, run_top, until
 
 from lora_router.config import Secret
 
@@ -72,12 +72,6 @@ async def stalled_server() -> AsyncIterator[str]:
     await server.wait_closed()
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])  # closed again at once: nothing listens there
-
-
 @pytest.fixture
 def failing(
     emulators: StartEmulators, plain_server: str, stalled_server: str
@@ -90,7 +84,7 @@ def failing(
         return emu.url, {"token": Secret("wrong")}
 
     async def refused() -> Failing:
-        return f"http://127.0.0.1:{closed_port()}", {}
+        return f"http://127.0.0.1:{free_port()}", {}
 
     async def untrusted_tls() -> Failing:
         server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)

@@ -27,8 +27,8 @@ from typing import Any
 
 import aiohttp
 import uvloop
-from emulated_fleet import FAST, FenceMonitor
-from helpers import call, router_config
+from emulated_fleet import FAST, FenceMonitor, start_router
+from helpers import call
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -122,20 +122,17 @@ class FleetMachine(RuleBasedStateMachine):
                     emu.faults.load_delay_s = 0.03
                 self.emus.append(emu)
             MONITOR.emulators = list(self.emus)
-            self.rt = RouterRuntime(
-                router_config(
-                    (e.url for e in self.emus),
-                    # A completion waits at the fence for its load's end, which may come after
-                    # a queue of earlier loads on a busy machine: never the fence's 503.
-                    **{
-                        **FAST,
-                        "load_deadline": DEADLINE,
-                        "load_retry_interval": 0.01,
-                        "fence_timeout": 60.0,
-                    },
-                )
+            self.rt = await start_router(
+                self.emus,
+                # A completion waits at the fence for its load's end, which may come after a
+                # queue of earlier loads on a busy machine: never the fence's 503.
+                **{
+                    **FAST,
+                    "load_deadline": DEADLINE,
+                    "load_retry_interval": 0.01,
+                    "fence_timeout": 60.0,
+                },
             )
-            await self.rt.start()
             MONITOR.router = self.rt
             self.client = aiohttp.ClientSession()
 

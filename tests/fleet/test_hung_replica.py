@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import pytest
 from emulated_fleet import FAST, StartEmulators, StartRouter
-from helpers import Adapter, call, load, router_config, until
+from helpers import Adapter, call, load, until
 
 from lora_router.fleet.lifecycle import State
 from lora_router.runtime import RouterRuntime
@@ -186,12 +186,11 @@ async def test_a_replay_that_hangs_under_the_lock_never_holds_the_trainers_next_
 
 
 async def test_stopping_during_a_load_rolls_it_back(
-    emulators: StartEmulators, client: aiohttp.ClientSession, adapter: Adapter
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
 ) -> None:
     emus = await emulators(2)
     emus[1].faults.mount_lag = 1_000_000  # never sees the files: the load waits
-    rt = RouterRuntime(router_config([e.url for e in emus], **{**FAST, "load_deadline": 60.0}))
-    await rt.start()
+    rt = await router(emus, load_deadline=60.0)
     try:
         loading = asyncio.create_task(load(client, rt.url, "trl-policy-v1", adapter("v1")))
         await until(lambda: "trl-policy-v1" in emus[0].state.adapters)

@@ -14,11 +14,10 @@ from typing import Any
 
 import aiohttp
 import msgspec
-import orjson
 import pytest
 import zmq
 from emulated_fleet import StartEmulators, StartRouter
-from helpers import call, completed, until
+from helpers import call, completed, router_status, until
 
 from lora_router.emulator import Emulator
 from lora_router.emulator.kv_events import KVEventsConfig
@@ -131,9 +130,7 @@ async def test_a_malformed_frame_is_counted_and_the_next_good_batch_applied(
     # In sequence: the fault ends, and the subscription went on throughout.
     assert index.replica(emu.url).state == "live"
     assert stream.batches == good + 2 and stream.task is not None and not stream.task.done()
-    status, data, _ = await call(client, "GET", rt.url + "/router/status")
-    assert status == 200
-    seen = orjson.loads(data)["kv_events"]["replicas"][emu.url]
+    seen = (await router_status(client, rt.url))["kv_events"]["replicas"][emu.url]
     assert (seen["malformed"], seen["undecodable"]) == (3, 1)
     status, data, _ = await call(client, "GET", rt.url + "/metrics")
     assert status == 200
@@ -191,9 +188,7 @@ async def test_oversized_hashes_never_grow_the_router(
     publisher.batch(publisher.stored(hashes=[b"\x01" * MAX_HASH_BYTES]))
     await until(lambda: index.held(emu.url) == held + 1)
     assert index.bytes > index_bytes
-    status, data, _ = await call(client, "GET", rt.url + "/router/status")
-    assert status == 200
-    seen = orjson.loads(data)["kv_events"]
+    seen = (await router_status(client, rt.url))["kv_events"]
     assert seen["replicas"][emu.url]["refused"] == 48 and seen["bytes"] == index.bytes
 
 
@@ -249,6 +244,5 @@ async def test_a_replay_over_its_budget_is_not_applied(
             break
         assert i < 200
     assert index.replica(emu.url).state == "live"
-    status, data, _ = await call(client, "GET", rt.url + "/router/status")
-    assert status == 200
-    assert orjson.loads(data)["kv_events"]["replicas"][emu.url]["replays_refused"] == 1
+    status = await router_status(client, rt.url)
+    assert status["kv_events"]["replicas"][emu.url]["replays_refused"] == 1

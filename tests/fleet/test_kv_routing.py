@@ -11,10 +11,9 @@ import itertools
 from typing import Any
 
 import aiohttp
-import orjson
 import pytest
 from emulated_fleet import StartEmulators, StartRouter
-from helpers import Adapter, call, completed, load, until
+from helpers import Adapter, call, completed, load, router_status, until
 
 from lora_router.emulator import Emulator
 from lora_router.emulator.kv_events import KVEventsConfig
@@ -70,9 +69,7 @@ async def served_by(
 
 
 async def kv_status(client: aiohttp.ClientSession, rt: RouterRuntime, emu: Emulator) -> Any:
-    status, data, _ = await call(client, "GET", rt.url + "/router/status")
-    assert status == 200
-    return orjson.loads(data)["kv_events"]["replicas"][emu.url]
+    return (await router_status(client, rt.url))["kv_events"]["replicas"][emu.url]
 
 
 def held(rt: RouterRuntime, emu: Emulator) -> int:

@@ -11,7 +11,7 @@ import aiohttp
 import orjson
 import pytest
 from emulated_fleet import StartEmulators, StartRouter, paths_of
-from helpers import Adapter, call, load, until
+from helpers import Adapter, call, load, router_status, until
 
 from lora_router.emulator import Emulator
 from lora_router.runtime import RouterRuntime
@@ -74,8 +74,7 @@ async def test_a_replica_that_cannot_see_the_adapter_is_shown_while_it_waits(
 ) -> None:
     _, rt, writer = await replica_2_waiting_for_the_files(emulators, router, adapter)
     async with asyncio.timeout(10):
-        _, data, _ = await call(client, "GET", rt.url + "/router/status")
-        waits = orjson.loads(data)["broadcasts"]["mount_waits"]
+        waits = (await router_status(client, rt.url))["broadcasts"]["mount_waits"]
         assert [(w["replica"], w["adapter"]) for w in waits] == [(2, "trl-policy-v1")]
         assert waits[0]["seconds"] > 0
         _, metrics, _ = await call(client, "GET", rt.url + "/metrics")

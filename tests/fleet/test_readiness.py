@@ -11,13 +11,11 @@ import aiohttp
 import orjson
 import pytest
 from emulated_fleet import StartEmulators, StartRouter
-from helpers import Adapter, call, load
+from helpers import Adapter, call, load, router_status
 
 
 async def status_of(client: aiohttp.ClientSession, url: str) -> list[dict[str, object]]:
-    status, body, _ = await call(client, "GET", url + "/router/status")
-    assert status == 200
-    return list(orjson.loads(body)["replicas"])
+    return list((await router_status(client, url))["replicas"])
 
 
 @pytest.mark.parametrize(

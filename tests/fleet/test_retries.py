@@ -7,10 +7,9 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
-import orjson
 import pytest
 from emulated_fleet import StartEmulators, StartRouter
-from helpers import call, complete
+from helpers import call, complete, router_status
 
 from lora_router.emulator import Emulator
 from lora_router.proxy.retry import MIN_RETRIES, WINDOW_S, RetryBudget
@@ -34,8 +33,7 @@ async def test_a_replica_answering_500_with_a_healthy_health_costs_the_client_no
     assert sick >= 4  # round-robin kept trying it: each 500 was retried on replica 1
     assert completions(emus[1]) == 8
     assert rt.fleet.replicas[0].breaker.failures == sick  # the breaker counted every 500
-    _, raw, _ = await call(client, "GET", rt.url + "/router/status")
-    retries = orjson.loads(raw)["retries"]
+    retries = (await router_status(client, rt.url))["retries"]
     assert retries["5xx"] == sick and retries["refused_by_budget"] == 0
     _, metrics, _ = await call(client, "GET", rt.url + "/metrics")
     assert f'lora_router_retries_total{{reason="5xx"}} {float(sick)}'.encode() in metrics

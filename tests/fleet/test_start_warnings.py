@@ -6,16 +6,12 @@ member that never answers, named once, not on every check; fewer replicas than
 from __future__ import annotations
 
 import logging
-import socket
 from pathlib import Path
 
 import aiohttp
 import pytest
-from emulated_fleet import FAST, StartEmulators, StartRouter
-from helpers import Adapter, load, until
-
-from lora_router.config import Config
-from lora_router.runtime import RouterRuntime
+from emulated_fleet import StartEmulators, StartRouter
+from helpers import Adapter, free_port, load, until
 
 
 async def test_a_leftover_trainer_version_is_named_at_start_with_its_fix(
@@ -61,9 +57,7 @@ async def test_a_member_that_never_answers_is_warned_of_once_not_every_check(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     (emu,) = await emulators(1)
-    with socket.socket() as s:  # a port nothing listens on once closed
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    dead = f"http://127.0.0.1:{free_port()}"  # a port nothing listens on
     with caplog.at_level(logging.WARNING, logger="lora_router"):
         rt = await router([emu, dead], health_interval=0.02)
         assert rt.health is not None
@@ -77,9 +71,7 @@ async def test_health_answers_503_below_min_replicas_naming_the_one_out(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
 ) -> None:
     (emu,) = await emulators(1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    dead = f"http://127.0.0.1:{free_port()}"
     rt = await router([emu, dead], min_replicas=2)
     async with client.get(rt.url + "/health") as resp:
         assert resp.status == 503
@@ -93,26 +85,21 @@ async def test_health_answers_503_below_min_replicas_naming_the_one_out(
 
 
 async def test_a_router_whose_replica_file_is_missing_starts_and_says_so(
-    client: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture, tmp_path: Path
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
 ) -> None:
     missing = tmp_path / "replicas.txt"  # a scheduler writes it later
-    config = Config(
-        replicas=(),
-        replicas_files=(str(missing),),
-        replica_hosts=("127.0.0.1",),
-        **{**FAST, "dns_interval": 1.0},
-    )
-    rt = RouterRuntime(config)
     with caplog.at_level(logging.WARNING, logger="lora_router"):
-        await rt.start()
-    try:
-        assert any(
-            r.getMessage()
-            == f"no replica yet: the router serves nothing, and /health answers 503, until "
-            f"file:{missing} names one"
-            for r in caplog.records
+        rt = await router(
+            [], replicas_files=(str(missing),), replica_hosts=("127.0.0.1",), dns_interval=1.0
         )
-        async with client.get(rt.url + "/health") as resp:
-            assert resp.status == 503
-    finally:
-        await rt.stop()
+    assert any(
+        r.getMessage()
+        == f"no replica yet: the router serves nothing, and /health answers 503, until "
+        f"file:{missing} names one"
+        for r in caplog.records
+    )
+    async with client.get(rt.url + "/health") as resp:
+        assert resp.status == 503

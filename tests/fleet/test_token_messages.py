@@ -8,13 +8,12 @@ import logging
 
 import aiohttp
 import pytest
-from emulated_fleet import FAST, StartEmulators
-from helpers import call, router_config, until
+from emulated_fleet import StartEmulators, StartRouter
+from helpers import call, until
 
 from lora_router.cli import UsageError, build_config, build_parser
 from lora_router.config import Secret
 from lora_router.fleet.failure import Cause, classify
-from lora_router.runtime import RouterRuntime
 
 GUARD = "s3cret-guard"
 
@@ -36,18 +35,15 @@ GUARD = "s3cret-guard"
 )
 async def test_a_rejected_token_is_named_by_its_case(
     emulators: StartEmulators,
+    router: StartRouter,
     client: aiohttp.ClientSession,
     settings: dict[str, object],
     what: str,
     fix: str,
 ) -> None:
     (emu,) = await emulators(1, api_key=GUARD)
-    rt = RouterRuntime(router_config([emu.url], **{**FAST, **settings}))
-    await rt.start()
-    try:
-        status, body, _ = await call(client, "GET", rt.url + "/router/status")
-    finally:
-        await rt.stop()
+    rt = await router([emu], **settings)
+    status, body, _ = await call(client, "GET", rt.url + "/router/status")
     assert status == 200
     assert f"{what}; {fix}".encode() in body
     assert b"wrong" not in body  # the value is never shown
@@ -69,13 +65,11 @@ def test_an_unknown_source_keeps_the_general_words() -> None:
 
 
 async def test_a_replica_kept_out_for_one_reason_is_logged_once_not_every_check(
-    emulators: StartEmulators, caplog: pytest.LogCaptureFixture
+    emulators: StartEmulators, router: StartRouter, caplog: pytest.LogCaptureFixture
 ) -> None:
     (emu,) = await emulators(1, api_key=GUARD)  # /health passes, every replay meets a 401
-    config = router_config([emu.url], **{**FAST, "health_interval": 0.02, "health_successes": 1})
-    rt = RouterRuntime(config)
     with caplog.at_level(logging.WARNING, logger="lora_router"):
-        await rt.start()
+        rt = await router([emu], health_interval=0.02, health_successes=1)
         try:
             await until(lambda: rt.health is not None and rt.health.readmission_failures >= 10)
         finally:

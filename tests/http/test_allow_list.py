@@ -96,26 +96,26 @@ async def add(router_url: str, url: str):
     return await request(router_url, "POST", "/router/replicas", orjson.dumps({"url": url}))
 
 
-async def test_an_https_replica_is_never_added_again_as_http(router_factory, tls_replica, tmp_path):
+async def test_an_https_replica_is_never_added_again_as_http(router, tls_replica, tmp_path):
     front, ca_file = tls_replica
-    router = await router_factory(f"https://127.0.0.1:{front.port}", ca_file=ca_file)
-    assert (await request(router.url, path="/health")).status == 200  # TLS through the front
-    r = await add(router.url, f"http://127.0.0.1:{front.port}")
+    rt = await router([f"https://127.0.0.1:{front.port}"], ca_file=ca_file)
+    assert (await request(rt.url, path="/health")).status == 200  # TLS through the front
+    r = await add(rt.url, f"http://127.0.0.1:{front.port}")
     assert r.status == 400, r.raw
     error = r.json()["error"]
     assert error["param"] == "url" and "https" in error["message"]
     assert front.clear == b"" and TOKEN.encode() not in front.clear
     # With an allow-list wider than the replicas, the downgrade is refused all the same.
-    wide = await router_factory(
-        f"https://127.0.0.1:{front.port}", ca_file=ca_file, replica_hosts=("127.0.0.0/8",)
+    wide = await router(
+        [f"https://127.0.0.1:{front.port}"], ca_file=ca_file, replica_hosts=("127.0.0.0/8",)
     )
     assert (await add(wide.url, f"http://127.0.0.1:{front.port}")).status == 400
     assert front.clear == b""
     # Nor from a replica file.
     members = tmp_path / "replicas"
     members.write_text(f"http://127.0.0.1:{front.port}\n")
-    found = await router_factory(
-        f"https://127.0.0.1:{front.port}",
+    found = await router(
+        [f"https://127.0.0.1:{front.port}"],
         ca_file=ca_file,
         replica_hosts=("127.0.0.0/8",),
         replicas_files=(str(members),),
@@ -127,28 +127,26 @@ async def test_an_https_replica_is_never_added_again_as_http(router_factory, tls
     assert len(found.fleet.replicas) == 1 and front.clear == b""
 
 
-async def test_a_scheme_in_the_allow_list_admits_that_scheme_only(
-    router_factory, replica_factory, replica
-):
+async def test_a_scheme_in_the_allow_list_admits_that_scheme_only(router, replica_factory, replica):
     with pytest.raises(ValueError, match="outside --replica-hosts"):  # --replicas must fit it
         router_config([replica.url], replica_hosts=(f"https://127.0.0.1:{replica.port}",))
-    router = await router_factory(replica.url, replica_hosts=("http://127.0.0.0/8",))
+    rt = await router([replica], replica_hosts=("http://127.0.0.0/8",))
     other = await replica_factory()
-    assert (await add(router.url, f"https://127.0.0.1:{other.port}")).status == 403
+    assert (await add(rt.url, f"https://127.0.0.1:{other.port}")).status == 403
     assert other.control_conns == [] and other.conns == []
-    assert (await add(router.url, other.url)).status in (200, 202)
+    assert (await add(rt.url, other.url)).status in (200, 202)
 
 
-async def test_an_ip_pattern_admits_ip_literals_only(router_factory, replica, lookups):
-    router = await router_factory(replica.url, replica_hosts=("127.0.0.*",))
+async def test_an_ip_pattern_admits_ip_literals_only(router, replica, lookups):
+    rt = await router([replica], replica_hosts=("127.0.0.*",))
     for host in ("127.0.0.attacker.example", "127.0.0.1.attacker.example"):
-        r = await add(router.url, f"http://{host}:{replica.port}")
+        r = await add(rt.url, f"http://{host}:{replica.port}")
         assert r.status == 403, (host, r.raw)
     assert lookups == []
-    cidr = await router_factory(replica.url, replica_hosts=("127.0.0.0/8",))
+    cidr = await router([replica], replica_hosts=("127.0.0.0/8",))
     assert (await add(cidr.url, f"http://127.0.0.attacker.example:{replica.port}")).status == 403
     assert lookups == []
-    assert len(router.fleet.replicas) == len(cidr.fleet.replicas) == 1
+    assert len(rt.fleet.replicas) == len(cidr.fleet.replicas) == 1
 
 
 @pytest.mark.parametrize(
@@ -165,25 +163,21 @@ async def test_an_ip_pattern_admits_ip_literals_only(router_factory, replica, lo
         "http://0x7f.1:{port}",
     ],
 )
-async def test_an_odd_host_or_port_0_is_refused_400_and_never_joins(
-    router_factory, replica, lookups, url
-):
-    router = await router_factory(replica.url, replica_hosts=("*",))
-    r = await add(router.url, url.format(port=replica.port))
+async def test_an_odd_host_or_port_0_is_refused_400_and_never_joins(router, replica, lookups, url):
+    rt = await router([replica], replica_hosts=("*",))
+    r = await add(rt.url, url.format(port=replica.port))
     assert r.status == 400, r.raw
     assert r.json()["error"]["param"] == "url"
-    assert len(router.fleet.replicas) == 1 and lookups == []
+    assert len(rt.fleet.replicas) == 1 and lookups == []
 
 
 async def test_port_0_and_odd_hosts_from_a_replica_file_are_skipped(
-    router_factory, replica, lookups, tmp_path
+    router, replica, lookups, tmp_path
 ):
     members = tmp_path / "replicas"
     members.write_text("http://127.0.0.1:0\nhttp://a\\b:80\n")
-    router = await router_factory(
-        replica.url, replicas_files=(str(members),), replica_hosts=("127.0.0.0/8", "*")
-    )
-    assert router.discovery is not None
-    state = router.discovery.states[0]
+    rt = await router([replica], replicas_files=(str(members),), replica_hosts=("127.0.0.0/8", "*"))
+    assert rt.discovery is not None
+    state = rt.discovery.states[0]
     await until(lambda: len(state.skipped) == 2)
-    assert len(router.fleet.replicas) == 1 and lookups == []
+    assert len(rt.fleet.replicas) == 1 and lookups == []

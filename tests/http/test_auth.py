@@ -11,8 +11,8 @@ from lora_router.http import auth
 
 
 @pytest.fixture
-async def locked(router_factory, replica):
-    return await router_factory(replica.url, api_key=Secret(API_KEY))
+async def locked(router, replica):
+    return await router([replica], api_key=Secret(API_KEY))
 
 
 @pytest.mark.parametrize(
@@ -65,7 +65,8 @@ async def test_health_polling_stays_open(locked, path):
 
 
 async def test_without_a_configured_key_nothing_is_asked(router, replica):
-    assert (await request(router.url, "POST", "/v1/completions", completion())).status == 200
+    rt = await router([replica])
+    assert (await request(rt.url, "POST", "/v1/completions", completion())).status == 200
 
 
 async def test_the_key_is_compared_in_constant_time(locked, monkeypatch):

@@ -7,16 +7,15 @@ authenticated or not. The router runs as a process of its own, its memory read f
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import socket
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
+from helpers import router_process
 from http_harness import TOKEN, FakeReplica
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
@@ -34,36 +33,13 @@ def rss_mib(pid: int) -> float:
 
 
 @asynccontextmanager
-async def router_process(replica: FakeReplica, *args: str) -> AsyncIterator[tuple[int, int]]:
-    """A router started as `python -m lora_router.cli` in front of `replica`: (pid, port)."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "lora_router.cli",
-        "--replicas",
-        replica.url,
-        "--token-env",
-        "HF_TOKEN",
-        "--port",
-        "0",
-        "--keepalive-timeout",
-        "60",
-        *args,
-        stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "HF_TOKEN": TOKEN, "ROUTER_KEY": ROUTER_KEY},
-    )
-    assert proc.stderr is not None
-    log = b""
-    try:
-        async with asyncio.timeout(20):
-            while not (m := re.search(rb"listening on [\d.]+:(\d+)", log)):
-                line = await proc.stderr.readline()
-                assert line, log
-                log += line
-        yield proc.pid, int(m.group(1))
-    finally:
-        proc.kill()
-        await proc.wait()
+async def router_before(replica: FakeReplica, *args: str) -> AsyncIterator[tuple[int, int]]:
+    """A router process in front of `replica` (its token in HF_TOKEN, the router key in
+    ROUTER_KEY): (pid, port)."""
+    argv = ("--replicas", replica.url, "--token-env", "HF_TOKEN", "--keepalive-timeout", "60")
+    env = {"HF_TOKEN": TOKEN, "ROUTER_KEY": ROUTER_KEY}
+    async with router_process(*argv, *args, env=env) as router:
+        yield router.proc.pid, router.port
 
 
 async def one_answer(port: int, request: bytes) -> bytes:
@@ -109,7 +85,7 @@ async def test_a_client_pipelining_without_reading_holds_bounded_memory(
     keyed: bool, replica: FakeReplica
 ) -> None:
     args = ("--api-key-env", "ROUTER_KEY") if keyed else ()
-    async with router_process(replica, *args) as (pid, port):
+    async with router_before(replica, *args) as (pid, port):
         expected = b"HTTP/1.1 401" if keyed else b"HTTP/1.1 200"
         assert (await one_answer(port, STATUS)).startswith(expected)
         before = rss_mib(pid)
@@ -127,7 +103,7 @@ async def test_a_client_that_reads_slowly_gets_every_pipelined_answer_in_order(
     """The other side: held for back-pressure, the connection goes on when the client reads.
     A small receive buffer makes the router's transport pause after a few answers."""
     n = 4000
-    async with router_process(replica) as (_, port):
+    async with router_before(replica) as (_, port):
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", port))

@@ -123,14 +123,14 @@ def request(path: str, body: bytes) -> bytes:
 )
 @given(body=bodies(), chat=st.booleans())
 async def test_any_routed_body_gets_a_4xx_from_the_router_or_goes_out_byte_for_byte(
-    router_factory, clients, replica: FakeReplica, body: bytes, chat: bool
+    router, clients, replica: FakeReplica, body: bytes, chat: bool
 ):
     # Fixtures are shared by every example: one router, one client connection for them all.
     client: RawClient | None = getattr(replica, "body_fuzz", None)
     if client is None:
         # The default policy (prefix): it keys prompts, the path a bad prompt could break.
-        router = await router_factory(replica.url, policy="prefix")
-        client = replica.body_fuzz = await clients(router.url)
+        rt = await router([replica], policy="prefix")
+        client = replica.body_fuzz = await clients(rt.url)
     before = len(replica.requests)
     path = ROUTED[chat]
     await client.send(request(path, body))
@@ -149,11 +149,11 @@ async def test_any_routed_body_gets_a_4xx_from_the_router_or_goes_out_byte_for_b
         assert sent.body == body and sent.target == path.encode()
 
 
-async def the_reproductions_then_a_good_request(router_factory, replica: FakeReplica):
+async def the_reproductions_then_a_good_request(router, replica: FakeReplica):
     """The fuzzers' reproductions, then one good completion, on one client session: the
     (status, body) answers to the reproductions, the good one's status and its body, and one
     entry per connection the client opened."""
-    router = await router_factory(replica.url, policy="prefix")
+    rt = await router([replica], policy="prefix")
     opened = []  # connections the client opened: one for every request below
     refused = []
 
@@ -169,24 +169,22 @@ async def the_reproductions_then_a_good_request(router_factory, replica: FakeRep
             ("/v1/chat/completions", b'{"messages": ' + nested(200_000) + b"}"),
             ("/v1/completions", b'{"prompt": [1, ' + b"7" * 100_000 + b"]}"),
         ):
-            async with http.post(router.url + path, data=body, headers=headers) as resp:
+            async with http.post(rt.url + path, data=body, headers=headers) as resp:
                 refused.append((resp.status, await resp.json()))
         body = b'{"prompt": [1, 2]}'
-        async with http.post(router.url + "/v1/completions", data=body, headers=headers) as resp:
+        async with http.post(rt.url + "/v1/completions", data=body, headers=headers) as resp:
             status = resp.status
     return refused, status, body, opened
 
 
-async def test_the_reproductions_are_400s(router_factory, replica: FakeReplica):
-    refused, _, _, _ = await the_reproductions_then_a_good_request(router_factory, replica)
+async def test_the_reproductions_are_400s(router, replica: FakeReplica):
+    refused, _, _, _ = await the_reproductions_then_a_good_request(router, replica)
     assert len(refused) == 3
     for status, doc in refused:
         assert status == 400 and doc["error"]["type"] == "Bad Request"
 
 
-async def test_the_connection_serves_on_after_the_reproductions(
-    router_factory, replica: FakeReplica
-):
-    _, status, body, opened = await the_reproductions_then_a_good_request(router_factory, replica)
+async def test_the_connection_serves_on_after_the_reproductions(router, replica: FakeReplica):
+    _, status, body, opened = await the_reproductions_then_a_good_request(router, replica)
     assert status == 200
     assert len(opened) == 1 and [r.body for r in replica.requests] == [body]

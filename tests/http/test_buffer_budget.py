@@ -13,13 +13,13 @@ BUDGET = 10_000
 
 
 @pytest.fixture
-async def tight(router_factory, replica):
-    return await router_factory(replica.url, max_body_bytes=8_000, max_buffered_bytes=BUDGET)
+async def tight(router, replica):
+    return await router([replica], max_body_bytes=8_000, max_buffered_bytes=BUDGET)
 
 
-async def buffered_reaches(router, value: int) -> None:
+async def buffered_reaches(rt, value: int) -> None:
     async with asyncio.timeout(5):
-        while router.connections.buffered != value:
+        while rt.connections.buffered != value:
             await asyncio.sleep(0.005)
 
 

@@ -11,10 +11,10 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
+from emulated_fleet import StartRouter
 from http_harness import RawClient, Received, ReplicaConn, json_response
 
 from lora_router.http.cork import HELD_BYTES, cork_for
-from lora_router.runtime import RouterRuntime
 
 Connect = Callable[[], Awaitable[tuple[asyncio.Transport, asyncio.Future[bytes]]]]
 
@@ -111,16 +111,17 @@ async def test_a_pass_holds_no_more_than_its_budget() -> None:
 
 
 async def test_answers_that_end_their_connection_arrive_whole_under_load(
-    router: RouterRuntime, replica, clients: Callable[[str], Awaitable[RawClient]]
+    router: StartRouter, replica, clients: Callable[[str], Awaitable[RawClient]]
 ) -> None:
     """Many clients at once: most answers are held for the end of a pass, and each one's
     connection is then closed (`connection: close`): the flush before the close sends it."""
+    rt = await router([replica])
 
     async def respond(req: Received, conn: ReplicaConn) -> None:
         await conn.write(json_response(req.target))
 
     replica.responder = respond
-    opened = [await clients(router.url) for _ in range(48)]
+    opened = [await clients(rt.url) for _ in range(48)]
 
     async def one(i: int, client: RawClient) -> bytes:
         proxied = f"GET /version?n={i} HTTP/1.1\r\nhost: r\r\nconnection: close\r\n\r\n"

@@ -145,16 +145,14 @@ def check_responses(raw: bytes) -> int:
     delay=st.sampled_from([0.0, 0.0, 0.002, 0.01]),
 )
 async def test_every_fuzzed_stream_ends_in_a_valid_answer_or_a_close_in_time(
-    router_factory, replica, data, cuts, delay
+    router, replica, data, cuts, delay
 ):
-    router = getattr(replica, "fuzz_router", None)
-    if router is None:
-        router = await router_factory(
-            replica.url, header_timeout=0.3, body_timeout=0.3, keepalive_timeout=0.3
-        )
-        replica.fuzz_router = router
+    rt = getattr(replica, "fuzz_router", None)
+    if rt is None:
+        rt = await router([replica], header_timeout=0.3, body_timeout=0.3, keepalive_timeout=0.3)
+        replica.fuzz_router = rt
     before = len(replica.requests)
-    client = await RawClient.connect(router.url)
+    client = await RawClient.connect(rt.url)
     loop = asyncio.get_running_loop()
     try:
         points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
@@ -179,10 +177,10 @@ async def test_every_fuzzed_stream_ends_in_a_valid_answer_or_a_close_in_time(
     assert replica.malformed == []
     # every body byte the router buffered for it is released (the budget's count is exact)
     async with asyncio.timeout(5):
-        while router.connections.buffered:
+        while rt.connections.buffered:
             await asyncio.sleep(0.005)
     # and the router is still serving
-    probe = await RawClient.connect(router.url)
+    probe = await RawClient.connect(rt.url)
     try:
         await probe.send(b"GET /alive HTTP/1.1\r\nhost: r\r\n\r\n")
         assert (await probe.response()).status == 200

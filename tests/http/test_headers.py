@@ -133,9 +133,10 @@ def test_response_hop_by_hop_lines_in_any_case_are_cut_and_the_body_follows_the_
 
 
 async def test_what_a_replica_receives(router, replica) -> None:
+    rt = await router([replica])
     body = completion()
     r = await request(
-        router.url,
+        rt.url,
         "POST",
         "/v1/completions",
         body,
@@ -159,15 +160,16 @@ async def test_what_a_replica_receives(router, replica) -> None:
 
 
 async def test_a_client_request_id_reaches_the_replica(router, replica) -> None:
-    await request(router.url, headers={"X-Request-Id": "trace-42"})
+    rt = await router([replica])
+    await request(rt.url, headers={"X-Request-Id": "trace-42"})
     assert replica.requests[0].all(b"x-request-id") == [b"trace-42"]
 
 
-async def test_responses_name_the_replica_by_index(router_factory, replica_factory) -> None:
+async def test_responses_name_the_replica_by_index(router, replica_factory) -> None:
     a, b = await replica_factory(), await replica_factory()
-    router = await router_factory(a.url, b.url)
+    rt = await router([a, b])
     labels = {
-        (await request(router.url, "POST", "/v1/completions", completion())).header(
+        (await request(rt.url, "POST", "/v1/completions", completion())).header(
             b"x-lora-router-replica"
         )
         for _ in range(4)
@@ -176,12 +178,14 @@ async def test_responses_name_the_replica_by_index(router_factory, replica_facto
 
 
 async def test_response_headers_pass_verbatim(router, replica) -> None:
+    rt = await router([replica])
+
     async def respond(req: Received, conn: ReplicaConn) -> None:
         await conn.write(
             json_response(extra=b"Set-Cookie: a=b, c=d; Path=/\r\nX-Weird:  spaced  \r\n")
         )
 
     replica.responder = respond
-    r = await request(router.url)
+    r = await request(rt.url)
     assert b"\r\nSet-Cookie: a=b, c=d; Path=/\r\n" in r.raw
     assert b"\r\nX-Weird:  spaced  \r\n" in r.raw

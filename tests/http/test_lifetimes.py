@@ -45,6 +45,7 @@ def collector_off() -> Iterator[None]:
 
 
 async def test_a_stream_that_has_begun_holds_no_copy_of_its_request(router, replica, clients):
+    rt = await router([replica])
     hold = asyncio.Event()
 
     async def respond(req: Received, conn: ReplicaConn) -> None:
@@ -53,7 +54,7 @@ async def test_a_stream_that_has_begun_holds_no_copy_of_its_request(router, repl
 
     replica.responder = respond
     body = completion(prompt=tuple(range(100_000, 160_000)), stream=True)  # about 420 KB
-    client = await clients(router.url)
+    client = await clients(rt.url)
     tracemalloc.start()
     try:
         await client.send(post_completion(body))
@@ -89,12 +90,12 @@ async def _reset(req: Received, conn: ReplicaConn) -> None:
     conn.abort()
 
 
-async def _burst(router, n: int, mid_stream: bool) -> None:
+async def _burst(rt, n: int, mid_stream: bool) -> None:
     """`n` completions, each on a client connection of its own, closed once answered (or
     `mid_stream`, once the first frame arrived)."""
     body = completion(stream=True)
     for _ in range(n):
-        client = await RawClient.connect(router.url)
+        client = await RawClient.connect(rt.url)
         await client.send(post_completion(body))
         if mid_stream:
             async with asyncio.timeout(5):
@@ -106,11 +107,11 @@ async def _burst(router, n: int, mid_stream: bool) -> None:
         await client.writer.wait_closed()
 
 
-async def _all_closed(router, replica) -> None:
+async def _all_closed(rt, replica) -> None:
     """Wait until the router saw every client leave and every replica connection close."""
-    pool = router.fleet.replicas[0].pool
+    pool = rt.fleet.replicas[0].pool
     async with asyncio.timeout(5):
-        while router.connections.open:
+        while rt.connections.open:
             await asyncio.sleep(0.01)
         for conn in replica.conns:
             conn.abort()
@@ -125,23 +126,23 @@ async def _all_closed(router, replica) -> None:
     ids=["answered", "client-left-mid-stream", "replica-reset-before-answering"],
 )
 async def test_connection_objects_die_with_their_connection_without_the_cycle_collector(
-    collector_off, replica_factory, router_factory, responder, mid_stream
+    collector_off, replica_factory, router, responder, mid_stream
 ):
     refs: list[weakref.ref[object]] = []
     runtimes = []
 
     async def respond(req: Received, conn: ReplicaConn) -> None:
         # While the router is in the exchange: its connection objects of both sides.
-        (router,) = runtimes
-        refs.extend(weakref.ref(c) for c in router.connections.open)
-        refs.extend(weakref.ref(c) for c in router.fleet.replicas[0].pool._all)
+        (rt,) = runtimes
+        refs.extend(weakref.ref(c) for c in rt.connections.open)
+        refs.extend(weakref.ref(c) for c in rt.fleet.replicas[0].pool._all)
         await responder(req, conn)
 
     replica = await replica_factory(respond)
-    router = await router_factory(replica.url, breaker_failures=100)
-    runtimes.append(router)
-    await _burst(router, 20, mid_stream)
+    rt = await router([replica], breaker_failures=100)
+    runtimes.append(rt)
+    await _burst(rt, 20, mid_stream)
     assert len(refs) >= 40
-    await _all_closed(router, replica)
+    await _all_closed(rt, replica)
     alive = {type(ref()).__name__ for ref in refs if ref() is not None}
     assert not alive, f"kept alive by reference cycles only: {alive}"

@@ -56,7 +56,7 @@ delays = st.sampled_from([0.0, 0.0, 0.001, 0.003])
     head_with_first=st.booleans(),
 )
 async def test_sse_stream_passes_through_byte_exact_frame_by_frame(
-    router_factory, replica_factory, frames, cuts, delay, head_with_first
+    router, replica_factory, frames, cuts, delay, head_with_first
 ):
     # The replica writes frame i (in pieces, with delays) and then waits until the client has
     # received all of it: a router that held bytes back would deadlock here and time out.
@@ -77,8 +77,8 @@ async def test_sse_stream_passes_through_byte_exact_frame_by_frame(
         await conn.write(b"0\r\n\r\n")
 
     replica = await replica_factory(respond)
-    router = await router_factory(replica.url)
-    client = await RawClient.connect(router.url)
+    rt = await router([replica])
+    client = await RawClient.connect(rt.url)
     try:
         payload = completion(stream=True)
         await client.send(
@@ -118,8 +118,14 @@ async def test_sse_stream_passes_through_byte_exact_frame_by_frame(
         )
     finally:
         client.close()
-        await router.stop()
+        await rt.stop()
         await replica.stop()
+
+
+@pytest.fixture
+async def front(router, replica):
+    """The router in front of `replica`, one for all the examples of a property test."""
+    return await router([replica])
 
 
 @settings(
@@ -127,7 +133,7 @@ async def test_sse_stream_passes_through_byte_exact_frame_by_frame(
 )
 @given(body=st.binary(max_size=20_000), cuts=write_pattern, request_body=st.binary(max_size=5000))
 async def test_content_length_body_is_byte_exact_both_ways(
-    router, replica, body, cuts, request_body
+    front, replica, body, cuts, request_body
 ):
     async def respond(req: Received, conn: ReplicaConn) -> None:
         for piece in split(
@@ -137,7 +143,7 @@ async def test_content_length_body_is_byte_exact_both_ways(
 
     replica.responder = respond
     before = len(replica.requests)
-    r = await request(router.url, "PUT", "/anything?x=1", request_body)
+    r = await request(front.url, "PUT", "/anything?x=1", request_body)
     assert r.status == 200
     assert r.body == body
     assert replica.requests[before].body == request_body
@@ -157,13 +163,14 @@ async def test_an_answer_arriving_with_its_head_reaches_the_client_exact_less_it
 ):
     # Small answers are joined behind the rewritten head, larger ones written beside it: both
     # must give the client the same bytes, on a connection that stays open.
+    rt = await router([replica])
     body = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
 
     async def respond(req: Received, conn: ReplicaConn) -> None:
         await conn.write(NGINX_HEAD % size + body)
 
     replica.responder = respond
-    client = await clients(router.url)
+    client = await clients(rt.url)
     for _ in range(2):
         await client.send(b"GET /a HTTP/1.1\r\nhost: r\r\n\r\n")
         answer = await client.response()
@@ -178,7 +185,8 @@ async def test_an_answer_arriving_with_its_head_reaches_the_client_exact_less_it
 
 
 async def test_keep_alive_connections_are_reused_on_both_sides(router, replica, clients):
-    client = await clients(router.url)
+    rt = await router([replica])
+    client = await clients(rt.url)
     for _ in range(5):
         await client.send(b"GET /version HTTP/1.1\r\nhost: r\r\n\r\n")
         r = await client.response()
@@ -188,13 +196,15 @@ async def test_keep_alive_connections_are_reused_on_both_sides(router, replica, 
 
 
 async def test_pipelined_requests_are_answered_in_order(router, replica, clients):
+    rt = await router([replica])
+
     async def respond(req: Received, conn: ReplicaConn) -> None:
         if req.target == b"/slow":
             await asyncio.sleep(0.05)
         await conn.write(json_response(req.target))
 
     replica.responder = respond
-    client = await clients(router.url)
+    client = await clients(rt.url)
     await client.send(
         b"GET /slow HTTP/1.1\r\nhost: r\r\n\r\nGET /fast HTTP/1.1\r\nhost: r\r\n\r\n"
         b"GET /last HTTP/1.1\r\nhost: r\r\n\r\n"
@@ -205,10 +215,11 @@ async def test_pipelined_requests_are_answered_in_order(router, replica, clients
 async def test_chunked_request_body_is_forwarded_whole_with_a_content_length(
     router, replica, clients
 ):
+    rt = await router([replica])
     body = completion(prompt=list(range(50)))
     pieces = [body[:7], body[7:30], body[30:]]
     chunked = b"".join(chunk(p) for p in pieces) + b"0\r\n\r\n"
-    client = await clients(router.url)
+    client = await clients(rt.url)
     await client.send(
         b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ntransfer-encoding: chunked\r\n\r\n"
     )
@@ -223,8 +234,9 @@ async def test_chunked_request_body_is_forwarded_whole_with_a_content_length(
 
 
 async def test_expect_100_continue_is_answered_before_the_body_is_sent(router, replica, clients):
+    rt = await router([replica])
     body = completion()
-    client = await clients(router.url)
+    client = await clients(rt.url)
     await client.send(
         b"POST /v1/completions HTTP/1.1\r\nhost: r\r\nexpect: 100-continue\r\n"
         b"content-length: " + str(len(body)).encode() + b"\r\n\r\n"
@@ -240,10 +252,10 @@ async def test_expect_100_continue_is_answered_before_the_body_is_sent(router, r
 
 
 async def test_expect_100_continue_over_the_body_limit_gets_413_without_continue(
-    router_factory, replica, clients
+    router, replica, clients
 ):
-    router = await router_factory(replica.url, max_body_bytes=100)
-    client = await clients(router.url)
+    rt = await router([replica], max_body_bytes=100)
+    client = await clients(rt.url)
     await client.send(
         b"POST /v1/completions HTTP/1.1\r\nhost: r\r\nexpect: 100-continue\r\n"
         b"content-length: 1000\r\n\r\n"
@@ -254,9 +266,7 @@ async def test_expect_100_continue_over_the_body_limit_gets_413_without_continue
     assert replica.requests == []
 
 
-async def test_a_stale_pooled_connection_is_retried_once_on_a_fresh_one(
-    router, replica_factory, router_factory
-):
+async def test_a_stale_pooled_connection_is_retried_once_on_a_fresh_one(router, replica_factory):
     # The replica answers the first request, then closes that keep-alive connection the moment
     # the next request arrives on it (the race of a replica closing an idle connection).
     async def respond(req: Received, conn: ReplicaConn) -> None:
@@ -266,9 +276,9 @@ async def test_a_stale_pooled_connection_is_retried_once_on_a_fresh_one(
         await conn.write(json_response(req.target))
 
     replica = await replica_factory(respond)
-    router = await router_factory(replica.url)
-    assert (await request(router.url, path="/first")).body == b"/first"
-    r = await request(router.url, "POST", "/second", b"{}")
+    rt = await router([replica])
+    assert (await request(rt.url, path="/first")).body == b"/first"
+    r = await request(rt.url, "POST", "/second", b"{}")
     assert r.status == 200 and r.body == b"/second"
     assert [(q.target, q.conn) for q in replica.requests] == [
         (b"/first", 0),
@@ -278,7 +288,7 @@ async def test_a_stale_pooled_connection_is_retried_once_on_a_fresh_one(
 
 
 async def test_a_completion_on_a_stale_pooled_connection_is_retried_once_on_a_fresh_one(
-    replica_factory, router_factory
+    replica_factory, router
 ):
     # The same race on the routed path (retries there are the app's, before any byte).
     async def respond(req: Received, conn: ReplicaConn) -> None:
@@ -288,17 +298,17 @@ async def test_a_completion_on_a_stale_pooled_connection_is_retried_once_on_a_fr
         await conn.write(json_response(b'{"n":%d}' % len(replica.requests)))
 
     replica = await replica_factory(respond)
-    router = await router_factory(replica.url)
+    rt = await router([replica])
     for expected in (b'{"n":1}', b'{"n":3}'):
-        r = await request(router.url, "POST", "/v1/completions", completion())
+        r = await request(rt.url, "POST", "/v1/completions", completion())
         assert r.status == 200 and r.body == expected
     assert [q.conn for q in replica.requests] == [0, 0, 1]
-    (serving,) = router.fleet.replicas
+    (serving,) = rt.fleet.replicas
     assert serving.breaker.failures == 0 and serving.in_flight == 0  # not the replica's fault
 
 
 async def test_a_request_is_not_retried_after_the_first_response_byte(
-    replica_factory, router_factory, clients
+    replica_factory, router, clients
 ):
     async def respond(req: Received, conn: ReplicaConn) -> None:
         if req.target == b"/second":
@@ -308,25 +318,25 @@ async def test_a_request_is_not_retried_after_the_first_response_byte(
         await conn.write(json_response())
 
     replica = await replica_factory(respond)
-    router = await router_factory(replica.url)
-    await request(router.url, path="/first")
-    r = await request(router.url, path="/second")
+    rt = await router([replica])
+    await request(rt.url, path="/first")
+    r = await request(rt.url, path="/second")
     assert r.status == 502
     assert [q.target for q in replica.requests] == [b"/first", b"/second"]
 
 
-async def test_a_fresh_connection_that_fails_is_not_retried(replica_factory, router_factory):
+async def test_a_fresh_connection_that_fails_is_not_retried(replica_factory, router):
     async def respond(req: Received, conn: ReplicaConn) -> None:
         conn.abort()
 
     replica = await replica_factory(respond)
-    router = await router_factory(replica.url, retries=0)
-    r = await request(router.url, path="/x")
+    rt = await router([replica], retries=0)
+    r = await request(rt.url, path="/x")
     assert r.status == 502
     assert len(replica.requests) == 1
 
 
-async def test_tls_replica_verified_against_a_private_ca(replica_factory, router_factory, tmp_path):
+async def test_tls_replica_verified_against_a_private_ca(replica_factory, router, tmp_path):
     ca = trustme.CA()
     server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ca.issue_cert("localhost").configure_cert(server_ctx)
@@ -334,14 +344,14 @@ async def test_tls_replica_verified_against_a_private_ca(replica_factory, router
     ca_file = tmp_path / "ca.pem"
     ca.cert_pem.write_to_path(str(ca_file))
 
-    router = await router_factory(replica.url, ca_file=str(ca_file))
-    r = await request(router.url, "POST", "/v1/completions", completion())
+    rt = await router([replica], ca_file=str(ca_file))
+    r = await request(rt.url, "POST", "/v1/completions", completion())
     assert r.status == 200 and r.body == b'{"ok":true}'
     assert replica.requests[0].header(b"host") == f"localhost:{replica.port}".encode()
 
     # Verified against the system store only, the replica is refused: no request reaches it.
     before = len(replica.requests)
-    untrusting = await router_factory(replica.url, retries=0)
+    untrusting = await router([replica], retries=0)
     r = await request(untrusting.url, "POST", "/v1/completions", completion())
     assert r.status in (502, 503)
     assert len(replica.requests) == before
@@ -351,6 +361,7 @@ async def test_tls_replica_verified_against_a_private_ca(replica_factory, router
 async def test_client_disconnect_mid_stream_closes_the_upstream_within_a_second(
     router, replica, clients, warm
 ):
+    rt = await router([replica])
     started = asyncio.Event()
 
     async def respond(req: Received, conn: ReplicaConn) -> None:
@@ -364,9 +375,9 @@ async def test_client_disconnect_mid_stream_closes_the_upstream_within_a_second(
     replica.responder = respond
     if warm:
         # One answered completion first: the stream then goes out on the pooled connection.
-        answered = await request(router.url, "POST", "/v1/completions", completion(stream=False))
+        answered = await request(rt.url, "POST", "/v1/completions", completion(stream=False))
         assert answered.status == 200
-    client = await clients(router.url)
+    client = await clients(rt.url)
     payload = completion(stream=True)
     await client.send(
         b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-length: %d\r\n\r\n" % len(payload)
@@ -378,7 +389,7 @@ async def test_client_disconnect_mid_stream_closes_the_upstream_within_a_second(
     async with asyncio.timeout(1.0):
         await replica.conns[0].closed.wait()
     assert len(replica.conns) == 1  # the stream went out on the pooled connection, if warm
-    stats = router.app.stats.requests
+    stats = rt.app.stats.requests
     async with asyncio.timeout(1.0):
         while stats.get(("/v1/completions", 200, b"0"), 0) != 1 + warm:
             await asyncio.sleep(0.01)  # counted once its replica connection is gone
@@ -387,11 +398,13 @@ async def test_client_disconnect_mid_stream_closes_the_upstream_within_a_second(
 async def test_client_disconnect_while_the_replica_thinks_closes_the_upstream(
     router, replica, clients
 ):
+    rt = await router([replica])
+
     async def respond(req: Received, conn: ReplicaConn) -> None:
         await asyncio.sleep(30)  # a long prefill: no byte yet
 
     replica.responder = respond
-    client = await clients(router.url)
+    client = await clients(rt.url)
     await client.send(b"GET /slow HTTP/1.1\r\nhost: r\r\n\r\n")
     await replica.wait_requests(1)
     client.close()
@@ -400,6 +413,7 @@ async def test_client_disconnect_while_the_replica_thinks_closes_the_upstream(
 
 
 async def test_http10_client_gets_a_dechunked_body_ended_by_close(router, replica, clients):
+    rt = await router([replica])
     frames = [b"data: 1\n\n", b"data: [DONE]\n\n"]
 
     async def respond(req: Received, conn: ReplicaConn) -> None:
@@ -407,7 +421,7 @@ async def test_http10_client_gets_a_dechunked_body_ended_by_close(router, replic
         await conn.write(chunk(frames[1]) + b"0\r\n\r\n")
 
     replica.responder = respond
-    client = await clients(router.url)
+    client = await clients(rt.url)
     await client.send(b"GET /stream HTTP/1.0\r\n\r\n")
     raw = await client.read_all()
     head, _, body = raw.partition(b"\r\n\r\n")
@@ -416,7 +430,7 @@ async def test_http10_client_gets_a_dechunked_body_ended_by_close(router, replic
     assert b"connection: close" in head
     assert body == b"".join(frames)
     # The same pooled replica connection then serves an HTTP/1.1 client: chunks pass as sent.
-    client = await clients(router.url)
+    client = await clients(rt.url)
     await client.send(b"GET /stream HTTP/1.1\r\nhost: r\r\n\r\n")
     answer = await client.response()
     assert answer.body == b"".join(frames)
@@ -425,25 +439,30 @@ async def test_http10_client_gets_a_dechunked_body_ended_by_close(router, replic
 
 
 async def test_http10_client_with_a_content_length_answer(router, replica, clients):
-    client = await clients(router.url)
+    rt = await router([replica])
+    client = await clients(rt.url)
     await client.send(b"GET /version HTTP/1.0\r\n\r\n")
     raw = await client.read_all()
     assert raw.startswith(b"HTTP/1.1 200 OK") and raw.endswith(b'\r\n\r\n{"ok":true}')
 
 
 async def test_head_request_gets_headers_only(router, replica, clients):
+    rt = await router([replica])
+
     async def respond(req: Received, conn: ReplicaConn) -> None:
         await conn.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1234\r\n\r\n")
 
     replica.responder = respond
-    r = await request(router.url, "HEAD", "/x")  # a --forward-path: every method forwarded
+    r = await request(rt.url, "HEAD", "/x")  # a --forward-path: every method forwarded
     assert r.status == 200 and r.header(b"content-length") == b"1234" and r.body == b""
     # and the router still works after it
     replica.responder = lambda req, conn: conn.write(json_response())
-    assert (await request(router.url)).status == 200
+    assert (await request(rt.url)).status == 200
 
 
 async def test_redirects_are_passed_to_the_client_untouched_not_followed(router, replica):
+    rt = await router([replica])
+
     async def respond(req: Received, conn: ReplicaConn) -> None:
         await conn.write(
             b"HTTP/1.1 307 Temporary Redirect\r\nlocation: http://evil.example/steal\r\n"
@@ -451,28 +470,32 @@ async def test_redirects_are_passed_to_the_client_untouched_not_followed(router,
         )
 
     replica.responder = respond
-    r = await request(router.url, "POST", "/v1/completions", completion())
+    r = await request(rt.url, "POST", "/v1/completions", completion())
     assert r.status == 307
     assert r.header(b"location") == b"http://evil.example/steal"
     assert len(replica.requests) == 1
 
 
 async def test_interim_1xx_from_a_replica_is_not_forwarded(router, replica):
+    rt = await router([replica])
+
     async def respond(req: Received, conn: ReplicaConn) -> None:
         await conn.write(b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n" + json_response())
 
     replica.responder = respond
-    r = await request(router.url)
+    r = await request(rt.url)
     assert r.status == 200 and r.body == b'{"ok":true}'
     assert b"103" not in r.raw
 
 
 async def test_bytes_after_the_end_of_a_response_never_reach_the_client(router, replica, clients):
+    rt = await router([replica])
+
     async def respond(req: Received, conn: ReplicaConn) -> None:
         await conn.write(json_response() + b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nEVIL!")
 
     replica.responder = respond
-    client = await clients(router.url)
+    client = await clients(rt.url)
     await client.send(b"GET /a HTTP/1.1\r\nhost: r\r\n\r\n")
     # Head and junk arrive together: parsed before a byte goes out, the whole answer is refused.
     answer = await client.response()
@@ -481,18 +504,21 @@ async def test_bytes_after_the_end_of_a_response_never_reach_the_client(router, 
 
 
 async def test_a_close_delimited_answer_is_forwarded_up_to_its_close(router, replica, clients):
+    rt = await router([replica])
+
     async def respond(req: Received, conn: ReplicaConn) -> None:
         await conn.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nuntil the end")
         conn.abort()
 
     replica.responder = respond
-    client = await clients(router.url)
+    client = await clients(rt.url)
     await client.send(b"GET / HTTP/1.1\r\nhost: r\r\n\r\n")
     raw = await client.read_all()
     assert raw.endswith(b"\r\n\r\nuntil the end") and b"connection: close" in raw
 
 
 async def test_a_slow_client_pauses_the_replica_so_memory_stays_bounded(router, replica, clients):
+    rt = await router([replica])
     total = 64 * 1024 * 1024
     piece = b"x" * (256 * 1024)
     written = 0
@@ -507,7 +533,7 @@ async def test_a_slow_client_pauses_the_replica_so_memory_stays_bounded(router, 
         done.set()
 
     replica.responder = respond
-    client = await clients(router.url)
+    client = await clients(rt.url)
     await client.send(b"GET /big HTTP/1.1\r\nhost: r\r\n\r\n")
     await replica.wait_requests(1)
     with pytest.raises(TimeoutError):  # the client reads nothing: the replica cannot finish
@@ -515,7 +541,7 @@ async def test_a_slow_client_pauses_the_replica_so_memory_stays_bounded(router, 
     # The replica is stuck well short of the end (kernel socket buffers hold a few MB), and the
     # router itself holds little of it.
     assert written < 24 * 1024 * 1024
-    (conn,) = router.connections.open
+    (conn,) = rt.connections.open
     assert conn.transport.get_write_buffer_size() < 2 * 1024 * 1024
     received = 0
     async with asyncio.timeout(20):
@@ -527,24 +553,26 @@ async def test_a_slow_client_pauses_the_replica_so_memory_stays_bounded(router, 
 
 
 async def test_many_requests_leave_no_upstream_connection_or_task_behind(router, replica, clients):
+    rt = await router([replica])
     for _ in range(50):
-        assert (await request(router.url)).status == 200
+        assert (await request(rt.url)).status == 200
     gc.collect()
-    pool = router.fleet.replicas[0].pool
+    pool = rt.fleet.replicas[0].pool
     assert pool.open_connections <= 1
     assert len(asyncio.all_tasks()) < 10
 
 
 @pytest.mark.parametrize("prefix", ["/base", "/deep/prefix"])
-async def test_a_replica_url_path_prefix_is_prepended(replica_factory, router_factory, prefix):
+async def test_a_replica_url_path_prefix_is_prepended(replica_factory, router, prefix):
     replica = await replica_factory()
-    router = await router_factory(replica.url + prefix + "/")
-    await request(router.url, path="/version?x=1")
+    rt = await router([replica.url + prefix + "/"])
+    await request(rt.url, path="/version?x=1")
     assert replica.requests[0].target == prefix.encode() + b"/version?x=1"
 
 
 async def test_connection_close_from_the_client_is_honoured(router, replica, clients):
-    client = await clients(router.url)
+    rt = await router([replica])
+    client = await clients(rt.url)
     await client.send(
         b"GET /one HTTP/1.1\r\nhost: r\r\nconnection: close\r\n\r\n"
         b"GET /two HTTP/1.1\r\nhost: r\r\n\r\n"

@@ -32,7 +32,8 @@ def reached(replica, path: bytes) -> list[bytes]:
 async def test_a_call_that_changes_one_engine_is_refused_501_naming_why_and_reaches_no_replica(
     router, replica, route: Route
 ):
-    r = await request(router.url, "POST", route.label, b'{"action": "reset"}')
+    rt = await router([replica])
+    r = await request(rt.url, "POST", route.label, b'{"action": "reset"}')
     message = vllm_error(r, 501)
     assert route.label in message and route.why in message
     assert reached(replica, route.path) == [] and replica.requests == []
@@ -49,7 +50,8 @@ async def test_a_call_that_changes_one_engine_is_refused_501_naming_why_and_reac
     ],
 )
 async def test_a_refused_route_is_refused_however_it_is_spelled(router, replica, spelled, route):
-    message = vllm_error(await request(router.url, "POST", spelled, b"{}"), 501)
+    rt = await router([replica])
+    message = vllm_error(await request(rt.url, "POST", spelled, b"{}"), 501)
     assert route in message
     assert replica.requests == [] and reached(replica, route.encode()) == []
 
@@ -73,7 +75,8 @@ async def test_a_refused_route_is_refused_however_it_is_spelled(router, replica,
     ],
 )
 async def test_a_spelling_that_could_mean_two_routes_is_refused_400(router, replica, target):
-    message = vllm_error(await request(router.url, "POST", target, b""), 400)
+    rt = await router([replica])
+    message = vllm_error(await request(rt.url, "POST", target, b""), 400)
     assert "`#`" in message or "path" in message
     assert replica.requests == [] and reached(replica, b"/pause") == []
 
@@ -84,7 +87,8 @@ async def test_a_spelling_that_could_mean_two_routes_is_refused_400(router, repl
 async def test_an_unknown_path_is_answered_404_as_vllm_answers_it_and_reaches_no_replica(
     router, replica, path
 ):
-    r = await request(router.url, "GET", path)
+    rt = await router([replica])
+    r = await request(rt.url, "GET", path)
     assert r.status == 404 and r.json() == {"detail": "Not Found"}
     assert replica.requests == []
 
@@ -102,7 +106,8 @@ async def test_an_unknown_path_is_answered_404_as_vllm_answers_it_and_reaches_no
 async def test_a_known_path_with_another_method_is_answered_405_with_allow(
     router, replica, method, path, allow
 ):
-    r = await request(router.url, method, path)
+    rt = await router([replica])
+    r = await request(rt.url, method, path)
     assert r.status == 405 and r.json() == {"detail": "Method Not Allowed"}
     assert r.header(b"allow") == allow
     assert replica.requests == []
@@ -111,7 +116,8 @@ async def test_a_known_path_with_another_method_is_answered_405_with_allow(
 async def test_a_head_the_router_answers_itself_has_no_body_and_the_connection_goes_on(
     router, replica, clients
 ):
-    client: RawClient = await clients(router.url)
+    rt = await router([replica])
+    client: RawClient = await clients(rt.url)
     await client.send(b"HEAD /version HTTP/1.1\r\nhost: r\r\n\r\n")
     r = await client.response(head=True)
     assert r.status == 405 and r.raw.endswith(b"\r\n\r\n")  # as FastAPI: GET takes no HEAD
@@ -136,12 +142,14 @@ CHAT = completion(messages=[{"role": "user", "content": "hi"}])
 async def test_a_forwarded_request_carries_the_canonical_path_never_the_clients_spelling(
     router, replica, method, spelled, body, sent
 ):
-    assert (await request(router.url, method, spelled, body)).status == 200
+    rt = await router([replica])
+    assert (await request(rt.url, method, spelled, body)).status == 200
     assert [q.target for q in replica.requests] == [sent]  # the query as the client sent it
 
 
 async def test_a_broadcast_spelled_otherwise_is_broadcast_under_its_own_path(router, replica):
-    r = await request(router.url, "POST", "/p%61use?mode=keep")
+    rt = await router([replica])
+    r = await request(rt.url, "POST", "/p%61use?mode=keep")
     assert r.status == 200
     assert reached(replica, b"/pause") == [b"/pause?mode=keep"]
     assert replica.requests == []  # broadcasts go through the control plane, not one replica
@@ -149,21 +157,22 @@ async def test_a_broadcast_spelled_otherwise_is_broadcast_under_its_own_path(rou
 
 @pytest.mark.parametrize("route", FORWARDED, ids=lambda r: r.label)
 async def test_every_read_only_route_is_forwarded_to_one_replica(router, replica, route: Route):
+    rt = await router([replica])
     method = sorted(route.methods or {b"GET"})[0].decode()
-    r = await request(router.url, method, route.label, b"{}" if method == "POST" else b"")
+    r = await request(rt.url, method, route.label, b"{}" if method == "POST" else b"")
     assert r.status == 200
     assert [q.target for q in replica.requests] == [route.path]
 
 
 @pytest.mark.parametrize("route", CLOSED[:3], ids=lambda r: r.label)
 async def test_another_generation_api_is_refused_naming_the_flag_that_opens_it(
-    router_factory, replica, route: Route
+    router, replica, route: Route
 ):
-    closed = await router_factory(replica.url, forward_paths=())
+    closed = await router([replica], forward_paths=())
     message = vllm_error(await request(closed.url, "POST", route.label, b"{}"), 501)
     assert f"--forward-path {route.label}" in message
     assert replica.requests == []
-    opened = await router_factory(replica.url, forward_paths=(route.label,))
+    opened = await router([replica], forward_paths=(route.label,))
     assert (await request(opened.url, "POST", route.label, b"{}")).status == 200
     assert [q.target for q in replica.requests] == [route.path]
 
@@ -171,9 +180,10 @@ async def test_another_generation_api_is_refused_naming_the_flag_that_opens_it(
 async def test_metrics_label_a_spelled_route_by_its_route_and_unknown_paths_as_other(
     router, replica
 ):
-    await request(router.url, "POST", "/p%61use?mode=keep")
+    rt = await router([replica])
+    await request(rt.url, "POST", "/p%61use?mode=keep")
     for i in range(3):
-        await request(router.url, "GET", f"/made-up-{i}")
-    text = (await request(router.url, "GET", "/metrics")).body.decode()
+        await request(rt.url, "GET", f"/made-up-{i}")
+    text = (await request(rt.url, "GET", "/metrics")).body.decode()
     assert 'route="/pause",status="200"' in text
     assert 'route="other",status="404"' in text and "made-up" not in text

@@ -31,9 +31,9 @@ async def emulator():
     await emu.stop()
 
 
-async def test_openai_sdk_streams_a_completion_through_the_router(router_factory, emulator):
-    router = await router_factory(emulator.url)
-    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="client-side-key")
+async def test_openai_sdk_streams_a_completion_through_the_router(router, emulator):
+    rt = await router([emulator])
+    client = openai.AsyncOpenAI(base_url=rt.url + "/v1", api_key="client-side-key")
     try:
         stream = await client.completions.create(
             model=emulator.config.model, prompt=[1, 2, 3, 4], max_tokens=8, stream=True
@@ -79,7 +79,7 @@ _STREAM = (
 
 @pytest.mark.parametrize("connection", ["new", "pooled"])
 async def test_a_stream_its_client_closes_at_done_is_counted(
-    router_factory, replica_factory, clients, connection
+    router, replica_factory, clients, connection
 ) -> None:
     """A client that closes at `[DONE]`, before the replica's chunked terminator (as httpx-based
     SDKs may when they close the response there; it never comes here): the router counts the
@@ -94,11 +94,11 @@ async def test_a_stream_its_client_closes_at_done_is_counted(
         streaming.put_nowait(conn)
 
     replica: FakeReplica = await replica_factory(respond)
-    router = await router_factory(replica.url, policy="prefix")  # round-robin predicts nothing
+    rt = await router([replica], policy="prefix")  # round-robin predicts nothing
     if connection == "pooled":  # leaves an idle pooled connection to the replica
-        warm = await request(router.url, "POST", "/v1/completions", completion("warm"))
+        warm = await request(rt.url, "POST", "/v1/completions", completion("warm"))
         assert warm.status == 200
-    client = await clients(router.url)
+    client = await clients(rt.url)
     body = completion(list(range(64)), stream=True, stream_options={"include_usage": True})
     await client.send(post_completion(body))
     got = b""
@@ -108,6 +108,6 @@ async def test_a_stream_its_client_closes_at_done_is_counted(
         assert b'"cached_tokens":48' in got
         client.close()
         await (await streaming.get()).closed.wait()  # the router abandoned the answer's rest
-    accuracy = (await request(router.url, path="/router/status")).json()["routing_accuracy"]
+    accuracy = (await request(rt.url, path="/router/status")).json()["routing_accuracy"]
     assert accuracy["answers"] == 1 and accuracy["unreported"] == 0, accuracy
     assert accuracy["reported_cached_tokens"] == 48

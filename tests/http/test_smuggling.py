@@ -58,7 +58,8 @@ MALFORMED = {
 async def test_malformed_or_ambiguous_requests_are_refused_with_a_close(
     router, replica, clients, raw
 ):
-    client = await clients(router.url)
+    rt = await router([replica])
+    client = await clients(rt.url)
     await client.send(raw + HIDDEN)
     received = await client.read_all(timeout=5)  # the router closes: no hang
     if received:  # an error answer, never a success
@@ -73,7 +74,8 @@ async def test_malformed_or_ambiguous_requests_are_refused_with_a_close(
 async def test_a_request_in_front_of_bad_bytes_is_answered_then_the_connection_closes(
     router, replica, clients
 ):
-    client = await clients(router.url)
+    rt = await router([replica])
+    client = await clients(rt.url)
     await client.send(b"GET /first HTTP/1.1\r\nhost: r\r\n\r\n" + MALFORMED["CL and TE"] + HIDDEN)
     assert (await client.response()).status == 200
     assert await client.closed()
@@ -81,7 +83,8 @@ async def test_a_request_in_front_of_bad_bytes_is_answered_then_the_connection_c
 
 
 async def test_trailers_never_become_request_headers(router, replica, clients):
-    client = await clients(router.url)
+    rt = await router([replica])
+    client = await clients(rt.url)
     await client.send(
         b"POST /x HTTP/1.1\r\nhost: r\r\ntransfer-encoding: chunked\r\n\r\n"
         b"3\r\nabc\r\n0\r\nx-injected: 1\r\nx-forwarded-for: 6.6.6.6\r\n\r\n"
@@ -96,8 +99,9 @@ async def test_trailers_never_become_request_headers(router, replica, clients):
 async def test_absolute_form_targets_never_reach_another_host(
     router, replica, replica_factory, clients
 ):
+    rt = await router([replica])
     elsewhere = await replica_factory()  # the host the request names
-    client = await clients(router.url)
+    client = await clients(rt.url)
     await client.send(
         f"GET {elsewhere.url}/steal HTTP/1.1\r\nhost: 127.0.0.1:{elsewhere.port}\r\n\r\n".encode()
     )
@@ -111,8 +115,9 @@ async def test_absolute_form_targets_never_reach_another_host(
 async def test_connect_is_refused_without_opening_a_tunnel(
     router, replica, replica_factory, clients
 ):
+    rt = await router([replica])
     elsewhere = await replica_factory()
-    client = await clients(router.url)
+    client = await clients(rt.url)
     target = f"127.0.0.1:{elsewhere.port}".encode()
     await client.send(b"CONNECT " + target + b" HTTP/1.1\r\nhost: " + target + b"\r\n\r\n")
     r = await client.response()
@@ -123,7 +128,8 @@ async def test_connect_is_refused_without_opening_a_tunnel(
 
 @pytest.mark.parametrize("method", [b"TRACE", b"PROPFIND", b"LINK", b"MKCOL"])
 async def test_unsupported_methods_are_501(router, replica, clients, method):
-    client = await clients(router.url)
+    rt = await router([replica])
+    client = await clients(rt.url)
     await client.send(method + b" /x HTTP/1.1\r\nhost: r\r\n\r\n")
     r = await client.response()
     assert r.status == 501 and r.json()["error"]["code"] == 501
@@ -133,7 +139,8 @@ async def test_unsupported_methods_are_501(router, replica, clients, method):
 async def test_an_upgrade_request_is_answered_without_upgrading_then_closed(
     router, replica, clients
 ):
-    client = await clients(router.url)
+    rt = await router([replica])
+    client = await clients(rt.url)
     await client.send(
         b"GET /x HTTP/1.1\r\nhost: r\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\n"
         + b"\x81\x85raw websocket frame"
@@ -147,7 +154,7 @@ async def test_an_upgrade_request_is_answered_without_upgrading_then_closed(
 
 
 async def test_a_pipelined_request_behind_a_slow_one_gets_no_early_deadline(
-    router_factory, replica, clients
+    router, replica, clients
 ):
     # The second request arrives half-sent while the first is being answered; its deadline
     # only starts once the first answer is complete, and it never interleaves with it.
@@ -157,8 +164,8 @@ async def test_a_pipelined_request_behind_a_slow_one_gets_no_early_deadline(
         await conn.write(json_response(req.target))
 
     replica.responder = respond
-    router = await router_factory(replica.url, header_timeout=0.3)
-    client = await clients(router.url)
+    rt = await router([replica], header_timeout=0.3)
+    client = await clients(rt.url)
     await client.send(b"GET /slow HTTP/1.1\r\nhost: r\r\n\r\nGET /next HTTP/1.1\r\nho")
     first = await client.response()
     assert first.body == b"/slow"
@@ -169,6 +176,7 @@ async def test_a_pipelined_request_behind_a_slow_one_gets_no_early_deadline(
 async def test_expect_continue_behind_a_pipelined_request_waits_for_its_turn(
     router, replica, clients
 ):
+    rt = await router([replica])
     release = asyncio.Event()
 
     async def respond(req: Received, conn: ReplicaConn) -> None:
@@ -177,7 +185,7 @@ async def test_expect_continue_behind_a_pipelined_request_waits_for_its_turn(
         await conn.write(json_response(req.target))
 
     replica.responder = respond
-    client = await clients(router.url)
+    client = await clients(rt.url)
     await client.send(
         b"GET /slow HTTP/1.1\r\nhost: r\r\n\r\n"
         b"POST /next HTTP/1.1\r\nhost: r\r\nexpect: 100-continue\r\ncontent-length: 2\r\n\r\n"

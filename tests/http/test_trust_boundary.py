@@ -79,23 +79,25 @@ def urls_of(port: int) -> list[str]:
 async def test_a_replica_outside_the_allow_list_is_refused_403_and_never_contacted(
     router, replica, thief
 ):
+    rt = await router([replica])
     for url in urls_of(thief.port):
         for path in ("/router/replicas", "/router/%72eplicas", "/ro%75ter/replicas"):
-            r = await request(router.url, "POST", path, orjson.dumps({"url": url}))
+            r = await request(rt.url, "POST", path, orjson.dumps({"url": url}))
             assert r.status == 403, (url, path, r.raw)
             assert "--replica-hosts" in r.json()["error"]["message"]
     assert thief.connections == 0
-    assert len((await request(router.url, path="/router/replicas")).json()["replicas"]) == 1
+    assert len((await request(rt.url, path="/router/replicas")).json()["replicas"]) == 1
 
 
 async def test_no_route_of_any_spelling_or_host_header_makes_the_router_contact_another_host(
     router, replica, thief
 ):
+    rt = await router([replica])
     thief_host = f"127.0.0.1:{thief.port}".encode()
     for route in (*ROUTES, REPLICA):
         for method in sorted(route.methods or {b"GET"}):
             for target in (route.path, b"http://" + thief_host + route.path):
-                client = await RawClient.connect(router.url)
+                client = await RawClient.connect(rt.url)
                 body = orjson.dumps({"url": f"http://{thief_host.decode()}"})
                 await client.send(
                     b"%s %s HTTP/1.1\r\nhost: %s\r\nx-forwarded-host: %s\r\n"
@@ -108,9 +110,9 @@ async def test_no_route_of_any_spelling_or_host_header_makes_the_router_contact_
 
 
 async def test_with_an_api_key_membership_needs_the_key_and_the_allow_list_still_holds(
-    router_factory, replica, thief
+    router, replica, thief
 ):
-    locked = await router_factory(replica.url, api_key=Secret(API_KEY))
+    locked = await router([replica], api_key=Secret(API_KEY))
     body = orjson.dumps({"url": f"http://127.0.0.1:{thief.port}"})
     assert (await request(locked.url, "POST", "/router/replicas", body)).status == 401
     assert (await request(locked.url, "GET", "/router/replicas")).status == 401
@@ -120,9 +122,9 @@ async def test_with_an_api_key_membership_needs_the_key_and_the_allow_list_still
     assert (await request(locked.url, "GET", "/router/replicas", headers=key)).status == 200
 
 
-async def test_replica_hosts_admit_what_they_name_and_only_that(router_factory, replica, thief):
+async def test_replica_hosts_admit_what_they_name_and_only_that(router, replica, thief):
     named = (f"127.0.0.1:{replica.port}", f"127.0.0.1:{thief.port}")  # --replicas' included
-    wide = await router_factory(replica.url, replica_hosts=named)
+    wide = await router([replica], replica_hosts=named)
     other = orjson.dumps({"url": f"http://127.0.0.1:{thief.port + 1}"})
     assert (await request(wide.url, "POST", "/router/replicas", other)).status == 403
     assert thief.connections == 0
@@ -133,7 +135,7 @@ async def test_replica_hosts_admit_what_they_name_and_only_that(router_factory, 
 
 
 async def test_a_redirect_from_a_replica_is_reported_with_its_host_and_never_followed(
-    router_factory, replica_factory, thief, token_never_leaks, monkeypatch
+    router, replica_factory, thief, token_never_leaks, monkeypatch
 ):
     to_thief = f"http://127.0.0.1:{thief.port}/steal".encode()
 
@@ -148,15 +150,15 @@ async def test_a_redirect_from_a_replica_is_reported_with_its_host_and_never_fol
     answer = http_harness.control_responder
     monkeypatch.setattr(http_harness, "control_responder", redirect)
     sly = await replica_factory()
-    router = await router_factory(sly.url, health_interval=0.05, health_failures=1)
-    await asyncio.wait_for(_ejected(router), 5)
-    error = (await request(router.url, path="/router/status")).json()["replicas"][0]["last_error"]
+    rt = await router([sly], health_interval=0.05, health_failures=1)
+    await asyncio.wait_for(_ejected(rt), 5)
+    error = (await request(rt.url, path="/router/status")).json()["replicas"][0]["last_error"]
     assert f"/health: HTTP 307, a redirect to http://127.0.0.1:{thief.port} (not followed" in error
     await asyncio.wait_for(_checks(sly, 3), 5)  # more health checks, each redirected
     client = [line for line in token_never_leaks.records if "fleet.client" in line]
     assert len(client) == 1 and client[0].startswith("WARNING")  # once, not every check
     assert f"redirect to http://127.0.0.1:{thief.port}" in client[0]
-    facts = await probe_replica_of(router.config)  # lora-router --check
+    facts = await probe_replica_of(rt.config)  # lora-router --check
     assert facts.answer == "unreachable" and f"http://127.0.0.1:{thief.port}" in facts.detail
     assert thief.connections == 0 and not thief.token_reached
 
@@ -172,19 +174,18 @@ async def _checks(replica, n: int) -> None:
         await asyncio.sleep(0.01)
 
 
-async def _ejected(router) -> None:
-    while router.fleet.replicas[0].live:
+async def _ejected(rt) -> None:
+    while rt.fleet.replicas[0].live:
         await asyncio.sleep(0.01)
 
 
 async def test_a_token_sent_in_the_clear_beyond_this_machine_is_warned_about_by_name(
-    router_factory, replica, caplog
+    router, replica, caplog
 ):
     caplog.set_level(logging.WARNING, logger="lora_router")
     far, farther = "http://192.0.2.1:9", "http://192.0.2.2:9"  # TEST-NET-1: never routed
-    rt = await router_factory(
-        replica.url,
-        far,
+    rt = await router(
+        [replica, far],
         replica_hosts=("127.0.0.1", "192.0.2.0/24"),
         connect_timeout=0.2,
         health_timeout=0.2,

@@ -137,7 +137,8 @@ def _rss() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-async def test_thousands_of_idle_client_connections_cost_bounded_memory(router):
+async def test_thousands_of_idle_client_connections_cost_bounded_memory(router, replica):
+    rt = await router([replica])
     loop = asyncio.get_running_loop()
     socks = []
     base = _rss()
@@ -145,10 +146,10 @@ async def test_thousands_of_idle_client_connections_cost_bounded_memory(router):
         for _ in range(2000):
             s = socket.socket()
             s.setblocking(False)
-            await loop.sock_connect(s, ("127.0.0.1", router.port))
+            await loop.sock_connect(s, ("127.0.0.1", rt.port))
             socks.append(s)
         async with asyncio.timeout(10):
-            while len(router.connections.open) < 2000:
+            while len(rt.connections.open) < 2000:
                 await asyncio.sleep(0.01)
         # both ends of each connection live in this process; about 4 KB is measured
         assert (_rss() - base) / 2000 < 16 * 1024

@@ -6,10 +6,9 @@ import asyncio
 import logging
 
 import aiohttp
-import orjson
 import pytest
 from emulated_fleet import StartEmulators, StartRouter
-from helpers import Adapter, call, complete, load, samples
+from helpers import Adapter, call, complete, load, router_status, samples
 
 from lora_router.observe.status import summary_line
 
@@ -94,9 +93,7 @@ async def test_status_page_shows_the_whole_fleet_state(
     path = adapter("trl-policy-v1")
     assert (await load(client, rt.url, "trl-policy-v1", path))[0] == 200
     assert (await call(client, "POST", rt.url + "/pause?mode=keep"))[0] == 200
-    code, body, _ = await call(client, "GET", rt.url + "/router/status")
-    assert code == 200
-    doc = orjson.loads(body)
+    doc = await router_status(client, rt.url)
     assert [r["id"] for r in doc["replicas"]] == [0, 1, 2]
     assert all(r["adapters"] == ["trl-policy-v1"] and r["admitted"] for r in doc["replicas"])
     assert doc["adapters"] == {"trl-policy-v1": {"state": "live", "path": path}}

@@ -4,7 +4,6 @@ from data_plane import (  # noqa: F401 (fixtures, found by name)
     clients,
     replica,
     replica_factory,
-    router,
-    router_factory,
+    router_settings,
     token_never_leaks,
 )

@@ -5,28 +5,22 @@ replica (`/router/status`, `/metrics`) and logs it with the bytes that came."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
 
 import aiohttp
-import orjson
 import pytest
-from emulated_fleet import StartEmulators
-from helpers import call, samples
-
-from lora_router.runtime import RouterRuntime
-
-RouterFactory = Callable[..., Awaitable[RouterRuntime]]
+from emulated_fleet import StartEmulators, StartRouter
+from helpers import call, router_status, samples
 
 
 async def test_a_cut_stream_is_counted_logged_and_seen_truncated(
     emulators: StartEmulators,
-    router_factory: RouterFactory,
+    router: StartRouter,
     client: aiohttp.ClientSession,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     (emu,) = await emulators(1)
     emu.faults.crash_after_frames = 2  # two SSE frames, then the connection is cut
-    rt = await router_factory(emu.url)
+    rt = await router([emu])
     body = {"prompt": list(range(20)), "max_tokens": 8, "stream": True}
     got = b""
     with (
@@ -38,8 +32,7 @@ async def test_a_cut_stream_is_counted_logged_and_seen_truncated(
             async for chunk in resp.content.iter_any():
                 got += chunk
     assert got.count(b"data: ") == 2 and b"[DONE]" not in got  # truncated, not a clean end
-    _, status, _ = await call(client, "GET", rt.url + "/router/status")
-    assert orjson.loads(status)["replicas"][0]["cut_streams"] == 1
+    assert (await router_status(client, rt.url))["replicas"][0]["cut_streams"] == 1
     _, metrics, _ = await call(client, "GET", rt.url + "/metrics")
     assert samples(metrics.decode())["lora_router_cut_streams_total", (("replica", "0"),)] == 1
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cut stream")]
@@ -48,12 +41,11 @@ async def test_a_cut_stream_is_counted_logged_and_seen_truncated(
 
 
 async def test_a_whole_stream_is_not_a_cut_one(
-    emulators: StartEmulators, router_factory: RouterFactory, client: aiohttp.ClientSession
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
 ) -> None:
     (emu,) = await emulators(1)
-    rt = await router_factory(emu.url)
+    rt = await router([emu])
     body = {"prompt": list(range(20)), "max_tokens": 8, "stream": True}
     async with client.post(rt.url + "/v1/completions", json=body) as resp:
         assert (await resp.read()).endswith(b"data: [DONE]\n\n")
-    _, status, _ = await call(client, "GET", rt.url + "/router/status")
-    assert orjson.loads(status)["replicas"][0]["cut_streams"] == 0
+    assert (await router_status(client, rt.url))["replicas"][0]["cut_streams"] == 0

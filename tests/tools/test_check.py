@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import aiohttp.web
 import pytest
-from helpers import router_config
+from helpers import free_port, router_config
 
 from lora_router import cli
 from lora_router.config import Config, ReplicaAddress, Secret
@@ -105,9 +105,7 @@ async def test_each_failure_fails_the_check_by_name(
 
 
 async def test_an_unreachable_replica_is_named() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again at once: nothing listens there
+    port = free_port()  # nothing listens there
     async with replicas(EmulatorConfig()) as emus:
         config = router_config(e.url for e in emus)
         dead = ReplicaAddress.parse(f"http://127.0.0.1:{port}")

@@ -6,10 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import orjson
 import pytest
 from emulated_fleet import StartEmulators, StartRouter, synced_traffic
-from helpers import Adapter, call, run_top, until
+from helpers import Adapter, router_status, run_top, until
 
 from lora_router.config import Secret
 from lora_router.tools.top import compact, verdict
@@ -59,8 +58,7 @@ async def test_top_once_prints_each_replicas_reported_figures(
     # No scrape of its own between the two reads below: the test compares them figure by figure.
     rt = await router(emus, health_interval=60.0)
     await synced_traffic(client, rt, "trl-policy-v1", adapter("trl-policy-v1"))
-    code, body, _ = await call(client, "GET", rt.url + "/router/status")
-    doc = orjson.loads(body)
+    doc = await router_status(client, rt.url)
 
     code, out, err = await run_top("--once", "--url", rt.url)
 
