@@ -73,6 +73,9 @@ async def test_a_replica_that_cannot_see_the_adapter_is_shown_while_it_waits(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
 ) -> None:
     _, rt, writer = await replica_2_waiting_for_the_files(emulators, router, adapter)
+    # The wait has just begun, and the loop's clock counts whole milliseconds (uvloop): let
+    # some pass, so that "how long so far" is more than 0 when read.
+    await asyncio.sleep(0.01)
     async with asyncio.timeout(10):
         waits = (await router_status(client, rt.url))["broadcasts"]["mount_waits"]
         assert [(w["replica"], w["adapter"]) for w in waits] == [(2, "trl-policy-v1")]
