@@ -1,7 +1,7 @@
 """HTTP/1.1 on both sides of the router, with no knowledge of routes or replicas' roles.
 
-- `server.py`: one `ClientConnection` per client (httptools): parse, enforce the limits, run one
-  Task per request in order, write answers with back-pressure;
+- `server.py`: one `ClientConnection` per client (httptools): parse, enforce the limits, answer its
+  requests in order in one Task, write answers with back-pressure;
 - `request.py`: a parsed `Request`, the `Limits` a connection reads, the `ResponseSink` an
   answer streams into, the `ConnectionCount` of a listener;
 - `framing.py`, `target.py`, `headers.py`: the rules of a request's framing (smuggling), its

@@ -16,10 +16,10 @@ them through the loop's cork, http/cork.py, slowed by `pause_writing`/`resume_wr
 input while a request is in flight means the client is gone: the replica's connection closes
 too, and vLLM aborts.
 
-One way a request is answered: a Task per request (as uvicorn's httptools_impl runs a request
-cycle) awaits `handler(request, connection)`; its HTTPError is the answer, any other error a
-500, and `answered()` then starts the next pipelined request. A client that goes away cancels
-the Task.
+One way a request is answered: the connection's Task (`_serve`, made for its first request)
+awaits `handler(request, connection)` for each request in turn, as HTTP/1.1 answers them in
+order; its HTTPError is the answer, any other error a 500, and `answered()` then starts the next
+pipelined request, or the Task waits for one. A client that goes away cancels the Task.
 
 Back-pressure: while the client's transport is paused for writing (`pause_writing`: the client
 does not read), no next request starts and no more input is read, whoever wrote the answer (a
@@ -114,6 +114,7 @@ class ClientConnection(asyncio.Protocol):
         "_timer",
         "_upstream",
         "_url",
+        "_waiting",
         "first_byte_at",
         "keep_alive",
         "replica",
@@ -151,9 +152,11 @@ class ClientConnection(asyncio.Protocol):
         self._armed = _Phase.NONE  # the phase `_deadline` was set for (see `data_received`)
         self._queue: deque[Request] = deque()
         self._request: Request | None = None  # the one being answered
-        self._busy = False  # a request is being answered (by its Task)
+        self._busy = False  # a request is being answered (by the Task)
         self._held = False  # the next request waits for the client to read (back-pressure)
-        self._task: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[None] | None = None  # `_serve`, from the first request on
+        # While the Task waits for the next request: what `_start` hands it over with.
+        self._waiting: asyncio.Future[Request] | None = None
         self._upstream: asyncio.Transport | None = None
         self._paused = False  # the client's socket buffer is full (pause_writing)
         self.response_started = False
@@ -391,20 +394,40 @@ class ClientConnection(asyncio.Protocol):
         self.first_byte_at = 0.0
         self.keep_alive = self.keep_alive and request.keep_alive
         self._busy = True
-        self._task = self._loop.create_task(self._run(request, self._handler(request, self)))
+        waiting = self._waiting
+        if waiting is not None:
+            self._waiting = None
+            waiting.set_result(request)
+        elif self._task is None:
+            self._task = self._loop.create_task(self._serve(request))
+        # Otherwise the Task is running: it started `request` in `answered()`, and answers it
+        # next.
 
-    async def _run(self, request: Request, work: Awaitable[None]) -> None:
-        try:
-            await work
-        except asyncio.CancelledError:
-            return
-        except HTTPError as exc:
-            self.send_error(exc)
-        except Exception:
-            log.exception("unhandled error while handling %s %s", request.method, request.path)
-            self.send_error(HTTPError(500, "Internal router error."))
-        self._task = None
-        self.answered()
+    async def _serve(self, request: Request) -> None:
+        """The connection's Task: answer `request`, then each next one in turn, one at a time.
+        It ends when the connection closes (cancelled, if it is lost)."""
+        while True:
+            try:
+                await self._handler(request, self)
+            except asyncio.CancelledError:
+                return
+            except HTTPError as exc:
+                self.send_error(exc)
+            except Exception:
+                log.exception("unhandled error while handling %s %s", request.method, request.path)
+                self.send_error(HTTPError(500, "Internal router error."))
+            self.answered()
+            if self._closed:
+                return
+            if self._busy:  # a pipelined request, started by `answered()`
+                assert self._request is not None
+                request = self._request
+                continue
+            waiting = self._waiting = self._loop.create_future()
+            try:
+                request = await waiting
+            except asyncio.CancelledError:
+                return
 
     def answered(self) -> None:
         """The current request is answered (or its error sent): on to the next one, once the

@@ -1,5 +1,5 @@
 """The routed completion: `POST /v1/completions` and `/v1/chat/completions`, from the fence to
-the end of the answer, in one Task per request (http/server.py runs it).
+the end of the answer, in its connection's Task (http/server.py runs it).
 
 `CompletionRoute.completion` is the whole walk:
 - admit: the body is read and validated once (proxy/body.py); the request waits at the adapter
