@@ -167,13 +167,19 @@ async def test_a_replica_at_half_speed_takes_twice_as_long(
     costs = {"prefill_s_per_token": 1e-3, "decode_s_per_token": 0.01, "decode_s_per_seq": 0.002}
     full = await start(**costs)
     half = await start(**costs, speed=0.5)
-    prompt = list(range(100))  # 100 ms of prefill at full speed, then 20 steps of 4
 
-    async def group(url: str) -> float:
+    async def group(url: str, first: int) -> float:
+        # A new prompt each time (no cache hit): 100 ms of prefill at full speed, then 20
+        # steps of 4.
+        prompt = list(range(first, first + 100))
         began = time.monotonic()
         times = await asyncio.gather(*(stream_times(client, url, prompt, 20) for _ in range(4)))
         return max(last for _, last in times) - began
 
-    full_s = await asyncio.wait_for(group(full.url), 20)
-    half_s = await asyncio.wait_for(group(half.url), 20)
+    # The least of three runs each, taken in turn: a loaded machine adds its delays to both,
+    # which would pull the ratio towards 1; the least-delayed runs keep the model's own.
+    full_s = half_s = float("inf")
+    for i in range(3):
+        full_s = min(full_s, await asyncio.wait_for(group(full.url, 1000 * i), 20))
+        half_s = min(half_s, await asyncio.wait_for(group(half.url, 1000 * i), 20))
     assert 1.7 <= half_s / full_s <= 2.3, (full_s, half_s)
