@@ -2,7 +2,7 @@
 of emulated replicas that batch continuously.
 
     python bench/rl_clock.py                 # the matrix below, 2 interleaved rounds
-    python bench/rl_clock.py --quick         # g8 on 4 and 4h replicas, 1 round (10 minutes)
+    python bench/rl_clock.py --quick         # g8 on 4 and 4h replicas, 1 round (about 8 min)
     python bench/rl_clock.py --traces g8 --fleets 4h --loads saturating --rounds 1
 
 Replicas: lora_router.emulator with the capacity model of lora_router/emulator/batching.py:
@@ -36,7 +36,8 @@ everything in one burst before any answer returns (the run of 9ff65c7: 192 reque
 requests are at least `STEADY` times its in-flight cap: the cap binds for the first
 (STEADY - 1) / STEADY of the sends (`steps_for`). The matrix:
 g8 and multi-turn on every fleet at saturating load, g16 and long-prompt on the 4-replica
-fleets, and g8 at light load on those (55 minutes here; `cells` says how to change it).
+fleets, and g8 at light load on those (not run whole since the steady state; its g8 and
+multi-turn cells on 4 replicas took 31 minutes here; `cells` says how to change it).
 
 Contenders, interleaved round by round so a slow spell of the shared machine hits all:
 lora-router's default (`--policy prefix`), vllm-router 0.1.17 `consistent_hash`, `cache_aware`

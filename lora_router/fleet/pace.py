@@ -20,9 +20,10 @@ Rules:
 - *Stale*: a replica with no sample within `STALE_S` (or that left) is back at full weight,
   its evidence dropped.
 
-A fleet at one speed keeps every weight full: paces differ by sampling noise only, inside the
-band. Weights reach the policy only when they change (`on_weight`), and /router/status and
-/metrics show them (`Pace.weight`).
+On a fleet at one speed paces differ by noise and by their queues: inside the band on
+single-turn groups, not always on multi-turn rollouts at saturating load (measured in
+docs/design/routing.md). Weights reach the policy only when they change (`on_weight`), and
+/router/status and /metrics show them (`Pace.weight`).
 
 Cost: a sample O(1); a judgement O(n log n) once per at least n samples, O(log n) a sample.
 Never: I/O, logging, reading answers (the caller passes the figures).
@@ -40,9 +41,10 @@ from lora_router.routing.policy import WEIGHT_FULL, WEIGHT_MIN
 DECAY = 1 / 16
 # The dead band: a pace within BAND x the median either way changes no weight.
 BAND = 1.25
-# Samples a replica needs to be judged, and answers between judgements. Half these judged a
-# uniform fleet's replicas slow at saturating load (the queues differ more than the band over
-# 4 answers); these kept every weight of a uniform fleet at 1 (docs/design/routing.md).
+# Samples a replica needs to be judged, and answers between judgements. Half these judged
+# full-speed replicas slow at saturating load (the queues differ more than the band over 4
+# answers); these keep a uniform fleet's weights at 1 on single-turn groups, not always on
+# multi-turn at saturating load (docs/design/routing.md).
 MIN_SAMPLES = 8
 JUDGE_EVERY = 16
 STALE_S = 30.0

@@ -26,7 +26,8 @@ dealt about half the families), and a member's room in every rule is the cap sca
 weight, `max(1, cap * weight // WEIGHT_FULL)`, so siblings and continuations spill off a member
 that is behind. With every weight full, decisions are exactly those without weights.
 
-Invariants: some replica always has room under either cap, so every walk ends; a prompt's first
+Invariants: some replica always has room under either cap unscaled, so every walk ends (with
+weights none may: a walk that finds no room takes the least loaded); a prompt's first
 placement sticks unless its replica left the ring; a decision is always one of `routable`.
 
 Cost per request, n replicas (it must not grow with the fleet): a sibling by its wire key O(1);
@@ -35,6 +36,8 @@ spill O(1 + s), s the members the walk passes over; a new family O(log n) per ra
 (`ranks`) plus O(min(k, n / k)) for k tied members (at most O(sqrt(n)); twice with the window
 open) plus O(log n) per member whose load changed since, or one ring walk with at most
 `WALK_DEAL_MEMBERS` members (the same choice); O(n) only in `LeastLoaded`, `set_members`.
+With a member below full weight: one dict lookup more per member tried, and a rank's k tied
+members filtered by room, O(k) (`_first_routable`); `set_weight` O(1).
 
 Contract with the caller: one `choose(key, routable)` per attempt, `key` the request's
 `RouteKey` or None, dropped once decided (a retry builds a new one); `routable` a non-empty,
