@@ -2,7 +2,7 @@
 of emulated replicas that batch continuously.
 
     python bench/rl_clock.py                 # the matrix below, 2 interleaved rounds
-    python bench/rl_clock.py --quick         # g8 on 4 and 4h replicas, 1 round (7 minutes)
+    python bench/rl_clock.py --quick         # g8 on 4 and 4h replicas, 1 round (about 8 min)
     python bench/rl_clock.py --traces g8 --fleets 4h --loads saturating --rounds 1
 
 Replicas: lora_router.emulator with the capacity model of lora_router/emulator/batching.py:
@@ -16,8 +16,8 @@ cost of replica 0 doubled). They run in one subprocess on core 1; routers and th
 generator on core 0 (bench/routing.py's arrangement); replicas restart empty before every run.
 
 Traces (lora_router/testbed/grpo_trace.py, TRL 1.16's async GRPO worker): S problems per step
-(S = 2 N, so every fleet size gets the same work per replica), each sampled G times, 3 steps, a
-new adapter version every 2 steps (TRL's weight sync: pause, load, resume, unload v(N-5));
+(S = 2 N, so every fleet size gets the same work per replica), each sampled G times, a new
+adapter version every 2 steps (TRL's weight sync: pause, load, resume, unload v(N-5));
 completion lengths log-normal (median 64 tokens, sigma 1, 8 to 512: RL's long tail).
 - `g8`, `g16`: single-turn, a 23-token template, G = 8 or 16;
 - `long-prompt`: single-turn, G = 8, a 1,500-token shared system prompt;
@@ -26,9 +26,18 @@ completion lengths log-normal (median 64 tokens, sigma 1, 8 to 512: RL's long ta
   later turns; a version every 2 rounds, so syncs land during rollouts).
 Every contender gets byte-identical requests naming `trl-policy-vN`. Load: `light` keeps
 N x `--max-num-seqs` / 4 requests in flight, `saturating` 2 N x `--max-num-seqs` (a replica's
-batch full and as many waiting). A later turn goes once its parent has answered. The matrix:
+batch full and as many waiting). A later turn goes once its parent has answered.
+
+Steps: a training run is hundreds of steps with a bounded number of rollouts in flight (TRL's
+async worker), so what a router faces is a steady state: every answer lets one more request
+in, placed with the fleet busy. A trace shorter than the cap lets every router place
+everything in one burst before any answer returns (the run of 9ff65c7: 192 requests, a cap of
+256), which is not that state. So a cell runs the fewest steps (at least `--steps`) whose
+requests are at least `STEADY` times its in-flight cap: the cap binds for the first
+(STEADY - 1) / STEADY of the sends (`steps_for`). The matrix:
 g8 and multi-turn on every fleet at saturating load, g16 and long-prompt on the 4-replica
-fleets, and g8 at light load on those (55 minutes here; `cells` says how to change it).
+fleets, and g8 at light load on those (not run whole since the steady state; its g8 and
+multi-turn cells on 4 replicas took 31 minutes here; `cells` says how to change it).
 
 Contenders, interleaved round by round so a slow spell of the shared machine hits all:
 lora-router's default (`--policy prefix`), vllm-router 0.1.17 `consistent_hash`, `cache_aware`
@@ -40,11 +49,12 @@ sync to every replica itself, as a trainer that drives each server does.
 
 Per run (bench/lib/rl_clock_runs.py): each group's time from its first request's send to its
 last answer (p50, p90, max), the step time (the gap between two steps' last groups), accepted
-samples per second, and the hit rate from the replicas' own /metrics. Per cell (trace, fleet,
-load, contender): medians over the rounds and their ranges. The issue's targets (#43): on a
-uniform fleet at saturating load, lora-router's group p90 at most the best contender's at a
-hit rate at least 0.99 of the best's; with one replica at half speed, its group p90 at most
-0.9 x the best contender's.
+samples per second, the hit rate from the replicas' own /metrics, and for lora-router each
+replica's routing weight at the end and how often it changed (/router/status, fleet/pace.py).
+Per cell (trace, fleet, load, contender): medians over the rounds and their ranges. The
+issue's targets (#43): on a uniform fleet at saturating load, lora-router's group p90 at most
+the best contender's at a hit rate at least 0.99 of the best's; with one replica at half
+speed, its group p90 at most 0.9 x the best contender's.
 
 Outputs: rl-clock.json (every run, the summaries, the targets, the command) and tables.md in
 `--out` (default bench/results/rl-clock; with --quick, a temporary directory). Only 127.0.0.1
@@ -172,6 +182,16 @@ def in_flight(load: str, replicas: int, max_num_seqs: int) -> int:
     return 2 * replicas * max_num_seqs
 
 
+# A cell's requests are at least this many times its in-flight cap (module docstring, Steps).
+STEADY = 4
+
+
+def steps_for(trace: Trace, replicas: int, args: argparse.Namespace, cap: int) -> int:
+    """The fewest steps, at least --steps, whose requests are at least STEADY x `cap`."""
+    per_step = args.problems_per_replica * replicas * trace.group_size * trace.turns
+    return max(args.steps, -(-STEADY * cap // per_step))
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--traces", default=",".join(TRACES), help="of: " + ", ".join(TRACES))
@@ -194,7 +214,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per cell")
     p.add_argument("--quick", action="store_true", help="g8 on 4 and 4h replicas, 1 round")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument(
+        "--steps", type=int, default=3, help="the fewest steps a cell runs (`steps_for`)"
+    )
     p.add_argument("--problems-per-replica", type=int, default=2, help="S / N per step")
     p.add_argument("--seed", type=int, default=0, help="the trace seed")
     p.add_argument("--decode-ms", type=float, default=12.0, help="a step decoding one sequence")
@@ -276,7 +298,8 @@ def write_results(args: argparse.Namespace, results: list[ClockResult], elapsed:
             "max_num_seqs": args.max_num_seqs,
         },
         "trace": {
-            "steps": args.steps,
+            "min_steps": args.steps,
+            "steady": STEADY,
             "problems_per_replica": args.problems_per_replica,
             "seed": args.seed,
             "shapes": {k: asdict(v) for k, v in TRACES.items() if k in args.trace_list},
@@ -313,12 +336,11 @@ async def bench_main(args: argparse.Namespace) -> int:
             try:
                 for trace_name, load in fleet_cells:
                     trace = TRACES[trace_name]
-                    spec = trace.spec(
-                        fleet.replicas, args.steps, args.problems_per_replica, args.seed
-                    )
+                    cap = in_flight(load, fleet.replicas, args.max_num_seqs)
+                    steps = steps_for(trace, fleet.replicas, args, cap)
+                    spec = trace.spec(fleet.replicas, steps, args.problems_per_replica, args.seed)
                     write_adapters(adapters, spec.versions)
                     items = build_workload(spec, base=False)
-                    cap = in_flight(load, fleet.replicas, args.max_num_seqs)
                     for round_ in range(args.rounds):
                         for c in contenders:
                             result = ClockResult(

@@ -38,6 +38,9 @@ class Summary:
     hit_rate: float
     group_p90_range_s: list[float] = field(default_factory=list)
     per_replica_requests: list[int] = field(default_factory=list)  # the median round's
+    # lora-router's routing weights at the median round's end, and how often each changed.
+    weights: list[float] = field(default_factory=list)
+    weight_changes: list[int] = field(default_factory=list)
 
 
 def _median(values: list[float]) -> float:
@@ -75,6 +78,8 @@ def summarize(results: list[ClockResult]) -> list[Summary]:
                 _median([r.hit_rate for r in runs]),
                 [min(p90s), max(p90s)],
                 middle.per_replica_requests,
+                middle.weights,
+                middle.weight_changes,
             )
         )
     return out
@@ -169,6 +174,11 @@ def write_markdown(path: Path, meta: dict[str, Any], summaries: list[Summary]) -
                 f"| {s.hit_rate:.3f} | {' '.join(map(str, s.per_replica_requests))} "
                 f"| {s.rounds} of {s.rounds + s.incomplete} | {s.failed} |"
             )
+        ours = next((s for s in rows if s.contender == DEFAULT and s.weights), None)
+        if ours is not None:
+            weights = " ".join(f"{w:g}" for w in ours.weights)
+            changes = " ".join(map(str, ours.weight_changes))
+            lines += ["", f"{ours.label}: weights at the end {weights}, changed {changes} times."]
         t = target(cell, rows)
         if t is not None:
             verdict = "met" if t["met"] else "NOT met"

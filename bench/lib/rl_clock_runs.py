@@ -132,6 +132,10 @@ class ClockResult:
     syncs: int = 0
     sync_failures: int = 0
     finished_sessions: int | None = None  # /finish_session answered 200 (a `sessions` contender)
+    # lora-router's routing weight of each replica at the run's end (/router/status; 1: full
+    # speed, fleet/pace.py); empty for the other routers.
+    weights: list[float] = field(default_factory=list)
+    weight_changes: list[int] = field(default_factory=list)  # how often each weight changed
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -284,6 +288,14 @@ def clock_figures(
     result.samples_per_s = round(accepted / result.wall_s, 3) if result.wall_s else 0.0
 
 
+async def router_weights(session: aiohttp.ClientSession, url: str) -> tuple[list[float], list[int]]:
+    """Each replica's routing weight in lora-router's /router/status and how often it changed,
+    in replica order."""
+    async with session.get(url + "/router/status", timeout=aiohttp.ClientTimeout(total=10)) as r:
+        replicas = (await r.json())["replicas"]
+    return [float(rep["weight"]) for rep in replicas], [rep["weight_changes"] for rep in replicas]
+
+
 def write_adapters(adapters: Path, versions: int) -> None:
     for version in range(1, versions + 1):
         path = adapters / f"trl-policy-v{version}"
@@ -326,6 +338,8 @@ async def run_one(
             await rollouts.sync(1)  # v1 is live before the clock starts, as in TRL
             rollouts.syncs = rollouts.sync_failures = 0
             result.wall_s = round(await rollouts.replay(), 3)
+            if c.kind == "lora-router":
+                result.weights, result.weight_changes = await router_weights(session, url)
             queries, hits = await replica_metrics(session, host.urls)
             seeds = (await host.command("dump"))["seeds"]
     except Exception as exc:

@@ -5,7 +5,8 @@ the request path (`in_flight` and `in_flight_tokens`, the requests and their pro
 added around every forwarded request in a try/finally so the counts are exact on every path:
 success, error, client disconnect, cancellation) and by the telemetry loop (`report`: what the
 replica's own `/metrics` said at the last scrape, its queue included, or None when unknown;
-fleet/telemetry.py). It is read by the routing policy, which must never write it.
+fleet/telemetry.py). Its `pace` is written by fleet/pace.py's rule from the answers' ends.
+It is read by the routing policy, which must never write it.
 
 Its service state (joining, replaying, serving, ejected, backing-off, draining, gone) is
 `life`, a `Lifecycle` (lifecycle.py): only that object changes it, on the events health checks,
@@ -21,6 +22,7 @@ from lora_router.config import ReplicaAddress
 from lora_router.fleet.breaker import CircuitBreaker
 from lora_router.fleet.failure import Failure
 from lora_router.fleet.lifecycle import Lifecycle, State
+from lora_router.fleet.pace import Pace
 from lora_router.fleet.report import Report
 from lora_router.http.upstream import UpstreamPool
 
@@ -43,6 +45,7 @@ class Replica:
         "name",
         "on_change",
         "origin",
+        "pace",
         "pool",
         "report",
         "report_error",
@@ -92,6 +95,8 @@ class Replica:
         # the reason in report_error. Never a reason to eject it.
         self.report: Report | None = None
         self.report_error = "not scraped yet"
+        # How fast it answers and its routing weight, written only by fleet/pace.py's rule.
+        self.pace = Pace()
 
     @property
     def adapters(self) -> dict[str, str]:

@@ -21,6 +21,7 @@ from lora_router.fleet.telemetry import WINDOW_S, fleet_figures
 from lora_router.observe.accuracy import accuracy_families
 from lora_router.observe.metrics import Rows, counter, gauge
 from lora_router.observe.status import RouterState
+from lora_router.routing.policy import WEIGHT_FULL
 
 
 def metric_families(state: RouterState) -> Iterator[Metric]:
@@ -48,6 +49,13 @@ def metric_families(state: RouterState) -> Iterator[Metric]:
         "1 when the replica's circuit breaker is open or half-open, else 0.",
         replica,
         per_replica(lambda r: float(r.breaker.state != CLOSED)),
+    )
+    yield gauge(
+        "lora_router_replica_weight",
+        "Each replica's routing weight, its relative speed as measured from its answers' time "
+        "per output token (fleet/pace.py): 1 unless measurably slower than the fleet.",
+        replica,
+        per_replica(lambda r: r.pace.weight / WEIGHT_FULL),
     )
     yield counter(
         "lora_router_ejections",

@@ -25,7 +25,7 @@ from lora_router.fleet.replica import Replica
 from lora_router.fleet.telemetry import WINDOW_S, Telemetry, fleet_figures
 from lora_router.observe.accuracy import accuracy_json, overpredicting, totals
 from lora_router.observe.metrics import RequestStats
-from lora_router.routing.policy import Policy
+from lora_router.routing.policy import WEIGHT_FULL, Policy
 from lora_router.routing.sessions import SessionTable
 
 
@@ -96,6 +96,11 @@ def replica_json(r: Replica, busy_share: float | None = None) -> dict[str, objec
         "admitted": r.live,
         "draining": r.state is State.DRAINING,
         "in_flight": r.in_flight,
+        # Its routing weight, 1 unless measurably slower than the fleet, and the seconds per
+        # output token it was judged on (fleet/pace.py; 0: no sample since it last changed).
+        "weight": r.pace.weight / WEIGHT_FULL,
+        "seconds_per_output_token": round(r.pace.per_token, 6),
+        "weight_changes": r.pace.changes,
         "breaker": r.breaker.state,
         "breaker_opens": r.breaker.opens,
         "ejections": r.life.ejections,

@@ -4,8 +4,8 @@
 - `Candidates`: the replicas a request may go to, with their total in flight kept by the caller;
 - `Decision`: the replica chosen, the kind of decision (counted in `DecisionCounts`) and the
   prompt tokens it leaves to compute;
-- `Policy`: what every policy answers (`choose`, `set_members`, `load_changed`), its calling
-  rules stated in policy.py's module docstring;
+- `Policy`: what every policy answers (`choose`, `set_members`, `load_changed`,
+  `set_weight`), its calling rules stated in policy.py's module docstring;
 - `Prefer` and `Deal`: the strategy a `PrefixAffinity` may be given for a new family
   (kv_policy.py's `KvLookup`), and what it may read of the deal.
 
@@ -96,6 +96,10 @@ class Policy(Protocol):
     def load_changed(self, replica: Replica) -> None:
         """`replica`'s `in_flight` or `in_flight_tokens` changed (the caller calls it after
         every change it makes)."""
+
+    def set_weight(self, name: str, weight: int) -> None:
+        """Member `name`'s relative speed changed, in sixteenths (policy.py's `WEIGHT_FULL`
+        at full speed; measured by fleet/pace.py); a policy may ignore it."""
 
     def choose(self, key: RouteKey | None, routable: Candidates[R]) -> Decision[R]:
         """Pick a replica among `routable` (never empty); must not change `in_flight`. `key`

@@ -19,7 +19,15 @@ The rules, each stated in full with its measurements in docs/design/routing.md:
 4. *No key*: least in flight, round robin among ties.
 The load cap is `ceil(max((1 + load_factor) * m, m + load_slack))`, m = (in flight + 1) / n.
 
-Invariants: some replica always has room under either cap, so every walk ends; a prompt's first
+*Weights* (`set_weight`, measured by the caller: fleet/pace.py): a member's relative speed in
+sixteenths, `WEIGHT_FULL` unless it is measurably slow. Families dealt are counted in
+`DEAL_UNIT`ths, a family costing `DEAL_UNIT * WEIGHT_FULL // weight` (a half-speed member is
+dealt about half the families), and a member's room in every rule is the cap scaled by its
+weight, `max(1, cap * weight // WEIGHT_FULL)`, so siblings and continuations spill off a member
+that is behind. With every weight full, decisions are exactly those without weights.
+
+Invariants: some replica always has room under either cap unscaled, so every walk ends (with
+weights none may: a walk that finds no room takes the least loaded); a prompt's first
 placement sticks unless its replica left the ring; a decision is always one of `routable`.
 
 Cost per request, n replicas (it must not grow with the fleet): a sibling by its wire key O(1);
@@ -28,6 +36,8 @@ spill O(1 + s), s the members the walk passes over; a new family O(log n) per ra
 (`ranks`) plus O(min(k, n / k)) for k tied members (at most O(sqrt(n)); twice with the window
 open) plus O(log n) per member whose load changed since, or one ring walk with at most
 `WALK_DEAL_MEMBERS` members (the same choice); O(n) only in `least_loaded`, `set_members`.
+With a member below full weight: one dict lookup more per member tried, and a rank's k tied
+members filtered by room, O(k) (`_first_routable`); `set_weight` O(1).
 
 Contract with the caller: one `choose(key, routable)` per attempt, `key` the request's
 `RouteKey` or None, dropped once decided (a retry builds a new one); `routable` a non-empty,
@@ -80,6 +90,17 @@ WALK_DEAL_MEMBERS = 4
 # One request in flight in the work the deal window compares, in prompt tokens: one
 # completion's decode (a new family has no later turns to price).
 DEAL_REQUEST_TOKENS = 40
+# A member's weight at full speed (weights are sixteenths), and the families dealt are counted
+# in these units: a family dealt to a member of weight w costs DEAL_UNIT * WEIGHT_FULL // w.
+WEIGHT_FULL = 16
+DEAL_UNIT = 16
+# The lowest weight a member can have: a slower one is still dealt a quarter of a fair share.
+WEIGHT_MIN = 4
+
+
+def scaled_cap(cap: int, weight: int) -> int:
+    """A member's room under `cap` at `weight` sixteenths: never below 1."""
+    return max(1, cap * weight // WEIGHT_FULL)
 
 
 def _cap(total: int, n: int, grow: int, den: int, slack: int) -> int:
@@ -167,8 +188,11 @@ class PrefixAffinity:
         self.counts = DecisionCounts()
         self.prefer = prefer
         self._turn = 0
-        self._dealt: dict[str, int] = {}  # member -> families dealt to it
+        self._dealt: dict[str, int] = {}  # member -> families dealt to it, in DEAL_UNITs
         self._dealt_total = 0  # the sum of `_dealt` over the members
+        # Member -> its weight (module docstring), only for members below WEIGHT_FULL: empty on
+        # a fleet at one speed, and then every rule reads the cap unscaled.
+        self._slow: dict[str, int] = {}
         self._moved: dict[str, int] = {}  # member -> conversations moved into it (`_lighter`)
         self._moved_tokens = 0  # prompt tokens priced for the moves made (`_lighter`)
         self._routed_tokens = 0  # prompt tokens of every request with a key routed (`choose`)
@@ -189,6 +213,7 @@ class PrefixAffinity:
         self._dealt = {name: self._dealt.get(name, floor) for name in names}
         self._dealt_total = sum(self._dealt.values())
         self._moved = {name: self._moved.get(name, 0) for name in names}
+        self._slow = {name: w for name, w in self._slow.items() if name in self._dealt}
         self._ranks = Ranks()
         self._unfiled.clear()
         self._members = len(self._dealt)  # before a deal outside the ring adds to `_dealt`
@@ -197,6 +222,26 @@ class PrefixAffinity:
             return  # the ranks are rebuilt here, from the loads then, if the fleet grows
         for r in members:
             self._ranks.file(r.name, (self._dealt[r.name], r.in_flight, r.in_flight_tokens))
+
+    def set_weight(self, name: str, weight: int) -> None:
+        """A member's weight, WEIGHT_MIN to WEIGHT_FULL sixteenths (module docstring): O(1).
+        Families already dealt keep their cost; the next ones cost by the new weight."""
+        if not WEIGHT_MIN <= weight <= WEIGHT_FULL:
+            raise ValueError(f"weight {weight} outside {WEIGHT_MIN} to {WEIGHT_FULL}")
+        if weight == WEIGHT_FULL:
+            self._slow.pop(name, None)
+        else:
+            self._slow[name] = weight
+
+    def weight(self, name: str) -> int:
+        """A member's weight in sixteenths (`set_weight`): O(1)."""
+        return self._slow.get(name, WEIGHT_FULL)
+
+    def _room(self, replica: Replica, cap: int) -> bool:
+        """Whether `replica` may take one more request under `cap`, scaled by its weight."""
+        weight = self._slow.get(replica.name)
+        limit = cap if weight is None else scaled_cap(cap, weight)
+        return replica.in_flight < limit
 
     def load_changed(self, replica: Replica) -> None:
         """Note a member's new load: O(1). It is filed under it when the ranks are next read
@@ -233,8 +278,11 @@ class PrefixAffinity:
                 home = routable.get(known[0])
                 # The cap is at least load_slack + 1 (the mean counting this request is at
                 # least 1), so a home at or below the slack has room without computing it.
+                # A slow member's room is the scaled cap, which may be below the slack.
                 if home is not None and (
-                    home.in_flight <= self.load_slack or home.in_flight < self.cap(routable)
+                    self._room(home, self.cap(routable))
+                    if self._slow
+                    else home.in_flight <= self.load_slack or home.in_flight < self.cap(routable)
                 ):
                     self.counts.sibling += 1
                     tokens = anchor_tokens(known)
@@ -278,13 +326,15 @@ class PrefixAffinity:
             if replica is None:
                 continue
             if exact:
-                if replica.in_flight < cap:
+                if replica.in_flight < cap if not self._slow else self._room(replica, cap):
                     self.counts.sibling += 1
                     return Decision(replica, "sibling", 0, key.tokens)
             else:
                 if follow < 0:
                     follow = self.follow_cap(routable)
-                if replica.in_flight >= follow:
+                if not (
+                    replica.in_flight < follow if not self._slow else self._room(replica, follow)
+                ):
                     continue
                 if self.move_price and anchor_first(anchor):
                     lighter = self._lighter(anchor[3], replica, routable, cap, key.tokens)
@@ -337,7 +387,7 @@ class PrefixAffinity:
         target = None
         for name in self.ring.walk(family):
             replica = routable.get(name)
-            if replica is not None and replica is not home and replica.in_flight < cap:
+            if replica is not None and replica is not home and self._room(replica, cap):
                 target = replica
                 break
         if target is None:
@@ -369,9 +419,12 @@ class PrefixAffinity:
         passes over only the members that cannot take it (each once), so it is bounded by
         them, not by the fleet: O(1 + s) steps, s the members without room or not routable
         that come first."""
+        slow = self._slow
         for name in self.ring.walk(position):
             replica = routable.get(name)
-            if replica is not None and replica.in_flight < cap:
+            if replica is not None and (
+                replica.in_flight < cap if not slow else self._room(replica, cap)
+            ):
                 return replica
         return self._unknown_to_the_ring(routable)
 
@@ -392,7 +445,7 @@ class PrefixAffinity:
         # Every member is a candidate when there are as many candidates as members (the fleet
         # routes only to members); a candidate outside the ring is caught by `get` below.
         everyone = len(routable) == len(ranks.rank)
-        pick = partial(self._first_routable, position, routable, everyone)
+        pick = partial(self._first_routable, position, routable, everyone, cap)
         # A snapshot: `Ranks.first` forgets a count whose heap it finds empty.
         counts = iter(list(ranks.counts))
         best: R | None = None
@@ -412,9 +465,10 @@ class PrefixAffinity:
                     if work_held(other, DEAL_REQUEST_TOKENS) < work_held(best, DEAL_REQUEST_TOKENS):
                         best = other
                     break
-        dealt = self._dealt[best.name] = self._dealt.get(best.name, 0) + 1
+        cost = self._cost(best.name)
+        dealt = self._dealt[best.name] = self._dealt.get(best.name, 0) + cost
         if best.name in ranks.rank:
-            self._dealt_total += 1
+            self._dealt_total += cost
             ranks.file(best.name, (dealt, best.in_flight, best.in_flight_tokens))
         return best
 
@@ -424,18 +478,21 @@ class PrefixAffinity:
         (families dealt, in flight, prompt tokens in flight, ring order), the first dealt
         unless the deal window prefers the first of the next count. The ranks' choice exactly
         (`first` reads a count's ranks in that order, `pick` ties in ring order), in O(n log n)."""
-        dealt = self._dealt
+        dealt, slow = self._dealt, self._slow
         ready: list[tuple[int, int, int, int, R]] = []
         for order, name in enumerate(self.ring.walk(position)):
             replica = routable.get(name)
-            if replica is not None and replica.in_flight < cap:
+            if replica is not None and (
+                replica.in_flight < cap if not slow else self._room(replica, cap)
+            ):
                 rank = (dealt[name], replica.in_flight, replica.in_flight_tokens, order, replica)
                 ready.append(rank)  # `order` is unique: replicas are never compared
         if not ready:
             best = self._unknown_to_the_ring(routable)
-            dealt[best.name] = dealt.get(best.name, 0) + 1
+            cost = self._cost(best.name)
+            dealt[best.name] = dealt.get(best.name, 0) + cost
             if best.name in self.ring:
-                self._dealt_total += 1
+                self._dealt_total += cost
             return best
         ready.sort()
         first = ready[0]
@@ -448,17 +505,26 @@ class PrefixAffinity:
                 ):
                     best = other[4]
                 break
-        dealt[best.name] += 1
-        self._dealt_total += 1
+        cost = self._cost(best.name)
+        dealt[best.name] += cost
+        self._dealt_total += cost
         return best
 
+    def _cost(self, name: str) -> int:
+        """What one more family dealt to a member adds to its count (module docstring)."""
+        weight = self._slow.get(name)
+        return DEAL_UNIT if weight is None else DEAL_UNIT * WEIGHT_FULL // weight
+
     def _deal_limit(self) -> int:
-        """The most families a member may hold once the next one is dealt (the deal window)."""
-        return _WINDOW_NUM * (self._dealt_total + 1) // (_WINDOW_DEN * self._members)
+        """The most families a member may hold once the next one is dealt (the deal window),
+        in DEAL_UNITs: whole families, as the rule counts them."""
+        families = self._dealt_total // DEAL_UNIT + 1
+        return DEAL_UNIT * (_WINDOW_NUM * families // (_WINDOW_DEN * self._members))
 
     def families(self, name: str) -> int:
-        """The new families dealt to a member (the deal's first criterion): O(1)."""
-        return self._dealt.get(name, 0)
+        """The new families dealt to a member (the deal's first criterion), in whole families
+        as their weights counted them: O(1)."""
+        return self._dealt.get(name, 0) // DEAL_UNIT
 
     def window(self) -> int:
         """A member holding fewer families than this is inside the deal window: its limit, and
@@ -468,14 +534,21 @@ class PrefixAffinity:
         if not self._members:
             return 1 << 62
         fewest = min(self._dealt.values()) if self._walk_deal else (self._ranks.counts or [0])[0]
-        return max(self._deal_limit(), fewest + 1)
+        return max(self._deal_limit(), fewest + DEAL_UNIT) // DEAL_UNIT
 
     def _first_routable(
-        self, position: int, routable: Candidates[R], everyone: bool, group: set[str]
+        self, position: int, routable: Candidates[R], everyone: bool, cap: int, group: set[str]
     ) -> R | None:
         """The first routable member of `group` in ring order from `position`. With `everyone`
         the group is tried whole (its members are the candidates), and filtered only if the
-        one found is not a candidate (one the ring does not know took a member's place)."""
+        one found is not a candidate (one the ring does not know took a member's place). With
+        members below full weight, those without room under their scaled cap are filtered
+        first (`Ranks.first` knows only the unscaled cap)."""
+        if self._slow:
+            group = {n for n in group if (r := routable.get(n)) is not None and self._room(r, cap)}
+            if not group:
+                return None
+            everyone = False
         if everyone:
             name = self.ring.first_of(position, group)
             found = None if name is None else routable.get(name)
@@ -512,6 +585,9 @@ class KeyBlind:
 
     def load_changed(self, replica: Replica) -> None:
         pass
+
+    def set_weight(self, name: str, weight: int) -> None:
+        pass  # keys and speeds alike ignored
 
     def choose(self, key: RouteKey | None, routable: Candidates[R]) -> Decision[R]:
         self._turn += 1

@@ -19,6 +19,7 @@ from lora_router.routing import policy as policy_module
 from lora_router.routing.keys import PromptKey, RouteKey, prompt_key, wire_key
 from lora_router.routing.policy import (
     DEAL_REQUEST_TOKENS,
+    DEAL_UNIT,
     DEFAULT_LOAD_SLACK,
     KeyBlind,
     ParamError,
@@ -268,7 +269,7 @@ def test_a_fresh_prompt_goes_to_the_least_loaded_ties_in_ring_order(prompt, load
 def test_a_family_goes_to_a_lighter_member_dealt_more_inside_the_window(dealt, expected):
     reps = fleet(3)
     policy = PrefixAffinity()
-    policy._dealt = {r.name: d for r, d in zip(reps, dealt, strict=True)}
+    policy._dealt = {r.name: d * DEAL_UNIT for r, d in zip(reps, dealt, strict=True)}
     watch(policy, reps)
     reps[0].in_flight, reps[0].in_flight_tokens = 10, 2_000
     reps[1].in_flight, reps[1].in_flight_tokens = 2, 300
@@ -277,7 +278,7 @@ def test_a_family_goes_to_a_lighter_member_dealt_more_inside_the_window(dealt, e
         policy.load_changed(rep)
     decision = policy.choose(route(prompt_key("m", [7, 8, 9])), reps)
     assert decision[:2] == (reps[expected], "fresh")
-    assert policy._dealt[reps[expected].name] == dealt[expected] + 1
+    assert policy.families(reps[expected].name) == dealt[expected] + 1
 
 
 @settings(max_examples=40, deadline=None)  # a shared machine: timing is not what this checks
@@ -808,14 +809,15 @@ def dealt_by_scan(policy: PrefixAffinity, position: int, routable: Sequence[Rep]
     with_room = [r for r in with_room if r.in_flight < cap]
 
     def rank(r: Rep) -> tuple[int, int, int]:
-        return (policy._dealt.get(r.name, 0), r.in_flight, r.in_flight_tokens)
+        return (policy.families(r.name), r.in_flight, r.in_flight_tokens)
 
     def work(r: Rep) -> int:
         return r.in_flight_tokens + DEAL_REQUEST_TOKENS * r.in_flight
 
     best = min(with_room, key=rank)  # the first of equal ranks in ring order
     # The deal window: at most 1.05 x the mean count of families, once this one is dealt.
-    limit = math.floor(Fraction(105, 100) * (sum(policy._dealt.values()) + 1) / len(policy._dealt))
+    families = sum(policy.families(name) for name in policy._dealt)
+    limit = math.floor(Fraction(105, 100) * (families + 1) / len(policy._dealt))
     above = [r for r in with_room if rank(best)[0] < rank(r)[0] < limit]
     if above and work(other := min(above, key=rank)) < work(best):
         return other
@@ -831,7 +833,7 @@ def test_dealing_from_the_kept_ranks_equals_a_scan_of_the_ring(walk, n, held, rn
     # and the walk deal of a small fleet, must pick what a walk over every replica picks.
     reps = fleet(n)
     policy = PrefixAffinity()
-    policy._dealt = {r.name: held + rnd.randrange(3) for r in reps}
+    policy._dealt = {r.name: (held + rnd.randrange(3)) * DEAL_UNIT for r in reps}
     with mock.patch.object(policy_module, "WALK_DEAL_MEMBERS", n if walk else 0):
         watch(policy, reps)
     assert policy._walk_deal is walk

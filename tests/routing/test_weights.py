@@ -1,0 +1,168 @@
+"""The policy's weights (policy.py, *Weights*): a slow member is dealt fewer families and has
+less room; with every weight full, decisions are those of a policy never given a weight."""
+
+from __future__ import annotations
+
+import random
+from unittest import mock
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from routing_doubles import Pool, Rep, fleet, watch
+
+from lora_router.routing import policy as policy_module
+from lora_router.routing.keys import PromptKey, RouteKey, prompt_key, wire_key
+from lora_router.routing.policy import (
+    DEAL_UNIT,
+    DEFAULT_LOAD_SLACK,
+    WEIGHT_FULL,
+    WEIGHT_MIN,
+    PrefixAffinity,
+    scaled_cap,
+)
+
+
+def route(key: PromptKey, wire: int | None = None) -> RouteKey:
+    return RouteKey(lambda: key, wire)
+
+
+def families(n_families: int, seed: int = 0) -> list[list[int]]:
+    rnd = random.Random(seed)
+    return [[rnd.randrange(150_000) for _ in range(40)] for _ in range(n_families)]
+
+
+def run(
+    policy: PrefixAffinity, reps: Pool, steps: list[tuple[int, int, int]], prompts: list[list[int]]
+) -> list[tuple[str, str, int]]:
+    """Replay `steps` (family, sibling or not, answers to retire first) through `policy`,
+    counting each request in flight until retired: the decisions made."""
+    out = []
+    outstanding: list[Rep] = []
+    for family, sample, retire in steps:
+        for _ in range(min(retire, len(outstanding))):
+            outstanding.pop(0).in_flight -= 1
+        prompt = prompts[family]
+        wire = wire_key("m", repr(prompt).encode()) if sample else None
+        decision = policy.choose(route(prompt_key("m", prompt), wire), reps)
+        decision.replica.in_flight += 1
+        outstanding.append(decision.replica)
+        out.append((decision.replica.name, decision.kind, decision.tokens))
+    return out
+
+
+step_lists = st.lists(
+    st.tuples(st.integers(0, 60), st.booleans(), st.integers(0, 3)), min_size=1, max_size=250
+)
+
+
+@pytest.mark.parametrize("walk", [False, True], ids=["kept ranks", "walk deal"])
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 9), step_lists, st.lists(st.integers(0, 8), max_size=6))
+def test_full_weights_decide_exactly_as_no_weights(walk, n, steps, told):
+    # Weights set to full (and reset to it) leave every decision as it was without them.
+    prompts = families(61)
+    decisions = []
+    for tell in (False, True):
+        reps = fleet(n)
+        policy = PrefixAffinity()
+        with mock.patch.object(policy_module, "WALK_DEAL_MEMBERS", n if walk else 0):
+            watch(policy, reps)
+        if tell:
+            for i in told:
+                name = reps[i % n].name
+                policy.set_weight(name, WEIGHT_MIN)
+                policy.set_weight(name, WEIGHT_FULL)
+        decisions.append(run(policy, reps, steps, prompts))
+    assert decisions[0] == decisions[1]
+
+
+@pytest.mark.parametrize("walk", [False, True], ids=["kept ranks", "walk deal"])
+@pytest.mark.parametrize("weight", [WEIGHT_FULL // 2, WEIGHT_MIN, 12])
+def test_a_slow_member_is_dealt_its_weight_s_share_of_the_families(walk, weight):
+    # An idle fleet (every answer back before the next family): the deal alone decides.
+    n = 4
+    reps = fleet(n)
+    policy = PrefixAffinity()
+    with mock.patch.object(policy_module, "WALK_DEAL_MEMBERS", n if walk else 0):
+        watch(policy, reps)
+    policy.set_weight(reps[0].name, weight)
+    dealt = dict.fromkeys((r.name for r in reps), 0)
+    for prompt in families(700, seed=3):
+        dealt[policy.choose(route(prompt_key("m", prompt)), reps).replica.name] += 1
+    share = weight / WEIGHT_FULL
+    expected = 700 * share / (n - 1 + share)
+    assert abs(dealt[reps[0].name] - expected) <= 2
+    others = [dealt[r.name] for r in reps[1:]]
+    assert max(others) - min(others) <= 1
+
+
+def test_siblings_spill_off_a_slow_home_at_its_scaled_cap() -> None:
+    reps = fleet(4)
+    policy = PrefixAffinity()
+    watch(policy, reps)
+    prompt = families(1)[0]
+    key, wire = prompt_key("m", prompt), wire_key("m", b"a")
+    home = policy.choose(route(key, wire), reps).replica
+    policy.set_weight(home.name, WEIGHT_FULL // 2)
+    for rep in reps:
+        rep.in_flight = 2
+    # 9 at home, 6 elsewhere: the cap is 4 + the slack (20), the home's half of it 10.
+    home.in_flight = 9
+    assert policy.cap(reps) == 4 + DEFAULT_LOAD_SLACK
+    assert scaled_cap(policy.cap(reps), WEIGHT_FULL // 2) == 10
+    assert policy.choose(route(key, wire), reps).replica is home  # room for one more
+    home.in_flight = 10  # the cap is 21 now, its half still 10: full
+    decision = policy.choose(route(key, wire), reps)
+    assert decision.replica is not home and decision.kind == "spill"
+    policy.set_weight(home.name, WEIGHT_FULL)  # back at full speed: room again
+    assert policy.choose(route(key, wire), reps).replica is home
+
+
+@pytest.mark.parametrize("walk", [False, True], ids=["kept ranks", "walk deal"])
+def test_a_slow_member_dealt_the_fewest_is_passed_over_without_room(walk):
+    # Its rank is the lowest (fewest families), but it is at its scaled cap: the deal goes on.
+    reps = fleet(4)
+    policy = PrefixAffinity()
+    policy._dealt = {r.name: (0 if i == 0 else 5 * DEAL_UNIT) for i, r in enumerate(reps)}
+    with mock.patch.object(policy_module, "WALK_DEAL_MEMBERS", 4 if walk else 0):
+        watch(policy, reps)
+    policy.set_weight(reps[0].name, WEIGHT_MIN)
+    reps[0].in_flight = 4  # the cap is 2 + the slack (18), a quarter of it 4: full
+    assert scaled_cap(policy.cap(reps), WEIGHT_MIN) == 4
+    decision = policy.choose(route(prompt_key("m", families(1)[0])), reps)
+    assert decision.kind == "fresh" and decision.replica is not reps[0]
+    reps[0].in_flight = 3  # room for one
+    decision = policy.choose(route(prompt_key("m", families(2)[1])), reps)
+    assert decision.replica is reps[0]
+
+
+@pytest.mark.parametrize("walk", [False, True], ids=["kept ranks", "walk deal"])
+@settings(max_examples=30, deadline=None)
+@given(
+    st.integers(2, 9),
+    step_lists,
+    st.lists(st.integers(WEIGHT_MIN, WEIGHT_FULL), min_size=9, max_size=9),
+)
+def test_the_kept_ranks_and_the_walk_deal_agree_under_weights(walk, n, steps, weights):
+    # The two ways of dealing (policy.py, WALK_DEAL_MEMBERS) make the same choice, weights or
+    # not, and no member is ever sent past its scaled cap's room... unless none has any.
+    prompts = families(61)
+    decisions = []
+    for small in (True, False):
+        reps = fleet(n)
+        policy = PrefixAffinity()
+        with mock.patch.object(policy_module, "WALK_DEAL_MEMBERS", n if small else 0):
+            watch(policy, reps)
+        for rep, weight in zip(reps, weights, strict=False):
+            policy.set_weight(rep.name, weight)
+        decisions.append(run(policy, reps, steps, prompts))
+    assert decisions[0] == decisions[1]
+
+
+def test_a_weight_outside_its_bounds_is_refused() -> None:
+    policy = PrefixAffinity()
+    with pytest.raises(ValueError, match="weight"):
+        policy.set_weight("a", WEIGHT_MIN - 1)
+    with pytest.raises(ValueError, match="weight"):
+        policy.set_weight("a", WEIGHT_FULL + 1)
