@@ -4,7 +4,9 @@ Rules:
 - *Sample*: a routed completion a replica answered 200 whose answer reported its
   `usage.completion_tokens` (proxy/routed.py reads it at the answer's end): the seconds from its
   send to its end, and those tokens. Text and chat prompts, streams without usage and refused
-  answers give none.
+  answers give none, nor does an answer back within `MIN_SAMPLE_S`: its time is the network's
+  and the router's, not an engine's (a vLLM decode step alone takes about that long), and the
+  loop's clock counts whole milliseconds; so a pace judged is never 0.
 - *Pace*: per replica, seconds over output tokens of its samples, both summed with an
   exponential decay of `DECAY` per sample (a long answer weighs more than a short one, whose
   time is mostly its prefill and its queue).
@@ -48,6 +50,8 @@ BAND = 1.25
 MIN_SAMPLES = 8
 JUDGE_EVERY = 16
 STALE_S = 30.0
+# The shortest answer that is a sample (module docstring, *Sample*): 10 loop-clock ticks.
+MIN_SAMPLE_S = 0.01
 
 
 class Pace:
@@ -100,7 +104,7 @@ class PaceRule:
     def answered(self, replica: Paced, seconds: float, tokens: int, now: float) -> None:
         """A sample (module docstring): O(1), and every so often a judgement."""
         pace = replica.pace
-        if tokens <= 0 or seconds < 0 or now - seconds < pace.since:
+        if tokens <= 0 or seconds < MIN_SAMPLE_S or now - seconds < pace.since:
             return
         keep = 1.0 - DECAY
         pace.seconds = pace.seconds * keep + seconds

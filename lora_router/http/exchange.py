@@ -101,12 +101,14 @@ class Exchange:
         if self.ended:
             return
         self.ended = True
-        if self.on_end is not None:
-            self.on_end(self)
-        self.tail = self.prior = self.earlier = b""
-        done = self.done
-        if done is not None and not done.done():
-            if error is None:
-                done.set_result(self.client_keep_alive)
-            else:
-                done.set_exception(error)
+        try:
+            if self.on_end is not None:
+                self.on_end(self)
+        finally:  # a reader of the end that fails (a bug) never leaves the request waiting
+            self.tail = self.prior = self.earlier = b""
+            done = self.done
+            if done is not None and not done.done():
+                if error is None:
+                    done.set_result(self.client_keep_alive)
+                else:
+                    done.set_exception(error)

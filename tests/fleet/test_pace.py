@@ -153,3 +153,14 @@ def test_weights_stay_in_bounds_and_the_policy_hears_every_change(n, answers):
         assert weight != last[name]  # only changes are told
         last[name] = weight
     assert last == {m.name: m.pace.weight for m in members}
+
+
+def test_an_answer_faster_than_an_engine_step_is_no_sample() -> None:
+    # The loop's clock counts whole milliseconds (uvloop): an answer back within one reads 0 s.
+    # It says nothing of a pace, and a replica whose samples summed to 0 s made the judgement
+    # divide by zero in the answer's end callback, which stalled the request; answers of a few
+    # milliseconds (the network's and the router's time) made a uniform fleet's weights flap.
+    members, rule, told = fleet(2)
+    rounds(rule, members, [0.0, 0.001], 4 * JUDGED)  # 0 and 5 ms answers of 5 tokens
+    assert members[0].pace.samples == 0
+    assert told == [] and [m.pace.weight for m in members] == [WEIGHT_FULL] * 2
