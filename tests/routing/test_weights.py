@@ -56,6 +56,18 @@ step_lists = st.lists(
 )
 
 
+def watched(
+    n: int, walk: bool, policy: PrefixAffinity | None = None
+) -> tuple[list[Rep], PrefixAffinity]:
+    """`n` replicas and a prefix policy watching them, dealing by one ring walk (`walk`) or by
+    its kept ranks (policy.py, `WALK_DEAL_MEMBERS`)."""
+    reps = fleet(n)
+    policy = policy or PrefixAffinity()
+    with mock.patch.object(policy_module, "WALK_DEAL_MEMBERS", n if walk else 0):
+        watch(policy, reps)
+    return reps, policy
+
+
 @pytest.mark.parametrize("walk", [False, True], ids=["kept ranks", "walk deal"])
 @settings(max_examples=40, deadline=None)
 @given(st.integers(2, 9), step_lists, st.lists(st.integers(0, 8), max_size=6))
@@ -64,10 +76,7 @@ def test_full_weights_decide_exactly_as_no_weights(walk, n, steps, told):
     prompts = families(61)
     decisions = []
     for tell in (False, True):
-        reps = fleet(n)
-        policy = PrefixAffinity()
-        with mock.patch.object(policy_module, "WALK_DEAL_MEMBERS", n if walk else 0):
-            watch(policy, reps)
+        reps, policy = watched(n, walk)
         if tell:
             for i in told:
                 name = reps[i % n].name
@@ -82,10 +91,7 @@ def test_full_weights_decide_exactly_as_no_weights(walk, n, steps, told):
 def test_a_slow_member_is_dealt_its_weight_s_share_of_the_families(walk, weight):
     # An idle fleet (every answer back before the next family): the deal alone decides.
     n = 4
-    reps = fleet(n)
-    policy = PrefixAffinity()
-    with mock.patch.object(policy_module, "WALK_DEAL_MEMBERS", n if walk else 0):
-        watch(policy, reps)
+    reps, policy = watched(n, walk)
     policy.set_weight(reps[0].name, weight)
     dealt = dict.fromkeys((r.name for r in reps), 0)
     for prompt in families(700, seed=3):
@@ -122,11 +128,10 @@ def test_siblings_spill_off_a_slow_home_at_its_scaled_cap() -> None:
 @pytest.mark.parametrize("walk", [False, True], ids=["kept ranks", "walk deal"])
 def test_a_slow_member_dealt_the_fewest_is_passed_over_without_room(walk):
     # Its rank is the lowest (fewest families), but it is at its scaled cap: the deal goes on.
-    reps = fleet(4)
     policy = PrefixAffinity()
-    policy._dealt = {r.name: (0 if i == 0 else 5 * DEAL_UNIT) for i, r in enumerate(reps)}
-    with mock.patch.object(policy_module, "WALK_DEAL_MEMBERS", 4 if walk else 0):
-        watch(policy, reps)
+    names = [r.name for r in fleet(4)]  # the replicas `watched` makes
+    policy._dealt = {name: (0 if i == 0 else 5 * DEAL_UNIT) for i, name in enumerate(names)}
+    reps, policy = watched(4, walk, policy)
     policy.set_weight(reps[0].name, WEIGHT_MIN)
     reps[0].in_flight = 4  # the cap is 2 + the slack (18), a quarter of it 4: full
     assert scaled_cap(policy.cap(reps), WEIGHT_MIN) == 4
@@ -150,10 +155,7 @@ def test_the_kept_ranks_and_the_walk_deal_agree_under_weights(walk, n, steps, we
     prompts = families(61)
     decisions = []
     for small in (True, False):
-        reps = fleet(n)
-        policy = PrefixAffinity()
-        with mock.patch.object(policy_module, "WALK_DEAL_MEMBERS", n if small else 0):
-            watch(policy, reps)
+        reps, policy = watched(n, small)
         for rep, weight in zip(reps, weights, strict=False):
             policy.set_weight(rep.name, weight)
         decisions.append(run(policy, reps, steps, prompts))
