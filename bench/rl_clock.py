@@ -122,6 +122,10 @@ CONTENDERS = (
         False,
         sessions=True,
     ),
+    # Not in the default matrix: the pace rule (--pace, fleet/pace.py), off by default.
+    Contender(
+        "lr-pace", "lora-router prefix --pace", "lora-router", "prefix", False, flags=("--pace",)
+    ),
 )
 DEFAULT_ROUTERS = ("lr-prefix", "vllm-ch", "vllm-ca", "vllm-sll", "round-robin")
 

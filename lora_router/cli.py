@@ -248,6 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
         "is placed as trl-policy); names it does not match are their own lineage",
     )
     g.add_argument(
+        "--pace",
+        action="store_true",
+        help="measure each replica's pace (seconds per output token) and deal a slower one "
+        "fewer new prompt families (a fleet with a slow GPU); off by default: short answers "
+        "make a uniform fleet's paces noisy",
+    )
+    g.add_argument(
         "--session-ttl",
         type=float,
         default=d.session_ttl,

@@ -282,6 +282,9 @@ class Config:
     # and at most this many kept (the least recently used forgotten first).
     session_ttl: float = 1800.0
     max_sessions: int = 100_000
+    # Weigh each replica's share of new families by its measured pace (fleet/pace.py); off by
+    # default (docs/design/routing.md#a-slow-replica-pace-and-weights says why).
+    pace: bool = False
 
     # Timeouts (seconds)
     connect_timeout: float = 10.0

@@ -46,6 +46,7 @@ class Contender:
     alt: bool = False  # lora-router run from --alt-source (an A/B of two revisions in one run)
     # Requests carry a session header, released at the group's end (bench/rl_clock.py).
     sessions: bool = False
+    flags: tuple[str, ...] = ()  # lora-router's further flags
 
 
 CONTENDERS = (
@@ -286,6 +287,7 @@ def router_argv(c: Contender, port: int, urls: list[str], options: RouterOptions
             "--log-level",
             "warning",
         ]
+        args += c.flags
         if options.load_factor is not None:
             args += ["--load-factor", str(options.load_factor)]
         if options.load_slack is not None:

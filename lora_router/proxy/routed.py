@@ -181,15 +181,16 @@ class RoutedRequest:
     def read_end(self, ex: Exchange) -> None:
         """The exchange's `on_end` for a counted answer: its report, read from its last reads
         in the pass it ends in, before the exchange lets them go (http/exchange.py); and, for an
-        answer passed on with 200, its output tokens for its replica's pace (fleet/pace.py)."""
+        answer passed on with 200, under --pace, its output tokens for its replica's pace
+        (fleet/pace.py)."""
         self.reported = reported_cached_tokens(ex.tail, ex.prior, ex.earlier)
-        replica = self.replica
-        if self.conn.status == 200 and not self.diverted and replica is not None:
-            output = reported_output_tokens(ex.tail, ex.prior, ex.earlier)
-            if output:
-                route = self.route
-                now = route.loop.time()
-                route.pace.answered(replica, now - self.sent, output, now)
+        replica, pace = self.replica, self.route.pace
+        if pace is None or replica is None or self.conn.status != 200 or self.diverted:
+            return
+        output = reported_output_tokens(ex.tail, ex.prior, ex.earlier)
+        if output:
+            now = self.route.loop.time()
+            pace.answered(replica, now - self.sent, output, now)
 
     def release(self) -> None:
         """Its fence count goes, once: when its head passes or it ends."""
@@ -229,8 +230,8 @@ class CompletionRoute:
         self.block_size = block_size  # of the replicas' KV cache: prompt keys use it
         self.reader = CompletionReader(config.max_prompt_tokens)
         self.lineages = Lineages(config.lineage_pattern)  # placement keys (routing/keys.py)
-        # The replicas' paces, their weights told to the policy (fleet/pace.py).
-        self.pace = PaceRule(lambda: fleet.replicas, policy.set_weight)
+        # The replicas' paces, their weights told to the policy (fleet/pace.py); with --pace.
+        self.pace = PaceRule(lambda: fleet.replicas, policy.set_weight) if config.pace else None
         self.loop = asyncio.get_running_loop()
         self.sessions = SessionTable(
             config.session_ttl, config.max_sessions, config.load_slack, self.loop.time

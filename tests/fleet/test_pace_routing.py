@@ -47,7 +47,7 @@ async def families(
 def told(runtime: RouterRuntime) -> list[tuple[str, int]]:
     """Every weight the pace rule tells the policy from now on."""
     route = runtime.route
-    assert route is not None
+    assert route is not None and route.pace is not None  # the router runs with --pace
     calls: list[tuple[str, int]] = []
     tell = route.pace.on_weight
 
@@ -63,7 +63,7 @@ async def test_a_half_speed_replica_loses_weight_and_is_dealt_fewer_families(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
 ) -> None:
     emus = [*await emulators(1, **COSTS, speed=0.5), *await emulators(3, **COSTS)]
-    runtime = await router(emus)
+    runtime = await router(emus, pace=True)
     changes = told(runtime)
     rnd = random.Random(5)
     slow = "0"  # its x-lora-router-replica label
@@ -94,7 +94,7 @@ async def test_a_fleet_at_one_speed_keeps_every_weight_at_1(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
 ) -> None:
     emus = await emulators(4, **COSTS)
-    runtime = await router(emus)
+    runtime = await router(emus, pace=True)
     changes = told(runtime)
     rnd = random.Random(6)
     homes = await families(client, runtime.url, 160, rnd)
@@ -103,3 +103,16 @@ async def test_a_fleet_at_one_speed_keeps_every_weight_at_1(
     assert [r["weight"] for r in replicas] == [1.0] * 4
     assert all(r["seconds_per_output_token"] > 0 for r in replicas)  # it was measured
     assert {homes.count(str(i)) for i in range(4)} == {40}  # the deal, evenly
+
+
+async def test_without_pace_a_half_speed_replica_is_dealt_its_even_share(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    # The rule is opt-in (--pace): by default the deal is the unweighted policy's.
+    emus = [*await emulators(1, **COSTS, speed=0.5), *await emulators(3, **COSTS)]
+    runtime = await router(emus)
+    homes = await families(client, runtime.url, 160, random.Random(5))
+    replicas = (await router_status(client, runtime.url))["replicas"]
+    assert [r["weight"] for r in replicas] == [1.0] * 4
+    assert [r["seconds_per_output_token"] for r in replicas] == [0.0] * 4  # not measured
+    assert homes.count("0") / len(homes) >= 0.2  # with --pace, under 0.2 (above)

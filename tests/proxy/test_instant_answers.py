@@ -37,7 +37,8 @@ async def test_answers_faster_than_the_clock_never_stall_a_request(
     replica_factory: object, router: StartRouter, client: aiohttp.ClientSession
 ) -> None:
     replicas = [await replica_factory(instant) for _ in range(2)]  # type: ignore[operator]
-    rt = await router(replicas, policy="prefix")  # the folder routes round robin: no samples
+    # The folder routes round robin (no samples); the rule is opt-in.
+    rt = await router(replicas, policy="prefix", pace=True)
     # Enough answers for several judgements, each with every replica's MIN_SAMPLES.
     for i in range(4 * (JUDGE_EVERY + 2 * MIN_SAMPLES)):
         body = {"prompt": [1, 2, 3, i], "max_tokens": 3, "seed": i}
