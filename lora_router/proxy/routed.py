@@ -136,7 +136,7 @@ class RoutedRequest:
         self.seeds = seeds
         self.session: bytes | None = None  # its X-Session-ID (routing/sessions.py)
         self.started = started  # loop time it passed the fence
-        self.sent = started  # loop time its current attempt was picked (`CompletionRoute.pick`)
+        self.sent = started  # loop time its current attempt was picked, under --pace (`pick`)
         self.stage = Stage.ADMITTED
         self.tried: list[Replica] = []
         # The adapter it is counted under at the fence until its head passes or it ends
@@ -345,7 +345,8 @@ class CompletionRoute:
         tried.append(replica)
         job.replica = replica
         job.tokens = decision.tokens
-        job.sent = self.loop.time()
+        if self.pace is not None:  # its pace sample's start (--pace)
+            job.sent = self.loop.time()
         if job.diverted:  # the last attempt's head was held back: this one's goes through
             if job.diverted != 404 and counted(
                 failing=self._failing(None), onto_failing=replica.breaker.failures > 0

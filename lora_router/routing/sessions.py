@@ -37,10 +37,11 @@ Never: I/O, logging, or a clock of its own (the caller gives `clock`, the event 
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from urllib.parse import parse_qsl
+
+import orjson
 
 from .contract import Candidates, R
 
@@ -93,8 +94,8 @@ def finish_id(query: bytes, body: bytes) -> bytes:
         value = pairs[0].encode("utf-8")
     else:
         try:
-            doc = json.loads(body) if body.strip() else None
-        except (ValueError, UnicodeDecodeError):
+            doc = orjson.loads(body) if body.strip() else None
+        except orjson.JSONDecodeError:
             doc = None
         raw = doc.get("session_id") if isinstance(doc, dict) else None
         if not isinstance(raw, str):
