@@ -64,12 +64,12 @@ def reported_output_tokens(*reads: bytes) -> int | None:
 
 def _reported(key: bytes, reads: tuple[bytes, ...]) -> int | None:
     """The last number after `key` in the last reads (module docstring, *Reported*)."""
-    later = b""
+    after = b""  # the first _REACH bytes of what follows `read` (the reads after it, joined)
     for read in reads:
         if not read:
             return None  # no read before it
-        if later:  # first: a key or number cut in two by the boundary with the read after
-            data = read[-_REACH:] + later[:_REACH]
+        if after:  # first: a key or number cut by the boundary, across reads shorter than it
+            data = read[-_REACH:] + after
             at = data.rfind(key)
             if at >= 0:
                 break
@@ -77,7 +77,7 @@ def _reported(key: bytes, reads: tuple[bytes, ...]) -> int | None:
         at = read.rfind(key, len(read) - TAIL_BYTES)
         if at >= 0:
             break
-        later = read
+        after = (read[:_REACH] + after)[:_REACH]
     else:
         return None
     found = _NUMBER.match(data, at + len(key))

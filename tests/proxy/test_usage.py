@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 
 import orjson
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from lora_router.proxy.usage import (
@@ -42,6 +42,8 @@ def _answer(cached: int | None, text: str = "a reply") -> bytes:
     text=st.text(max_size=300),
     cuts=st.lists(st.integers(0, 10_000), max_size=6),
 )
+# The key cut across three reads, the middle one a byte: found once by CI's profile.
+@example(cached=0, text="", cuts=[103, 104])
 def test_the_report_is_read_wherever_the_reads_cut_the_body(
     cached: int, text: str, cuts: list[int]
 ) -> None:
