@@ -146,13 +146,13 @@ class RouterRuntime:
             ) from None
         try:
             await client.open()
-            block_size = await replay.discover()
+            block_size = await replay.discover() or DEFAULT_BLOCK_SIZE
         except BaseException:
             await self.stop()
             raise
-        route.block_size = config.block_size or block_size or DEFAULT_BLOCK_SIZE
+        route.block_size = block_size
         if index is not None:
-            index.block_size = route.block_size
+            index.block_size = block_size
             self.kv_events = kv = KvEvents(config, client, fleet, index)
             health.on_restart = kv.restarted
             app.state.kv_events = kv
@@ -161,6 +161,7 @@ class RouterRuntime:
             except BaseException:
                 await self.stop()
                 raise
+        replay.on_block_size = self._key_by  # the size no replica said at start (replay.py)
         await self.server.start_serving()
         health.start()
         telemetry.start()
@@ -185,6 +186,14 @@ class RouterRuntime:
                 "names one",
                 " or ".join(s.label for s in discovery.sources),
             )
+
+    def _key_by(self, block_size: int) -> None:
+        """Key prompts, and file KV events, by `block_size` tokens a block from now on: what
+        was keyed by the size guessed before no longer matches (a new family)."""
+        assert self.route is not None
+        self.route.block_size = block_size
+        if self.kv_events is not None:
+            self.kv_events.key_by(block_size)
 
     def in_flight(self) -> tuple[int, int]:
         """Routed requests running on replicas, and broadcasts received and not yet answered:

@@ -32,7 +32,8 @@ A replica's stream state, set in the index (only `live` replicas are looked up):
   fence, for `silence_s` (twice the health interval, at least SILENCE_S): `stale`, checked at
   the next batch as after a reconnect (a publisher that stopped sending, with its connection
   up). With data parallelism only rank 0 is followed: a rank 0 left idle may look silent;
-- a block of another size: `mismatch`, until the replica restarts.
+- a block of another size than the router keys by: `mismatch` (logged), until the replica
+  restarts or the router learns the replicas' size (fleet/replay.py, `key_by`).
 
 Cost: per batch O(events + blocks) (kv_index.py); nothing on the request path. Never: block
 the loop, write a replica's state, or file a block from a batch out of sequence.
@@ -254,6 +255,14 @@ class KvEvents:
             )
         return source, None, False
 
+    def key_by(self, block_size: int) -> None:
+        """The router keys by `block_size` from now on (runtime.py): a replica filed as
+        `mismatch` is looked up again from its next batch in sequence."""
+        self.index.block_size = block_size
+        for name, rep in self.index.replicas.items():
+            if rep.state == MISMATCH:
+                self.index.set_state(name, STALE, "the router's block size changed")
+
     def restarted(self, replica: Replica) -> None:
         """The health monitor found the replica restarted: what it held is gone."""
         stream = self.streams.get(replica.name)
@@ -403,6 +412,13 @@ class KvEvents:
         stream.events += len(batch.events)
         stream.next_seq = seq + 1
         stream.last_ts = batch.ts
+        if rep.state == MISMATCH and before != MISMATCH:
+            log.warning(
+                "KV events of %s: %s; routing it by prediction (fix: give the router "
+                "--block-size to match the replicas' --block-size)",
+                name,
+                rep.reason,
+            )
         if rep.state != before or rep.state == MISMATCH:
             return
         if in_sequence or state == LIVE:

@@ -8,6 +8,11 @@
   earlier run would make TRL's first load fail with "already loaded"); and makes live the
   adapters found on *every* answering replica at the same path (static `--lora-modules`).
   A replica that does not answer is ejected; health.py brings it in later with a replay.
+- *The KV block size* the router keys prompts by (`block_size`): `--block-size` when given;
+  else the one every replica answering at start reports (`/server_info`'s
+  `cache_config.block_size`); else, while none is known (no replica answered at start, or
+  they disagreed), the first one a replica reports when it is re-admitted, passed to
+  `on_block_size` once. Until then the caller keys by vLLM's default (16): a guess.
 - `Replay.readmit` makes a replica mirror the fleet — every live adapter loaded (with the same
   mount-lag retries as a broadcast, and the trainer's own load request; a copy it already holds
   counts only if the router loaded the fleet's files there, broadcast.py), every other name
@@ -31,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from lora_router.config import Config
 from lora_router.fleet.client import AGREEMENT, Facts, ReplicaClient
@@ -81,6 +86,8 @@ class Replay:
         self.fence = fence
         self.lock = lock  # the broadcast lock (broadcast.py)
         self.loads = loads
+        self.block_size: int | None = config.block_size  # known (module docstring), else None
+        self.on_block_size: Callable[[int], None] | None = None
 
     def _known_adapter(self, name: str) -> bool:
         """Whether the fence knows `name` as an adapter: never a base model (fleet.py)."""
@@ -89,7 +96,8 @@ class Replay:
     # -- start ------------------------------------------------------------------------------
 
     async def discover(self) -> int | None:
-        """Read every replica at start; returns the replicas' KV block size if they agree."""
+        """Read every replica at start; returns the KV block size if it is known (module
+        docstring)."""
         fleet = self.fleet
         results = await asyncio.gather(*(self._probe(r) for r in fleet.replicas))
         up: list[tuple[Replica, Facts]] = []
@@ -105,7 +113,9 @@ class Replay:
         self._warn_leftovers(serving)
         self._adopt_static(serving)
         sizes = {f.block_size for _, f in up} - {None}
-        return next(iter(sizes)) if len(sizes) == 1 else None
+        if self.block_size is None and len(sizes) == 1:
+            self.block_size = sizes.pop()
+        return self.block_size
 
     async def _probe(self, replica: Replica) -> tuple[Facts | None, str]:
         """One replica's models and server info, or why it failed."""
@@ -115,18 +125,17 @@ class Replay:
         replica.adapters = dict(held.adapters)
         self.fleet.listed(replica, held.bases, self._known_adapter)
         info = await self.client.server_info(replica, held)
-        await self._note_readiness(replica, info)
+        self._note_readiness(replica, info)
         if isinstance(info, Failure):
             if info.cause is not Cause.DEV_MODE:  # else named by the readiness warning
                 log.warning("%s: %s", replica.describe(), info)
             return held, ""
         return info, ""
 
-    async def _note_readiness(self, replica: Replica, info: Facts | Failure | None = None) -> None:
-        """Record whether `replica` can take part in a weight sync (readiness.py), and say so
-        when that changes: a standing warning, never a reason to keep it out."""
-        if info is None:
-            info = await self.client.server_info(replica)
+    def _note_readiness(self, replica: Replica, info: Facts | Failure) -> None:
+        """Record whether `replica` can take part in a weight sync (readiness.py), from its
+        `/server_info` (`info`), and say so when that changes: a standing warning, never a
+        reason to keep it out."""
         problems = tuple(sync_problems(seen_in(info), loras_needed(self.config.max_staleness)))
         for problem in problems:
             if problem not in replica.unready:
@@ -196,7 +205,13 @@ class Replay:
         under way when it starts. A version that goes live meanwhile is then already loaded
         when the final pass runs under the broadcast lock, so that pass — and the trainer's
         next call queued behind it — does not wait for a whole adapter load."""
-        await self._note_readiness(replica)
+        info = await self.client.server_info(replica)
+        self._note_readiness(replica, info)
+        if self.block_size is None and isinstance(info, Facts) and info.block_size is not None:
+            self.block_size = info.block_size
+            log.info("KV block size %d, as %s reports it", info.block_size, replica.describe())
+            if self.on_block_size is not None:
+                self.on_block_size(info.block_size)
         await self._converge(replica, final=False)
         async with self.lock:
             try:

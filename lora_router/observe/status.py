@@ -159,6 +159,9 @@ def status(state: RouterState) -> dict[str, object]:
             ],
         },
         "routing": state.policy.counts.as_dict(),
+        # The KV block size prompts are keyed by, from --block-size or the replicas; null while
+        # no replica has said it (keyed by vLLM's default, 16, meanwhile: fleet/replay.py).
+        "block_size": state.health.replay.block_size,
         "sessions": state.sessions.json(),
         "routing_accuracy": accuracy_json(state.stats.cached),
         # Per replica: its KV-event stream's state (live, stale, gap, restarted, mismatch, off).

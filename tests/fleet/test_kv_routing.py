@@ -82,15 +82,17 @@ def state(rt: RouterRuntime, emu: Emulator) -> str:
     return rt.kv_events.index.replica(emu.url).state
 
 
-async def subscribed(client: aiohttp.ClientSession, rt: RouterRuntime, emu: Emulator) -> None:
-    """Publish on `emu` until the router's subscription receives (ZMQ's slow joiner: a
-    subscription takes effect a moment after the connection)."""
+async def subscribed(
+    client: aiohttp.ClientSession, rt: RouterRuntime, emu: Emulator, block: int = BLOCK
+) -> None:
+    """Publish on `emu` (its KV blocks of `block` tokens) until the router's subscription
+    receives (ZMQ's slow joiner: a subscription takes effect a moment after the connection)."""
     assert rt.kv_events is not None
     stream = rt.kv_events.streams[emu.url]
     seen = stream.batches
     async with asyncio.timeout(10):
         for i in itertools.count():
-            await completed(client, emu.url, prompt=[50_000 + i] * BLOCK, max_tokens=1)
+            await completed(client, emu.url, prompt=[50_000 + i] * block, max_tokens=1)
             with contextlib.suppress(TimeoutError):
                 await until(lambda: stream.batches > seen, timeout=0.05)
                 return
@@ -309,6 +311,26 @@ async def test_another_block_size_is_never_looked_up(
     assert held(rt, holder) == 0
     assert await served_by(client, rt, emus, prompt=LATER) is guess
     assert "block size 32" in (await kv_status(client, rt, holder))["reason"]
+
+
+async def test_a_block_size_no_replica_said_at_start_is_learned_when_one_is_readmitted(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    """A replica that does not answer while the router starts leaves the block size unknown
+    (keyed by vLLM's default 16 meanwhile, its events of 32-token blocks a `mismatch`): once
+    it is readmitted its size is the router's, and its events are looked up again."""
+    emu = (await emulators(1, kv_events_config=KV, block_size=32))[0]
+    emu.faults.hang = "/v1/models"
+    rt = await router([emu], policy="kv", control_timeout=0.5, health_interval=0.05)
+    assert rt.route is not None and rt.route.block_size == BLOCK
+    assert (await router_status(client, rt.url))["block_size"] is None
+    await subscribed(client, rt, emu, block=32)
+    await until(lambda: state(rt, emu) == "mismatch")
+    emu.faults.hang = None
+    await until(lambda: rt.route is not None and rt.route.block_size == 32)
+    assert (await router_status(client, rt.url))["block_size"] == 32
+    await completed(client, emu.url, prompt=list(range(7000, 7064)), max_tokens=1)
+    await until(lambda: state(rt, emu) == "live" and held(rt, emu) >= 2)
 
 
 async def test_a_replica_without_events_is_off(

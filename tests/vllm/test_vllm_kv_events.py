@@ -102,8 +102,9 @@ def test_real_kv_events_route_a_new_family_to_its_prefix(
 
         # ZMQ's subscriber joins a moment after it connects, and the events published before
         # are not sent again (a prompt computed once is a cache hit after): on a loaded
-        # machine the first prompt's events were lost once. A new prompt each try, until one's
-        # two blocks are filed.
+        # machine the first prompt's events were lost once. A replica that did not answer the
+        # router's start in time is keyed by the default block size until it is readmitted.
+        # A new prompt each try, until one's two blocks are filed.
         for attempt in range(6):
             first = [VOCAB[(i * 7 + attempt) % len(VOCAB)] for i in range(300)]  # two blocks
             body = {"model": name, "prompt": first, "max_tokens": 1, "seed": 1}
@@ -112,9 +113,12 @@ def test_real_kv_events_route_a_new_family_to_its_prefix(
             try:
                 wait_for("the prompt's blocks filed", filed(router, replica, 2), 10, [router.log])
                 break
-            except AssertionError:
+            except AssertionError as exc:
                 if attempt == 5:
-                    raise
+                    raise AssertionError(f"{exc}\nits KV events: {kv(router, replica)}") from None
+        # The replicas' block size, read from their /server_info (at start, or when a replica
+        # that did not answer then is readmitted: fleet/replay.py).
+        assert status(router.url)["block_size"] == BLOCK
         later = {**body, "prompt": [*first, *VOCAB[:40]], "seed": 2}
         answer = http("POST", router.url + "/v1/completions", later)
         assert answer.status == 200, answer.text
