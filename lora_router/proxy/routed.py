@@ -242,7 +242,7 @@ class CompletionRoute:
         """Answer one routed completion: admit, then attempts until the retry rule settles."""
         fields = self.reader.read(request.body, chat=chat)  # validated whole, or a 400
         try:
-            session = header_id(request.headers)
+            session = header_id(request.session)
         except SessionIdError as exc:
             raise bad_request(str(exc), param="X-Session-ID") from None
         model = fields.model
