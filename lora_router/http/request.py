@@ -26,6 +26,11 @@ class Connection(Protocol):
     def abort(self) -> None: ...
 
 
+# vllm-router's session header, whose values the parser picks out for `Request.session`
+# (routing/sessions.py owns its rules).
+SESSION_HEADER = b"x-session-id"
+
+
 class Request(msgspec.Struct):
     """One parsed client request; the body is complete. (A msgspec Struct rather than a
     dataclass: built in C, with no Python `__init__` frame, once per request.)
@@ -43,6 +48,9 @@ class Request(msgspec.Struct):
     keep_alive: bool
     http11: bool
     client_ip: bytes
+    # The values of its SESSION_HEADER headers, in order, picked out as the head is parsed
+    # (http/server.py): the routed path reads them here, with no scan of `headers`.
+    session: tuple[bytes, ...] = ()
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:

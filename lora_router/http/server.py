@@ -55,13 +55,16 @@ from lora_router.http.framing import (
     over_budget,
 )
 from lora_router.http.headers import response_head
-from lora_router.http.request import ConnectionCount, Limits, Request
+from lora_router.http.request import SESSION_HEADER, ConnectionCount, Limits, Request
 from lora_router.http.timer import LazyTimer
 
 log = logging.getLogger(__name__)
 
 _JSON = [(b"content-type", b"application/json")]
 _LINGER = 2.0  # seconds a closing connection keeps draining the client's input
+# Headers picked out as they are parsed: the framing (judged once the head is complete) and
+# the session id (`Request.session`).
+_PICKED = FRAMING | {SESSION_HEADER}
 
 
 Handler = Callable[[Request, "ClientConnection"], Awaitable[None]]
@@ -110,6 +113,7 @@ class ClientConnection(asyncio.Protocol):
         "_queue",
         "_receiving",
         "_request",
+        "_session",
         "_task",
         "_timer",
         "_upstream",
@@ -169,6 +173,7 @@ class ClientConnection(asyncio.Protocol):
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._framing: list[tuple[bytes, bytes]] = []  # the headers in FRAMING, in order
+        self._session: tuple[bytes, ...] = ()  # the SESSION_HEADER values, in order
         self._http11 = True
         self._header_bytes = 0
         self._body: list[bytes] = []
@@ -257,6 +262,7 @@ class ClientConnection(asyncio.Protocol):
         self._url = b""
         self._headers = []
         self._framing = []
+        self._session = ()
         self._header_bytes = 0
         self._body = []
         self._body_bytes = 0
@@ -279,8 +285,11 @@ class ClientConnection(asyncio.Protocol):
             self._raise(HTTPError(400, "Control characters in a header value."))
         name = name.lower()
         self._headers.append((name, value))
-        if name in FRAMING:
-            self._framing.append((name, value))
+        if name in _PICKED:
+            if name == SESSION_HEADER:
+                self._session += (value,)
+            else:
+                self._framing.append((name, value))
 
     def on_headers_complete(self) -> None:
         self._phase = _Phase.BODY  # its deadline: `data_received`
@@ -367,6 +376,7 @@ class ClientConnection(asyncio.Protocol):
             keep_alive=parser.should_keep_alive(),
             http11=self._http11,
             client_ip=self._client_ip,
+            session=self._session,
         )
         self._body = []
         self._receiving = 0  # counted as the request's `body` from now on

@@ -133,7 +133,7 @@ class RouterApp:
         """What answers `route` (routes.py says which kind it is)."""
         kind, path = route.kind, route.path
         if kind is Kind.ROUTED:
-            return partial(self.completions.completion, chat=ROUTED[path])
+            return partial(self.completions.completion, ROUTED[path])  # positional: no kwargs dict
         if kind is Kind.FORWARD:
             return self.forward_one
         if kind is Kind.BROADCAST:

@@ -67,7 +67,9 @@ ROUTED = {b"/v1/completions": False, b"/v1/chat/completions": True}
 
 class Stage(enum.IntEnum):
     """Where a routed request is (h11-style: one state, explicit moves, `NEXT`). An IntEnum:
-    hashed in C, once per move."""
+    hashed in C, once per move. Its members are also module names (below), which the request
+    path uses: on Python 3.11 an Enum class's attribute goes through `EnumType.__getattr__`,
+    five times the cost of a module name (docs/design/overhead.md, one path)."""
 
     ADMITTED = 0  # past the fence and counted; no attempt on a replica
     SENT = 1  # an attempt is on a replica; nothing of its answer reached the client
@@ -78,14 +80,16 @@ class Stage(enum.IntEnum):
     GONE = 6  # the end: the client went away
 
 
+ADMITTED, SENT, DIVERTED, PASSED, ANSWERED, FAILED, GONE = Stage
+
 NEXT: dict[Stage, frozenset[Stage]] = {
-    Stage.ADMITTED: frozenset({Stage.SENT, Stage.FAILED, Stage.GONE}),
-    Stage.SENT: frozenset({Stage.DIVERTED, Stage.PASSED, Stage.ADMITTED, Stage.FAILED, Stage.GONE}),
-    Stage.DIVERTED: frozenset({Stage.ADMITTED, Stage.FAILED, Stage.GONE}),
-    Stage.PASSED: frozenset({Stage.ANSWERED, Stage.FAILED, Stage.GONE}),
-    Stage.ANSWERED: frozenset(),
-    Stage.FAILED: frozenset(),
-    Stage.GONE: frozenset(),
+    ADMITTED: frozenset({SENT, FAILED, GONE}),
+    SENT: frozenset({DIVERTED, PASSED, ADMITTED, FAILED, GONE}),
+    DIVERTED: frozenset({ADMITTED, FAILED, GONE}),
+    PASSED: frozenset({ANSWERED, FAILED, GONE}),
+    ANSWERED: frozenset(),
+    FAILED: frozenset(),
+    GONE: frozenset(),
 }
 
 
@@ -137,7 +141,7 @@ class RoutedRequest:
         self.session: bytes | None = None  # its X-Session-ID (routing/sessions.py)
         self.started = started  # loop time it passed the fence
         self.sent = started  # loop time its current attempt was picked, under --pace (`pick`)
-        self.stage = Stage.ADMITTED
+        self.stage = ADMITTED
         self.tried: list[Replica] = []
         # The adapter it is counted under at the fence until its head passes or it ends
         # (fleet/fence.py).
@@ -169,11 +173,11 @@ class RoutedRequest:
 
     def head(self, status: int, data: bytes, body: memoryview | None = None) -> None:
         if (status >= 500 or (status == 404 and self.adapter)) and self.route.diverts(self, status):
-            self.move(Stage.DIVERTED)
+            self.move(DIVERTED)
             self.diverted = status
             self.write = _drop
             return
-        self.move(Stage.PASSED)
+        self.move(PASSED)
         if self.held is not None:
             self.release()
         self.conn.head(status, data, body)
@@ -238,11 +242,12 @@ class CompletionRoute:
         )
         self.debug = log.isEnabledFor(logging.DEBUG)
 
-    async def completion(self, request: Request, conn: ClientConnection, chat: bool) -> None:
-        """Answer one routed completion: admit, then attempts until the retry rule settles."""
+    async def completion(self, chat: bool, request: Request, conn: ClientConnection) -> None:
+        """Answer one routed completion (of the chat API if `chat`): admit, then attempts until
+        the retry rule settles."""
         fields = self.reader.read(request.body, chat=chat)  # validated whole, or a 400
         try:
-            session = header_id(request.headers)
+            session = header_id(request.session)
         except SessionIdError as exc:
             raise bad_request(str(exc), param="X-Session-ID") from None
         model = fields.model
@@ -268,29 +273,29 @@ class CompletionRoute:
                 if job.prompt:
                     job.reported = None
                     ex.on_end = job.read_end
-                job.move(Stage.SENT)
+                job.move(SENT)
                 failure: UpstreamError | None = None
                 try:
                     await self.forwarder.send(ex, conn, replica, job.tokens)
                 except UpstreamError as exc:
                     failure = exc.with_traceback(None)  # its frames would hold `ex`: a cycle
-                    if job.stage is Stage.PASSED:
+                    if job.stage is PASSED:
                         self.cut(job, replica, failure, ex.received)
                 except asyncio.CancelledError:  # the client went away
                     if job.prompt:
                         self.account(job, ex, ended=False)
                     raise
                 if self.settle(job, replica, failure):
-                    job.move(Stage.ANSWERED)
+                    job.move(ANSWERED)
                     if job.prompt:
                         self.account(job, ex)
                     return
-                job.move(Stage.ADMITTED)
+                job.move(ADMITTED)
         except asyncio.CancelledError:
-            job.move(Stage.GONE)
+            job.move(GONE)
             raise
         except BaseException:
-            job.move(Stage.FAILED)
+            job.move(FAILED)
             raise
         finally:
             if job.held is not None:

@@ -38,14 +38,13 @@ Never: I/O, logging, or a clock of its own (the caller gives `clock`, the event 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from urllib.parse import parse_qsl
 
 import orjson
 
 from .contract import Candidates, R
 
-HEADER = b"x-session-id"  # as the client's parser gives it: names lower-cased (http/request.py)
 MAX_ID_BYTES = 256  # a trajectory's UUID takes 36
 OVERLOAD = 2  # times the follow cap without ε (module docstring, *far over the load*)
 _VISIBLE = frozenset(range(0x21, 0x7F))
@@ -64,20 +63,17 @@ def check_id(value: bytes, where: str) -> bytes:
     return value
 
 
-def header_id(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
-    """The request's session id from its `X-Session-ID` header, or None without one (or with
+def header_id(values: Sequence[bytes]) -> bytes | None:
+    """The request's session id from the values of its `X-Session-ID` headers (the client's
+    parser picks them out: http/request.py's `Request.session`), or None without one (or with
     an empty one); SessionIdError for a value the rules refuse, or the header twice."""
-    found: bytes | None = None
-    seen = False
-    for name, value in headers:
-        if name == HEADER:
-            if seen:
-                raise SessionIdError("X-Session-ID is given twice; give it once.")
-            seen = True
-            found = value
-    if not found:
+    if not values:
         return None
-    return check_id(found, "X-Session-ID")
+    if len(values) > 1:
+        raise SessionIdError("X-Session-ID is given twice; give it once.")
+    if not values[0]:
+        return None
+    return check_id(values[0], "X-Session-ID")
 
 
 def finish_id(query: bytes, body: bytes) -> bytes:
