@@ -2,7 +2,8 @@
 (vllm:inter_token_latency_seconds, fleet/pace.py), its weight falls below 1 in /router/status
 and /metrics, and it is dealt fewer new families; a fleet at one speed keeps every weight at 1,
 never telling the policy of a change; a replica whose /metrics lacks the histogram keeps full
-weight and says why; an interval that saw a pause of the fleet is no sample."""
+weight and says why; an interval that saw a pause of the fleet is no sample; with --no-pace
+every weight stays 1."""
 
 from __future__ import annotations
 
@@ -193,3 +194,18 @@ async def test_an_interval_that_saw_a_pause_is_no_sample(
     await telemetry.scrape_all()
     assert len(given) == 6 and all(r.interval > 0 for r in given[4:])
     await traffic
+
+
+async def test_without_pace_a_half_speed_replica_is_dealt_its_even_share(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    # --no-pace: scraped as ever, weighed never; the deal is the unweighted policy's.
+    emus = [*await emulators(1, **COSTS, speed=0.5), *await emulators(3, **COSTS)]
+    runtime = await router(emus, health_interval=SCRAPE_S, pace=False)
+    assert runtime.telemetry is not None and runtime.telemetry.pace is None
+    homes = await families(client, runtime.url, 160, random.Random(5))
+    status = await replicas(client, runtime.url)
+    assert [r["weight"] for r in status.values()] == [1.0] * 4
+    assert [r["seconds_per_decode_step"] for r in status.values()] == [0.0] * 4
+    assert status["0"]["reported"]["decode_step_s"] is not None  # the step is still read
+    assert homes.count("0") / len(homes) >= 0.2  # weighed, under 0.2 (above)
