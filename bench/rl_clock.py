@@ -122,9 +122,14 @@ CONTENDERS = (
         False,
         sessions=True,
     ),
-    # Not in the default matrix: the pace rule (--pace, fleet/pace.py), off by default.
+    # Not in the default matrix: lora-router without its weights (--no-pace, fleet/pace.py).
     Contender(
-        "lr-pace", "lora-router prefix --pace", "lora-router", "prefix", False, flags=("--pace",)
+        "lr-no-pace",
+        "lora-router prefix --no-pace",
+        "lora-router",
+        "prefix",
+        False,
+        flags=("--no-pace",),
     ),
 )
 DEFAULT_ROUTERS = ("lr-prefix", "vllm-ch", "vllm-ca", "vllm-sll", "round-robin")

@@ -249,10 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--pace",
-        action="store_true",
-        help="measure each replica's pace (seconds per output token) and deal a slower one "
-        "fewer new prompt families (a fleet with a slow GPU); off by default: short answers "
-        "make a uniform fleet's paces noisy",
+        action=argparse.BooleanOptionalAction,
+        default=d.pace,
+        help="weigh each replica by its decode step (vllm:inter_token_latency_seconds on its "
+        "/metrics) and deal a slower one fewer new prompt families (a fleet with a slow GPU); "
+        "on by default, --no-pace deals every replica alike",
     )
     g.add_argument(
         "--session-ttl",

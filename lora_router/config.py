@@ -282,9 +282,9 @@ class Config:
     # and at most this many kept (the least recently used forgotten first).
     session_ttl: float = 1800.0
     max_sessions: int = 100_000
-    # Weigh each replica's share of new families by its measured pace (fleet/pace.py); off by
-    # default (docs/design/routing.md#a-slow-replica-pace-and-weights says why).
-    pace: bool = False
+    # Weigh each replica's share of new families by its decode step, as its /metrics reports
+    # it (fleet/pace.py; docs/design/routing.md#a-slow-replica-pace-and-weights).
+    pace: bool = True
 
     # Timeouts (seconds)
     connect_timeout: float = 10.0

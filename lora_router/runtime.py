@@ -25,6 +25,7 @@ from lora_router.fleet.fence import AdapterFence
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
 from lora_router.fleet.kv_events import KvEvents
+from lora_router.fleet.pace import PaceRule
 from lora_router.fleet.replay import Replay
 from lora_router.fleet.replica_loads import ReplicaLoads
 from lora_router.fleet.telemetry import Telemetry
@@ -122,7 +123,9 @@ class RouterRuntime:
             forwarder,
             route,
         )
-        self.telemetry = telemetry = Telemetry(config, client, fleet)
+        # The replicas' decode steps, their weights told to the policy (fleet/pace.py).
+        pace = PaceRule(lambda: fleet.replicas, policy.set_weight) if config.pace else None
+        self.telemetry = telemetry = Telemetry(config, client, fleet, broadcaster.syncs, pace)
         app.state.telemetry = telemetry
         self.discovery = discovery = Discovery(config, fleet, health, make_sources(config))
         app.state.discovery = discovery

@@ -77,6 +77,11 @@ def test_the_move_price_is_a_flag_and_zero_turns_moves_off() -> None:
     assert off.move_price == 0
 
 
+def test_the_pace_rule_is_on_by_default_and_no_pace_turns_it_off() -> None:
+    assert config("--replicas", "http://a", "--no-token").pace is True
+    assert config("--replicas", "http://a", "--no-token", "--no-pace").pace is False
+
+
 def test_the_kv_policy_and_its_event_sources_are_flags() -> None:
     default = config("--replicas", "http://a", "--no-token")
     assert (default.policy, default.kv_events) == ("prefix", "auto")

@@ -13,7 +13,7 @@ from .rl_clock_runs import ClockResult
 
 DEFAULT = "lr-prefix"  # lora-router's default policy: the contender the targets judge
 # lora-router's own other runs (not contenders the targets compare it with).
-OURS = {DEFAULT, "lr-session", "lr-pace"}
+OURS = {DEFAULT, "lr-session", "lr-no-pace"}
 HIT_FRACTION = 0.99  # uniform fleet, saturating load: hit rate >= this x the best contender's
 SLOW_FLEET_P90 = 0.9  # one replica at half speed: group p90 <= this x the best contender's
 

@@ -20,13 +20,28 @@ so a replica slows gradually as its batch grows, instead of queueing, and a repl
 `speed` 0.5 takes twice as long for the same work. The constants are the replica's settings
 (config.py); all 0 by default, so that answers come at once.
 
-Pure: no I/O, no clock. The engine (engine.py) runs the steps and sleeps their durations.
+What `/metrics` shows of these steps (`InterTokenLatency`), as vLLM's
+`vllm:inter_token_latency_seconds` histogram: one observation per generated token but a
+sequence's first, the time from its previous token's step end to this one's. So a token's
+latency is the duration of the step that decoded it (a sequence decodes in every step until it
+ends), the steps' prefill chunks included, as on vLLM, where each engine step's outputs carry
+one timestamp (vllm/v1/metrics/stats.py, `IterationStats.update_from_output`).
+
+Pure: no I/O, no clock (the engine passes each step's planned end). The engine (engine.py)
+runs the steps and sleeps their durations.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from bisect import bisect_left
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+# vLLM 0.32's buckets for `vllm:inter_token_latency_seconds` (upper bounds, seconds; +Inf after).
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +80,7 @@ class Progress:
     prefill_left: int  # uncached prompt tokens not computed yet
     decode_left: int  # tokens still to generate
     granted: int = 0  # tokens generated so far (the engine emits them after the step)
+    last_token_at: float | None = None  # its latest token's step end (`InterTokenLatency`)
 
     @property
     def done(self) -> bool:
@@ -81,8 +97,8 @@ class Step:
 
 def plan_step(running: Sequence[Progress], budget: int) -> tuple[Step, list[Progress]]:
     """Fill one step's `budget` of tokens from `running` (in admission order), apply it, and
-    return the step and the sequences it advanced. A sequence whose prefill ends in this step
-    decodes from the next one."""
+    return the step and the sequences it advanced, its `decoding` decoders first. A sequence
+    whose prefill ends in this step decodes from the next one."""
     decoders = [p for p in running if p.prefill_left == 0 and p.decode_left > 0][:budget]
     left = budget - len(decoders)
     for p in decoders:
@@ -100,3 +116,26 @@ def plan_step(running: Sequence[Progress], budget: int) -> tuple[Step, list[Prog
             prefill_tokens += chunk
             advanced.append(p)
     return Step(len(decoders), prefill_tokens), advanced
+
+
+@dataclass(slots=True)
+class InterTokenLatency:
+    """`vllm:inter_token_latency_seconds` (module docstring): its bucket counts (not
+    cumulative; the last one +Inf), sum and count since the replica started."""
+
+    buckets: list[int] = field(default_factory=lambda: [0] * (len(ITL_BUCKETS) + 1))
+    sum: float = 0.0
+    count: int = 0
+
+    def decoded(self, sequences: Iterable[Progress], at: float) -> None:
+        """A step that ended at `at` gave each of `sequences` a token: O(len) plus a bucket's
+        search each."""
+        buckets = self.buckets
+        for p in sequences:
+            last, p.last_token_at = p.last_token_at, at
+            if last is None:
+                continue  # a first token: its latency is the time to it, not between tokens
+            latency = at - last
+            buckets[bisect_left(ITL_BUCKETS, latency)] += 1
+            self.sum += latency
+            self.count += 1

@@ -41,7 +41,7 @@ from lora_router.emulator.adapter_files import (
     read_adapter,
 )
 from lora_router.emulator.adapters import Adapter, AdapterRegistry, AdapterSlots
-from lora_router.emulator.batching import Progress, plan_step
+from lora_router.emulator.batching import InterTokenLatency, Progress, plan_step
 from lora_router.emulator.config import EmulatorConfig
 from lora_router.emulator.kv_events import (
     AllBlocksCleared,
@@ -113,6 +113,9 @@ class Engine:
         self.cache = PrefixCache(config.block_size, config.cache_blocks)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_loras)
         self.counters = EngineCounters()
+        # Each generated token's time since the sequence's previous one, from the steps' own
+        # clock (`_step_loop`): vLLM's `vllm:inter_token_latency_seconds` (batching.py).
+        self.inter_token_latency = InterTokenLatency()
         self.crashed: str | None = None  # why the engine died, if it did
         self.sleeping = False
         self.queued_while_paused = 0  # requests waiting at the door for /resume
@@ -335,8 +338,10 @@ class Engine:
             if not self._pause.stepping.is_set():
                 await self._pause.stepping.wait()
                 ends = loop.time()
+            start = max(ends, loop.time() - _MIN_SLEEP_S)
             elapsed = 0.0
             advanced: dict[Progress, None] = {}
+            decoded: list[tuple[list[Progress], float]] = []  # each step's decoders, its end
             while elapsed < _MIN_SLEEP_S:
                 work = [p for p in self._progress.values() if not p.done]
                 if not work:
@@ -344,11 +349,14 @@ class Engine:
                 step, moved = plan_step(work, budget)
                 elapsed += costs.step_s(step.decoding, step.prefill_tokens)
                 advanced.update(dict.fromkeys(moved))
+                decoded.append((moved[: step.decoding], start + elapsed))
             if not advanced:
                 return
             if elapsed > 0:
-                ends = max(ends, loop.time() - _MIN_SLEEP_S) + elapsed
+                ends = start + elapsed
                 await asyncio.sleep(ends - loop.time())
+            for decoders, end in decoded:  # observed once their time has passed
+                self.inter_token_latency.decoded(decoders, end)
             for seq, progress in list(self._progress.items()):
                 if progress in advanced:
                     seq.wake()

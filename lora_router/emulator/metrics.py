@@ -3,7 +3,9 @@
 Routers and gateways read these to balance load and LoRA affinity: the prefix-cache counters
 (`vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total`, in tokens), the queue gauges
 (`vllm:num_requests_running`, `vllm:num_requests_waiting`), `vllm:kv_cache_usage_perc` (the
-blocks the batch holds, not the cached ones: 0 when idle, as a real server reports it) and
+blocks the batch holds, not the cached ones: 0 when idle, as a real server reports it),
+`vllm:inter_token_latency_seconds` (a histogram of each generated token's time since its
+sequence's previous one: the engine steps' durations, emulator/batching.py) and
 `vllm:lora_requests_info`, whose labels list the adapters running and waiting and whose value
 is a timestamp, as vLLM sets it.
 Rendered from the engine's state at scrape time; never cached.
@@ -11,13 +13,20 @@ Rendered from the engine's state at scrape time; never cached.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
+from lora_router.emulator.batching import ITL_BUCKETS
 from lora_router.emulator.engine import Engine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -77,6 +86,19 @@ class _EngineCollector(Collector):
             "Number of generation tokens processed.",
             engine.counters.generated_tokens,
         )
+        itl = engine.inter_token_latency
+        cumulative = list(itertools.accumulate(itl.buckets))
+        latency = HistogramMetricFamily(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            labels=labels,
+        )
+        latency.add_metric(
+            values,
+            [(str(b), c) for b, c in zip([*ITL_BUCKETS, "+Inf"], cumulative, strict=True)],
+            itl.sum,
+        )
+        yield latency
         info = GaugeMetricFamily(
             "vllm:lora_requests_info",
             "Running stats on lora requests.",

@@ -1,34 +1,38 @@
-"""A replica's pace, measured by the router, and the routing weight it gives the policy.
+"""A replica's pace, its decode step as it reports it, and the routing weight it gives the policy.
 
 Rules:
-- *Sample*: a routed completion a replica answered 200 whose answer reported its
-  `usage.completion_tokens` (proxy/routed.py reads it at the answer's end): the seconds from its
-  send to its end, and those tokens. Text and chat prompts, streams without usage and refused
-  answers give none, nor does an answer back within `MIN_SAMPLE_S`: its time is the network's
-  and the router's, not an engine's (a vLLM decode step alone takes about that long), and the
-  loop's clock counts whole milliseconds; so a pace judged is never 0.
-- *Pace*: per replica, seconds over output tokens of its samples, both summed with an
-  exponential decay of `DECAY` per sample (a long answer weighs more than a short one, whose
-  time is mostly its prefill and its queue).
-- *Judged*: every `max(JUDGE_EVERY, n)` samples over the fleet, each replica with at least
-  `MIN_SAMPLES` samples since its weight last changed, the latest within `STALE_S`, is compared
-  with the median pace of those replicas. Outside the dead band, slower than `BAND` times the
-  median or faster than the median over `BAND`, its weight becomes its weight times median
-  over pace, in sixteenths, between `WEIGHT_MIN` and `WEIGHT_FULL`; inside it, it keeps its
-  weight. Its samples then start again, and an answer sent before the change is no sample, so
-  a weight is judged only on answers sent under it (not on the queue the old weight built).
-  The weight is a controller's output, not a speed: with fewer requests a slow replica's pace
-  nears the median and its weight holds (inside the band), which is the balance sought.
-- *Stale*: a replica with no sample within `STALE_S` (or that left) is back at full weight,
-  its evidence dropped.
+- *Sample*: one scrape interval of a replica's `/metrics` (fleet/telemetry.py): the change of
+  `vllm:inter_token_latency_seconds`' sum (seconds) and count (tokens) since the previous
+  scrape, each token's time since its sequence's previous one, so their ratio is the mean
+  decode step over the interval. That is what the replica's speed decides, not its queue nor
+  its prompts' prefill (a sequence decodes one token a step; the steps' prefill chunks share
+  them, as on vLLM). An interval with fewer than `MIN_DECODED` tokens is none (a few tokens
+  say more of one step's prefill chunk than of the replica), nor is one whose mean step is
+  under `MIN_STEP_S` (no engine's: an emulated replica whose steps cost nothing); telemetry
+  gives none for an interval that saw a pause of the fleet.
+- *Unmeasured*: a replica whose `/metrics` lacks the histogram keeps full weight, its evidence
+  dropped, and `Pace.unmeasured` says why (/router/status).
+- *Pace*: per replica, the samples' seconds over their tokens, both summed with an exponential
+  decay of `DECAY` per sample (the last few intervals decide it, each weighed by its tokens).
+- *Judged*: after each scrape round (`judge`), each replica with at least `MIN_SAMPLES` samples
+  since its weight last changed, the latest within `STALE_S`, is compared with the lower
+  median of those replicas' paces (of two, the faster): `ratio` = median / pace, its speed
+  relative to the fleet's. Its weight (w, as a share of full) holds while `ratio` is within
+  `BAND` of w either way (w / BAND to w x BAND); outside, it becomes full if `ratio` is at
+  least 1 / BAND (the dead band of a fleet at one speed), else `ratio` in sixteenths, at least
+  `WEIGHT_MIN`. Its samples then start again (a new weight changes its batch).
+- *Stale*: a replica with no sample within `STALE_S` (idle, or no longer reporting) is back at
+  full weight, its evidence dropped.
 
-On a fleet at one speed paces differ by noise and by their queues: inside the band on
-single-turn groups, not always on multi-turn rollouts at saturating load (measured in
-docs/design/routing.md). Weights reach the policy only when they change (`on_weight`), and
-/router/status and /metrics show them (`Pace.weight`).
+The weight is the replica's measured relative speed, not a controller's output: a decode step
+does not count the queue, so a half-speed replica keeps about half the weight however few
+families it is dealt. A fleet at one speed differs only by its batches (a step grows with the
+sequences in it) and the prefill chunks in its steps: inside the band on the emulated fleets
+measured (docs/design/routing.md#a-slow-replica-pace-and-weights). Weights reach the policy
+only when they change (`on_weight`); /router/status and /metrics show them.
 
-Cost: a sample O(1); a judgement O(n log n) once per at least n samples, O(log n) a sample.
-Never: I/O, logging, reading answers (the caller passes the figures).
+Cost: a sample O(1) (per replica per scrape, off the request path); a judgement O(n log n) per
+scrape round. Never: I/O, logging, reading `/metrics` (the caller passes the report).
 """
 
 from __future__ import annotations
@@ -37,47 +41,51 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from lora_router.fleet.report import Report
 from lora_router.routing.policy import WEIGHT_FULL, WEIGHT_MIN
 
-# Each sample's share of the pace: the last 16 or so answers decide it.
-DECAY = 1 / 16
-# The dead band: a pace within BAND x the median either way changes no weight.
+# Each sample's share of the pace: the last 4 intervals or so decide it (8 s at the default
+# --health-interval of 2 s).
+DECAY = 1 / 4
+# The dead band: a speed within BAND x the weight either way changes no weight.
 BAND = 1.25
-# Samples a replica needs to be judged, and answers between judgements. Half these judged
-# full-speed replicas slow at saturating load (the queues differ more than the band over 4
-# answers); these keep a uniform fleet's weights at 1 on single-turn groups, not always on
-# multi-turn at saturating load (docs/design/routing.md).
-MIN_SAMPLES = 8
-JUDGE_EVERY = 16
+# Samples a replica needs since its weight last changed to be judged: one interval's mean over
+# at least MIN_DECODED tokens (on the emulated fleets measured, a full-speed replica's intervals
+# stayed within 10 % of each other; two samples judged a light-load run's slow replica only
+# after most of its families had been dealt).
+MIN_SAMPLES = 1
+# The fewest tokens an interval's sample must have (module docstring, *Sample*).
+MIN_DECODED = 16
+# The shortest mean decode step that is a sample: 0.1 ms, below any engine's.
+MIN_STEP_S = 1e-4
 STALE_S = 30.0
-# The shortest answer that is a sample (module docstring, *Sample*): 10 loop-clock ticks.
-MIN_SAMPLE_S = 0.01
+UNMEASURED = "its /metrics has no vllm:inter_token_latency_seconds"
 
 
 class Pace:
     """One replica's pace: its decayed sums, its samples since its weight last changed, its
-    latest sample's time, its weight in sixteenths and how often that changed (`PaceRule`
-    writes it)."""
+    latest sample's time, its weight in sixteenths, how often that changed, and why it is not
+    measured ("" when it is) (`PaceRule` writes it)."""
 
-    __slots__ = ("changes", "last", "samples", "seconds", "since", "tokens", "weight")
+    __slots__ = ("changes", "last", "samples", "seconds", "tokens", "unmeasured", "weight")
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self.tokens = 0.0
         self.samples = 0
         self.last = 0.0
-        self.since = float("-inf")  # when its weight last changed: earlier sends are no sample
         self.weight = WEIGHT_FULL
         self.changes = 0
+        self.unmeasured = ""
 
     def restart(self) -> None:
-        """Its evidence dropped (a new weight, or stale)."""
+        """Its evidence dropped (a new weight, stale, or unmeasured)."""
         self.seconds = self.tokens = 0.0
         self.samples = 0
 
     @property
-    def per_token(self) -> float:
-        """Seconds per output token; 0 when it has none."""
+    def step_s(self) -> float:
+        """Mean seconds per decode step; 0 when it has none."""
         return self.seconds / self.tokens if self.tokens else 0.0
 
 
@@ -99,51 +107,56 @@ class PaceRule:
     ) -> None:
         self.replicas = replicas  # the fleet's members now
         self.on_weight = on_weight  # the policy's `set_weight`
-        self._until_judged = JUDGE_EVERY
 
-    def answered(self, replica: Paced, seconds: float, tokens: int, now: float) -> None:
-        """A sample (module docstring): O(1), and every so often a judgement."""
+    def scraped(self, replica: Paced, report: Report, now: float) -> None:
+        """A report following an earlier one, over an interval without a pause: a sample or
+        none (module docstring), O(1)."""
         pace = replica.pace
-        if tokens <= 0 or seconds < MIN_SAMPLE_S or now - seconds < pace.since:
+        if report.token_latency_count is None:
+            if not pace.unmeasured:
+                pace.unmeasured = UNMEASURED
+                pace.restart()
+                self._set(replica, WEIGHT_FULL)
+            return
+        pace.unmeasured = ""
+        seconds, tokens = report.interval_token_latency, report.interval_decoded
+        if tokens < MIN_DECODED or seconds < MIN_STEP_S * tokens:
             return
         keep = 1.0 - DECAY
         pace.seconds = pace.seconds * keep + seconds
         pace.tokens = pace.tokens * keep + tokens
         pace.samples += 1
         pace.last = now
-        self._until_judged -= 1
-        if self._until_judged <= 0:
-            self.judge(now)
 
     def judge(self, now: float) -> None:
-        """Every replica's weight from the evidence now: O(n log n)."""
-        members = self.replicas()
-        self._until_judged = max(JUDGE_EVERY, len(members))
+        """Every member's weight from the evidence now: O(n log n)."""
         judged = []
-        for replica in members:
+        for replica in self.replicas():
             pace = replica.pace
             if (pace.samples or pace.weight != WEIGHT_FULL) and now - pace.last > STALE_S:
                 pace.restart()
-                self._set(replica, WEIGHT_FULL, now)
+                self._set(replica, WEIGHT_FULL)
             elif pace.samples >= MIN_SAMPLES:
                 judged.append(replica)
         if len(judged) < 2:
             return
-        median = statistics.median(r.pace.per_token for r in judged)
+        median = statistics.median_low(r.pace.step_s for r in judged)
         for replica in judged:
             pace = replica.pace
-            ratio = median / pace.per_token
-            if 1 / BAND <= ratio <= BAND:
+            ratio = median / pace.step_s
+            held = pace.weight / WEIGHT_FULL
+            if held / BAND <= ratio <= held * BAND:
                 continue
-            weight = min(WEIGHT_FULL, max(WEIGHT_MIN, round(pace.weight * ratio)))
+            weight = WEIGHT_FULL
+            if ratio < 1 / BAND:
+                weight = max(WEIGHT_MIN, round(ratio * WEIGHT_FULL))
             if weight != pace.weight:
                 pace.restart()
-                self._set(replica, weight, now)
+                self._set(replica, weight)
 
-    def _set(self, replica: Paced, weight: int, now: float) -> None:
+    def _set(self, replica: Paced, weight: int) -> None:
         pace = replica.pace
         if pace.weight != weight:
             pace.weight = weight
-            pace.since = now
             pace.changes += 1
             self.on_weight(replica.name, weight)

@@ -5,7 +5,7 @@ the request path (`in_flight` and `in_flight_tokens`, the requests and their pro
 added around every forwarded request in a try/finally so the counts are exact on every path:
 success, error, client disconnect, cancellation) and by the telemetry loop (`report`: what the
 replica's own `/metrics` said at the last scrape, its queue included, or None when unknown;
-fleet/telemetry.py). Its `pace` is written by fleet/pace.py's rule from the answers' ends.
+fleet/telemetry.py). Its `pace` is written by fleet/pace.py's rule from its reports' decode step.
 It is read by the routing policy, which must never write it.
 
 Its service state (joining, replaying, serving, ejected, backing-off, draining, gone) is
@@ -95,7 +95,7 @@ class Replica:
         # the reason in report_error. Never a reason to eject it.
         self.report: Report | None = None
         self.report_error = "not scraped yet"
-        # How fast it answers and its routing weight, written only by fleet/pace.py's rule.
+        # Its decode step and routing weight, written only by fleet/pace.py's rule.
         self.pace = Pace()
 
     @property

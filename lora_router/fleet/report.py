@@ -25,11 +25,18 @@ class Report:
     adapters_running: tuple[str, ...] | None  # None: the replica has no LoRA metrics
     adapters_waiting: tuple[str, ...] | None
     max_lora: int | None
+    # `vllm:inter_token_latency_seconds`' sum and count (None: the replica does not export it).
+    token_latency_sum: float | None = None
+    token_latency_count: float | None = None
     # Changes since the previous report (interval 0.0: there was none).
     interval: float = 0.0
     interval_queries: float = 0.0
     interval_hits: float = 0.0
     interval_generation_tokens: float = 0.0
+    # Seconds between tokens and tokens after a sequence's first (0.0, 0.0 if either report
+    # lacks them): the mean decode step over the interval is their ratio (`decode_step_s`).
+    interval_token_latency: float = 0.0
+    interval_decoded: float = 0.0
 
     @property
     def hit_rate(self) -> float | None:
@@ -46,16 +53,33 @@ class Report:
         """Generated tokens per second over the last interval."""
         return self.interval_generation_tokens / self.interval if self.interval > 0 else None
 
+    @property
+    def decode_step_s(self) -> float | None:
+        """Mean seconds between a sequence's tokens over the last interval, its decode step
+        (None: it decoded nothing then, or does not say)."""
+        return ratio(self.interval_token_latency, self.interval_decoded)
+
     def following(self, previous: Report | None) -> Report:
         """This report with its interval figures taken against `previous`."""
         if previous is None or self.at <= previous.at:
             return self
+        latency = decoded = 0.0
+        if (
+            self.token_latency_sum is not None
+            and self.token_latency_count is not None
+            and previous.token_latency_sum is not None
+            and previous.token_latency_count is not None
+        ):
+            latency = delta(self.token_latency_sum, previous.token_latency_sum)
+            decoded = delta(self.token_latency_count, previous.token_latency_count)
         return replace(
             self,
             interval=self.at - previous.at,
             interval_queries=delta(self.prefix_queries, previous.prefix_queries),
             interval_hits=delta(self.prefix_hits, previous.prefix_hits),
             interval_generation_tokens=delta(self.generation_tokens, previous.generation_tokens),
+            interval_token_latency=latency,
+            interval_decoded=decoded,
         )
 
 

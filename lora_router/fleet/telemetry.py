@@ -12,6 +12,13 @@ ceil(n / budget) intervals old, and shows its age (`/router/status`'s `age_s`, `
 - prefix cache: `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` (tokens), over
   the interval since the previous report and since the replica started;
 - generated tokens per second: the change of `vllm:generation_tokens_total` over the interval;
+- the decode step: the change of `vllm:inter_token_latency_seconds`' `_sum` over its `_count`'s
+  over the interval, the mean seconds between a sequence's tokens (a histogram vLLM observes at
+  every generated token but a sequence's first); optional: a replica without it reports the
+  rest, and `Report.decode_step_s` is None. After each round the rule of fleet/pace.py is
+  given every decode step scraped in it (`PaceRule.scraped`) and judges the weights; an
+  interval that saw a pause of the fleet gives none (a sequence frozen by `/pause?mode=keep`
+  counts the pause in its next token's latency);
 - adapters running and waiting: the labels `running_lora_adapters` / `waiting_lora_adapters`
   (and `max_lora`) of `vllm:lora_requests_info`'s newest sample (largest value).
 
@@ -48,6 +55,7 @@ from dataclasses import dataclass
 from lora_router.config import Config
 from lora_router.fleet.client import ReplicaClient
 from lora_router.fleet.fleet import Fleet
+from lora_router.fleet.pace import PaceRule
 from lora_router.fleet.replica import Replica
 from lora_router.fleet.report import Report, ratio
 from lora_router.observe.metrics import Histogram
@@ -62,6 +70,8 @@ PREFIX_HITS = "vllm:prefix_cache_hits_total"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 LORA_INFO = "vllm:lora_requests_info"
+TOKEN_LATENCY_SUM = "vllm:inter_token_latency_seconds_sum"
+TOKEN_LATENCY_COUNT = "vllm:inter_token_latency_seconds_count"
 REQUIRED = (
     RUNNING,
     WAITING,
@@ -75,7 +85,12 @@ REQUIRED = (
 # rest of the line. The pattern begins with a literal, so the scan skips the other lines fast;
 # `parse_report` puts a newline before the text, so its first line is found too.
 _LINE = re.compile(
-    rb"\n(" + b"|".join(re.escape(n.encode()) for n in (*REQUIRED, LORA_INFO)) + rb")([{ \t][^\n]*)"
+    rb"\n("
+    + b"|".join(
+        re.escape(n.encode())
+        for n in (*REQUIRED, LORA_INFO, TOKEN_LATENCY_SUM, TOKEN_LATENCY_COUNT)
+    )
+    + rb")([{ \t][^\n]*)"
 )
 # What follows a sample's name, as the text format has it: optional labels (quoted values
 # with `\\`, `\"`, `\n` escapes; a trailing comma allowed), blanks, a value, an optional
@@ -139,7 +154,15 @@ def parse_report(text: bytes, at: float) -> Report:
         adapters_running=running,
         adapters_waiting=waiting,
         max_lora=max_lora,
+        token_latency_sum=_total(values, TOKEN_LATENCY_SUM),
+        token_latency_count=_total(values, TOKEN_LATENCY_COUNT),
     )
+
+
+def _total(values: dict[str, list[float]], name: str) -> float | None:
+    """The sum of an optional family's samples (of every engine); None without it."""
+    found = values.get(name)
+    return sum(found) if found is not None else None
 
 
 def _sample(name: bytes, rest: bytes) -> tuple[bytes, float]:
@@ -178,10 +201,19 @@ def _broken(name: bytes, rest: bytes) -> MetricsError:
 class Telemetry:
     """The scrape loop and each replica's recent busy samples (module docstring)."""
 
-    def __init__(self, config: Config, client: ReplicaClient, fleet: Fleet) -> None:
+    def __init__(
+        self,
+        config: Config,
+        client: ReplicaClient,
+        fleet: Fleet,
+        syncs: SyncClock,
+        pace: PaceRule | None = None,
+    ) -> None:
         self.config = config
         self.client = client
         self.fleet = fleet
+        self.syncs = syncs  # the fleet's pauses: an interval that saw one is no pace sample
+        self.pace = pace  # the weights' rule, given each scraped report (fleet/pace.py)
         self.scrapes = 0
         self.scrape_failures = 0
         self._busy: dict[int, deque[tuple[float, bool]]] = {}  # rid -> (time, busy)
@@ -229,6 +261,8 @@ class Telemetry:
 
     async def _scrape_some(self, replicas: Sequence[Replica]) -> None:
         await asyncio.gather(*(self.scrape(r) for r in replicas))
+        if self.pace is not None:
+            self.pace.judge(time.monotonic())
         members = {r.rid for r in self.fleet.replicas}
         for rid in [rid for rid in self._busy if rid not in members]:
             del self._busy[rid]
@@ -253,6 +287,8 @@ class Telemetry:
             replica.report, replica.report_error = None, str(exc)
             return
         replica.report, replica.report_error = report, ""
+        if self.pace is not None and not self.syncs.paused_between(now - report.interval, now):
+            self.pace.scraped(replica, report, now)
         if not self.fleet.pause.paused:
             # Samples taken while the fleet is paused say nothing about generation.
             samples = self._busy.setdefault(replica.rid, deque())
@@ -353,6 +389,13 @@ class SyncClock:
             intervals.append((self.paused_at, now))
         paused = sum(max(0.0, end - max(start, since)) for start, end in intervals)
         return min(1.0, paused / (now - since))
+
+    def paused_between(self, start: float, end: float) -> bool:
+        """Whether the fleet was paused at any time from `start` to `end` (`end` now; `start`
+        within the last RECENT_SYNCS syncs)."""
+        if self.paused_at is not None and self.paused_at <= end:
+            return True
+        return any(stop >= start and began <= end for began, stop in self._last)
 
     def recent(self, now: float) -> list[tuple[float, float]]:
         """The last few finished syncs as (seconds since it ended, duration), newest first."""

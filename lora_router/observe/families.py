@@ -52,8 +52,9 @@ def metric_families(state: RouterState) -> Iterator[Metric]:
     )
     yield gauge(
         "lora_router_replica_weight",
-        "Each replica's routing weight, its relative speed as measured from its answers' time "
-        "per output token (fleet/pace.py): 1 unless measurably slower than the fleet.",
+        "Each replica's routing weight, its relative speed as measured from its decode step "
+        "(vllm:inter_token_latency_seconds, fleet/pace.py): 1 unless measurably slower than "
+        "the fleet.",
         replica,
         per_replica(lambda r: r.pace.weight / WEIGHT_FULL),
     )

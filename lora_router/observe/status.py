@@ -74,6 +74,7 @@ def report_json(r: Replica, busy_share: float | None = None) -> dict[str, object
         "prefix_cache_hit_rate": _rounded(rep.hit_rate),
         "prefix_cache_hit_rate_total": _rounded(rep.hit_rate_total),
         "generation_tokens_per_s": _rounded(rep.tokens_per_s, 1),
+        "decode_step_s": _rounded(rep.decode_step_s, 6),  # over the interval
         "busy_share": _rounded(busy_share),
         "adapters_running": adapters_running,
         "adapters_waiting": adapters_waiting,
@@ -96,11 +97,13 @@ def replica_json(r: Replica, busy_share: float | None = None) -> dict[str, objec
         "admitted": r.live,
         "draining": r.state is State.DRAINING,
         "in_flight": r.in_flight,
-        # Its routing weight, 1 unless measurably slower than the fleet, and the seconds per
-        # output token it was judged on (fleet/pace.py; 0: no sample since it last changed).
+        # Its routing weight, 1 unless measurably slower than the fleet, the decode step it was
+        # judged on (fleet/pace.py; 0: no sample since it last changed), and why it is not
+        # measured ("": it is).
         "weight": r.pace.weight / WEIGHT_FULL,
-        "seconds_per_output_token": round(r.pace.per_token, 6),
+        "seconds_per_decode_step": round(r.pace.step_s, 6),
         "weight_changes": r.pace.changes,
+        "pace_unmeasured": r.pace.unmeasured,
         "breaker": r.breaker.state,
         "breaker_opens": r.breaker.opens,
         "ejections": r.life.ejections,

@@ -12,8 +12,7 @@ the end of the answer, in its connection's Task (http/server.py runs it).
   (proxy/forward.py);
 - settle: the retry rule (proxy/retry.py, its only statement) judges the outcome: another
   attempt, the replica's answer, or the router's own (proxy/answers.py). An answer passed on
-  has its cached tokens accounted (proxy/usage.py), and its time and output tokens are a
-  sample of its replica's pace (fleet/pace.py).
+  has its cached tokens accounted (proxy/usage.py).
 
 A request's life is one `RoutedRequest`, in one `Stage` at a time, moved only by `move` along
 `NEXT` (any other move is a bug, and raises). An answer a replica breaks off once its head has
@@ -38,7 +37,6 @@ from lora_router.config import Config
 from lora_router.fleet.fence import AdapterFence
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
-from lora_router.fleet.pace import PaceRule
 from lora_router.fleet.refusals import no_replica_in_service
 from lora_router.fleet.replica import Replica
 from lora_router.http.errors import bad_request
@@ -50,11 +48,7 @@ from lora_router.proxy.answers import exchange_failed, fleet_error, lost_adapter
 from lora_router.proxy.body import Completion, CompletionReader
 from lora_router.proxy.forward import Forwarder
 from lora_router.proxy.retry import Outcome, RetryBudget, Verdict, counted, most_failing, verdict
-from lora_router.proxy.usage import (
-    predicted_cached_tokens,
-    reported_cached_tokens,
-    reported_output_tokens,
-)
+from lora_router.proxy.usage import predicted_cached_tokens, reported_cached_tokens
 from lora_router.routing.keys import Lineages, RouteKey, Seeds, completion_key
 from lora_router.routing.policy import Policy
 from lora_router.routing.sessions import SessionIdError, SessionTable, header_id
@@ -111,7 +105,6 @@ class RoutedRequest:
         "request",
         "route",
         "seeds",
-        "sent",
         "session",
         "stage",
         "started",
@@ -140,7 +133,6 @@ class RoutedRequest:
         self.seeds = seeds
         self.session: bytes | None = None  # its X-Session-ID (routing/sessions.py)
         self.started = started  # loop time it passed the fence
-        self.sent = started  # loop time its current attempt was picked, under --pace (`pick`)
         self.stage = ADMITTED
         self.tried: list[Replica] = []
         # The adapter it is counted under at the fence until its head passes or it ends
@@ -184,17 +176,8 @@ class RoutedRequest:
 
     def read_end(self, ex: Exchange) -> None:
         """The exchange's `on_end` for a counted answer: its report, read from its last reads
-        in the pass it ends in, before the exchange lets them go (http/exchange.py); and, for an
-        answer passed on with 200, under --pace, its output tokens for its replica's pace
-        (fleet/pace.py)."""
+        in the pass it ends in, before the exchange lets them go (http/exchange.py)."""
         self.reported = reported_cached_tokens(ex.tail, ex.prior, ex.earlier)
-        replica, pace = self.replica, self.route.pace
-        if pace is None or replica is None or self.conn.status != 200 or self.diverted:
-            return
-        output = reported_output_tokens(ex.tail, ex.prior, ex.earlier)
-        if output:
-            now = self.route.loop.time()
-            pace.answered(replica, now - self.sent, output, now)
 
     def release(self) -> None:
         """Its fence count goes, once: when its head passes or it ends."""
@@ -234,8 +217,6 @@ class CompletionRoute:
         self.block_size = block_size  # of the replicas' KV cache: prompt keys use it
         self.reader = CompletionReader(config.max_prompt_tokens)
         self.lineages = Lineages(config.lineage_pattern)  # placement keys (routing/keys.py)
-        # The replicas' paces, their weights told to the policy (fleet/pace.py); with --pace.
-        self.pace = PaceRule(lambda: fleet.replicas, policy.set_weight) if config.pace else None
         self.loop = asyncio.get_running_loop()
         self.sessions = SessionTable(
             config.session_ttl, config.max_sessions, config.load_slack, self.loop.time
@@ -350,8 +331,6 @@ class CompletionRoute:
         tried.append(replica)
         job.replica = replica
         job.tokens = decision.tokens
-        if self.pace is not None:  # its pace sample's start (--pace)
-            job.sent = self.loop.time()
         if job.diverted:  # the last attempt's head was held back: this one's goes through
             if job.diverted != 404 and counted(
                 failing=self._failing(None), onto_failing=replica.breaker.failures > 0

@@ -19,8 +19,6 @@ Rules:
   replica without `--enable-prompt-tokens-details`, a stream without
   `stream_options.include_usage`. A literal key inside a JSON string has escaped quotes, so it
   cannot match.
-- *Output*: `usage.completion_tokens`, found the same way (`reported_output_tokens`), for a
-  replica's pace (fleet/pace.py).
 - *Zero copy*: nothing is parsed while the answer streams (http/upstream.py keeps a reference
   to the last three reads); the end searches at most 3 x `TAIL_BYTES` of them, once.
 
@@ -34,7 +32,6 @@ import re
 from typing import Final
 
 _KEY: Final = b'"cached_tokens":'
-_OUTPUT_KEY: Final = b'"completion_tokens":'
 _NUMBER: Final = re.compile(rb"\d{1,15}")
 # Bytes searched at the end of each of the last three reads (the search costs per byte: a
 # 40 KB stream read searched whole cost 20 % of the SSE path's instructions).
@@ -54,12 +51,6 @@ def reported_cached_tokens(*reads: bytes) -> int | None:
     """vLLM's `cached_tokens` in an answer whose last reads were `reads`, the last first (b""
     for none), or None if it did not report them."""
     return _reported(_KEY, reads)
-
-
-def reported_output_tokens(*reads: bytes) -> int | None:
-    """vLLM's `usage.completion_tokens`, found as `reported_cached_tokens` finds its figure
-    (fleet/pace.py's sample), or None."""
-    return _reported(_OUTPUT_KEY, reads)
 
 
 def _reported(key: bytes, reads: tuple[bytes, ...]) -> int | None:

@@ -8,9 +8,16 @@ import time
 
 import aiohttp
 import pytest
+from helpers import until
 
 from lora_router.emulator import EmulatorConfig, tokens
-from lora_router.emulator.batching import Progress, StepCosts, plan_step
+from lora_router.emulator.batching import (
+    ITL_BUCKETS,
+    InterTokenLatency,
+    Progress,
+    StepCosts,
+    plan_step,
+)
 from lora_router.emulator.cli import build_parser, config_from_args
 from lora_router.emulator.config import PROFILES
 from lora_router.emulator.engine import Engine
@@ -183,3 +190,62 @@ async def test_a_replica_at_half_speed_takes_twice_as_long(
         full_s = min(full_s, await asyncio.wait_for(group(full.url, 1000 * i), 20))
         half_s = min(half_s, await asyncio.wait_for(group(half.url, 1000 * i), 20))
     assert 1.7 <= half_s / full_s <= 2.3, (full_s, half_s)
+
+
+def test_a_token_s_latency_is_the_time_since_its_sequence_s_previous_one() -> None:
+    # vLLM's vllm:inter_token_latency_seconds: none for a sequence's first token.
+    itl = InterTokenLatency()
+    a, b = Progress(0, 3), Progress(0, 3)
+    itl.decoded([a, b], 0.0)
+    assert (itl.count, itl.sum) == (0, 0.0)
+    itl.decoded([a], 0.01)
+    itl.decoded([b], 0.025)
+    assert itl.count == 2 and itl.sum == pytest.approx(0.035)
+    # Bucket upper bounds include their value, as Prometheus' `le`: 0.01 s and 0.025 s.
+    assert itl.buckets[ITL_BUCKETS.index(0.01)] == 1
+    assert itl.buckets[ITL_BUCKETS.index(0.025)] == 1
+    itl.decoded([a, b], 200.0)
+    assert itl.buckets[-1] == 2 and sum(itl.buckets) == itl.count == 4
+
+
+@pytest.mark.parametrize("speed", [1.0, 0.5])
+async def test_the_engine_s_token_latency_is_its_decode_step(speed: float) -> None:
+    # 8 siblings of 20 tokens, decode 10 ms + 2 ms per further sequence: a step of 8 takes
+    # 24 ms (48 ms at half speed); 19 latencies each. The engine's own step clock times them,
+    # so a loaded machine can only lengthen them (a late wake-up), never shorten them.
+    engine = Engine(EmulatorConfig(decode_s_per_token=0.01, decode_s_per_seq=0.002, speed=speed))
+    prompt = [1, 2, 3]
+
+    async def one(index: int) -> None:
+        sample = tokens.generate("m", prompt, seed=index, index=0, max_tokens=20, ignore_eos=True)
+
+        async def emit(_: list[tokens.SampledToken]) -> None:
+            return None
+
+        await engine.run(engine.new_job(f"r{index}", None, prompt, [], sample), emit)
+
+    await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(8))), 10)
+    itl = engine.inter_token_latency
+    # The last step is observed once its time has passed: an answer may end before.
+    await until(lambda: itl.count == 8 * 19)
+    assert sum(itl.buckets) == itl.count
+    step = 0.024 / speed
+    assert step * 0.999 <= itl.sum / itl.count < step * 2, itl.sum / itl.count
+
+
+async def test_metrics_show_the_token_latency_histogram(
+    start: StartEmulator, client: aiohttp.ClientSession
+) -> None:
+    emu = await start(decode_s_per_token=0.01)
+    await asyncio.wait_for(stream_times(client, emu.url, list(range(40)), 12), 10)
+    itl = emu.state.inter_token_latency
+    await until(lambda: itl.count == 11)  # the last step's, once its time has passed
+    async with client.get(emu.url + "/metrics") as response:
+        page = (await response.text()).splitlines()
+    line = next(x for x in page if x.startswith("vllm:inter_token_latency_seconds_count{"))
+    assert float(line.rsplit(" ", 1)[1]) == 11
+    line = next(x for x in page if x.startswith("vllm:inter_token_latency_seconds_sum{"))
+    assert float(line.rsplit(" ", 1)[1]) == pytest.approx(itl.sum) and itl.sum >= 0.0999
+    buckets = [x for x in page if x.startswith("vllm:inter_token_latency_seconds_bucket{")]
+    assert len(buckets) == len(ITL_BUCKETS) + 1 and 'le="+Inf"' in buckets[-1]
+    assert float(buckets[-1].rsplit(" ", 1)[1]) == 11

@@ -1,17 +1,26 @@
-"""Over real sockets: a replica at half speed is measured from its answers (fleet/pace.py), its
-weight falls below 1 in /router/status and /metrics, and it is dealt fewer new families; a
-fleet at one speed keeps every weight at 1, never telling the policy of a change."""
+"""Over real sockets: a replica at half speed is measured by the decode step its /metrics reports
+(vllm:inter_token_latency_seconds, fleet/pace.py), its weight falls below 1 in /router/status
+and /metrics, and it is dealt fewer new families; a fleet at one speed keeps every weight at 1,
+never telling the policy of a change; a replica whose /metrics lacks the histogram keeps full
+weight and says why; an interval that saw a pause of the fleet is no sample; with --no-pace
+every weight stays 1."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
+import pytest
 from emulated_fleet import StartEmulators, StartRouter
 from helpers import call, router_status, samples
 
+from lora_router.emulator import Engine
+from lora_router.emulator import metrics as emulator_metrics
+from lora_router.fleet.pace import UNMEASURED
+from lora_router.fleet.report import Report
 from lora_router.runtime import RouterRuntime
 
 G = 4  # samples a family
@@ -19,6 +28,8 @@ IN_FLIGHT = 16  # requests in flight at most, as TRL's async worker bounds them
 # Each step decodes every sequence in it: a 24-token answer takes 24 steps (48 ms, 96 ms at
 # half speed), on a fleet far from full.
 COSTS: dict[str, Any] = dict(decode_s_per_token=2e-3, prefill_s_per_token=1e-6)
+# The router scrapes every replica's /metrics this often (the pace rule's samples).
+SCRAPE_S = 0.2
 
 
 async def families(
@@ -40,45 +51,51 @@ async def families(
         homes = await asyncio.gather(*(sample(prompt) for _ in range(G)))
         return homes[0]
 
-    async with asyncio.timeout(60):
+    async with asyncio.timeout(120):  # generous: a loaded machine slows every step
         return list(await asyncio.gather(*(family() for _ in range(count))))
 
 
 def told(runtime: RouterRuntime) -> list[tuple[str, int]]:
     """Every weight the pace rule tells the policy from now on."""
-    route = runtime.route
-    assert route is not None and route.pace is not None  # the router runs with --pace
+    rule = runtime.telemetry.pace if runtime.telemetry is not None else None
+    assert rule is not None  # the rule is on by default
     calls: list[tuple[str, int]] = []
-    tell = route.pace.on_weight
+    tell = rule.on_weight
 
     def record(name: str, weight: int) -> None:
         calls.append((name, weight))
         tell(name, weight)
 
-    route.pace.on_weight = record
+    rule.on_weight = record
     return calls
+
+
+async def replicas(client: aiohttp.ClientSession, url: str) -> dict[str, dict[str, Any]]:
+    """/router/status's replicas by their x-lora-router-replica label."""
+    return {str(r["id"]): r for r in (await router_status(client, url))["replicas"]}
 
 
 async def test_a_half_speed_replica_loses_weight_and_is_dealt_fewer_families(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
 ) -> None:
     emus = [*await emulators(1, **COSTS, speed=0.5), *await emulators(3, **COSTS)]
-    runtime = await router(emus, pace=True)
+    runtime = await router(emus, health_interval=SCRAPE_S)
     changes = told(runtime)
     rnd = random.Random(5)
     slow = "0"  # its x-lora-router-replica label
-    # Warm-up: until the weight falls, at most 12 rounds of 16 families.
+    # Warm-up: until its weight falls, at most 12 rounds of 16 families (a round lasts about
+    # a second here: several scrapes).
     for _ in range(12):
         await families(client, runtime.url, 16, rnd)
-        weights = {
-            str(r["id"]): r["weight"]
-            for r in (await router_status(client, runtime.url))["replicas"]
-        }
-        if weights[slow] < 1:
+        status = await replicas(client, runtime.url)
+        if status[slow]["weight"] < 1:
             break
-    assert weights[slow] < 1, weights
+    weights = {name: r["weight"] for name, r in status.items()}
+    assert 0.25 <= weights[slow] <= 0.75, status[slow]  # about half: its decode step is twice
     assert all(weights[r] == 1 for r in ("1", "2", "3")), weights
     assert changes and {name for name, _ in changes} == {emus[0].url}
+    step = {name: r["seconds_per_decode_step"] for name, r in status.items()}
+    assert step["1"] > 0 and all(r["pace_unmeasured"] == "" for r in status.values())
     status, page, _ = await call(client, "GET", runtime.url + "/metrics")
     assert status == 200
     figures = samples(page.decode())
@@ -94,25 +111,101 @@ async def test_a_fleet_at_one_speed_keeps_every_weight_at_1(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
 ) -> None:
     emus = await emulators(4, **COSTS)
-    runtime = await router(emus, pace=True)
+    runtime = await router(emus, health_interval=SCRAPE_S)
     changes = told(runtime)
     rnd = random.Random(6)
     homes = await families(client, runtime.url, 160, rnd)
     assert changes == []  # never told: every decision is the unweighted policy's
-    replicas = (await router_status(client, runtime.url))["replicas"]
-    assert [r["weight"] for r in replicas] == [1.0] * 4
-    assert all(r["seconds_per_output_token"] > 0 for r in replicas)  # it was measured
+    status = await replicas(client, runtime.url)
+    assert [r["weight"] for r in status.values()] == [1.0] * 4
+    assert all(r["seconds_per_decode_step"] > 0 for r in status.values())  # it was measured
     assert {homes.count(str(i)) for i in range(4)} == {40}  # the deal, evenly
+
+
+@pytest.fixture
+def without_latency() -> Iterator[set[int]]:
+    """Engines (by id) whose /metrics lack vLLM's inter-token latency histogram."""
+    hidden: set[int] = set()
+    collect = emulator_metrics._EngineCollector.collect
+
+    def filtered(self: Any) -> Iterator[Any]:
+        for family in collect(self):
+            if id(self._engine) in hidden and family.name == "vllm:inter_token_latency_seconds":
+                continue
+            yield family
+
+    emulator_metrics._EngineCollector.collect = filtered  # type: ignore[method-assign]
+    try:
+        yield hidden
+    finally:
+        emulator_metrics._EngineCollector.collect = collect  # type: ignore[method-assign]
+
+
+async def test_a_replica_without_the_histogram_keeps_full_weight_and_says_why(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    without_latency: set[int],
+) -> None:
+    # Half speed, but it does not say so: it is dealt as the others are.
+    emus = [*await emulators(1, **COSTS, speed=0.5), *await emulators(2, **COSTS)]
+    engine: Engine = emus[0].state
+    without_latency.add(id(engine))
+    runtime = await router(emus, health_interval=SCRAPE_S)
+    changes = told(runtime)
+    homes = await families(client, runtime.url, 96, random.Random(7))
+    status = await replicas(client, runtime.url)
+    assert changes == []
+    assert status["0"]["weight"] == 1.0 and status["0"]["pace_unmeasured"] == UNMEASURED
+    assert status["0"]["reported"]["status"] == "ok"  # its other figures are read
+    assert status["0"]["reported"]["decode_step_s"] is None
+    assert all(status[r]["pace_unmeasured"] == "" for r in ("1", "2"))
+    assert all(status[r]["seconds_per_decode_step"] > 0 for r in ("1", "2"))
+    # About a third of the families, as the deal gives without weights (weighed, under a fifth).
+    assert homes.count("0") / len(homes) > 0.25
+
+
+async def test_an_interval_that_saw_a_pause_is_no_sample(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    # /pause?mode=keep freezes running sequences: the next token of each counts the pause in
+    # its latency, which says nothing of the replica's speed.
+    emus = await emulators(2, **COSTS)
+    runtime = await router(emus)  # scraped only when the test asks
+    telemetry = runtime.telemetry
+    assert telemetry is not None and telemetry.pace is not None
+    given: list[Report] = []
+    scraped = telemetry.pace.scraped
+
+    def record(replica: Any, report: Report, now: float) -> None:
+        given.append(report)
+        scraped(replica, report, now)
+
+    telemetry.pace.scraped = record  # type: ignore[method-assign]
+    traffic = asyncio.create_task(families(client, runtime.url, 32, random.Random(8)))
+    await telemetry.scrape_all()  # the first reports: no interval yet
+    await telemetry.scrape_all()
+    assert [r.interval > 0 for r in given] == [False, False, True, True]
+    assert (await call(client, "POST", runtime.url + "/pause?mode=keep"))[0] == 200
+    await telemetry.scrape_all()  # while paused
+    assert (await call(client, "POST", runtime.url + "/resume"))[0] == 200
+    await telemetry.scrape_all()  # over an interval that saw the pause end
+    assert len(given) == 4
+    await telemetry.scrape_all()
+    assert len(given) == 6 and all(r.interval > 0 for r in given[4:])
+    await traffic
 
 
 async def test_without_pace_a_half_speed_replica_is_dealt_its_even_share(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
 ) -> None:
-    # The rule is opt-in (--pace): by default the deal is the unweighted policy's.
+    # --no-pace: scraped as ever, weighed never; the deal is the unweighted policy's.
     emus = [*await emulators(1, **COSTS, speed=0.5), *await emulators(3, **COSTS)]
-    runtime = await router(emus)
+    runtime = await router(emus, health_interval=SCRAPE_S, pace=False)
+    assert runtime.telemetry is not None and runtime.telemetry.pace is None
     homes = await families(client, runtime.url, 160, random.Random(5))
-    replicas = (await router_status(client, runtime.url))["replicas"]
-    assert [r["weight"] for r in replicas] == [1.0] * 4
-    assert [r["seconds_per_output_token"] for r in replicas] == [0.0] * 4  # not measured
-    assert homes.count("0") / len(homes) >= 0.2  # with --pace, under 0.2 (above)
+    status = await replicas(client, runtime.url)
+    assert [r["weight"] for r in status.values()] == [1.0] * 4
+    assert [r["seconds_per_decode_step"] for r in status.values()] == [0.0] * 4
+    assert status["0"]["reported"]["decode_step_s"] is not None  # the step is still read
+    assert homes.count("0") / len(homes) >= 0.2  # weighed, under 0.2 (above)

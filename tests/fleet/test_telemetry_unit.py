@@ -85,6 +85,28 @@ def test_a_real_vllm_exposition_after_lora_traffic_is_read() -> None:
     assert report.max_lora == 3
 
 
+def test_the_decode_step_is_the_inter_token_latency_over_the_interval() -> None:
+    # vllm:inter_token_latency_seconds' sum and count, not its buckets (nor
+    # vllm:request_time_per_output_token_seconds, observed only when a request ends).
+    after = parse_report(AFTER_TRAFFIC, at=12.0)
+    assert (after.token_latency_sum, after.token_latency_count) == (665.5941000779985, 6384)
+    before = parse_report(REAL, at=10.0)
+    assert (before.token_latency_sum, before.token_latency_count) == (0, 0)
+    assert after.decode_step_s is None  # no interval yet
+    step = after.following(before)
+    assert (step.interval_token_latency, step.interval_decoded) == (665.5941000779985, 6384)
+    assert step.decode_step_s == pytest.approx(665.5941000779985 / 6384)
+    assert after.following(after).decode_step_s is None  # nothing decoded in it
+
+
+def test_a_replica_without_the_inter_token_latency_reports_the_rest() -> None:
+    lines = [x for x in AFTER_TRAFFIC.splitlines() if b"inter_token_latency" not in x]
+    report = parse_report(b"\n".join(lines), at=12.0)
+    assert report.token_latency_sum is None and report.token_latency_count is None
+    assert report.generation_tokens == 6400
+    assert report.following(parse_report(REAL, at=10.0)).decode_step_s is None
+
+
 def test_the_newest_lora_label_set_is_the_current_one() -> None:
     # vLLM never drops a label set: the idle set from start-up comes back, newest value wins.
     text = REAL + lora_info(("", "", 100.0), ("v1,v2", "v3", 200.0), ("v1", "", 150.0))
@@ -170,6 +192,20 @@ def test_a_sync_runs_from_pause_to_resume() -> None:
     assert clock.recent(t0 + 20) == [(6.0, 4.0)]
     assert clock.share_total(t0 + 20) == 4.0 / 20
     assert clock.durations.counts[clock.durations.bounds.index(5.0)] == 1
+
+
+def test_an_interval_that_saw_a_pause_is_known() -> None:
+    clock = SyncClock()
+    t0 = clock.started
+    assert not clock.paused_between(t0, t0 + 10)
+    clock.pause(t0 + 10)
+    assert clock.paused_between(t0 + 5, t0 + 11)  # paused now
+    clock.resume(t0 + 12)
+    assert clock.paused_between(t0 + 5, t0 + 13)  # the whole sync inside
+    assert clock.paused_between(t0 + 11, t0 + 13)  # its end inside
+    assert clock.paused_between(t0 + 9, t0 + 10)  # its start inside
+    assert not clock.paused_between(t0 + 12.5, t0 + 14)  # after it
+    assert not clock.paused_between(t0 + 5, t0 + 9)  # before it
 
 
 def test_the_paused_share_looks_at_the_last_window_only() -> None:

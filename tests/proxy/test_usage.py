@@ -13,7 +13,6 @@ from lora_router.proxy.usage import (
     TAIL_BYTES,
     predicted_cached_tokens,
     reported_cached_tokens,
-    reported_output_tokens,
 )
 
 
@@ -99,25 +98,3 @@ def test_the_key_inside_generated_text_is_not_a_report() -> None:
     assert b'\\"cached_tokens\\":999' in body
     assert reported_cached_tokens(body, b"") is None
     assert reported_cached_tokens(_answer(16, text='"cached_tokens":999'), b"") == 16
-
-
-@given(output=st.integers(0, 10**9), cut=st.integers(0, 10_000))
-def test_the_output_tokens_are_read_as_the_cached_ones_are(output: int, cut: int) -> None:
-    # vLLM's usage: completion_tokens after prompt_tokens, before the details (fleet/pace.py's
-    # sample); cut anywhere into two reads.
-    body = orjson.dumps(
-        {
-            "choices": [{"index": 0, "text": "a reply"}],
-            "usage": {
-                "prompt_tokens": 70,
-                "total_tokens": 70 + output,
-                "completion_tokens": output,
-                "prompt_tokens_details": {"cached_tokens": 48},
-            },
-        }
-    )
-    at = min(cut, len(body))
-    reads = [r for r in (body[at:], body[:at]) if r]
-    assert reported_output_tokens(*reads, b"") == output
-    assert reported_cached_tokens(*reads, b"") == 48
-    assert reported_output_tokens(b'{"usage":null}', b"") is None
