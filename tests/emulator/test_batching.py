@@ -113,13 +113,16 @@ def test_a_profile_sets_the_costs_and_a_flag_overrides_one() -> None:
     assert plain.step_costs == StepCosts(speed=0.5)
 
 
-async def test_the_engine_runs_siblings_in_one_batch() -> None:
-    engine = Engine(EmulatorConfig(decode_s_per_token=0.01, decode_s_per_seq=0.002))
+async def siblings(engine: Engine, n: int = 8, max_tokens: int = 20) -> list[float]:
+    """`n` siblings of one prompt run on `engine` together, each to `max_tokens` tokens; the
+    loop time each ended."""
     loop = asyncio.get_running_loop()
     prompt = [1, 2, 3]
 
     async def one(index: int) -> float:
-        sample = tokens.generate("m", prompt, seed=index, index=0, max_tokens=20, ignore_eos=True)
+        sample = tokens.generate(
+            "m", prompt, seed=index, index=0, max_tokens=max_tokens, ignore_eos=True
+        )
 
         async def emit(_: list[tokens.SampledToken]) -> None:
             return None
@@ -127,8 +130,13 @@ async def test_the_engine_runs_siblings_in_one_batch() -> None:
         await engine.run(engine.new_job(f"r{index}", None, prompt, [], sample), emit)
         return loop.time()
 
-    began = loop.time()
-    ends = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(8))), 10)
+    return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(n))), 10)
+
+
+async def test_the_engine_runs_siblings_in_one_batch() -> None:
+    engine = Engine(EmulatorConfig(decode_s_per_token=0.01, decode_s_per_seq=0.002))
+    began = asyncio.get_running_loop().time()
+    ends = await siblings(engine)
     took = max(ends) - began
     # 20 steps of 8 sequences: 20 * 24 ms, where one after the other would take 8 * 200 ms.
     assert 0.45 <= took < 0.9
@@ -214,17 +222,7 @@ async def test_the_engine_s_token_latency_is_its_decode_step(speed: float) -> No
     # 24 ms (48 ms at half speed); 19 latencies each. The engine's own step clock times them,
     # so a loaded machine can only lengthen them (a late wake-up), never shorten them.
     engine = Engine(EmulatorConfig(decode_s_per_token=0.01, decode_s_per_seq=0.002, speed=speed))
-    prompt = [1, 2, 3]
-
-    async def one(index: int) -> None:
-        sample = tokens.generate("m", prompt, seed=index, index=0, max_tokens=20, ignore_eos=True)
-
-        async def emit(_: list[tokens.SampledToken]) -> None:
-            return None
-
-        await engine.run(engine.new_job(f"r{index}", None, prompt, [], sample), emit)
-
-    await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(8))), 10)
+    await siblings(engine)
     itl = engine.inter_token_latency
     # The last step is observed once its time has passed: an answer may end before.
     await until(lambda: itl.count == 8 * 19)
