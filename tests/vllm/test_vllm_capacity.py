@@ -105,8 +105,12 @@ async def prefill_per_token(session: aiohttp.ClientSession, url: str, model: str
 
 
 async def measure(url: str, model: str, headers: dict[str, str]) -> dict[str, float]:
+    # A connection idle for a second is not reused: vLLM's server (uvicorn) closes one idle for
+    # 5 s, and a request sent on it as it closes fails ("Server disconnected"), which a batch of
+    # 32 left idle through the prefill pairs met once.
+    connector = aiohttp.TCPConnector(keepalive_timeout=1.0)
     async with aiohttp.ClientSession(
-        headers=headers, timeout=aiohttp.ClientTimeout(total=120)
+        headers=headers, timeout=aiohttp.ClientTimeout(total=120), connector=connector
     ) as session:
         await step_time(session, url, model, 1)  # warm-up: compiled paths, first allocations
         figures = {f"step_{b}": await step_time(session, url, model, b) for b in BATCHES}
