@@ -50,26 +50,21 @@ def predicted_cached_tokens(prompt: int, to_compute: int, block_size: int) -> in
 def reported_cached_tokens(*reads: bytes) -> int | None:
     """vLLM's `cached_tokens` in an answer whose last reads were `reads`, the last first (b""
     for none), or None if it did not report them."""
-    return _reported(_KEY, reads)
-
-
-def _reported(key: bytes, reads: tuple[bytes, ...]) -> int | None:
-    """The last number after `key` in the last reads (module docstring, *Reported*)."""
     after = b""  # the first _REACH bytes of what follows `read` (the reads after it, joined)
     for read in reads:
         if not read:
             return None  # no read before it
         if after:  # first: a key or number cut by the boundary, across reads shorter than it
             data = read[-_REACH:] + after
-            at = data.rfind(key)
+            at = data.rfind(_KEY)
             if at >= 0:
                 break
         data = read
-        at = read.rfind(key, len(read) - TAIL_BYTES)
+        at = read.rfind(_KEY, len(read) - TAIL_BYTES)
         if at >= 0:
             break
         after = (read[:_REACH] + after)[:_REACH]
     else:
         return None
-    found = _NUMBER.match(data, at + len(key))
+    found = _NUMBER.match(data, at + len(_KEY))
     return int(found.group()) if found else None  # not a number: null, or cut short

@@ -326,15 +326,13 @@ class PrefixAffinity:
             if replica is None:
                 continue
             if exact:
-                if replica.in_flight < cap if not self._slow else self._room(replica, cap):
+                if self._room(replica, cap):
                     self.counts.sibling += 1
                     return Decision(replica, "sibling", 0, key.tokens)
             else:
                 if follow < 0:
                     follow = self.follow_cap(routable)
-                if not (
-                    replica.in_flight < follow if not self._slow else self._room(replica, follow)
-                ):
+                if not self._room(replica, follow):
                     continue
                 if self.move_price and anchor_first(anchor):
                     lighter = self._lighter(anchor[3], replica, routable, cap, key.tokens)
@@ -419,12 +417,9 @@ class PrefixAffinity:
         passes over only the members that cannot take it (each once), so it is bounded by
         them, not by the fleet: O(1 + s) steps, s the members without room or not routable
         that come first."""
-        slow = self._slow
         for name in self.ring.walk(position):
             replica = routable.get(name)
-            if replica is not None and (
-                replica.in_flight < cap if not slow else self._room(replica, cap)
-            ):
+            if replica is not None and self._room(replica, cap):
                 return replica
         return self._unknown_to_the_ring(routable)
 
@@ -478,13 +473,11 @@ class PrefixAffinity:
         (families dealt, in flight, prompt tokens in flight, ring order), the first dealt
         unless the deal window prefers the first of the next count. The ranks' choice exactly
         (`first` reads a count's ranks in that order, `pick` ties in ring order), in O(n log n)."""
-        dealt, slow = self._dealt, self._slow
+        dealt = self._dealt
         ready: list[tuple[int, int, int, int, R]] = []
         for order, name in enumerate(self.ring.walk(position)):
             replica = routable.get(name)
-            if replica is not None and (
-                replica.in_flight < cap if not slow else self._room(replica, cap)
-            ):
+            if replica is not None and self._room(replica, cap):
                 rank = (dealt[name], replica.in_flight, replica.in_flight_tokens, order, replica)
                 ready.append(rank)  # `order` is unique: replicas are never compared
         if not ready:
