@@ -10,6 +10,8 @@ Each replica's watcher task asks its `/health` every `health_interval` (bounded 
 - a serving replica that fails `health_failures` checks in a row is **ejected**; one that
   passes is also asked its `/v1/models`: lacking an adapter that was live before the question,
   it restarted (vLLM keeps adapters in process memory) and is ejected at once, then replayed;
+  and, while its `/server_info` has not been read (it failed when the router started), that
+  (replay.py's `reread`);
 - an ejected replica that passes `health_successes` checks in a row is **re-admitted** through
   a replay (replay.py); only then does it become routable. While it is out and failing, its
   checks space out, doubling after each failure up to `DOWN_SPACING_MAX` intervals: dead
@@ -287,6 +289,7 @@ class HealthMonitor:
                 self.listings_skipped += 1
             else:
                 await self._lost_adapters(replica, watch)
+            await self._passed(replica)
             return
         config = self.config
         self.checks += 1
@@ -305,6 +308,7 @@ class HealthMonitor:
             watch.failures = 0
             watch.suspect = False
             await self._lost_adapters(replica, watch)
+            await self._passed(replica)
             return
         watch.failures = 0
         if not ok:
@@ -319,6 +323,12 @@ class HealthMonitor:
         watch.successes += 1
         if watch.successes >= config.health_successes:
             await self.admit(replica)
+
+    async def _passed(self, replica: Replica) -> None:
+        """A serving replica passed its check: its `/server_info`, if it could not be read
+        before, is read again (replay.py's `reread`)."""
+        if replica.info_unread and replica.live:
+            await self.replay.reread(replica)
 
     async def _lost_adapters(self, replica: Replica, watch: _Watch) -> None:
         """Take a serving replica that lacks an adapter live before we asked out of service;

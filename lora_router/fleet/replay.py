@@ -11,8 +11,10 @@
 - *The KV block size* the router keys prompts by (`block_size`): `--block-size` when given;
   else the one every replica answering at start reports (`/server_info`'s
   `cache_config.block_size`); else, while none is known (no replica answered at start, or
-  they disagreed), the first one a replica reports when it is re-admitted, passed to
-  `on_block_size` once. Until then the caller keys by vLLM's default (16): a guess.
+  they disagreed), the first one a replica reports when it is re-admitted or, admitted at
+  start without its `/server_info` (a timeout, a 5xx), when it is read again (`reread`, at its
+  next passing health check), passed to `on_block_size` once. Until then the caller keys by
+  vLLM's default (16): a guess.
 - `Replay.readmit` makes a replica mirror the fleet — every live adapter loaded (with the same
   mount-lag retries as a broadcast, and the trainer's own load request; a copy it already holds
   counts only if the router loaded the fleet's files there, broadcast.py), every other name
@@ -124,13 +126,34 @@ class Replay:
             return None, f"at start: {held}"
         replica.adapters = dict(held.adapters)
         self.fleet.listed(replica, held.bases, self._known_adapter)
-        info = await self.client.server_info(replica, held)
-        self._note_readiness(replica, info)
+        info = await self._read_info(replica, held)
         if isinstance(info, Failure):
             if info.cause is not Cause.DEV_MODE:  # else named by the readiness warning
                 log.warning("%s: %s", replica.describe(), info)
             return held, ""
         return info, ""
+
+    async def _read_info(self, replica: Replica, listed: Facts | None = None) -> Facts | Failure:
+        """`replica`'s `/server_info`, its readiness noted; a failure other than dev mode's
+        404 marks it to be read again (`Replica.info_unread`, `reread`)."""
+        info = await self.client.server_info(replica, listed)
+        self._note_readiness(replica, info)
+        replica.info_unread = isinstance(info, Failure) and info.cause is not Cause.DEV_MODE
+        return info
+
+    async def reread(self, replica: Replica) -> None:
+        """Read a serving replica's `/server_info` again (health.py asks at each passing check
+        while `Replica.info_unread`): a replica admitted without it may be the one that says
+        the block size (module docstring)."""
+        self._learn_block_size(replica, await self._read_info(replica))
+
+    def _learn_block_size(self, replica: Replica, info: Facts | Failure) -> None:
+        """The block size `replica` reports, if none is known yet (module docstring)."""
+        if self.block_size is None and isinstance(info, Facts) and info.block_size is not None:
+            self.block_size = info.block_size
+            log.info("KV block size %d, as %s reports it", info.block_size, replica.describe())
+            if self.on_block_size is not None:
+                self.on_block_size(info.block_size)
 
     def _note_readiness(self, replica: Replica, info: Facts | Failure) -> None:
         """Record whether `replica` can take part in a weight sync (readiness.py), from its
@@ -205,13 +228,7 @@ class Replay:
         under way when it starts. A version that goes live meanwhile is then already loaded
         when the final pass runs under the broadcast lock, so that pass — and the trainer's
         next call queued behind it — does not wait for a whole adapter load."""
-        info = await self.client.server_info(replica)
-        self._note_readiness(replica, info)
-        if self.block_size is None and isinstance(info, Facts) and info.block_size is not None:
-            self.block_size = info.block_size
-            log.info("KV block size %d, as %s reports it", info.block_size, replica.describe())
-            if self.on_block_size is not None:
-                self.on_block_size(info.block_size)
+        self._learn_block_size(replica, await self._read_info(replica))
         await self._converge(replica, final=False)
         async with self.lock:
             try:

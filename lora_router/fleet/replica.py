@@ -38,6 +38,7 @@ class Replica:
         "host_header",
         "in_flight",
         "in_flight_tokens",
+        "info_unread",
         "label",
         "life",
         "load_seconds",
@@ -87,6 +88,9 @@ class Replica:
         # Why it cannot take part in a weight sync, as last seen (fleet/readiness.py): a
         # standing warning, shown in /router/status; empty when it can.
         self.unready: tuple[Failure, ...] = ()
+        # Its `/server_info` could not be read (not for dev mode): read again at its next
+        # passing health check (fleet/replay.py's `reread`).
+        self.info_unread = False
         # Adapter name -> digest of the files this router process loaded onto it under that
         # name (fleet/adapter_files.py). A copy it holds without a record here was put there by
         # someone else (an earlier router, a direct load): its weights are unknown.

@@ -333,6 +333,26 @@ async def test_a_block_size_no_replica_said_at_start_is_learned_when_one_is_read
     await until(lambda: state(rt, emu) == "live" and held(rt, emu) >= 2)
 
 
+async def test_a_block_size_a_serving_replica_did_not_say_at_start_is_read_at_its_next_check(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    """A replica that lists its models at start but does not answer `/server_info` is admitted
+    with the block size unknown; once `/server_info` answers, its next passing health check
+    reads it, without an ejection or a replay."""
+    emu = (await emulators(1, kv_events_config=KV, block_size=32))[0]
+    emu.faults.hang = "/server_info"
+    rt = await router([emu], policy="kv", control_timeout=0.5, health_interval=0.05)
+    assert rt.route is not None and rt.route.block_size == BLOCK
+    assert (await router_status(client, rt.url))["block_size"] is None
+    assert rt.fleet is not None and rt.health is not None
+    replica = rt.fleet.replicas[0]
+    assert replica.live and replica.info_unread
+    emu.faults.hang = None
+    await until(lambda: rt.route is not None and rt.route.block_size == 32)
+    assert (await router_status(client, rt.url))["block_size"] == 32
+    assert replica.live and not replica.info_unread and rt.health.readmissions == 0
+
+
 async def test_a_replica_without_events_is_off(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
 ) -> None:
