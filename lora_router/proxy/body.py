@@ -47,8 +47,7 @@ import os
 import re
 from array import array
 from collections import OrderedDict
-from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 import orjson
@@ -141,21 +140,21 @@ class _RecentPrompts:
             self._bytes -= len(gone)
 
 
-class _Read(Protocol):
-    def __call__(self, body: bytes, *, chat: bool) -> Completion: ...
-
-
 class CompletionReader:
     """`read_completion` with a memory of the token-id prompts it range-checked last (see the
     module docstring). Only prompts read without error are kept, so a bad one is judged afresh
     every time."""
 
+    __slots__ = ("_prompts", "max_prompt_tokens")
+
     def __init__(self, max_prompt_tokens: int, entries: int = 256, max_bytes: int = 16 << 20):
+        self.max_prompt_tokens = max_prompt_tokens
         self._prompts = _RecentPrompts(entries, max_bytes)
-        # `read(body, chat=...)`: `read_completion` with this reader's limit and memory. A
-        # partial, not a method that forwards: one Python call less per request.
-        self.read: _Read = partial(
-            read_completion, max_prompt_tokens=max_prompt_tokens, checked=self._prompts
+
+    def read(self, body: bytes, *, chat: bool) -> Completion:
+        """`read_completion` with this reader's limit and memory."""
+        return read_completion(
+            body, chat=chat, max_prompt_tokens=self.max_prompt_tokens, checked=self._prompts
         )
 
 
