@@ -16,15 +16,15 @@ routed: nothing the router does with a `Completion` afterwards can fail on its c
 body can earn the router's own 500.
 
 Why msgspec and a raw prompt: turning a 512-token prompt into Python ints costs more than all
-the rest of a request's routing. msgspec checks the whole body's JSON but hands the prompt over
-as its raw text. A flat list of token ids is validated on that text in C (only digits, commas
-and spaces between one pair of brackets: non-negative integers) and counted by its commas. Its
-range (every id below 2**32) can only be checked by parsing it, which is also what keying it
-needs; so the first body carrying a given prompt text parses it into an `array('I')` at once,
-and `CompletionReader` remembers the last few prompt texts it parsed, exactly, so the G - 1
-siblings of a GRPO prompt (same prompt, their own seeds) skip the parse: they are routed by a
-hash of the raw text (see routed.py) and never need their ids. Everything else (batches, text,
-chat) is decoded whole.
+the rest of a request's routing. msgspec checks the body's JSON (all of it but a token-id list
+cut out, below, which its own parse checks) and hands the prompt over as its raw text. A flat
+list of token ids is validated on that text in C (only digits, commas and spaces between one
+pair of brackets: non-negative integers) and counted by its commas. Its range (every id below
+2**32) can only be checked by parsing it, which is also what keying it needs; so the first body
+carrying a given prompt text parses it into an `array('I')` at once, and `CompletionReader`
+remembers the last few prompt texts it parsed, exactly, so the G - 1 siblings of a GRPO prompt
+(same prompt, their own seeds) skip the parse: they are routed by a hash of the raw text (see
+routed.py) and never need their ids. Everything else (batches, text, chat) is decoded whole.
 
 The cut (`_read_cut`): the decoder skips a token-id list number by number, most of the time a
 TRL body takes to read (docs/design/overhead.md#one-path-41). So a body whose `"prompt":` is
