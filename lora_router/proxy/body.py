@@ -16,15 +16,25 @@ routed: nothing the router does with a `Completion` afterwards can fail on its c
 body can earn the router's own 500.
 
 Why msgspec and a raw prompt: turning a 512-token prompt into Python ints costs more than all
-the rest of a request's routing. msgspec checks the whole body's JSON but hands the prompt over
-as its raw text. A flat list of token ids is validated on that text in C (only digits, commas
-and spaces between one pair of brackets: non-negative integers) and counted by its commas. Its
-range (every id below 2**32) can only be checked by parsing it, which is also what keying it
-needs; so the first body carrying a given prompt text parses it into an `array('I')` at once,
-and `CompletionReader` remembers the last few prompt texts it parsed, exactly, so the G - 1
-siblings of a GRPO prompt (same prompt, their own seeds) skip the parse: they are routed by a
-hash of the raw text (see routed.py) and never need their ids. Everything else (batches, text,
-chat) is decoded whole.
+the rest of a request's routing. msgspec checks the body's JSON (all of it but a token-id list
+cut out, below, which its own parse checks) and hands the prompt over as its raw text. A flat
+list of token ids is validated on that text in C (only digits, commas and spaces between one
+pair of brackets: non-negative integers) and counted by its commas. Its range (every id below
+2**32) can only be checked by parsing it, which is also what keying it needs; so the first body
+carrying a given prompt text parses it into an `array('I')` at once, and `CompletionReader`
+remembers the last few prompt texts it parsed, exactly, so the G - 1 siblings of a GRPO prompt
+(same prompt, their own seeds) skip the parse: they are routed by a hash of the raw text (see
+routed.py) and never need their ids. Everything else (batches, text, chat) is decoded whole.
+
+The cut (`_read_cut`): the decoder skips a token-id list number by number, most of the time a
+TRL body takes to read (docs/design/overhead.md#one-path-41). So a body whose `"prompt":` is
+followed by an array is first read with that array cut out, up to its first `]`: the decoder
+checks the rest with `[]` in its place, and the array is judged on its own text as above
+(remembered, or range-checked by its parse, which also checks its JSON). The cut holds only
+when the rest's prompt is that `[]` and the rest holds no other `[]`, so that no other key
+(nested, written twice, spelled with escapes) is the body's prompt. Whatever it cannot prove,
+and every refusal, goes to the whole body's read: the one rule of what is accepted, and of
+every error's wording.
 
 No memory of whole bodies: TRL 1.16 gives each of the G samples its own `seed`, so no two
 bodies are identical, and a cache of recent bodies never hit while costing every request a
@@ -37,8 +47,7 @@ import os
 import re
 from array import array
 from collections import OrderedDict
-from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 import orjson
@@ -67,6 +76,11 @@ _decode = msgspec.json.Decoder(_Body).decode
 # each, where deleting every digit (`bytes.translate`) looks each byte up.
 _NOT_IN_IDS = b'"{[-.eEn'  # iterated as ints: `int in bytes` is memchr with no TypeError
 _WHERE = re.compile(r"at `\$\.(\w+)")
+# The cut (`_read_cut`): a `"prompt":` key, then an array, whose place the hole takes.
+_PROMPT_KEY = b'"prompt":'
+_ARRAY_AT = re.compile(rb"[ \t\r\n]*\[")
+_HOLE = b"[]"
+_HOLE_RAW = msgspec.Raw(_HOLE)
 
 
 class Completion(msgspec.Struct):
@@ -126,21 +140,21 @@ class _RecentPrompts:
             self._bytes -= len(gone)
 
 
-class _Read(Protocol):
-    def __call__(self, body: bytes, *, chat: bool) -> Completion: ...
-
-
 class CompletionReader:
     """`read_completion` with a memory of the token-id prompts it range-checked last (see the
     module docstring). Only prompts read without error are kept, so a bad one is judged afresh
     every time."""
 
+    __slots__ = ("_prompts", "max_prompt_tokens")
+
     def __init__(self, max_prompt_tokens: int, entries: int = 256, max_bytes: int = 16 << 20):
+        self.max_prompt_tokens = max_prompt_tokens
         self._prompts = _RecentPrompts(entries, max_bytes)
-        # `read(body, chat=...)`: `read_completion` with this reader's limit and memory. A
-        # partial, not a method that forwards: one Python call less per request.
-        self.read: _Read = partial(
-            read_completion, max_prompt_tokens=max_prompt_tokens, checked=self._prompts
+
+    def read(self, body: bytes, *, chat: bool) -> Completion:
+        """`read_completion` with this reader's limit and memory."""
+        return read_completion(
+            body, chat=chat, max_prompt_tokens=self.max_prompt_tokens, checked=self._prompts
         )
 
 
@@ -152,6 +166,10 @@ def read_completion(
     `CompletionReader`'s), whose text needs no second look."""
     if not body:
         raise bad_request("The request body is empty; expected a JSON object.")
+    if not chat:
+        cut = _read_cut(body, max_prompt_tokens, checked)
+        if cut is not None:
+            return cut
     try:
         data = _decode(body)
     except RecursionError:
@@ -173,31 +191,84 @@ def read_completion(
     raw = bytes(data.prompt)
     if (not raw or raw == b"null") and data.prompt_embeds:
         return Completion(model, None, None, None, stream)  # embeddings: the replica judges them
-    key: int | None = 0
-    if raw[:1] == b"[" and checked is not None:
-        key = checked.seen(raw)
-        if key is None:  # passed every check below already (a GRPO sibling): no second look
-            return Completion(model, raw, None, None, stream)
-    ids = raw[1:-1] if raw[:1] == b"[" else None
-    if ids is not None and not any(c in ids for c in _NOT_IN_IDS):
-        if not ids.strip():
-            raise bad_request("A token-id prompt must be a non-empty list of integers.", "prompt")
-        # A token per comma but the first, counted only if there can be too many (each token
-        # but the last takes a digit and a comma at least).
-        if (len(ids) + 1) // 2 > max_prompt_tokens:
-            count = ids.count(b",") + 1
-            if count > max_prompt_tokens:
-                raise bad_request(
-                    f"The prompt has {count} tokens; the limit is {max_prompt_tokens}.", "prompt"
-                )
-        tokens = _range_checked(raw)
-        if checked is not None and key is not None:
-            checked.add(key, raw)
-        return Completion(model, raw, tokens, None, stream)
+    if raw[:1] == b"[":
+        flat = _token_prompt(model, raw, stream, max_prompt_tokens, checked)
+        if flat is not None:
+            return flat
     batch_tokens, text = _prompt(_loads(raw) if raw else None, max_prompt_tokens)
     if text is not None:
         text = text[: max_prompt_tokens * TEXT_BYTES_PER_TOKEN]  # the keyed prefix (above)
     return Completion(model, None, batch_tokens, text, stream)
+
+
+def _read_cut(
+    body: bytes, max_prompt_tokens: int, checked: _RecentPrompts | None
+) -> Completion | None:
+    """A body whose prompt is a flat token-id list, read with the list cut out (module
+    docstring): the decoder checks the rest of the body with `[]` in the list's place, the
+    list is judged on its own text (`_token_prompt`), and the cut holds only where the rest's
+    prompt is that `[]`, the rest's only one (so no other key, nested or spelled otherwise,
+    is the body's prompt). A valid rest with a valid JSON value put back in the hole is a
+    valid body, with the same fields. None, for any doubt or any refusal: the whole body is
+    then read by `read_completion`, whose answer is the rule."""
+    at = body.find(_PROMPT_KEY)
+    if at < 0:
+        return None
+    found = _ARRAY_AT.match(body, at + len(_PROMPT_KEY))
+    if found is None:
+        return None
+    start = found.end() - 1
+    end = body.find(b"]", start) + 1  # a flat list's first `]` is its end
+    if not end:
+        return None
+    rest = body[:start] + _HOLE + body[end:]
+    try:
+        data = _decode(rest)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    if data.prompt != _HOLE_RAW or rest.count(_HOLE) != 1:
+        return None
+    try:
+        return _token_prompt(
+            data.model, body[start:end], bool(data.stream), max_prompt_tokens, checked
+        )
+    except HTTPError:
+        return None
+
+
+def _token_prompt(
+    model: str | None,
+    raw: bytes,
+    stream: bool,
+    max_prompt_tokens: int,
+    checked: _RecentPrompts | None,
+) -> Completion | None:
+    """The completion of a flat token-id prompt `raw` (a JSON array's text), its ids
+    range-checked unless `checked` holds its text, or None if `raw` is not a flat list of
+    non-negative integers (by its text); raises vLLM's 400 for an empty list, too many
+    tokens or an id past 32 bits."""
+    key: int | None = 0
+    if checked is not None:
+        key = checked.seen(raw)
+        if key is None:  # passed every check below already (a GRPO sibling): no second look
+            return Completion(model, raw, None, None, stream)
+    ids = raw[1:-1]
+    if any(c in ids for c in _NOT_IN_IDS):
+        return None
+    if not ids.strip():
+        raise bad_request("A token-id prompt must be a non-empty list of integers.", "prompt")
+    # A token per comma but the first, counted only if there can be too many (each token
+    # but the last takes a digit and a comma at least).
+    if (len(ids) + 1) // 2 > max_prompt_tokens:
+        count = ids.count(b",") + 1
+        if count > max_prompt_tokens:
+            raise bad_request(
+                f"The prompt has {count} tokens; the limit is {max_prompt_tokens}.", "prompt"
+            )
+    tokens = _range_checked(raw)
+    if checked is not None and key is not None:
+        checked.add(key, raw)
+    return Completion(model, raw, tokens, None, stream)
 
 
 def _loads(raw: bytes | msgspec.Raw) -> object:

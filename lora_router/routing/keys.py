@@ -135,15 +135,10 @@ class PromptKey:
     def stem(self) -> tuple[int, int, int]:
         """(level, tail bytes, hash) of the stem: its full blocks, the bytes after them, and
         `prefix_hash(level, tail)`, which a later prompt starting with the stem reproduces."""
-        data, block = self.data, self.block_bytes
-        whole = len(data)
-        # `stem_bytes` written out (once per new prompt): max(whole - RERENDER_BYTES, least).
-        least = whole if whole < block else block
-        size = whole - RERENDER_BYTES
-        if size < least:
-            size = least
-        stem = self.full if size == whole else xxh3_64_intdigest(data[:size], self.seed)
-        return size // block, size % block, stem
+        size = self.stem_bytes
+        level, tail = divmod(size, self.block_bytes)
+        stem = self.full if size == len(self.data) else self.prefix_hash(level, tail)
+        return level, tail, stem
 
 
 def model_seed(model: str | None, domain: int = TOKEN_SEED) -> int:

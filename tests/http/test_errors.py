@@ -41,6 +41,12 @@ BAD_BODIES = {
     "nested too deep": b'{"prompt": [[[1]]]}',
     "no prompt": b'{"max_tokens": 5}',
     "too many tokens": orjson.dumps({"prompt": list(range(1001))}),
+    # A valid token-id list the cut (proxy/body.py) finds first, the body's prompt another:
+    "nested prompt first": b'{"a": {"prompt": [1]}, "prompt": [-1]}',
+    "empty prompt after a nested one": b'{"a": {"prompt": [1]}, "prompt": []}',
+    "prompt twice": b'{"prompt": [1], "prompt": [-2]}',
+    "prompt twice, escaped": b'{"prompt": [1], "\\u0070rompt": [-1]}',
+    "ids not json": b'{"prompt": [1,, 2]}',
 }
 
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from functools import partial
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from xxhash import xxh3_64_intdigest
 
 from lora_router.http.errors import HTTPError
@@ -158,3 +163,115 @@ def test_chat_messages_are_keyed_on_a_bounded_prefix_and_later_messages_not_enco
     assert chat.text == orjson.dumps(first, option=orjson.OPT_SORT_KEYS)[:400]
     short = read(orjson.dumps({"messages": [{"role": "user", "content": "hi"}]}), chat=True)
     assert short.text == b'{"content":"hi","role":"user"}'
+
+
+# -- the cut: a flat token-id list is judged on its own text, not walked by the decoder -------
+
+
+def whole(read) -> object:
+    """What `read()` answers with the cut taken out, the body decoded whole (`outcome`)."""
+    from lora_router.proxy import body as module
+
+    saved, module._read_cut = module._read_cut, lambda *args: None
+    try:
+        return outcome(read)
+    finally:
+        module._read_cut = saved
+
+
+def outcome(read):
+    """A read's `Completion` fields, or its error's status, message and param."""
+    try:
+        c = read()
+    except HTTPError as exc:
+        return ("error", exc.status, exc.message, exc.param)
+    tokens = None if c.tokens is None else list(c.tokens)
+    return (c.model, c.raw_tokens, tokens, c.text, c.stream)
+
+
+def test_a_flat_token_id_prompt_is_never_walked_by_the_decoder(monkeypatch) -> None:
+    from lora_router.proxy import body as module
+
+    prompt = b"[" + b", ".join(b"%d" % (151_000 + i) for i in range(400)) + b"]"
+    seen: list[bytes] = []
+    real = module._decode
+    monkeypatch.setattr(module, "_decode", lambda data: seen.append(data) or real(data))
+    reader = CompletionReader(1000)
+    for seed in (1, 2):  # a first prompt, then its sibling
+        body = b'{"model": "m", "prompt": %s, "max_tokens": 16, "seed": %d}' % (prompt, seed)
+        got = reader.read(body, chat=False)
+        assert got.raw_tokens == prompt and got.model == "m" and not got.stream
+    assert len(seen) == 2 and all(prompt[:40] not in data for data in seen)
+    ids = read_completion(body, chat=False, max_prompt_tokens=1000).token_ids()
+    assert list(ids or []) == [151_000 + i for i in range(400)]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"prompt": [1, 2, 3], "stream": true, "model": "a"}',
+        b'{"prompt":[1,2]}',
+        b'{"prompt" : [1, 2]}',  # the key spelled with a space: read whole
+        b'{"prompt":\n\t [1, 2] }',
+        b'{"a": {"prompt": [5, 6]}, "prompt": [7]}',  # a nested key first
+        b'{"a": {"prompt": [5, 6]}, "prompt": []}',  # ... and the real prompt the hole's text
+        b'{"a": {"prompt": [5, 6]}, "prompt": "text"}',
+        b'{"a": {"prompt": [5, 6]}}',
+        b'{"x\\"prompt": [5], "prompt": [9]}',  # the key inside an escaped string
+        b'{"\\u0070rompt": [3], "prompt": [4]}',
+        b'{"prompt": [4], "\\u0070rompt": [3]}',
+        b'{"prompt": [1], "prompt": [2]}',  # a key twice: the decoder's rule, whichever
+        b'{"prompt": [1], "stop": []}',
+        b'{"prompt": [1, 2], "model": 5}',
+        b'{"prompt": [1, 2], "stream": "yes"}',
+        b'{"prompt": [1,, 2]}',
+        b'{"prompt": [01, 2]}',
+        b'{"prompt": [1 2]}',
+        b'{"prompt": [1, 2],}',
+        b'{"prompt": [1, 2]',
+        b'{"prompt": [1, 2]} x',
+        b'{"prompt": [1, 4294967296]}',
+        b'{"prompt": [], "model": "m"}',
+        b'{"prompt": [ ]}',
+        b'{"prompt": [%s]}' % b",".join(b"1" for _ in range(101)),
+        b'{"prompt": [[1, 2], [3]]}',
+        b'{"prompt": [1, "]"]}',
+        b'{"prompt": [1, [2]]}',
+        b'{"prompt": [1], "prompt_embeds": "x"}',
+        b'[{"prompt": [1]}]',
+        b'{"prompt": [1], "x": %s}' % (b"[" * 2000 + b"]" * 2000),
+    ],
+)
+def test_the_cut_reads_what_the_whole_body_says(body: bytes) -> None:
+    assert outcome(lambda: read(body)) == whole(lambda: read(body))
+    cut, decoded = CompletionReader(100), CompletionReader(100)  # with a memory of prompts
+    for _ in range(2):  # a first prompt, then its sibling
+        got = outcome(lambda: cut.read(body, chat=False))
+        assert got == whole(lambda: decoded.read(body, chat=False))
+
+
+_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-2, 2**33)
+    | st.sampled_from(["", "a", "]", '"'])
+    | st.lists(st.integers(0, 2**32), max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.sampled_from(["prompt", "model", "x"]), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+@given(
+    doc=st.dictionaries(st.sampled_from(["prompt", "model", "stream", "x"]), _VALUES, max_size=4),
+    spaced=st.booleans(),
+    dropped=st.integers(0, 80),
+)
+def test_the_cut_reads_what_the_whole_body_says_of_any_body(
+    doc: dict[str, object], spaced: bool, dropped: int
+) -> None:
+    body = json.dumps(doc, separators=(", ", ": ") if spaced else (",", ":")).encode()
+    for variant in (body, body[:dropped] + body[dropped + 1 :]):  # and one byte short
+        assert outcome(partial(read, variant)) == whole(partial(read, variant))
