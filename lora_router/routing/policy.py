@@ -24,7 +24,15 @@ sixteenths, `WEIGHT_FULL` unless it is measurably slow. Families dealt are count
 `DEAL_UNIT`ths, a family costing `DEAL_UNIT * WEIGHT_FULL // weight` (a half-speed member is
 dealt about half the families), and a member's room in every rule is the cap scaled by its
 weight, `max(1, cap * weight // WEIGHT_FULL)`, so siblings and continuations spill off a member
-that is behind. With every weight full, decisions are exactly those without weights.
+that is behind. *The finish rule*: a member below full weight that the deal (window included)
+picks keeps the family only if it would finish it sooner than the first full-weight member with
+room in the deal's order, a member's time being `(1 + max(0, in_flight - BATCH_FLOOR)) x
+WEIGHT_FULL / weight`: its own request plus those it would wait behind, a replica decoding what
+it holds together up to its batch (`_sooner`). Else that member takes it, and the slow member's
+turn counts as dealt to it (its count keeps pace, so one back at full weight is owed no burst of
+families). A fleet whose full-weight members hold at most BATCH_FLOOR each never deals a new
+family to a slower one: it would finish 1 / weight times later for nothing. With every weight
+full, decisions are exactly those without weights.
 
 Invariants: some replica always has room under either cap unscaled, so every walk ends (with
 weights none may: a walk that finds no room takes the least loaded); a prompt's first
@@ -37,7 +45,9 @@ spill O(1 + s), s the members the walk passes over; a new family O(log n) per ra
 open) plus O(log n) per member whose load changed since, or one ring walk with at most
 `WALK_DEAL_MEMBERS` members (the same choice); O(n) only in `least_loaded`, `set_members`.
 With a member below full weight: one dict lookup more per member tried, and a rank's k tied
-members filtered by room, O(k) (`_first_routable`); `set_weight` O(1).
+members filtered by room, O(k) (`_first_routable`); when the deal picks a member below full
+weight, the finish rule's full-weight member, found the same way among the full-weight members
+(walking: none more); `set_weight` O(1).
 
 Contract with the caller: one `choose(key, routable)` per attempt, `key` the request's
 `RouteKey` or None, dropped once decided (a retry builds a new one); `routable` a non-empty,
@@ -96,6 +106,10 @@ WEIGHT_FULL = 16
 DEAL_UNIT = 16
 # The lowest weight a member can have: a slower one is still dealt a quarter of a fair share.
 WEIGHT_MIN = 4
+# The requests the finish rule takes every replica to decode together, none of them waiting:
+# two groups, as the load slack (vLLM runs up to its max_num_seqs at once, 256 by default; a
+# floor below a fleet's batch only deals a slow member what the weighted deal alone would).
+BATCH_FLOOR = 16
 
 
 def scaled_cap(cap: int, weight: int) -> int:
@@ -440,7 +454,7 @@ class PrefixAffinity:
         # Every member is a candidate when there are as many candidates as members (the fleet
         # routes only to members); a candidate outside the ring is caught by `get` below.
         everyone = len(routable) == len(ranks.rank)
-        pick = partial(self._first_routable, position, routable, everyone, cap)
+        pick = partial(self._first_routable, position, routable, everyone, cap, False)
         # A snapshot: `Ranks.first` forgets a count whose heap it finds empty.
         counts = iter(list(ranks.counts))
         best: R | None = None
@@ -460,12 +474,29 @@ class PrefixAffinity:
                     if work_held(other, DEAL_REQUEST_TOKENS) < work_held(best, DEAL_REQUEST_TOKENS):
                         best = other
                     break
-        cost = self._cost(best.name)
-        dealt = self._dealt[best.name] = self._dealt.get(best.name, 0) + cost
-        if best.name in ranks.rank:
-            self._dealt_total += cost
-            ranks.file(best.name, (dealt, best.in_flight, best.in_flight_tokens))
+            weight = self._slow.get(best.name)
+            if weight is not None:  # the finish rule: the first full-weight member, if sooner
+                pick = partial(self._first_routable, position, routable, False, cap, True)
+                for dealt in list(ranks.counts):
+                    full = ranks.first(dealt, cap, pick)
+                    if full is not None:
+                        if not self._sooner(best, weight, full):
+                            self._charge(best)  # its turn, passed
+                            best = full
+                        break
+        self._charge(best)
         return best
+
+    def _charge(self, replica: Replica) -> None:
+        """Count one more family dealt to `replica` at its cost; a member's (one the ring
+        knows) in the total too, and filed under its new rank if ranks are kept."""
+        name = replica.name
+        cost = self._cost(name)
+        dealt = self._dealt[name] = self._dealt.get(name, 0) + cost
+        if name in self.ring:
+            self._dealt_total += cost
+            if not self._walk_deal:
+                self._ranks.file(name, (dealt, replica.in_flight, replica.in_flight_tokens))
 
     def _deal_walk(self, position: int, routable: Candidates[R], cap: int) -> R:
         """`_deal` in a fleet of at most WALK_DEAL_MEMBERS members, by one ring walk from
@@ -482,10 +513,7 @@ class PrefixAffinity:
                 ready.append(rank)  # `order` is unique: replicas are never compared
         if not ready:
             best = self._unknown_to_the_ring(routable)
-            cost = self._cost(best.name)
-            dealt[best.name] = dealt.get(best.name, 0) + cost
-            if best.name in self.ring:
-                self._dealt_total += cost
+            self._charge(best)
             return best
         ready.sort()
         first = ready[0]
@@ -498,10 +526,24 @@ class PrefixAffinity:
                 ):
                     best = other[4]
                 break
-        cost = self._cost(best.name)
-        dealt[best.name] += cost
-        self._dealt_total += cost
+        weight = self._slow.get(best.name)
+        if weight is not None:  # the finish rule: the first full-weight member, if sooner
+            for other in ready:
+                full = other[4]
+                if full.name not in self._slow:
+                    if not self._sooner(best, weight, full):
+                        self._charge(best)  # its turn, passed
+                        best = full
+                    break
+        self._charge(best)
         return best
+
+    @staticmethod
+    def _sooner(slow: Replica, weight: int, full: Replica) -> bool:
+        """Whether `slow`, at `weight`, would finish one more request before `full` (at full
+        weight) would: the finish rule's times (module docstring), compared in integers."""
+        ahead = max(0, slow.in_flight - BATCH_FLOOR)
+        return (1 + ahead) * WEIGHT_FULL < (1 + max(0, full.in_flight - BATCH_FLOOR)) * weight
 
     def _cost(self, name: str) -> int:
         """What one more family dealt to a member adds to its count (module docstring)."""
@@ -530,15 +572,28 @@ class PrefixAffinity:
         return max(self._deal_limit(), fewest + DEAL_UNIT) // DEAL_UNIT
 
     def _first_routable(
-        self, position: int, routable: Candidates[R], everyone: bool, cap: int, group: set[str]
+        self,
+        position: int,
+        routable: Candidates[R],
+        everyone: bool,
+        cap: int,
+        full: bool,
+        group: set[str],
     ) -> R | None:
-        """The first routable member of `group` in ring order from `position`. With `everyone`
-        the group is tried whole (its members are the candidates), and filtered only if the
-        one found is not a candidate (one the ring does not know took a member's place). With
-        members below full weight, those without room under their scaled cap are filtered
-        first (`Ranks.first` knows only the unscaled cap)."""
-        if self._slow:
-            group = {n for n in group if (r := routable.get(n)) is not None and self._room(r, cap)}
+        """The first routable member of `group` in ring order from `position`, of those at full
+        weight only if `full`. With `everyone` the group is tried whole (its members are the
+        candidates), and filtered only if the one found is not a candidate (one the ring does
+        not know took a member's place). With members below full weight, those without room
+        under their scaled cap are filtered first (`Ranks.first` knows only the unscaled cap)."""
+        slow = self._slow
+        if slow:
+            group = {
+                n
+                for n in group
+                if not (full and n in slow)
+                and (r := routable.get(n)) is not None
+                and self._room(r, cap)
+            }
             if not group:
                 return None
             everyone = False

@@ -1,5 +1,6 @@
 """The policy's weights (policy.py, *Weights*): a slow member is dealt fewer families and has
-less room; with every weight full, decisions are those of a policy never given a weight."""
+less room, and no family while the full-weight members would finish it sooner (the finish
+rule); with every weight full, decisions are those of a policy never given a weight."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from routing_doubles import Pool, Rep, fleet, watch
 from lora_router.routing import policy as policy_module
 from lora_router.routing.keys import PromptKey, RouteKey, prompt_key, wire_key
 from lora_router.routing.policy import (
+    BATCH_FLOOR,
+    DEAL_REQUEST_TOKENS,
     DEAL_UNIT,
     DEFAULT_LOAD_SLACK,
     WEIGHT_FULL,
@@ -89,10 +92,15 @@ def test_full_weights_decide_exactly_as_no_weights(walk, n, steps, told):
 @pytest.mark.parametrize("walk", [False, True], ids=["kept ranks", "walk deal"])
 @pytest.mark.parametrize("weight", [WEIGHT_FULL // 2, WEIGHT_MIN, 12])
 def test_a_slow_member_is_dealt_its_weight_s_share_of_the_families(walk, weight):
-    # An idle fleet (every answer back before the next family): the deal alone decides.
+    # The full-weight members busy past their batch (60 each, the floor 16), the slow one idle:
+    # it would finish every family sooner, and the weighted deal alone decides (its prompt
+    # tokens in flight keep the deal window shut: it holds as much work as each of them).
     n = 4
     reps, policy = watched(n, walk)
     policy.set_weight(reps[0].name, weight)
+    for rep in reps[1:]:
+        rep.in_flight = 60
+    reps[0].in_flight_tokens = 60 * DEAL_REQUEST_TOKENS
     dealt = dict.fromkeys((r.name for r in reps), 0)
     for prompt in families(700, seed=3):
         dealt[policy.choose(route(prompt_key("m", prompt)), reps).replica.name] += 1
@@ -101,6 +109,52 @@ def test_a_slow_member_is_dealt_its_weight_s_share_of_the_families(walk, weight)
     assert abs(dealt[reps[0].name] - expected) <= 2
     others = [dealt[r.name] for r in reps[1:]]
     assert max(others) - min(others) <= 1
+
+
+@pytest.mark.parametrize("walk", [False, True], ids=["kept ranks", "walk deal"])
+@pytest.mark.parametrize("weight", [WEIGHT_FULL // 2, WEIGHT_MIN, 12])
+def test_a_slow_member_is_dealt_nothing_while_the_others_run_below_the_batch_floor(walk, weight):
+    # The finish rule: every full-weight member holds at most BATCH_FLOOR, so each family would
+    # finish 1 / weight times later on the slow member. Its turns pass, and count: once back
+    # at full weight it is dealt its even share at once, not a burst of the families it passed
+    # (the deal window, which offers it turns while it holds less work, keeps its count within
+    # 1.05 x the mean).
+    n = 4
+    reps, policy = watched(n, walk)
+    policy.set_weight(reps[0].name, weight)
+    for rep in reps[1:]:
+        rep.in_flight = BATCH_FLOOR
+    dealt = dict.fromkeys((r.name for r in reps), 0)
+    prompts = families(1100, seed=4)
+    for prompt in prompts[:700]:
+        dealt[policy.choose(route(prompt_key("m", prompt)), reps).replica.name] += 1
+    assert dealt[reps[0].name] == 0
+    assert sorted(dealt.values())[1:] == [233, 233, 234]
+    assert 233 <= policy.families(reps[0].name) <= policy.window()  # it kept pace
+    policy.set_weight(reps[0].name, WEIGHT_FULL)
+    later = dict.fromkeys((r.name for r in reps), 0)
+    for prompt in prompts[700:]:
+        later[policy.choose(route(prompt_key("m", prompt)), reps).replica.name] += 1
+    # No burst: within the deal window's 5 % of an even share (uncounted turns: all 400).
+    assert later[reps[0].name] <= 400 // n * 11 // 10, later
+
+
+@pytest.mark.parametrize("walk", [False, True], ids=["kept ranks", "walk deal"])
+@pytest.mark.parametrize(
+    ("slow", "full", "kept"),
+    [(0, BATCH_FLOOR, False), (0, BATCH_FLOOR + 1, True), (20, 21, False), (20, 22, True)],
+)
+def test_the_finish_rule_s_threshold_at_three_quarters(walk, slow, full, kept):
+    # Weight 12/16: the slow member keeps its turn when 16 (1 + its requests past the floor) is
+    # below 12 (1 + the full-weight member's past the floor).
+    reps, policy = watched(2, walk)
+    policy.set_weight(reps[0].name, 12)
+    policy._dealt[reps[1].name] = DEAL_UNIT * 5  # the slow member's turn by the count
+    reps[0].in_flight, reps[1].in_flight = slow, full
+    assert scaled_cap(policy.cap(reps), 12) > slow  # room under its scaled cap
+    decision = policy.choose(route(prompt_key("m", families(1)[0])), reps)
+    assert decision.kind == "fresh"
+    assert (decision.replica is reps[0]) is kept
 
 
 def test_siblings_spill_off_a_slow_home_at_its_scaled_cap() -> None:
@@ -133,11 +187,13 @@ def test_a_slow_member_dealt_the_fewest_is_passed_over_without_room(walk):
     policy._dealt = {name: (0 if i == 0 else 5 * DEAL_UNIT) for i, name in enumerate(names)}
     reps, policy = watched(4, walk, policy)
     policy.set_weight(reps[0].name, WEIGHT_MIN)
-    reps[0].in_flight = 4  # the cap is 2 + the slack (18), a quarter of it 4: full
-    assert scaled_cap(policy.cap(reps), WEIGHT_MIN) == 4
+    for rep in reps[1:]:
+        rep.in_flight = 40  # past the batch floor: it would finish a family sooner (finish rule)
+    reps[0].in_flight = 12  # the cap is 34 + the slack (50), a quarter of it 12: full
+    assert scaled_cap(policy.cap(reps), WEIGHT_MIN) == 12
     decision = policy.choose(route(prompt_key("m", families(1)[0])), reps)
     assert decision.kind == "fresh" and decision.replica is not reps[0]
-    reps[0].in_flight = 3  # room for one
+    reps[0].in_flight = 11  # room for one
     decision = policy.choose(route(prompt_key("m", families(2)[1])), reps)
     assert decision.replica is reps[0]
 
