@@ -28,7 +28,7 @@ that is behind. *The finish rule*: a member below full weight that the deal (win
 picks keeps the family only if it would finish it sooner than the first full-weight member with
 room in the deal's order, a member's time being `(1 + max(0, in_flight - BATCH_FLOOR)) x
 WEIGHT_FULL / weight`: its own request plus those it would wait behind, a replica decoding what
-it holds together up to its batch (`_sooner`). Else that member takes it, and the slow member's
+it holds together up to its batch (`_finish_rule`). Else that member takes it, and the slow member's
 turn counts as dealt to it (its count keeps pace, so one back at full weight is owed no burst of
 families). A fleet whose full-weight members hold at most BATCH_FLOOR each never deals a new
 family to a slower one: it would finish 1 / weight times later for nothing. With every weight
@@ -475,15 +475,14 @@ class PrefixAffinity:
                         best = other
                     break
             weight = self._slow.get(best.name)
-            if weight is not None:  # the finish rule: the first full-weight member, if sooner
+            if weight is not None:  # the finish rule, against the first full-weight member
                 pick = partial(self._first_routable, position, routable, False, cap, True)
+                full = None
                 for dealt in list(ranks.counts):
                     full = ranks.first(dealt, cap, pick)
                     if full is not None:
-                        if not self._sooner(best, weight, full):
-                            self._charge(best)  # its turn, passed
-                            best = full
                         break
+                best = self._finish_rule(best, weight, full)
         self._charge(best)
         return best
 
@@ -527,23 +526,24 @@ class PrefixAffinity:
                     best = other[4]
                 break
         weight = self._slow.get(best.name)
-        if weight is not None:  # the finish rule: the first full-weight member, if sooner
-            for other in ready:
-                full = other[4]
-                if full.name not in self._slow:
-                    if not self._sooner(best, weight, full):
-                        self._charge(best)  # its turn, passed
-                        best = full
-                    break
+        if weight is not None:  # the finish rule, against the first full-weight member
+            full = next((other[4] for other in ready if other[4].name not in self._slow), None)
+            best = self._finish_rule(best, weight, full)
         self._charge(best)
         return best
 
-    @staticmethod
-    def _sooner(slow: Replica, weight: int, full: Replica) -> bool:
-        """Whether `slow`, at `weight`, would finish one more request before `full` (at full
-        weight) would: the finish rule's times (module docstring), compared in integers."""
-        ahead = max(0, slow.in_flight - BATCH_FLOOR)
-        return (1 + ahead) * WEIGHT_FULL < (1 + max(0, full.in_flight - BATCH_FLOOR)) * weight
+    def _finish_rule(self, best: R, weight: int, full: R | None) -> R:
+        """The finish rule (module docstring): `best`, the deal's member at `weight` below
+        full, keeps the family if it would finish it sooner than `full`, the first full-weight
+        member with room in the deal's order (None: none has room); else `full` takes it, and
+        `best`'s passed turn is counted as dealt to it. Times compared in integers."""
+        if full is None:
+            return best
+        ahead = max(0, best.in_flight - BATCH_FLOOR)
+        if (1 + ahead) * WEIGHT_FULL < (1 + max(0, full.in_flight - BATCH_FLOOR)) * weight:
+            return best
+        self._charge(best)
+        return full
 
     def _cost(self, name: str) -> int:
         """What one more family dealt to a member adds to its count (module docstring)."""
