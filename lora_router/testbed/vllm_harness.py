@@ -67,12 +67,22 @@ REPLICA_FLAGS = (
 )
 
 
+RAISED = re.compile(r"^[\w.]*(?:Error|Exception): ")
+
+
 def tail(path: Path, lines: int = 40) -> str:
+    """The last `lines` of a log, after the exceptions raised above them (a process's root cause
+    is often a screen of tracebacks before its last line)."""
     try:
         text = path.read_text(errors="replace")
     except FileNotFoundError:
         return f"({path} does not exist)"
-    return "\n".join(text.splitlines()[-lines:])
+    every = text.splitlines()
+    last = every[-lines:]
+    raised = list(dict.fromkeys(line for line in every[:-lines] if RAISED.match(line)))
+    if not raised:
+        return "\n".join(last)
+    return "\n".join(["raised earlier:", *raised[:5], "last lines:", *last])
 
 
 @dataclass(slots=True)

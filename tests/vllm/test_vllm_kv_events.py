@@ -39,26 +39,42 @@ def status(router_url: str) -> dict[str, Any]:
     return answer.json()
 
 
-PUB, REPLAY = free_port(), free_port()
+def publisher(pub: int, replay: int) -> tuple[str, ...]:
+    """The flags that make a replica publish its KV events on these two ports."""
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{pub}",
+        "replay_endpoint": f"tcp://*:{replay}",
+        "topic": "kv",
+    }
+    return ("--kv-events-config", json.dumps(events))
+
+
+def pub_port(replica: Replica) -> int:
+    """The port a replica started with `publisher` publishes on."""
+    endpoint: str = json.loads(replica.extra[1])["endpoint"]
+    return int(endpoint.rsplit(":", 1)[1])
 
 
 @pytest.fixture(scope="module")
 def replica(model: Path, logs: Path) -> Iterator[Replica]:
-    """One replica publishing its KV events (fixed ports: a restart publishes there again)."""
-    events = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://*:{PUB}",
-        "replay_endpoint": f"tcp://*:{REPLAY}",
-        "topic": "kv",
-    }
-    replica = Replica(
-        model=model / "model",
-        log=logs / "replica-kv-events.log",
-        extra=("--kv-events-config", json.dumps(events)),
-    )
+    """One replica publishing its KV events, on two ports chosen just before it starts and kept
+    for the module (a restart publishes there again). vLLM binds them itself, so a port another
+    process took in between (CI saw it once) is chosen again: at most three starts."""
+    log = logs / "replica-kv-events.log"
+    for attempt in range(3):
+        replica = Replica(model=model / "model", log=log, extra=publisher(free_port(), free_port()))
+        start = replica.log_size()
+        try:
+            start_replicas([replica])
+            break
+        except AssertionError:
+            replica.stop()
+            taken = b"Address already in use" in log.read_bytes()[start:]
+            if attempt == 2 or not taken:
+                raise
     try:
-        start_replicas([replica])
         yield replica
     finally:
         replica.stop()
@@ -94,11 +110,12 @@ def test_real_kv_events_route_a_new_family_to_its_prefix(
     replica: Replica, logs: Path, publish: Callable[..., str]
 ) -> None:
     sources = replica.get("/kv_event_sources").json()
-    assert sources["0"]["endpoint"] == f"tcp://*:{PUB}" and sources["0"]["topic"] == "kv"
+    pub = pub_port(replica)
+    assert sources["0"]["endpoint"] == f"tcp://*:{pub}" and sources["0"]["topic"] == "kv"
     name = f"{LORA_NAME}-v1"
     router = kv_router(replica, logs / "router-kv-events.log", (name, publish(name, 0)))
     try:
-        assert kv(router, replica)["endpoint"] == f"tcp://127.0.0.1:{PUB}"
+        assert kv(router, replica)["endpoint"] == f"tcp://127.0.0.1:{pub}"
 
         # ZMQ's subscriber joins a moment after it connects, and the events published before
         # are not sent again (a prompt computed once is a cache hit after): on a loaded
