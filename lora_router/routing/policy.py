@@ -348,6 +348,12 @@ class PrefixAffinity:
                     follow = self.follow_cap(routable)
                 if not self._room(replica, follow):
                     continue
+                if self._slow and name in self._slow:
+                    faster = self._faster(anchor[3], routable, cap)
+                    if faster is not None:
+                        self._remember(key, home, faster.name)
+                        self.counts.spill += 1
+                        return Decision(faster, "spill", key.tokens, key.tokens)
                 if self.move_price and anchor_first(anchor):
                     lighter = self._lighter(anchor[3], replica, routable, cap, key.tokens)
                     if lighter is not None:
@@ -416,6 +422,17 @@ class PrefixAffinity:
         self._moved_tokens += tokens
         moved[target.name] = moved.get(target.name, 0) + 1
         return target
+
+    def _faster(self, position: int, routable: Candidates[R], cap: int) -> R | None:
+        """Where a continuation whose replica is below full weight goes instead (the
+        finish rule for later turns, module docstring): the first full-weight routable member
+        with room under the load cap in ring order from `position`; None: it stays. One ring
+        walk, O(1 + s) steps, s the members passed over (slow ones, those without room)."""
+        for name in self.ring.walk(position):
+            replica = routable.get(name)
+            if replica is not None and name not in self._slow and self._room(replica, cap):
+                return replica
+        return None
 
     def _remember(self, key: PromptKey, home: str | None, replica: str) -> None:
         """Record where a prompt went, unless it already has a home (the first placement
