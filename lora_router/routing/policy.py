@@ -31,8 +31,12 @@ WEIGHT_FULL / weight`: its own request plus those it would wait behind, a replic
 it holds together up to its batch (`_finish_rule`). Else that member takes it, and the slow member's
 turn counts as dealt to it (its count keeps pace, so one back at full weight is owed no burst of
 families). A fleet whose full-weight members hold at most BATCH_FLOOR each never deals a new
-family to a slower one: it would finish 1 / weight times later for nothing. With every weight
-full, decisions are exactly those without weights.
+family to a slower one: it would finish 1 / weight times later for nothing. *Later turns*: a
+continuation whose replica is below full weight goes to the first full-weight member with room
+under the load cap in ring order from its prefix's key, if any (`_faster`), and the
+conversation's next turns follow it: a slow member multiplies every token of a long completion,
+a queue only adds its wait, and a turn's history is prefilled far faster than it is decoded.
+With every weight full, decisions are exactly those without weights.
 
 Invariants: some replica always has room under either cap unscaled, so every walk ends (with
 weights none may: a walk that finds no room takes the least loaded); a prompt's first
@@ -44,7 +48,8 @@ spill O(1 + s), s the members the walk passes over; a new family O(log n) per ra
 (`ranks`) plus O(min(k, n / k)) for k tied members (at most O(sqrt(n)); twice with the window
 open) plus O(log n) per member whose load changed since, or one ring walk with at most
 `WALK_DEAL_MEMBERS` members (the same choice); O(n) only in `least_loaded`, `set_members`.
-With a member below full weight: one dict lookup more per member tried, and a rank's k tied
+With a member below full weight: one dict lookup more per member tried (a continuation on a
+slow member: one ring walk, O(1 + s)), and a rank's k tied
 members filtered by room, O(k) (`_first_routable`); when the deal picks a member below full
 weight, the finish rule's full-weight member, found the same way among the full-weight members
 (walking: none more); `set_weight` O(1).

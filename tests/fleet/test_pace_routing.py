@@ -34,6 +34,40 @@ COSTS: dict[str, Any] = dict(decode_s_per_token=2e-3, prefill_s_per_token=1e-6)
 SCRAPE_S = 0.2
 
 
+async def complete(
+    client: aiohttp.ClientSession, url: str, prompt: list[int], rnd: random.Random
+) -> str:
+    """One 24-token completion of `prompt`: the replica that answered it."""
+    body = {"prompt": prompt, "max_tokens": 24, "ignore_eos": True, "seed": rnd.getrandbits(63)}
+    status, data, headers = await call(client, "POST", url + "/v1/completions", body)
+    assert status == 200, data
+    return headers["x-lora-router-replica"]
+
+
+async def placed(
+    client: aiohttp.ClientSession,
+    url: str,
+    count: int,
+    rnd: random.Random,
+    in_flight: int = IN_FLIGHT,
+) -> list[tuple[list[int], str]]:
+    """`count` families of G samples each (distinct prompts), at most `in_flight` requests in
+    flight: each family's prompt and the replica that answered its first sample."""
+    gate = asyncio.Semaphore(in_flight)
+
+    async def sample(prompt: list[int]) -> str:
+        async with gate:
+            return await complete(client, url, prompt, rnd)
+
+    async def family() -> tuple[list[int], str]:
+        prompt = [rnd.randrange(1000, 100_000) for _ in range(48)]
+        homes = await asyncio.gather(*(sample(prompt) for _ in range(G)))
+        return prompt, homes[0]
+
+    async with asyncio.timeout(120):  # generous: a loaded machine slows every step
+        return list(await asyncio.gather(*(family() for _ in range(count))))
+
+
 async def families(
     client: aiohttp.ClientSession,
     url: str,
@@ -41,24 +75,8 @@ async def families(
     rnd: random.Random,
     in_flight: int = IN_FLIGHT,
 ) -> list[str]:
-    """`count` families of G samples each (distinct prompts), at most `in_flight` requests in
-    flight: the replica that answered each family's first sample."""
-    gate = asyncio.Semaphore(in_flight)
-
-    async def sample(prompt: list[int]) -> str:
-        body = {"prompt": prompt, "max_tokens": 24, "ignore_eos": True, "seed": rnd.getrandbits(63)}
-        async with gate:
-            status, data, headers = await call(client, "POST", url + "/v1/completions", body)
-        assert status == 200, data
-        return headers["x-lora-router-replica"]
-
-    async def family() -> str:
-        prompt = [rnd.randrange(1000, 100_000) for _ in range(48)]
-        homes = await asyncio.gather(*(sample(prompt) for _ in range(G)))
-        return homes[0]
-
-    async with asyncio.timeout(120):  # generous: a loaded machine slows every step
-        return list(await asyncio.gather(*(family() for _ in range(count))))
+    """`placed`'s homes alone."""
+    return [home for _, home in await placed(client, url, count, rnd, in_flight)]
 
 
 def told(runtime: RouterRuntime) -> list[tuple[str, int]]:
@@ -134,6 +152,37 @@ async def test_a_half_speed_replica_is_dealt_families_once_the_others_are_past_t
     homes = await families(client, runtime.url, 192, rnd, in_flight=128)
     share = homes.count(slow) / len(homes)
     assert 0.04 <= share <= 0.2, share
+
+
+async def test_later_turns_leave_a_half_speed_replica_for_a_full_speed_one(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    # Families dealt to the slow replica before its weight fell: each one's later turn goes to
+    # a full-speed replica (policy.py, the finish rule for later turns), and the conversation's
+    # next turn follows it there; a family homed at full speed keeps its later turns home.
+    emus = [*await emulators(1, **COSTS, speed=0.5), *await emulators(3, **COSTS)]
+    runtime = await router(emus, health_interval=SCRAPE_S)
+    rnd = random.Random(11)
+    slow = "0"
+    dealt: list[tuple[list[int], str]] = []
+    for _ in range(12):  # warm-up, as above
+        dealt += await placed(client, runtime.url, 16, rnd)
+        status = await replicas(client, runtime.url)
+        if status[slow]["weight"] < 1:
+            break
+    assert status[slow]["weight"] < 1, status[slow]
+    on_slow = [prompt for prompt, home in dealt if home == slow][:4]
+    at_full = [(prompt, home) for prompt, home in dealt if home != slow][:4]
+    assert on_slow and at_full  # the first families were dealt before its weight was read
+    for prompt in on_slow:
+        later = [*prompt, *(rnd.randrange(1000, 100_000) for _ in range(16))]
+        moved = await complete(client, runtime.url, later, rnd)
+        assert moved != slow
+        deeper = [*later, *(rnd.randrange(1000, 100_000) for _ in range(16))]
+        assert await complete(client, runtime.url, deeper, rnd) == moved
+    for prompt, home in at_full:
+        later = [*prompt, *(rnd.randrange(1000, 100_000) for _ in range(16))]
+        assert await complete(client, runtime.url, later, rnd) == home
 
 
 async def test_a_fleet_at_one_speed_keeps_every_weight_at_1(

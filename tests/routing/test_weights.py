@@ -224,3 +224,55 @@ def test_a_weight_outside_its_bounds_is_refused() -> None:
         policy.set_weight("a", WEIGHT_MIN - 1)
     with pytest.raises(ValueError, match="weight"):
         policy.set_weight("a", WEIGHT_FULL + 1)
+
+
+family_prompts = st.lists(st.integers(0, 150_000), min_size=20, max_size=120)
+turns = st.lists(st.integers(0, 150_000), min_size=1, max_size=80)
+# Longer than a stem's cut (keys.RERENDER_BYTES): another first later turn of the family then
+# does not start with this one's stem (tests/routing/test_move.py says the same).
+long_turns = st.lists(st.integers(0, 150_000), min_size=9, max_size=80)
+
+
+@settings(max_examples=40, deadline=None)
+@given(family_prompts, long_turns, turns, st.integers(2, 8))
+def test_a_later_turn_leaves_a_slow_home_for_the_first_full_weight_member_with_room(
+    prompt, turn, deeper, n
+):
+    # The finish rule for later turns: the conversation moves (its next turn follows it), and
+    # once its home is back at full weight a later turn stays there.
+    reps = fleet(n)
+    policy = PrefixAffinity()
+    watch(policy, reps)
+    family = prompt_key("m", prompt)
+    home = policy.choose(route(family), reps).replica
+    policy.set_weight(home.name, WEIGHT_FULL // 2)
+    later = prompt_key("m", prompt + turn)
+    decision = policy.choose(route(later), reps)
+    first_full = next(name for name in policy.ring.walk(family.full) if name != home.name)
+    assert (decision.replica.name, decision.kind) == (first_full, "spill")
+    assert decision.tokens == later.tokens  # its history is computed there
+    next_turn = prompt_key("m", prompt + turn + deeper)
+    assert policy.choose(route(next_turn), reps)[:2] == (decision.replica, "continuation")
+    policy.set_weight(home.name, WEIGHT_FULL)
+    other = prompt_key("m", [*prompt, 150_001, *turn])
+    assert policy.choose(route(other), reps)[:2] == (home, "continuation")
+
+
+def test_a_later_turn_stays_on_a_slow_home_when_no_full_weight_member_has_room() -> None:
+    reps = fleet(4)
+    policy = PrefixAffinity()
+    watch(policy, reps)
+    prompt = families(1)[0]
+    home = policy.choose(route(prompt_key("m", prompt)), reps).replica
+    policy.set_weight(home.name, WEIGHT_FULL // 2)
+    others = [r for r in reps if r is not home]
+    for rep in others:
+        rep.in_flight = 100
+    # The cap is 76 + the slack (95): no full-weight member has room; the home's follow cap
+    # scaled to half (54) leaves it room.
+    assert policy.cap(reps) == 95 and scaled_cap(policy.follow_cap(reps), WEIGHT_FULL // 2) == 54
+    decision = policy.choose(route(prompt_key("m", [*prompt, 5, 6, 7])), reps)
+    assert decision[:2] == (home, "continuation")
+    others[-1].in_flight = 91  # room for one more under the cap (now 92): the one it finds
+    decision = policy.choose(route(prompt_key("m", [*prompt, 8, 9, 10])), reps)
+    assert decision[:2] == (others[-1], "spill")
