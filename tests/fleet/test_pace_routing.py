@@ -99,6 +99,25 @@ async def replicas(client: aiohttp.ClientSession, url: str) -> dict[str, dict[st
     return {str(r["id"]): r for r in (await router_status(client, url))["replicas"]}
 
 
+async def warm_up(
+    client: aiohttp.ClientSession,
+    url: str,
+    rnd: random.Random,
+    count: int = 16,
+    in_flight: int = IN_FLIGHT,
+) -> tuple[list[tuple[list[int], str]], dict[str, dict[str, Any]]]:
+    """Rounds of `count` families (`placed`) until replica "0"'s weight falls below 1, at most
+    12 (a round lasts about a second here: several scrapes): the families placed, and
+    /router/status's replicas after the last round."""
+    dealt: list[tuple[list[int], str]] = []
+    for _ in range(12):
+        dealt += await placed(client, url, count, rnd, in_flight)
+        status = await replicas(client, url)
+        if status["0"]["weight"] < 1:
+            break
+    return dealt, status
+
+
 async def test_a_half_speed_replica_loses_weight_and_is_dealt_fewer_families(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
 ) -> None:
@@ -107,13 +126,7 @@ async def test_a_half_speed_replica_loses_weight_and_is_dealt_fewer_families(
     changes = told(runtime)
     rnd = random.Random(5)
     slow = "0"  # its x-lora-router-replica label
-    # Warm-up: until its weight falls, at most 12 rounds of 16 families (a round lasts about
-    # a second here: several scrapes).
-    for _ in range(12):
-        await families(client, runtime.url, 16, rnd)
-        status = await replicas(client, runtime.url)
-        if status[slow]["weight"] < 1:
-            break
+    _, status = await warm_up(client, runtime.url, rnd)
     weights = {name: r["weight"] for name, r in status.items()}
     assert 0.25 <= weights[slow] <= 0.75, status[slow]  # about half: its decode step is twice
     assert all(weights[r] == 1 for r in ("1", "2", "3")), weights
@@ -143,11 +156,7 @@ async def test_a_half_speed_replica_is_dealt_families_once_the_others_are_past_t
     runtime = await router(emus, health_interval=SCRAPE_S)
     rnd = random.Random(9)
     slow = "0"
-    for _ in range(12):  # warm-up, as above, at the same load
-        await families(client, runtime.url, 64, rnd, in_flight=128)
-        status = await replicas(client, runtime.url)
-        if status[slow]["weight"] < 1:
-            break
+    _, status = await warm_up(client, runtime.url, rnd, 64, in_flight=128)  # the same load
     assert status[slow]["weight"] < 1, status[slow]
     homes = await families(client, runtime.url, 192, rnd, in_flight=128)
     share = homes.count(slow) / len(homes)
@@ -164,12 +173,7 @@ async def test_later_turns_leave_a_half_speed_replica_for_a_full_speed_one(
     runtime = await router(emus, health_interval=SCRAPE_S)
     rnd = random.Random(11)
     slow = "0"
-    dealt: list[tuple[list[int], str]] = []
-    for _ in range(12):  # warm-up, as above
-        dealt += await placed(client, runtime.url, 16, rnd)
-        status = await replicas(client, runtime.url)
-        if status[slow]["weight"] < 1:
-            break
+    dealt, status = await warm_up(client, runtime.url, rnd)
     assert status[slow]["weight"] < 1, status[slow]
     on_slow = [prompt for prompt, home in dealt if home == slow][:4]
     at_full = [(prompt, home) for prompt, home in dealt if home != slow][:4]
