@@ -1,7 +1,8 @@
 """Over real sockets: a replica at half speed is measured by the decode step its /metrics reports
 (vllm:inter_token_latency_seconds, fleet/pace.py), its weight falls below 1 in /router/status
 and /metrics, and it is dealt no new family while the others run below their batch and
-some once they are past it; a fleet at one speed keeps every weight at 1,
+some once they are past it, and a later turn of a conversation on it goes to a full-speed
+replica; a fleet at one speed keeps every weight at 1,
 never telling the policy of a change; a replica whose /metrics lacks the histogram keeps full
 weight and says why; an interval that saw a pause of the fleet is no sample; with --no-pace
 every weight stays 1."""

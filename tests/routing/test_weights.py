@@ -54,6 +54,15 @@ def run(
     return out
 
 
+def dealt_to(policy: PrefixAffinity, reps: Pool, prompts: list[list[int]]) -> dict[str, int]:
+    """Route each prompt as a new family (loads held where the test set them): how many went
+    to each replica."""
+    dealt = dict.fromkeys((r.name for r in reps), 0)
+    for prompt in prompts:
+        dealt[policy.choose(route(prompt_key("m", prompt)), reps).replica.name] += 1
+    return dealt
+
+
 step_lists = st.lists(
     st.tuples(st.integers(0, 60), st.booleans(), st.integers(0, 3)), min_size=1, max_size=250
 )
@@ -89,6 +98,16 @@ def test_full_weights_decide_exactly_as_no_weights(walk, n, steps, told):
     assert decisions[0] == decisions[1]
 
 
+def one_slow(walk: bool, weight: int, busy: int) -> tuple[list[Rep], PrefixAffinity]:
+    """4 replicas watched (`watched`), the first at `weight`, the others holding `busy`
+    requests each."""
+    reps, policy = watched(4, walk)
+    policy.set_weight(reps[0].name, weight)
+    for rep in reps[1:]:
+        rep.in_flight = busy
+    return reps, policy
+
+
 @pytest.mark.parametrize("walk", [False, True], ids=["kept ranks", "walk deal"])
 @pytest.mark.parametrize("weight", [WEIGHT_FULL // 2, WEIGHT_MIN, 12])
 def test_a_slow_member_is_dealt_its_weight_s_share_of_the_families(walk, weight):
@@ -96,14 +115,9 @@ def test_a_slow_member_is_dealt_its_weight_s_share_of_the_families(walk, weight)
     # it would finish every family sooner, and the weighted deal alone decides (its prompt
     # tokens in flight keep the deal window shut: it holds as much work as each of them).
     n = 4
-    reps, policy = watched(n, walk)
-    policy.set_weight(reps[0].name, weight)
-    for rep in reps[1:]:
-        rep.in_flight = 60
+    reps, policy = one_slow(walk, weight, 60)
     reps[0].in_flight_tokens = 60 * DEAL_REQUEST_TOKENS
-    dealt = dict.fromkeys((r.name for r in reps), 0)
-    for prompt in families(700, seed=3):
-        dealt[policy.choose(route(prompt_key("m", prompt)), reps).replica.name] += 1
+    dealt = dealt_to(policy, reps, families(700, seed=3))
     share = weight / WEIGHT_FULL
     expected = 700 * share / (n - 1 + share)
     assert abs(dealt[reps[0].name] - expected) <= 2
@@ -120,21 +134,14 @@ def test_a_slow_member_is_dealt_nothing_while_the_others_run_below_the_batch_flo
     # (the deal window, which offers it turns while it holds less work, keeps its count within
     # 1.05 x the mean).
     n = 4
-    reps, policy = watched(n, walk)
-    policy.set_weight(reps[0].name, weight)
-    for rep in reps[1:]:
-        rep.in_flight = BATCH_FLOOR
-    dealt = dict.fromkeys((r.name for r in reps), 0)
+    reps, policy = one_slow(walk, weight, BATCH_FLOOR)
     prompts = families(1100, seed=4)
-    for prompt in prompts[:700]:
-        dealt[policy.choose(route(prompt_key("m", prompt)), reps).replica.name] += 1
+    dealt = dealt_to(policy, reps, prompts[:700])
     assert dealt[reps[0].name] == 0
     assert sorted(dealt.values())[1:] == [233, 233, 234]
     assert 233 <= policy.families(reps[0].name) <= policy.window()  # it kept pace
     policy.set_weight(reps[0].name, WEIGHT_FULL)
-    later = dict.fromkeys((r.name for r in reps), 0)
-    for prompt in prompts[700:]:
-        later[policy.choose(route(prompt_key("m", prompt)), reps).replica.name] += 1
+    later = dealt_to(policy, reps, prompts[700:])
     # No burst: within the deal window's 5 % of an even share (uncounted turns: all 400).
     assert later[reps[0].name] <= 400 // n * 11 // 10, later
 
