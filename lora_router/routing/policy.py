@@ -12,7 +12,8 @@ The rules, each stated in full with its measurements in docs/design/routing.md:
    instead to the next replica on the family's ring path when the home holds more work by
    `move_price` times its tokens, within `MOVE_SHARE` and `MOVE_BUDGET` (`_lighter`).
 2. *Spill*: known, but none of its replicas can take it: the first routable replica with room
-   in ring order from its key. A spill never moves the home of a prompt that has one.
+   in ring order from its key (with a member below full weight: the first full-weight one with
+   room, if any; *Weights*). A spill never moves the home of a prompt that has one.
 3. *Fresh* (a new family): *the deal*, fewest families dealt, then fewest requests and prompt
    tokens in flight, ties in ring order from its key; inside the *deal window* (`DEAL_WINDOW`
    x the mean count) a replica dealt more that holds less work (`work_held`) takes it.
@@ -28,15 +29,19 @@ that is behind. *The finish rule*: a member below full weight that the deal (win
 picks keeps the family only if it would finish it sooner than the first full-weight member with
 room in the deal's order, a member's time being `(1 + max(0, in_flight - BATCH_FLOOR)) x
 WEIGHT_FULL / weight`: its own request plus those it would wait behind, a replica decoding what
-it holds together up to its batch (`_finish_rule`). Else that member takes it, and the slow member's
+it holds together up to its batch; and only if its scaled cap has room for the whole family, as
+many requests as a family has brought so far (`_family_size`: the first and its siblings per
+family dealt), since a group split over a slow member waits for its slow siblings while those
+spilled recompute its prompt (`_finish_rule`). Else that member takes it, and the slow member's
 turn counts as dealt to it (its count keeps pace, so one back at full weight is owed no burst of
 families). A fleet whose full-weight members hold at most BATCH_FLOOR each never deals a new
-family to a slower one: it would finish 1 / weight times later for nothing. *Later turns*: a
-continuation whose replica is below full weight goes to the first full-weight member with room
-under the load cap in ring order from its prefix's key, if any (`_faster`), and the
-conversation's next turns follow it: a slow member multiplies every token of a long completion,
-a queue only adds its wait, and a turn's history is prefilled far faster than it is decoded.
-With every weight full, decisions are exactly those without weights.
+family to a slower one: it would finish 1 / weight times later for nothing. *Later turns and
+spills*: a continuation whose replica is below full weight, and a spill, go to the first
+full-weight member with room under the load cap in ring order from the prefix's key, if any
+(`_faster`; a spill finding none takes the first member with room), and a conversation's next
+turns follow it: a slow member multiplies every token of a long completion, a queue only adds
+its wait, and a turn's history is prefilled far faster than it is decoded. With every weight
+full, decisions are exactly those without weights.
 
 Invariants: some replica always has room under either cap unscaled, so every walk ends (with
 weights none may: a walk that finds no room takes the least loaded); a prompt's first
@@ -52,7 +57,8 @@ With a member below full weight: one dict lookup more per member tried (a contin
 slow member: one ring walk, O(1 + s)), and a rank's k tied
 members filtered by room, O(k) (`_first_routable`); when the deal picks a member below full
 weight, the finish rule's full-weight member, found the same way among the full-weight members
-(walking: none more); `set_weight` O(1).
+(walking: none more), and `_family_size` O(1); a spill, one ring walk more at most;
+`set_weight` O(1).
 
 Contract with the caller: one `choose(key, routable)` per attempt, `key` the request's
 `RouteKey` or None, dropped once decided (a retry builds a new one); `routable` a non-empty,
@@ -214,6 +220,7 @@ class PrefixAffinity:
         self._slow: dict[str, int] = {}
         self._moved: dict[str, int] = {}  # member -> conversations moved into it (`_lighter`)
         self._moved_tokens = 0  # prompt tokens priced for the moves made (`_lighter`)
+        self._sibling_spills = 0  # repeats of a known prompt that spilled (`_family_size`)
         self._routed_tokens = 0  # prompt tokens of every request with a key routed (`choose`)
         self._ranks = Ranks()
         # Members whose load changed since the ranks were last read, by name: re-filed when
@@ -371,8 +378,10 @@ class PrefixAffinity:
                 return Decision(replica, "continuation", rest, key.tokens)
 
         if known:
-            replica = self._next_with_room(key.full, routable, cap)
+            faster = self._faster(key.full, routable, cap) if self._slow else None
+            replica = faster or self._next_with_room(key.full, routable, cap)
             self.counts.spill += 1
+            self._sibling_spills += home is not None
             self._remember(key, home, replica.name)
             return Decision(replica, "spill", key.tokens, key.tokens)
         decision = self._fresh(key, routable, cap)
@@ -429,10 +438,10 @@ class PrefixAffinity:
         return target
 
     def _faster(self, position: int, routable: Candidates[R], cap: int) -> R | None:
-        """Where a continuation whose replica is below full weight goes instead (the
-        finish rule for later turns, module docstring): the first full-weight routable member
-        with room under the load cap in ring order from `position`; None: it stays. One ring
-        walk, O(1 + s) steps, s the members passed over (slow ones, those without room)."""
+        """Where a continuation whose replica is below full weight, or a spill, goes (later
+        turns and spills, module docstring): the first full-weight routable member with room
+        under the load cap in ring order from `position`; None: none has room. One ring walk,
+        O(1 + s) steps, s the members passed over (slow ones, those without room)."""
         for name in self.ring.walk(position):
             replica = routable.get(name)
             if replica is not None and name not in self._slow and self._room(replica, cap):
@@ -504,7 +513,7 @@ class PrefixAffinity:
                     full = ranks.first(dealt, cap, pick)
                     if full is not None:
                         break
-                best = self._finish_rule(best, weight, full)
+                best = self._finish_rule(best, weight, full, cap)
         self._charge(best)
         return best
 
@@ -550,22 +559,34 @@ class PrefixAffinity:
         weight = self._slow.get(best.name)
         if weight is not None:  # the finish rule, against the first full-weight member
             full = next((other[4] for other in ready if other[4].name not in self._slow), None)
-            best = self._finish_rule(best, weight, full)
+            best = self._finish_rule(best, weight, full, cap)
         self._charge(best)
         return best
 
-    def _finish_rule(self, best: R, weight: int, full: R | None) -> R:
+    def _finish_rule(self, best: R, weight: int, full: R | None, cap: int) -> R:
         """The finish rule (module docstring): `best`, the deal's member at `weight` below
         full, keeps the family if it would finish it sooner than `full`, the first full-weight
-        member with room in the deal's order (None: none has room); else `full` takes it, and
-        `best`'s passed turn is counted as dealt to it. Times compared in integers."""
+        member with room in the deal's order (None: none has room), and has room for all of
+        it under its scaled cap; else `full` takes it, and `best`'s passed turn is counted as
+        dealt to it. Times compared in integers."""
         if full is None:
             return best
         ahead = max(0, best.in_flight - BATCH_FLOOR)
-        if (1 + ahead) * WEIGHT_FULL < (1 + max(0, full.in_flight - BATCH_FLOOR)) * weight:
+        sooner = (1 + ahead) * WEIGHT_FULL < (1 + max(0, full.in_flight - BATCH_FLOOR)) * weight
+        if sooner and best.in_flight + self._family_size() <= scaled_cap(cap, weight):
             return best
         self._charge(best)
         return full
+
+    def _family_size(self) -> int:
+        """The requests a new family brings, as routed so far: the families dealt and every
+        repeat of a known prompt (a sibling, at home or spilled), per family dealt, rounded
+        up; 1 before any family. O(1)."""
+        counts = self.counts
+        families = counts.fresh + counts.kv
+        if not families:
+            return 1
+        return -(-(families + counts.sibling + self._sibling_spills) // families)
 
     def _cost(self, name: str) -> int:
         """What one more family dealt to a member adds to its count (module docstring)."""
