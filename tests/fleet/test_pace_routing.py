@@ -51,19 +51,20 @@ async def placed(
     count: int,
     rnd: random.Random,
     in_flight: int = IN_FLIGHT,
-) -> list[tuple[list[int], str]]:
-    """`count` families of G samples each (distinct prompts), at most `in_flight` requests in
-    flight: each family's prompt and the replica that answered its first sample."""
+    size: int = G,
+) -> list[tuple[list[int], list[str]]]:
+    """`count` families of `size` samples each (distinct prompts), at most `in_flight`
+    requests in flight: each family's prompt and the replicas that answered its samples, its
+    first sample's first."""
     gate = asyncio.Semaphore(in_flight)
 
     async def sample(prompt: list[int]) -> str:
         async with gate:
             return await complete(client, url, prompt, rnd)
 
-    async def family() -> tuple[list[int], str]:
+    async def family() -> tuple[list[int], list[str]]:
         prompt = [rnd.randrange(1000, 100_000) for _ in range(48)]
-        homes = await asyncio.gather(*(sample(prompt) for _ in range(G)))
-        return prompt, homes[0]
+        return prompt, list(await asyncio.gather(*(sample(prompt) for _ in range(size))))
 
     async with asyncio.timeout(120):  # generous: a loaded machine slows every step
         return list(await asyncio.gather(*(family() for _ in range(count))))
@@ -76,8 +77,8 @@ async def families(
     rnd: random.Random,
     in_flight: int = IN_FLIGHT,
 ) -> list[str]:
-    """`placed`'s homes alone."""
-    return [home for _, home in await placed(client, url, count, rnd, in_flight)]
+    """`placed`'s homes alone: the replica of each family's first sample."""
+    return [homes[0] for _, homes in await placed(client, url, count, rnd, in_flight)]
 
 
 def told(runtime: RouterRuntime) -> list[tuple[str, int]]:
@@ -106,13 +107,15 @@ async def warm_up(
     rnd: random.Random,
     count: int = 16,
     in_flight: int = IN_FLIGHT,
+    size: int = G,
 ) -> tuple[list[tuple[list[int], str]], dict[str, dict[str, Any]]]:
     """Rounds of `count` families (`placed`) until replica "0"'s weight falls below 1, at most
-    12 (a round lasts about a second here: several scrapes): the families placed, and
-    /router/status's replicas after the last round."""
+    12 (a round lasts about a second here: several scrapes): each family placed and its home,
+    and /router/status's replicas after the last round."""
     dealt: list[tuple[list[int], str]] = []
     for _ in range(12):
-        dealt += await placed(client, url, count, rnd, in_flight)
+        rounds = await placed(client, url, count, rnd, in_flight, size)
+        dealt += [(prompt, homes[0]) for prompt, homes in rounds]
         status = await replicas(client, url)
         if status["0"]["weight"] < 1:
             break
@@ -162,6 +165,28 @@ async def test_a_half_speed_replica_is_dealt_families_once_the_others_are_past_t
     homes = await families(client, runtime.url, 192, rnd, in_flight=128)
     share = homes.count(slow) / len(homes)
     assert 0.04 <= share <= 0.2, share
+
+
+async def test_no_family_is_split_over_a_half_speed_replica(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    # Families of 8 at 128 in flight, past the others' batch: the slow replica is dealt a
+    # family only while its scaled cap has room for all 8 (policy.py, the finish rule), and a
+    # sibling whose full-speed home is full spills to a full-speed replica with room, not to
+    # it. A group split over the slow replica would wait for its slow siblings.
+    emus = [*await emulators(1, **COSTS, speed=0.5), *await emulators(3, **COSTS)]
+    runtime = await router(emus, health_interval=SCRAPE_S)
+    rnd = random.Random(14)
+    slow = "0"
+    _, status = await warm_up(client, runtime.url, rnd, 32, in_flight=128, size=8)
+    assert status[slow]["weight"] < 1, status[slow]
+    dealt = await placed(client, runtime.url, 96, rnd, in_flight=128, size=8)
+    whole = [homes for _, homes in dealt if set(homes) == {slow}]
+    split = [homes for _, homes in dealt if slow in homes and len(set(homes)) > 1]
+    assert whole  # its capacity is still used
+    # Two families dealt to it at once may still overrun it (the rule counts what it holds,
+    # not the siblings on their way); without the rule 2 to 6 of 96 were split (4 seeds).
+    assert len(split) <= 2, split
 
 
 async def test_later_turns_leave_a_half_speed_replica_for_a_full_speed_one(

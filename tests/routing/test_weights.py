@@ -283,3 +283,65 @@ def test_a_later_turn_stays_on_a_slow_home_when_no_full_weight_member_has_room()
     others[-1].in_flight = 91  # room for one more under the cap (now 92): the one it finds
     decision = policy.choose(route(prompt_key("m", [*prompt, 8, 9, 10])), reps)
     assert decision[:2] == (others[-1], "spill")
+
+
+def teach_family_size(policy: PrefixAffinity, size: int) -> None:
+    """Make the policy's record say families of `size` requests: 100 families dealt and their
+    siblings (`_family_size` reads the decision counts)."""
+    policy.counts.fresh = 100
+    policy.counts.sibling = 100 * (size - 1)
+
+
+@pytest.mark.parametrize("walk", [False, True], ids=["kept ranks", "walk deal"])
+@pytest.mark.parametrize("size", [1, 8, 16])
+def test_a_slow_member_keeps_a_new_family_only_with_room_for_all_of_it(walk, size):
+    # The others past the floor: the slow member would finish a family sooner (the finish
+    # rule), and it keeps one only while its scaled cap has room for as many requests as the
+    # families so far brought (a group split over it would wait for its slow siblings).
+    policy = PrefixAffinity()
+    names = [r.name for r in fleet(4)]  # the replicas `watched` makes
+    policy._dealt = {name: (0 if i == 0 else 5 * DEAL_UNIT) for i, name in enumerate(names)}
+    reps, policy = watched(4, walk, policy)
+    slow = reps[0]
+    policy.set_weight(slow.name, WEIGHT_FULL // 2)
+    for rep in reps[1:]:
+        rep.in_flight = 60
+    teach_family_size(policy, size)
+
+    def room() -> int:
+        return scaled_cap(policy.cap(reps), WEIGHT_FULL // 2) - slow.in_flight
+
+    # Each request more it holds takes one from its room or none (the cap grows with the load).
+    while room() > size:
+        slow.in_flight += 1
+    assert slow.in_flight > BATCH_FLOOR  # past the floor itself, still sooner than the others
+    prompts = families(2, seed=9)
+    assert policy.choose(route(prompt_key("m", prompts[0])), reps).replica is slow
+    while room() >= size:  # one short of the family's room
+        slow.in_flight += 1
+    decision = policy.choose(route(prompt_key("m", prompts[1])), reps)
+    assert decision.kind == "fresh" and decision.replica is not slow
+
+
+def test_a_spill_passes_over_a_slow_member_for_a_full_weight_one_with_room() -> None:
+    reps = fleet(4)
+    policy = PrefixAffinity()
+    watch(policy, reps)
+    prompt = families(1)[0]
+    key, wire = prompt_key("m", prompt), wire_key("m", b"p")
+    home = policy.choose(route(key, wire), reps).replica
+    walk = [name for name in policy.ring.walk(key.full) if name != home.name]
+    first = next(r for r in reps if r.name == walk[0])  # where a spill goes at full weights
+    for rep in reps:
+        rep.in_flight = 2
+    home.in_flight = 30  # the cap is 26 (9.25 + the slack, rounded up): the home is full
+    assert policy.cap(reps) == 26
+    assert policy.choose(route(key, wire), reps)[:2] == (first, "spill")
+    policy.set_weight(first.name, WEIGHT_FULL // 2)  # room under its scaled cap (12) still
+    second = next(r for r in reps if r.name == walk[1])
+    assert policy.choose(route(key, wire), reps)[:2] == (second, "spill")
+    for rep in reps:
+        if rep is not first:
+            rep.in_flight = 100  # no full-weight member has room under the cap (95)
+    assert policy.cap(reps) == 95
+    assert policy.choose(route(key, wire), reps)[:2] == (first, "spill")
