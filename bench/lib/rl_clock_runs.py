@@ -29,6 +29,7 @@ from lora_router.emulator import EmulatorConfig, write_adapter
 from .procs import free_port, pinned
 from .routing_procs import (
     FAMILY_HEADER,
+    HOST_LINE_LIMIT,
     REPLICA_CPUS,
     REQUEST_TIMEOUT_S,
     START_TIMEOUT_S,
@@ -94,6 +95,7 @@ async def start_fleet(script: Path, fleet: Fleet, log: IO[bytes]) -> ReplicaHost
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         stderr=log,
+        limit=HOST_LINE_LIMIT,
     )
     try:
         assert proc.stdout is not None

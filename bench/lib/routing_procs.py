@@ -33,6 +33,9 @@ ROUTER_CPUS = "0"  # the router under test (and this load generator)
 REPLICA_CPUS = "1"  # the emulated replicas, alone
 REQUEST_TIMEOUT_S = 120.0
 START_TIMEOUT_S = 30.0
+# The longest line the replica host may answer (its `dump`: every request's seed, about 20
+# bytes each); asyncio's default of 64 KiB ends a run of more than about 3,000 requests.
+HOST_LINE_LIMIT = 64 << 20
 _SEED = re.compile(rb'"seed"\s*:\s*(\d+)')
 
 
@@ -178,6 +181,7 @@ class ReplicaHost:
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=log,
+            limit=HOST_LINE_LIMIT,
         )
         host = cls(proc, [])
         try:
