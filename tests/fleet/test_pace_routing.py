@@ -19,7 +19,7 @@ import pytest
 from emulated_fleet import StartEmulators, StartRouter
 from helpers import call, router_status, samples
 
-from lora_router.emulator import Engine
+from lora_router.emulator import Emulator, Engine
 from lora_router.emulator import metrics as emulator_metrics
 from lora_router.fleet.pace import UNMEASURED
 from lora_router.fleet.report import Report
@@ -33,6 +33,11 @@ IN_FLIGHT = 16  # requests in flight at most, as TRL's async worker bounds them
 COSTS: dict[str, Any] = dict(decode_s_per_token=2e-3, prefill_s_per_token=1e-6)
 # The router scrapes every replica's /metrics this often (the pace rule's samples).
 SCRAPE_S = 0.2
+
+
+async def half_speed_fleet(emulators: StartEmulators, n: int = 4) -> list[Emulator]:
+    """`n` emulated replicas at COSTS, the first (labelled "0") at half speed."""
+    return [*await emulators(1, **COSTS, speed=0.5), *await emulators(n - 1, **COSTS)]
 
 
 async def complete(
@@ -122,10 +127,28 @@ async def warm_up(
     return dealt, status
 
 
+async def slowed(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    rnd: random.Random,
+    count: int = 16,
+    in_flight: int = IN_FLIGHT,
+    size: int = G,
+) -> tuple[RouterRuntime, list[tuple[list[int], str]]]:
+    """`half_speed_fleet` behind a router that scrapes it every SCRAPE_S, warmed up
+    (`warm_up`) until replica "0"'s weight fell: the router, and the families dealt meanwhile
+    with their homes."""
+    runtime = await router(await half_speed_fleet(emulators), health_interval=SCRAPE_S)
+    dealt, status = await warm_up(client, runtime.url, rnd, count, in_flight, size)
+    assert status["0"]["weight"] < 1, status["0"]
+    return runtime, dealt
+
+
 async def test_a_half_speed_replica_loses_weight_and_is_dealt_fewer_families(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
 ) -> None:
-    emus = [*await emulators(1, **COSTS, speed=0.5), *await emulators(3, **COSTS)]
+    emus = await half_speed_fleet(emulators)
     runtime = await router(emus, health_interval=SCRAPE_S)
     changes = told(runtime)
     rnd = random.Random(5)
@@ -156,12 +179,9 @@ async def test_a_half_speed_replica_is_dealt_families_once_the_others_are_past_t
     # 128 in flight: each full-speed replica holds about 37, past the batch floor, and the slow
     # one finishes a family sooner while it holds fewer than about 26: its capacity is used,
     # about its weight's share (a seventh at half weight).
-    emus = [*await emulators(1, **COSTS, speed=0.5), *await emulators(3, **COSTS)]
-    runtime = await router(emus, health_interval=SCRAPE_S)
     rnd = random.Random(9)
     slow = "0"
-    _, status = await warm_up(client, runtime.url, rnd, 64, in_flight=128)  # the same load
-    assert status[slow]["weight"] < 1, status[slow]
+    runtime, _ = await slowed(emulators, router, client, rnd, 64, in_flight=128)  # that load
     homes = await families(client, runtime.url, 192, rnd, in_flight=128)
     share = homes.count(slow) / len(homes)
     assert 0.04 <= share <= 0.2, share
@@ -174,12 +194,9 @@ async def test_no_family_is_split_over_a_half_speed_replica(
     # family only while its scaled cap has room for all 8 (policy.py, the finish rule), and a
     # sibling whose full-speed home is full spills to a full-speed replica with room, not to
     # it. A group split over the slow replica would wait for its slow siblings.
-    emus = [*await emulators(1, **COSTS, speed=0.5), *await emulators(3, **COSTS)]
-    runtime = await router(emus, health_interval=SCRAPE_S)
     rnd = random.Random(14)
     slow = "0"
-    _, status = await warm_up(client, runtime.url, rnd, 32, in_flight=128, size=8)
-    assert status[slow]["weight"] < 1, status[slow]
+    runtime, _ = await slowed(emulators, router, client, rnd, 32, in_flight=128, size=8)
     dealt = await placed(client, runtime.url, 96, rnd, in_flight=128, size=8)
     whole = [homes for _, homes in dealt if set(homes) == {slow}]
     split = [homes for _, homes in dealt if slow in homes and len(set(homes)) > 1]
@@ -195,12 +212,9 @@ async def test_later_turns_leave_a_half_speed_replica_for_a_full_speed_one(
     # Families dealt to the slow replica before its weight fell: each one's later turn goes to
     # a full-speed replica (policy.py, the finish rule for later turns), and the conversation's
     # next turn follows it there; a family homed at full speed keeps its later turns home.
-    emus = [*await emulators(1, **COSTS, speed=0.5), *await emulators(3, **COSTS)]
-    runtime = await router(emus, health_interval=SCRAPE_S)
     rnd = random.Random(11)
     slow = "0"
-    dealt, status = await warm_up(client, runtime.url, rnd)
-    assert status[slow]["weight"] < 1, status[slow]
+    runtime, dealt = await slowed(emulators, router, client, rnd)
     on_slow = [prompt for prompt, home in dealt if home == slow][:4]
     at_full = [(prompt, home) for prompt, home in dealt if home != slow][:4]
     assert on_slow and at_full  # the first families were dealt before its weight was read
@@ -256,7 +270,7 @@ async def test_a_replica_without_the_histogram_keeps_full_weight_and_says_why(
     without_latency: set[int],
 ) -> None:
     # Half speed, but it does not say so: it is dealt as the others are.
-    emus = [*await emulators(1, **COSTS, speed=0.5), *await emulators(2, **COSTS)]
+    emus = await half_speed_fleet(emulators, 3)
     engine: Engine = emus[0].state
     without_latency.add(id(engine))
     runtime = await router(emus, health_interval=SCRAPE_S)
@@ -308,7 +322,7 @@ async def test_without_pace_a_half_speed_replica_is_dealt_its_even_share(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
 ) -> None:
     # --no-pace: scraped as ever, weighed never; the deal is the unweighted policy's.
-    emus = [*await emulators(1, **COSTS, speed=0.5), *await emulators(3, **COSTS)]
+    emus = await half_speed_fleet(emulators)
     runtime = await router(emus, health_interval=SCRAPE_S, pace=False)
     assert runtime.telemetry is not None and runtime.telemetry.pace is None
     homes = await families(client, runtime.url, 160, random.Random(5))

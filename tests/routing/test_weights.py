@@ -5,6 +5,7 @@ rule); with every weight full, decisions are those of a policy never given a wei
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from unittest import mock
 
 import pytest
@@ -164,13 +165,22 @@ def test_the_finish_rule_s_threshold_at_three_quarters(walk, slow, full, kept):
     assert (decision.replica is reps[0]) is kept
 
 
-def test_siblings_spill_off_a_slow_home_at_its_scaled_cap() -> None:
+def one_family() -> tuple[list[Rep], PrefixAffinity, Callable[[], RouteKey], Rep]:
+    """4 replicas watched by a prefix policy, and one family's first sample routed: the
+    replicas, the policy, a new key of a sibling (wire key and block key) per call, the home."""
     reps = fleet(4)
     policy = PrefixAffinity()
     watch(policy, reps)
-    prompt = families(1)[0]
-    key, wire = prompt_key("m", prompt), wire_key("m", b"a")
-    home = policy.choose(route(key, wire), reps).replica
+    prompt = prompt_key("m", families(1)[0])
+
+    def sibling() -> RouteKey:
+        return route(prompt, wire_key("m", b"a"))
+
+    return reps, policy, sibling, policy.choose(sibling(), reps).replica
+
+
+def test_siblings_spill_off_a_slow_home_at_its_scaled_cap() -> None:
+    reps, policy, sibling, home = one_family()
     policy.set_weight(home.name, WEIGHT_FULL // 2)
     for rep in reps:
         rep.in_flight = 2
@@ -178,12 +188,12 @@ def test_siblings_spill_off_a_slow_home_at_its_scaled_cap() -> None:
     home.in_flight = 9
     assert policy.cap(reps) == 4 + DEFAULT_LOAD_SLACK
     assert scaled_cap(policy.cap(reps), WEIGHT_FULL // 2) == 10
-    assert policy.choose(route(key, wire), reps).replica is home  # room for one more
+    assert policy.choose(sibling(), reps).replica is home  # room for one more
     home.in_flight = 10  # the cap is 21 now, its half still 10: full
-    decision = policy.choose(route(key, wire), reps)
+    decision = policy.choose(sibling(), reps)
     assert decision.replica is not home and decision.kind == "spill"
     policy.set_weight(home.name, WEIGHT_FULL)  # back at full speed: room again
-    assert policy.choose(route(key, wire), reps).replica is home
+    assert policy.choose(sibling(), reps).replica is home
 
 
 @pytest.mark.parametrize("walk", [False, True], ids=["kept ranks", "walk deal"])
@@ -324,24 +334,21 @@ def test_a_slow_member_keeps_a_new_family_only_with_room_for_all_of_it(walk, siz
 
 
 def test_a_spill_passes_over_a_slow_member_for_a_full_weight_one_with_room() -> None:
-    reps = fleet(4)
-    policy = PrefixAffinity()
-    watch(policy, reps)
-    prompt = families(1)[0]
-    key, wire = prompt_key("m", prompt), wire_key("m", b"p")
-    home = policy.choose(route(key, wire), reps).replica
-    walk = [name for name in policy.ring.walk(key.full) if name != home.name]
+    reps, policy, sibling, home = one_family()
+    block = sibling().key
+    assert block is not None
+    walk = [name for name in policy.ring.walk(block.full) if name != home.name]
     first = next(r for r in reps if r.name == walk[0])  # where a spill goes at full weights
     for rep in reps:
         rep.in_flight = 2
     home.in_flight = 30  # the cap is 26 (9.25 + the slack, rounded up): the home is full
     assert policy.cap(reps) == 26
-    assert policy.choose(route(key, wire), reps)[:2] == (first, "spill")
+    assert policy.choose(sibling(), reps)[:2] == (first, "spill")
     policy.set_weight(first.name, WEIGHT_FULL // 2)  # room under its scaled cap (12) still
     second = next(r for r in reps if r.name == walk[1])
-    assert policy.choose(route(key, wire), reps)[:2] == (second, "spill")
+    assert policy.choose(sibling(), reps)[:2] == (second, "spill")
     for rep in reps:
         if rep is not first:
             rep.in_flight = 100  # no full-weight member has room under the cap (95)
     assert policy.cap(reps) == 95
-    assert policy.choose(route(key, wire), reps)[:2] == (first, "spill")
+    assert policy.choose(sibling(), reps)[:2] == (first, "spill")
