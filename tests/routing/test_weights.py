@@ -318,17 +318,20 @@ def test_a_slow_member_keeps_a_new_family_only_with_room_for_all_of_it(walk, siz
         rep.in_flight = 60
     teach_family_size(policy, size)
 
-    def room() -> int:
-        return scaled_cap(policy.cap(reps), WEIGHT_FULL // 2) - slow.in_flight
+    def load_until(room: int) -> None:
+        """The fewest requests on the slow member that leave it `room` under its scaled cap
+        (each one more takes one from its room or none: the cap grows with the load)."""
+        for held in range(100):
+            slow.in_flight = held
+            if scaled_cap(policy.cap(reps), WEIGHT_FULL // 2) - held == room:
+                return
+        raise AssertionError(f"no load leaves room for {room}")
 
-    # Each request more it holds takes one from its room or none (the cap grows with the load).
-    while room() > size:
-        slow.in_flight += 1
+    load_until(size)
     assert slow.in_flight > BATCH_FLOOR  # past the floor itself, still sooner than the others
     prompts = families(2, seed=9)
     assert policy.choose(route(prompt_key("m", prompts[0])), reps).replica is slow
-    while room() >= size:  # one short of the family's room
-        slow.in_flight += 1
+    load_until(size - 1)  # one short of the family's room
     decision = policy.choose(route(prompt_key("m", prompts[1])), reps)
     assert decision.kind == "fresh" and decision.replica is not slow
 
