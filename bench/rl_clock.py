@@ -4,6 +4,7 @@ of emulated replicas that batch continuously.
     python bench/rl_clock.py                 # the matrix below, 2 interleaved rounds
     python bench/rl_clock.py --quick         # g8 on 4 and 4h replicas, 1 round (about 8 min)
     python bench/rl_clock.py --traces g8 --fleets 4h --loads saturating --rounds 1
+    python bench/rl_clock.py --traces multi-turn --fleets 4 --seeds 0,1,2,3 --rounds 1
 
 Replicas: lora_router.emulator with the capacity model of lora_router/emulator/batching.py:
 up to `--max-num-seqs` sequences decode together, a step costs `--decode-ms` plus
@@ -56,6 +57,15 @@ issue's targets (#43): on a uniform fleet at saturating load, lora-router's grou
 the best contender's at a hit rate at least 0.99 of the best's; with one replica at half
 speed, its group p90 at most 0.9 x the best contender's.
 
+Seeds (`--seeds`): each trace seed is another draw of the workload (prompts, completion
+lengths). lora-router's placement is a function of the requests and their order, so its runs of
+one seed differ by a few percent, while the other routers' move with timing by up to 30 %
+(bench/results/rl-clock/README.md): more rounds of one seed sample their noise, not the
+workload, and a ratio on one seed is one draw of which families landed together. A cell with
+several seeds runs every seed's rounds; its figures are medians over all its runs, and its
+target line gives the ratio seed by seed and how many same-seed pairings of runs meet the
+bound (bench/lib/rl_clock_report.py).
+
 Outputs: rl-clock.json (every run, the summaries, the targets, the command) and tables.md in
 `--out` (default bench/results/rl-clock; with --quick, a temporary directory). Only 127.0.0.1
 is used; every child process is stopped on exit; every request has a timeout (120 s) and
@@ -94,7 +104,7 @@ from lib.rl_clock_runs import (  # noqa: E402
     start_fleet,
     write_adapters,
 )
-from lib.routing_procs import Contender, available  # noqa: E402
+from lib.routing_procs import Contender, ReplicaHost, available  # noqa: E402
 from lib.routing_traces import build_workload  # noqa: E402
 
 from lora_router.testbed import grpo_trace  # noqa: E402
@@ -227,7 +237,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--steps", type=int, default=3, help="the fewest steps a cell runs (`steps_for`)"
     )
     p.add_argument("--problems-per-replica", type=int, default=2, help="S / N per step")
-    p.add_argument("--seed", type=int, default=0, help="the trace seed")
+    p.add_argument(
+        "--seeds", default="0", help="trace seeds, comma-separated: each cell runs every one"
+    )
     p.add_argument("--decode-ms", type=float, default=12.0, help="a step decoding one sequence")
     p.add_argument(
         "--decode-per-seq-ms", type=float, default=0.25, help="each further decoding sequence"
@@ -262,6 +274,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         p.error(f"unknown trace, fleet, load or router: {', '.join(sorted(unknown))}")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
+    try:
+        args.seed_list = [int(s) for s in args.seeds.split(",") if s]
+    except ValueError:
+        p.error(f"--seeds takes integers, comma-separated: {args.seeds!r}")
+    if not args.seed_list or len(set(args.seed_list)) != len(args.seed_list):
+        p.error("--seeds needs at least one seed, each once")
     return args
 
 
@@ -310,7 +328,7 @@ def write_results(args: argparse.Namespace, results: list[ClockResult], elapsed:
             "min_steps": args.steps,
             "steady": STEADY,
             "problems_per_replica": args.problems_per_replica,
-            "seed": args.seed,
+            "seeds": args.seed_list,
             "shapes": {k: asdict(v) for k, v in TRACES.items() if k in args.trace_list},
         },
         "rounds": args.rounds,
@@ -319,6 +337,54 @@ def write_results(args: argparse.Namespace, results: list[ClockResult], elapsed:
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "rl-clock.json", meta, summaries, results)
     write_markdown(args.out / "tables.md", meta, summaries)
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    fleet_name: str
+    fleet: Fleet
+    trace_name: str
+    load: str
+
+
+async def run_cell(
+    args: argparse.Namespace,
+    host: ReplicaHost,
+    cell: Cell,
+    contenders: list[Contender],
+    workdir: Path,
+) -> list[ClockResult]:
+    """One cell's runs: for each trace seed its workload, then the rounds, the contenders
+    interleaved in each."""
+    trace, fleet = TRACES[cell.trace_name], cell.fleet
+    cap = in_flight(cell.load, fleet.replicas, args.max_num_seqs)
+    steps = steps_for(trace, fleet.replicas, args, cap)
+    adapters = workdir / "adapters"
+    log_name = f"{cell.fleet_name}-{cell.trace_name}-{cell.load}.log"
+    results = []
+    for seed in args.seed_list:
+        spec = trace.spec(fleet.replicas, steps, args.problems_per_replica, seed)
+        write_adapters(adapters, spec.versions)
+        items = build_workload(spec, base=False)
+        for round_ in range(args.rounds):
+            for c in contenders:
+                labels = (cell.trace_name, fleet_label(cell.fleet_name), cell.load)
+                result = ClockResult(*labels, c.key, c.label, round_, seed)
+                await run_one(
+                    host,
+                    c,
+                    items,
+                    result,
+                    cap,
+                    spec.prompts_per_step,
+                    adapters,
+                    workdir / f"{c.key}-{log_name}",
+                    args.deadline,
+                )
+                results.append(result)
+                tag = f"{cell.fleet_name:3} {cell.trace_name:11} {cell.load:10} {c.key:11}"
+                print(f"{tag} seed {seed} #{round_ + 1} {one_line(result)}", flush=True)
+    return results
 
 
 async def bench_main(args: argparse.Namespace) -> int:
@@ -331,47 +397,20 @@ async def bench_main(args: argparse.Namespace) -> int:
         print(f"not installed: {', '.join(missing)} (pip install -e '.[bench]')", file=sys.stderr)
         return 2
     workdir = Path(tempfile.mkdtemp(prefix="lora-router-rl-clock-"))
-    adapters = workdir / "adapters"
     plan = cells(args)
     results: list[ClockResult] = []
     try:
         by_fleet: dict[str, list[tuple[str, str]]] = {}
-        for fleet, trace, load in plan:
-            by_fleet.setdefault(fleet, []).append((trace, load))
+        for planned_fleet, planned_trace, planned_load in plan:
+            by_fleet.setdefault(planned_fleet, []).append((planned_trace, planned_load))
         for fleet_name, fleet_cells in by_fleet.items():
             fleet = fleet_of(fleet_name, args)
             with open(workdir / f"fleet-{fleet_name}.log", "ab") as log:
                 host = await start_fleet(SCRIPT, fleet, log)
             try:
                 for trace_name, load in fleet_cells:
-                    trace = TRACES[trace_name]
-                    cap = in_flight(load, fleet.replicas, args.max_num_seqs)
-                    steps = steps_for(trace, fleet.replicas, args, cap)
-                    spec = trace.spec(fleet.replicas, steps, args.problems_per_replica, args.seed)
-                    write_adapters(adapters, spec.versions)
-                    items = build_workload(spec, base=False)
-                    for round_ in range(args.rounds):
-                        for c in contenders:
-                            result = ClockResult(
-                                trace_name, fleet_label(fleet_name), load, c.key, c.label, round_
-                            )
-                            log_path = workdir / f"{c.key}-{fleet_name}-{trace_name}-{load}.log"
-                            await run_one(
-                                host,
-                                c,
-                                items,
-                                result,
-                                cap,
-                                spec.prompts_per_step,
-                                adapters,
-                                log_path,
-                                args.deadline,
-                            )
-                            results.append(result)
-                            tag = (
-                                f"{fleet_name:3} {trace_name:11} {load:10} {c.key:11} #{round_ + 1}"
-                            )
-                            print(f"{tag} {one_line(result)}", flush=True)
+                    cell = Cell(fleet_name, fleet, trace_name, load)
+                    results += await run_cell(args, host, cell, contenders, workdir)
                     write_results(args, results, time.perf_counter() - started)
             finally:
                 await host.close()

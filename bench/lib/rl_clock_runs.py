@@ -118,6 +118,7 @@ class ClockResult:
     contender: str
     label: str
     round: int = 0
+    seed: int = 0  # the trace's (grpo_trace.TraceSpec.seed): which draw of the workload
     status: str = "ok"
     requests: int = 0
     failed: int = 0
