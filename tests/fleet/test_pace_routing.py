@@ -277,7 +277,10 @@ async def test_a_replica_without_the_histogram_keeps_full_weight_and_says_why(
     changes = told(runtime)
     homes = await families(client, runtime.url, 96, random.Random(7))
     status = await replicas(client, runtime.url)
-    assert changes == []
+    # It is never told a weight. (Its two full-speed peers are the only ones judged, each
+    # against the faster: on a loaded machine one interval of their 2 ms steps can stretch
+    # past the dead band and tell one a weight for an interval; not this test's subject.)
+    assert all(name != emus[0].url for name, _ in changes), changes
     assert status["0"]["weight"] == 1.0 and status["0"]["pace_unmeasured"] == UNMEASURED
     assert status["0"]["reported"]["status"] == "ok"  # its other figures are read
     assert status["0"]["reported"]["decode_step_s"] is None
