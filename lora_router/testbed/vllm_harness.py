@@ -323,7 +323,11 @@ def start_router_as_user(replicas: list[Replica], log: Path, port: int, *flags: 
 
 
 def _launch(command: list[str], log: Path) -> Router:
+    """Start the router, its output appended to `log`, and wait until it listens and its
+    /health answers 200. Its port is read from what this process wrote: a log that already
+    holds an earlier router's "listening" line names a port no longer served."""
     out = log.open("ab")
+    start = out.tell()  # appending: the end of what earlier processes wrote
     process = subprocess.Popen(
         command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, TOKEN_ENV: TOKEN}
     )
@@ -331,7 +335,9 @@ def _launch(command: list[str], log: Path) -> Router:
     router = Router(log=log, process=process)
 
     def listening() -> bool:
-        match = LISTENING.search(log.read_text(errors="replace"))
+        with log.open("rb") as written:
+            written.seek(start)
+            match = LISTENING.search(written.read().decode(errors="replace"))
         if match:
             router.port = int(match.group(1))
         return match is not None

@@ -15,6 +15,7 @@ shows their tails.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -27,6 +28,9 @@ from lora_router.testbed.vllm_harness import Replica, Router, start_replicas, st
 
 HERE = Path(__file__).parent
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+# Router logs are numbered once per session: a name built from an object's id() can come back
+# in a later test (ids are reused), and its log then holds an earlier router's lines.
+_ROUTER_LOGS = itertools.count(1)
 TIER_TIMEOUT_S = 900  # per test, fixture set-up included (the first one starts the replicas)
 
 
@@ -94,12 +98,9 @@ def _clean_fleet(request: pytest.FixtureRequest) -> Iterator[None]:
 def routers(fleet: list[Replica], logs: Path) -> Iterator[Callable[..., Router]]:
     """Start `lora-router` processes in front of the fleet with extra flags; stopped after."""
     started: list[Router] = []
-    count = 0
 
     def _start(*flags: str, replicas: list[Replica] | None = None) -> Router:
-        nonlocal count
-        count += 1
-        log = logs / f"router-{os.getpid()}-{id(started)}-{count}.log"
+        log = logs / f"router-{os.getpid()}-{next(_ROUTER_LOGS)}.log"
         router = start_router(replicas or fleet, log, "--health-interval", "0.5", *flags)
         started.append(router)
         return router
