@@ -59,8 +59,8 @@ speed, its group p90 at most 0.9 x the best contender's.
 
 Seeds (`--seeds`): each trace seed is another draw of the workload (prompts, completion
 lengths). lora-router's placement is a function of the requests and their order, so its runs of
-one seed differ by a few percent, while the other routers' move with timing by up to 30 %
-(bench/results/rl-clock/README.md): more rounds of one seed sample their noise, not the
+one seed differ by a few percent, while the other routers' move with timing (the figures:
+bench/results/rl-clock/README.md): more rounds of one seed sample their noise, not the
 workload, and a ratio on one seed is one draw of which families landed together. A cell with
 several seeds runs every seed's rounds; its figures are medians over all its runs, and its
 target line gives the ratio seed by seed and how many same-seed pairings of runs meet the
@@ -361,6 +361,8 @@ async def run_cell(
     steps = steps_for(trace, fleet.replicas, args, cap)
     adapters = workdir / "adapters"
     log_name = f"{cell.fleet_name}-{cell.trace_name}-{cell.load}.log"
+    labels = (cell.trace_name, fleet_label(cell.fleet_name), cell.load)
+    tag = f"{cell.fleet_name:3} {cell.trace_name:11} {cell.load:10}"
     results = []
     for seed in args.seed_list:
         spec = trace.spec(fleet.replicas, steps, args.problems_per_replica, seed)
@@ -368,7 +370,6 @@ async def run_cell(
         items = build_workload(spec, base=False)
         for round_ in range(args.rounds):
             for c in contenders:
-                labels = (cell.trace_name, fleet_label(cell.fleet_name), cell.load)
                 result = ClockResult(*labels, c.key, c.label, round_, seed)
                 await run_one(
                     host,
@@ -382,8 +383,7 @@ async def run_cell(
                     args.deadline,
                 )
                 results.append(result)
-                tag = f"{cell.fleet_name:3} {cell.trace_name:11} {cell.load:10} {c.key:11}"
-                print(f"{tag} seed {seed} #{round_ + 1} {one_line(result)}", flush=True)
+                print(f"{tag} {c.key:11} seed {seed} #{round_ + 1} {one_line(result)}", flush=True)
     return results
 
 
