@@ -399,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=d.unload_wait,
         help="longest an unload waits for the requests admitted under the name to be answered "
-        "before it is broadcast",
+        "before it is broadcast (the client is answered at once meanwhile)",
     )
     g.add_argument(
         "--down-replica-policy",

@@ -199,7 +199,7 @@ class RouterRuntime:
             self.kv_events.key_by(block_size)
 
     def in_flight(self) -> tuple[int, int]:
-        """Routed requests running on replicas, and broadcasts received and not yet answered:
+        """Routed requests running on replicas, and broadcasts received and not yet ended:
         what a stop waits for."""
         routed = sum(r.in_flight for r in self.fleet.replicas) if self.fleet else 0
         return routed, self.broadcaster.pending if self.broadcaster else 0

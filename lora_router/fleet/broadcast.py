@@ -23,9 +23,13 @@ reported to its lifecycle (lifecycle.py). Why each rule: docs/design/fleet.md#br
 - **A load that cannot succeed** is logged when a replica's wait starts and every 30 s, shown
   in `/router/status` and the metrics (`mount_waits`), and abandoned as soon as the client that
   asked disconnects.
-- **Unload**: the fence stops routing the name when the request arrives; in its turn the
-  broadcast waits until every request admitted under it has its response head or ended (at
-  most `--unload-wait`), then drops it everywhere; 404 "cannot be found" counts as done.
+- **Unload**: the fence stops routing the name when the request arrives; the broadcast waits
+  until every request admitted under it has its response head or ended (at most
+  `--unload-wait`), then in its turn drops it everywhere; 404 "cannot be found" counts as done.
+  The wait is outside the lock (other broadcasts go on meanwhile), and with requests admitted
+  under the name unanswered the client is answered at once, as vLLM answers an unload: the
+  name is gone for new requests, and those admitted finish (a *deferred* unload). A load of
+  the name waits for its deferred unloads to go out first.
 - **Pause / resume / reset_prefix_cache** go out with the query string intact; 200 only when
   every replica answered 200. A resume also reaches, best effort, replicas out of service that
   still run routed requests (ejected, or draining while paused). The pause last asked for is
@@ -37,7 +41,7 @@ reported to its lifecycle (lifecycle.py). Why each rule: docs/design/fleet.md#br
   `--control-timeout` (client.py), a load within `--load-deadline`. A replica that does not
   answer in time counts as unreachable (above), so a hung replica costs one broadcast at most
   that long, and the trainer is answered: a pause, resume or reset within `--control-timeout`,
-  an unload within `--unload-wait` plus that, a load within `--load-deadline` plus the rollback's
+  an unload within that, a load within `--load-deadline` plus the rollback's
   `--control-timeout`.
 - **Stopping** (`close`): broadcasts not yet started are refused; a load under way is
   abandoned (mount waits end at once, as when its client leaves), then every running broadcast
@@ -138,9 +142,12 @@ class Broadcaster:
         self.lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._abandon: dict[asyncio.Task[Any], asyncio.Event] = {}  # a running load's switch
+        # Name -> its unloads not yet broadcast that the client was answered for (deferred).
+        self._deferred: dict[str, set[asyncio.Task[Reply]]] = {}
+        self.unloads_deferred = 0  # unloads answered before their broadcast, since start
         self.stopping = False
         self.received = 0  # broadcasts received since start
-        self.pending = 0  # broadcasts received and not yet answered (queued or running)
+        self.pending = 0  # broadcasts received and not yet ended (queued, running or deferred)
         # Plain counters for metrics: (operation, outcome) -> count / seconds.
         self.counts: Counter[tuple[str, str]] = Counter()
         self.seconds: dict[tuple[str, str], float] = {}
@@ -165,13 +172,11 @@ class Broadcaster:
         if self.stopping:
             raise Unavailable(f"Cannot {op}: the router is stopping.")
 
-    async def _queue(
+    def _start(
         self, op: Coroutine[Any, Any, Reply], abandoned: asyncio.Event | None = None
-    ) -> Reply:
-        """Run a broadcast in its own task, in arrival order, whatever happens to the client.
-
-        If the client disconnects, `abandoned` is set: the broadcast still runs to a
-        consistent end, but a load stops retrying replicas that cannot see the adapter."""
+    ) -> asyncio.Task[Reply]:
+        """Run a broadcast in its own task, started in arrival order, whatever happens to the
+        client (its outcome is recorded by the op, `_record`)."""
         self.received += 1
         self.pending += 1
         task = asyncio.get_running_loop().create_task(op)
@@ -179,6 +184,16 @@ class Broadcaster:
         if abandoned is not None:
             self._abandon[task] = abandoned
         task.add_done_callback(self._done)
+        return task
+
+    async def _queue(
+        self, op: Coroutine[Any, Any, Reply], abandoned: asyncio.Event | None = None
+    ) -> Reply:
+        """`_start` a broadcast and answer with its reply.
+
+        If the client disconnects, `abandoned` is set: the broadcast still runs to a
+        consistent end, but a load stops retrying replicas that cannot see the adapter."""
+        task = self._start(op, abandoned)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -243,6 +258,9 @@ class Broadcaster:
         started = asyncio.get_running_loop().time()
         ok, failure, outcome = False, "the router stopped", "error"
         try:
+            deferred = self._deferred.get(name)
+            if deferred:  # the name's deferred unloads go out before it is loaded again
+                await asyncio.wait(list(deferred))
             async with self.lock:
                 self._check_running(f"load adapter '{name}'")
                 problem, files = await reading
@@ -386,28 +404,56 @@ class Broadcaster:
 
     async def unload(self, name: str, body: bytes) -> Reply:
         """`POST /v1/unload_lora_adapter` (`name` read from `body`): unroutable at once, then
-        dropped everywhere."""
+        dropped everywhere; answered at once while requests admitted under it are unanswered
+        (deferred, module docstring)."""
         entry = self.fence.begin_unload(name)
-        self._note_queue(f"unload {name!r}")
-        return await self._queue(self._unload_op(entry, name, body))
+        held = self.fence.held(name)
+        if not held:
+            self._note_queue(f"unload {name!r}")
+            return await self._queue(self._unload_op(entry, name, body))
+        task = self._start(self._unload_op(entry, name, body))
+        deferred = self._deferred.setdefault(name, set())
+        deferred.add(task)
+        task.add_done_callback(lambda done: self._undefer(name, done))
+        self.unloads_deferred += 1
+        log.info(
+            "unload %r: answered now, broadcast once the %d request(s) admitted under it are "
+            "answered (at most --unload-wait, %g s)",
+            name,
+            held,
+            self.config.unload_wait,
+        )
+        # vLLM's own answer: the name is gone for new requests; those admitted finish.
+        return _unloaded_reply(name, [])
+
+    def deferred(self) -> list[str]:
+        """The names whose unload was answered and is not broadcast yet (they drain)."""
+        return sorted(self._deferred)
+
+    def _undefer(self, name: str, task: asyncio.Task[Reply]) -> None:
+        deferred = self._deferred.get(name)
+        if deferred is not None:
+            deferred.discard(task)
+            if not deferred:
+                del self._deferred[name]
 
     async def _unload_op(self, entry: AdapterEntry, name: str, body: bytes) -> Reply:
         started = asyncio.get_running_loop().time()
         outcome, detail = "failed", ""
         try:
+            # Outside the lock: other broadcasts go on while the name drains (a load of this
+            # name waits for its deferred unloads, `_load_op`).
+            left = await self.fence.drain(name, self.config.unload_wait)
+            if left:
+                log.warning(
+                    "unload %r: %d request(s) admitted under it still unanswered after %g s "
+                    "(--unload-wait); unloading anyway",
+                    name,
+                    left,
+                    self.config.unload_wait,
+                )
             async with self.lock:
                 self._check_running(f"unload adapter '{name}'")
-                # In the lock: broadcasts stay in arrival order (a later load of the name must
-                # not go out before this unload).
-                left = await self.fence.drain(name, self.config.unload_wait)
-                if left:
-                    log.warning(
-                        "unload %r: %d request(s) admitted under it still unanswered after %g s "
-                        "(--unload-wait); unloading anyway",
-                        name,
-                        left,
-                        self.config.unload_wait,
-                    )
                 targets = self.fleet.live()
                 if not targets:
                     raise Unavailable(f"Cannot unload adapter '{name}': no replica in service.")
@@ -439,8 +485,7 @@ class Broadcaster:
                     return Reply(
                         200, done[0].body, _copied_headers(done[0].headers, _replicas(done))
                     )
-                text = f"Success: LoRA adapter '{name}' removed successfully."
-                return Reply(200, text.encode(), _copied_headers([], _replicas(answers)))
+                return _unloaded_reply(name, _replicas(answers))
         except FleetRefusal as exc:
             detail = exc.message
             raise
@@ -611,6 +656,12 @@ def _copied_headers(
 
 def _replicas(answers: Sequence[Answer]) -> list[Replica]:
     return [a.replica for a in answers]
+
+
+def _unloaded_reply(name: str, acked: Sequence[Replica]) -> Reply:
+    """vLLM's answer to an unload, from the router (no replica's answer to copy)."""
+    text = f"Success: LoRA adapter '{name}' removed successfully."
+    return Reply(200, text.encode(), _copied_headers([], acked))
 
 
 def _loaded_reply(name: str, answer: Answer | None, acked: Sequence[Replica]) -> Reply:

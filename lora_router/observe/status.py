@@ -148,6 +148,10 @@ def status(state: RouterState) -> dict[str, object]:
         "broadcasts": {
             "received": control.received,
             "pending": control.pending,
+            # Unloads answered while requests admitted under the name were unanswered, and
+            # the names still draining before their broadcast (fleet/broadcast.py, *Unload*).
+            "unloads_deferred": control.unloads_deferred,
+            "unloads_draining": {name: fence.held(name) for name in control.deferred()},
             "by_outcome": {f"{op} {outcome}": n for (op, outcome), n in control.counts.items()},
             # Loads retried because a replica answers "No adapter found" (mount lag, or a
             # mistyped path): who, for what, and for how long so far.

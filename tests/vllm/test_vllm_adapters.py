@@ -165,6 +165,63 @@ async def _stream(
         return response.status
 
 
+def test_unload_with_rollouts_running_is_answered_at_once_and_broadcast_after(
+    fleet: list[Replica], router: Router, publish: Callable[..., str]
+) -> None:
+    """TRL unloads the oldest version while non-streamed rollouts under it still run (they
+    hold the fence until answered): the unload is answered at once with vLLM's own text (TRL's
+    trainer waits for it), a new request for the name is refused with vLLM's 404, every rollout
+    finishes, and the replicas drop the name once they are answered."""
+    path = publish(V1, 0)
+    assert router.post("/v1/load_lora_adapter", load_body(V1, path)).status == 200
+    body = {
+        "model": V1,
+        "prompt": list(range(20, 40)),
+        "max_tokens": 1500,  # outlasts the unload's answer on a fast CPU (see _stream)
+        "ignore_eos": True,
+        "seed": 7,
+    }
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+
+            async def rollout() -> int:
+                async with session.post(router.url + "/v1/completions", json=body) as response:
+                    await response.read()
+                    return response.status
+
+            async def on_replicas() -> int:
+                async with session.get(router.url + "/router/replicas") as response:
+                    return sum(r["in_flight"] for r in (await response.json())["replicas"])
+
+            rollouts = [asyncio.create_task(rollout()) for _ in range(4)]
+            async with asyncio.timeout(60):
+                while await on_replicas() < 4:
+                    await asyncio.sleep(0.05)
+            async with session.post(
+                router.url + "/v1/unload_lora_adapter", json={"lora_name": V1}
+            ) as response:
+                assert response.status == 200, await response.text()
+                text = await response.text()
+                assert text == f"Success: LoRA adapter '{V1}' removed successfully."
+            assert not all(r.done() for r in rollouts), "every rollout ended first: nothing tested"
+            assert all(V1 in r.adapters() for r in fleet)  # not broadcast while they run
+            async with session.post(
+                router.url + "/v1/completions",
+                json={"model": V1, "prompt": [1, 2, 3], "max_tokens": 2},
+            ) as refused:
+                assert refused.status == 404
+            assert await asyncio.wait_for(asyncio.gather(*rollouts), 240) == [200] * 4
+
+    asyncio.run(scenario())
+    wait_for(
+        "the replicas drop the unloaded name",
+        lambda: all(V1 not in r.adapters() for r in fleet),
+        30,
+        [router.log],
+    )
+
+
 def test_unload_with_requests_running_lets_them_finish(
     fleet: list[Replica], router: Router, publish: Callable[..., str]
 ) -> None:
