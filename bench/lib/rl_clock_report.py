@@ -42,6 +42,7 @@ class Summary:
     # lora-router's routing weights at the median round's end, and how often each changed.
     weights: list[float] = field(default_factory=list)
     weight_changes: list[int] = field(default_factory=list)
+    sync_max_s: float = 0.0  # the longest weight sync of a run (ClockResult.sync_max_s)
 
 
 def _median(values: list[float]) -> float:
@@ -84,6 +85,7 @@ def summarize(results: list[ClockResult]) -> list[Summary]:
                 middle.per_replica_requests,
                 middle.weights,
                 middle.weight_changes,
+                _median([r.sync_max_s for r in runs]),
             )
         )
     return out
@@ -200,8 +202,9 @@ def write_markdown(path: Path, meta: dict[str, Any], summaries: list[Summary]) -
             f"### {trace}, {fleet}, {load} load",
             "",
             "| router | group p50 s | group p90 s (range) | group max s | step s | samples/s "
-            "| hit rate | requests per replica | complete runs | failed requests |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| hit rate | longest sync s | requests per replica | complete runs "
+            "| failed requests |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for s in sorted(rows, key=lambda s: s.group_p90_s):
             every = [p for runs in s.group_p90_by_seed.values() for p in runs]
@@ -209,7 +212,8 @@ def write_markdown(path: Path, meta: dict[str, Any], summaries: list[Summary]) -
             lines.append(
                 f"| {s.label} | {s.group_p50_s:.2f} | {s.group_p90_s:.2f} ({low:.2f}-{high:.2f}) "
                 f"| {s.group_max_s:.2f} | {s.step_s:.2f} | {s.samples_per_s:.1f} "
-                f"| {s.hit_rate:.3f} | {' '.join(map(str, s.per_replica_requests))} "
+                f"| {s.hit_rate:.3f} | {s.sync_max_s:.2f} "
+                f"| {' '.join(map(str, s.per_replica_requests))} "
                 f"| {s.rounds} of {s.rounds + s.incomplete} | {s.failed} |"
             )
         ours = next((s for s in rows if s.contender == DEFAULT and s.weights), None)

@@ -134,6 +134,9 @@ class ClockResult:
     per_replica_requests: list[int] = field(default_factory=list)
     syncs: int = 0
     sync_failures: int = 0
+    # The longest weight sync, pause to the unload's answer: TRL's trainer waits for all of it
+    # before it trains on, and its rollouts name the new version only after it.
+    sync_max_s: float = 0.0
     finished_sessions: int | None = None  # /finish_session answered 200 (a `sessions` contender)
     # lora-router's routing weight of each replica at the run's end (/router/status; 1: full
     # speed, fleet/pace.py); empty for the other routers.
@@ -182,6 +185,7 @@ class Rollouts:
         self.outcomes: dict[int, Outcome] = {}
         self.loaded = 0
         self.syncs = self.sync_failures = 0
+        self.sync_max_s = 0.0
         self.finished_sessions = 0
         self._left: dict[int, int] = {}  # family -> its items not answered yet
         for item in items:
@@ -206,7 +210,9 @@ class Rollouts:
                 )
             return statuses
 
+        started = time.perf_counter()
         results = await asyncio.gather(*(one(u) for u in targets))
+        self.sync_max_s = max(self.sync_max_s, time.perf_counter() - started)
         self.syncs += 1
         self.sync_failures += any(s != 200 for statuses in results for s in statuses)
         self.loaded = version
@@ -340,6 +346,7 @@ async def run_one(
             )
             await rollouts.sync(1)  # v1 is live before the clock starts, as in TRL
             rollouts.syncs = rollouts.sync_failures = 0
+            rollouts.sync_max_s = 0.0
             result.wall_s = round(await rollouts.replay(), 3)
             if c.kind == "lora-router":
                 result.weights, result.weight_changes = await router_weights(session, url)
@@ -357,6 +364,7 @@ async def run_one(
     result.failed = len(failures)
     result.first_error = failures[0].error[:200] if failures else ""
     result.syncs, result.sync_failures = rollouts.syncs, rollouts.sync_failures
+    result.sync_max_s = round(rollouts.sync_max_s, 3)
     if rollouts.sessions:
         result.finished_sessions = rollouts.finished_sessions
     clock_figures(result, items, rollouts.outcomes, per_step)
