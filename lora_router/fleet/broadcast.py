@@ -43,7 +43,8 @@ reported to its lifecycle (lifecycle.py). Why each rule: docs/design/fleet.md#br
   that long, and the trainer is answered: a pause, resume or reset within `--control-timeout`,
   an unload within that, a load within `--load-deadline` plus the rollback's
   `--control-timeout`.
-- **Stopping** (`close`): broadcasts not yet started are refused; a load under way is
+- **Stopping** (`close`): broadcasts not yet started are refused, but for a deferred unload
+  (its client was told it is done: it goes out once drained); a load under way is
   abandoned (mount waits end at once, as when its client leaves), then every running broadcast
   gets up to `--control-timeout` to reach its consistent end (complete, or rolled back) before
   it is cancelled: SIGTERM never leaves a load half done on purpose.
@@ -410,8 +411,8 @@ class Broadcaster:
         held = self.fence.held(name)
         if not held:
             self._note_queue(f"unload {name!r}")
-            return await self._queue(self._unload_op(entry, name, body))
-        task = self._start(self._unload_op(entry, name, body))
+            return await self._queue(self._unload_op(entry, name, body, answered=False))
+        task = self._start(self._unload_op(entry, name, body, answered=True))
         deferred = self._deferred.setdefault(name, set())
         deferred.add(task)
         task.add_done_callback(lambda done: self._undefer(name, done))
@@ -437,7 +438,9 @@ class Broadcaster:
             if not deferred:
                 del self._deferred[name]
 
-    async def _unload_op(self, entry: AdapterEntry, name: str, body: bytes) -> Reply:
+    async def _unload_op(
+        self, entry: AdapterEntry, name: str, body: bytes, answered: bool
+    ) -> Reply:
         started = asyncio.get_running_loop().time()
         outcome, detail = "failed", ""
         try:
@@ -453,7 +456,8 @@ class Broadcaster:
                     self.config.unload_wait,
                 )
             async with self.lock:
-                self._check_running(f"unload adapter '{name}'")
+                if not answered:  # an answered one goes out even while stopping
+                    self._check_running(f"unload adapter '{name}'")
                 targets = self.fleet.live()
                 if not targets:
                     raise Unavailable(f"Cannot unload adapter '{name}': no replica in service.")

@@ -6,6 +6,7 @@ broadcast waits behind the drain (fleet/broadcast.py, *Unload*)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import aiohttp
 import orjson
@@ -144,3 +145,26 @@ async def test_streams_count_as_answered_once_their_head_arrived(
         assert rt.fence.unload_waits == 0
         rest = await resp.read()
     assert rest.endswith(b"data: [DONE]\n\n")
+
+
+async def test_an_answered_unload_still_goes_out_when_the_router_stops(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession, adapter: Adapter
+) -> None:
+    """Its client was told the name is gone: a stop that cuts the requests it waits for still
+    sends it, where a broadcast not yet started is refused."""
+    (emu,) = await emulators(1)
+    rt = await router([emu], unload_wait=30)
+    assert (await load(client, rt.url, "v1", adapter("v1")))[0] == 200
+    emu.faults.stall = True
+    try:
+        stuck = asyncio.create_task(complete(client, rt.url, "v1"))
+        await until(lambda: emu.faults.stalled == 1)
+        assert (await unload(client, rt.url, "v1"))[0] == 200
+        assert "v1" in emu.state.adapters
+        async with asyncio.timeout(10):
+            await rt.stop(grace=0)
+        assert "v1" not in emu.state.adapters
+    finally:
+        emu.faults.stall = False
+    with contextlib.suppress(aiohttp.ClientError):
+        await stuck
