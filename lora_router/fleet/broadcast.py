@@ -322,15 +322,7 @@ class Broadcaster:
             raise Unavailable(f"Cannot load adapter '{name}': no replica is in service.")
         if replace:
             # As for an unload: requests admitted under the old weights are answered first.
-            left = await self.fence.drain(name, self.config.unload_wait)
-            if left:
-                log.warning(
-                    "reload %r: %d request(s) admitted under its previous files still "
-                    "unanswered after %g s (--unload-wait); reloading anyway",
-                    name,
-                    left,
-                    self.config.unload_wait,
-                )
+            await self._drain(name, f"reload {name!r}")
         # The slowest replica decides when the name goes live, so its clock starts first:
         # requests go out in the order of the replicas' last load times, slowest first (with
         # eight replicas, the last one sent starts about a millisecond after the first).
@@ -427,6 +419,19 @@ class Broadcaster:
         # vLLM's own answer: the name is gone for new requests; those admitted finish.
         return _unloaded_reply(name, [])
 
+    async def _drain(self, name: str, op: str) -> None:
+        """Wait until every request admitted under `name` is answered, at most
+        `--unload-wait`; past it, `op` goes on, and says how many were not."""
+        left = await self.fence.drain(name, self.config.unload_wait)
+        if left:
+            log.warning(
+                "%s: %d request(s) admitted under the name still unanswered after %g s "
+                "(--unload-wait); going on",
+                op,
+                left,
+                self.config.unload_wait,
+            )
+
     def deferred(self) -> list[str]:
         """The names whose unload was answered and is not broadcast yet (they drain)."""
         return sorted(self._deferred)
@@ -446,15 +451,7 @@ class Broadcaster:
         try:
             # Outside the lock: other broadcasts go on while the name drains (a load of this
             # name waits for its deferred unloads, `_load_op`).
-            left = await self.fence.drain(name, self.config.unload_wait)
-            if left:
-                log.warning(
-                    "unload %r: %d request(s) admitted under it still unanswered after %g s "
-                    "(--unload-wait); unloading anyway",
-                    name,
-                    left,
-                    self.config.unload_wait,
-                )
+            await self._drain(name, f"unload {name!r}")
             async with self.lock:
                 if not answered:  # an answered one goes out even while stopping
                     self._check_running(f"unload adapter '{name}'")

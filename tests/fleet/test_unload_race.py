@@ -13,7 +13,18 @@ import orjson
 from emulated_fleet import FenceMonitor, StartEmulators, StartRouter
 from helpers import Adapter, call, complete, load, unload, until
 
+from lora_router.emulator.server import Emulator
 from lora_router.fleet.fence import AdapterState
+
+
+async def _stuck_request(
+    client: aiohttp.ClientSession, url: str, emu: Emulator, path: str
+) -> asyncio.Task[tuple[int, object]]:
+    """v1 loaded from `path`, and a completion for it stalled on `emu` (its stall set)."""
+    assert (await load(client, url, "v1", path))[0] == 200
+    stuck = asyncio.create_task(complete(client, url, "v1"))
+    await until(lambda: emu.faults.stalled == 1)
+    return stuck
 
 
 async def test_a_request_admitted_before_an_unload_is_answered_by_a_replica_still_holding_it(
@@ -56,11 +67,9 @@ async def test_an_unload_waits_for_admitted_requests_at_most_unload_wait(
 ) -> None:
     (emu,) = await emulators(1)
     rt = await router([emu], unload_wait=0.2)
-    assert (await load(client, rt.url, "v1", adapter("v1")))[0] == 200
     emu.faults.stall = True
     try:
-        stuck = asyncio.create_task(complete(client, rt.url, "v1"))
-        await until(lambda: emu.faults.stalled == 1)
+        stuck = await _stuck_request(client, rt.url, emu, adapter("v1"))
         loop = asyncio.get_running_loop()
         started = loop.time()
         assert (await unload(client, rt.url, "v1"))[0] == 200
@@ -79,11 +88,9 @@ async def test_a_draining_unload_holds_no_other_broadcast(
     """TRL's next sync (pause, load, resume) goes out while an older version drains."""
     (emu,) = await emulators(1)
     rt = await router([emu], unload_wait=30)
-    assert (await load(client, rt.url, "v1", adapter("v1")))[0] == 200
     emu.faults.stall = True
     try:
-        stuck = asyncio.create_task(complete(client, rt.url, "v1"))
-        await until(lambda: emu.faults.stalled == 1)
+        stuck = await _stuck_request(client, rt.url, emu, adapter("v1"))
         assert (await unload(client, rt.url, "v1"))[0] == 200
         async with asyncio.timeout(5):  # the drain alone could take 30 s
             assert (await call(client, "POST", rt.url + "/pause?mode=keep"))[0] == 200
@@ -154,11 +161,9 @@ async def test_an_answered_unload_still_goes_out_when_the_router_stops(
     sends it, where a broadcast not yet started is refused."""
     (emu,) = await emulators(1)
     rt = await router([emu], unload_wait=30)
-    assert (await load(client, rt.url, "v1", adapter("v1")))[0] == 200
     emu.faults.stall = True
     try:
-        stuck = asyncio.create_task(complete(client, rt.url, "v1"))
-        await until(lambda: emu.faults.stalled == 1)
+        stuck = await _stuck_request(client, rt.url, emu, adapter("v1"))
         assert (await unload(client, rt.url, "v1"))[0] == 200
         assert "v1" in emu.state.adapters
         async with asyncio.timeout(10):
