@@ -660,9 +660,10 @@ def _replicas(answers: Sequence[Answer]) -> list[Replica]:
 
 
 def _unloaded_reply(name: str, acked: Sequence[Replica]) -> Reply:
-    """vLLM's answer to an unload, from the router (no replica's answer to copy)."""
+    """vLLM's answer to an unload, from the router (no replica's answer to copy); which
+    replicas acknowledged it only if any has yet (a deferred one: none)."""
     text = f"Success: LoRA adapter '{name}' removed successfully."
-    return Reply(200, text.encode(), _copied_headers([], acked))
+    return Reply(200, text.encode(), _copied_headers([], acked) if acked else [])
 
 
 def _loaded_reply(name: str, answer: Answer | None, acked: Sequence[Replica]) -> Reply:

@@ -9,9 +9,8 @@ import asyncio
 import contextlib
 
 import aiohttp
-import orjson
 from emulated_fleet import FenceMonitor, StartEmulators, StartRouter
-from helpers import Adapter, call, complete, load, unload, until
+from helpers import Adapter, call, complete, load, router_status, unload, until
 
 from lora_router.emulator.server import Emulator
 from lora_router.fleet.fence import AdapterState
@@ -45,14 +44,16 @@ async def test_a_request_admitted_before_an_unload_is_answered_by_a_replica_stil
     second = asyncio.create_task(complete(client, rt.url, "v1", prompt=[7] * 30))
     await until(lambda: rt.fence.held("v1") == 2)
     # Answered at once, as vLLM answers it (TRL's trainer waits for this answer)...
-    status, body = await unload(client, rt.url, "v1")
+    status, body, headers = await call(
+        client, "POST", rt.url + "/v1/unload_lora_adapter", {"lora_name": "v1"}
+    )
     assert (status, body) == (200, b"Success: LoRA adapter 'v1' removed successfully.")
+    assert "x-lora-router-replica" not in headers  # no replica has acknowledged it yet
     assert not first.done() and not second.done()
     assert rt.fence.state("v1") is AdapterState.UNLOADING and rt.fence.unload_waits == 1
     assert "v1" in emu.state.adapters  # ...not broadcast while admitted requests are unanswered
     assert (await complete(client, rt.url, "v1"))[0] == 404  # arrived after: vLLM's 404
-    status, data, _ = await call(client, "GET", rt.url + "/router/status")
-    broadcasts = orjson.loads(data)["broadcasts"]
+    broadcasts = (await router_status(client, rt.url))["broadcasts"]
     assert broadcasts["unloads_draining"] == {"v1": 2} and broadcasts["unloads_deferred"] == 1
     emu.faults.stall = False
     assert (await first)[0] == 200
