@@ -49,6 +49,8 @@ from lora_router.routing.policy import WEIGHT_FULL, WEIGHT_MIN
 DECAY = 1 / 4
 # The dead band: a speed within BAND x the weight either way changes no weight.
 BAND = 1.25
+# A ratio on the band's edge is inside it: its float rounding (a few ulps) moves no weight.
+_EDGE = 1e-9
 # Samples a replica needs since its weight last changed to be judged: one interval's mean over
 # at least MIN_DECODED tokens (on the emulated fleets measured, a full-speed replica's intervals
 # stayed within 10 % of each other; two samples judged a light-load run's slow replica only
@@ -145,10 +147,10 @@ class PaceRule:
             pace = replica.pace
             ratio = median / pace.step_s
             held = pace.weight / WEIGHT_FULL
-            if held / BAND <= ratio <= held * BAND:
+            if held / BAND * (1 - _EDGE) <= ratio <= held * BAND * (1 + _EDGE):
                 continue
             weight = WEIGHT_FULL
-            if ratio < 1 / BAND:
+            if ratio < (1 - _EDGE) / BAND:
                 weight = max(WEIGHT_MIN, round(ratio * WEIGHT_FULL))
             if weight != pace.weight:
                 pace.restart()
