@@ -8,8 +8,10 @@ Rules:
   its prompts' prefill (a sequence decodes one token a step; the steps' prefill chunks share
   them, as on vLLM). An interval with fewer than `MIN_DECODED` tokens is none (a few tokens
   say more of one step's prefill chunk than of the replica), nor is one whose mean step is
-  under `MIN_STEP_S` (no engine's: an emulated replica whose steps cost nothing); telemetry
-  gives none for an interval that saw a pause of the fleet.
+  under `MIN_STEP_S` (no engine's: an emulated replica whose steps cost nothing), nor one the
+  fleet spent more than `PAUSE_SHARE` of paused (telemetry says how long): a sequence frozen
+  by `/pause?mode=keep` counts the pause in its next token's latency, which lengthens the
+  interval's mean step by about the share of the interval the pause took.
 - *Unmeasured*: a replica whose `/metrics` lacks the histogram keeps full weight, its evidence
   dropped, and `Pace.unmeasured` says why (/router/status).
 - *Pace*: per replica, the samples' seconds over their tokens, both summed with an exponential
@@ -60,6 +62,11 @@ MIN_SAMPLES = 1
 MIN_DECODED = 16
 # The shortest mean decode step that is a sample: 0.1 ms, below any engine's.
 MIN_STEP_S = 1e-4
+# The most of an interval the fleet may have spent paused for it to be a sample: a pause
+# lengthens the mean step by about its share, a fifth of the dead band's 25 %. Refusing every
+# interval that saw a pause left a fleet that syncs every few seconds unweighed for most of a
+# run (docs/design/routing.md#a-slow-replica-pace-and-weights).
+PAUSE_SHARE = 1 / 20
 STALE_S = 30.0
 UNMEASURED = "its /metrics has no vllm:inter_token_latency_seconds"
 
@@ -110,9 +117,11 @@ class PaceRule:
         self.replicas = replicas  # the fleet's members now
         self.on_weight = on_weight  # the policy's `set_weight`
 
-    def scraped(self, replica: Paced, report: Report, now: float) -> None:
-        """A report following an earlier one, over an interval without a pause: a sample or
-        none (module docstring), O(1)."""
+    def scraped(self, replica: Paced, report: Report, now: float, paused: float) -> None:
+        """A report following an earlier one, over an interval the fleet spent `paused`
+        seconds of paused: a sample or none (module docstring), O(1)."""
+        if paused > PAUSE_SHARE * report.interval:
+            return
         pace = replica.pace
         if report.token_latency_count is None:
             if not pace.unmeasured:

@@ -16,9 +16,9 @@ ceil(n / budget) intervals old, and shows its age (`/router/status`'s `age_s`, `
   over the interval, the mean seconds between a sequence's tokens (a histogram vLLM observes at
   every generated token but a sequence's first); optional: a replica without it reports the
   rest, and `Report.decode_step_s` is None. After each round the rule of fleet/pace.py is
-  given every decode step scraped in it (`PaceRule.scraped`) and judges the weights; an
-  interval that saw a pause of the fleet gives none (a sequence frozen by `/pause?mode=keep`
-  counts the pause in its next token's latency);
+  given every decode step scraped in it with the seconds the fleet spent paused in its
+  interval (`PaceRule.scraped`, which refuses one paused for more than a small share of it)
+  and judges the weights;
 - adapters running and waiting: the labels `running_lora_adapters` / `waiting_lora_adapters`
   (and `max_lora`) of `vllm:lora_requests_info`'s newest sample (largest value).
 
@@ -287,8 +287,9 @@ class Telemetry:
             replica.report, replica.report_error = None, str(exc)
             return
         replica.report, replica.report_error = report, ""
-        if self.pace is not None and not self.syncs.paused_between(now - report.interval, now):
-            self.pace.scraped(replica, report, now)
+        if self.pace is not None:
+            paused = self.syncs.paused_within(now - report.interval, now)
+            self.pace.scraped(replica, report, now, paused)
         if not self.fleet.pause.paused:
             # Samples taken while the fleet is paused say nothing about generation.
             samples = self._busy.setdefault(replica.rid, deque())
@@ -390,12 +391,18 @@ class SyncClock:
         paused = sum(max(0.0, end - max(start, since)) for start, end in intervals)
         return min(1.0, paused / (now - since))
 
-    def paused_between(self, start: float, end: float) -> bool:
-        """Whether the fleet was paused at any time from `start` to `end` (`end` now; `start`
-        within the last RECENT_SYNCS syncs)."""
-        if self.paused_at is not None and self.paused_at <= end:
-            return True
-        return any(stop >= start and began <= end for began, stop in self._last)
+    def paused_within(self, start: float, end: float) -> float:
+        """The seconds the fleet was paused from `start` to `end` (`end` now), the sync in
+        progress included; the whole span if `start` is older than the WINDOW_S kept. O(1 + s),
+        s the syncs that ended after `start`."""
+        if start < end - WINDOW_S:
+            return end - start
+        paused = 0.0 if self.paused_at is None else max(0.0, end - max(self.paused_at, start))
+        for began, stop in reversed(self._window):  # newest first
+            if stop < start:
+                break
+            paused += max(0.0, min(stop, end) - max(began, start))
+        return paused
 
     def recent(self, now: float) -> list[tuple[float, float]]:
         """The last few finished syncs as (seconds since it ended, duration), newest first."""

@@ -12,6 +12,7 @@ from lora_router.fleet.pace import (
     BAND,
     MIN_DECODED,
     MIN_SAMPLES,
+    PAUSE_SHARE,
     STALE_S,
     UNMEASURED,
     Pace,
@@ -69,14 +70,14 @@ def rounds(
     for _ in range(count):
         clock.now += 2.0
         for member, step in zip(members, steps, strict=True):
-            rule.scraped(member, report(step), clock.now)
+            rule.scraped(member, report(step), clock.now, 0.0)
         rule.judge(clock.now)
 
 
 def test_a_half_speed_replica_gets_half_the_weight_and_the_others_keep_theirs() -> None:
     members, rule, told = fleet(4)
     for member, step in zip(members, [0.024, 0.012, 0.012, 0.012], strict=True):
-        rule.scraped(member, report(step), 102.0)
+        rule.scraped(member, report(step), 102.0, 0.0)
     assert told == []  # judged after the scrape round only
     assert MIN_SAMPLES == 1
     rule.judge(102.0)
@@ -136,11 +137,22 @@ def test_stale_evidence_returns_a_replica_to_full_weight() -> None:
 
 def test_an_interval_of_few_tokens_or_no_time_is_no_sample() -> None:
     members, rule, _ = fleet(2)
-    rule.scraped(members[0], report(0.5, decoded=MIN_DECODED - 1), 1.0)
-    rule.scraped(members[0], report(0.0), 1.0)  # an emulated replica whose steps cost nothing
-    rule.scraped(members[0], report(1e-6), 1.0)
+    rule.scraped(members[0], report(0.5, decoded=MIN_DECODED - 1), 1.0, 0.0)
+    rule.scraped(members[0], report(0.0), 1.0, 0.0)  # an emulated replica whose steps cost nothing
+    rule.scraped(members[0], report(1e-6), 1.0, 0.0)
     assert members[0].pace.samples == 0
-    rule.scraped(members[0], report(0.01, decoded=MIN_DECODED), 1.0)
+    rule.scraped(members[0], report(0.01, decoded=MIN_DECODED), 1.0, 0.0)
+    assert members[0].pace.samples == 1
+
+
+def test_an_interval_paused_for_more_than_its_share_is_no_sample() -> None:
+    # A sequence frozen by a pause counts it in its next token's latency: a short pause
+    # lengthens the interval's mean step by about its share, a long one says nothing.
+    members, rule, _ = fleet(2)
+    interval = report(0.01).interval
+    rule.scraped(members[0], report(0.01), 1.0, PAUSE_SHARE * interval * 1.01)
+    assert members[0].pace.samples == 0
+    rule.scraped(members[0], report(0.01), 1.0, PAUSE_SHARE * interval)
     assert members[0].pace.samples == 1
 
 
@@ -172,7 +184,7 @@ def test_steps_inside_the_band_never_change_a_weight(n: int, spreads: list[float
     members, rule, told = fleet(n)
     now = 0.0
     for i, spread in enumerate(spreads * 3):
-        rule.scraped(members[i % n], report(0.012 * spread), now)
+        rule.scraped(members[i % n], report(0.012 * spread), now, 0.0)
         if i % n == n - 1:
             now += 2.0
             rule.judge(now)
@@ -200,7 +212,7 @@ def test_weights_stay_in_bounds_and_the_policy_hears_every_change(n, intervals) 
     last = {m.name: WEIGHT_FULL for m in members}
     for who, step, decoded, gap, judge in intervals:
         now += gap
-        rule.scraped(members[who % n], report(step, decoded), now)
+        rule.scraped(members[who % n], report(step, decoded), now, 0.0)
         if judge:
             rule.judge(now)
         assert all(WEIGHT_MIN <= m.pace.weight <= WEIGHT_FULL for m in members)

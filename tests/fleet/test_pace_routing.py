@@ -2,14 +2,14 @@
 (vllm:inter_token_latency_seconds, fleet/pace.py), its weight falls below 1 in /router/status
 and /metrics, and it is dealt no new family while the others run below their batch and
 some once they are past it, and a later turn of a conversation on it goes to a full-speed
-replica; a fleet at one speed keeps every weight at 1,
-never telling the policy of a change; a replica whose /metrics lacks the histogram keeps full
-weight and says why; an interval that saw a pause of the fleet is no sample; with --no-pace
-every weight stays 1."""
+replica; a fleet at one speed keeps every weight at 1, never telling the policy of a change; a
+replica whose /metrics lacks the histogram keeps full weight and says why; a fleet that syncs
+in every scrape interval is weighed all the same; with --no-pace every weight stays 1."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -290,35 +290,42 @@ async def test_a_replica_without_the_histogram_keeps_full_weight_and_says_why(
     assert homes.count("0") / len(homes) > 0.25
 
 
-async def test_an_interval_that_saw_a_pause_is_no_sample(
+async def test_a_fleet_that_syncs_in_every_interval_still_weighs_its_slow_replica(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
 ) -> None:
-    # /pause?mode=keep freezes running sequences: the next token of each counts the pause in
-    # its latency, which says nothing of the replica's speed.
-    emus = await emulators(2, **COSTS)
-    runtime = await router(emus)  # scraped only when the test asks
+    # A trainer that syncs every few seconds pauses the fleet inside nearly every scrape
+    # interval. A pause a small share of the interval long is a sample (fleet/pace.py,
+    # PAUSE_SHARE): the half-speed replica is weighed all the same.
+    runtime = await router(await half_speed_fleet(emulators))  # scraped when the test asks
     telemetry = runtime.telemetry
     assert telemetry is not None and telemetry.pace is not None
-    given: list[Report] = []
+    paused: list[float] = []  # the paused seconds of each interval the rule is given
     scraped = telemetry.pace.scraped
 
-    def record(replica: Any, report: Report, now: float) -> None:
-        given.append(report)
-        scraped(replica, report, now)
+    def record(replica: Any, report: Report, now: float, seconds: float) -> None:
+        if report.interval > 0:
+            paused.append(seconds)
+        scraped(replica, report, now, seconds)
 
     telemetry.pace.scraped = record  # type: ignore[method-assign]
-    traffic = asyncio.create_task(families(client, runtime.url, 32, random.Random(8)))
+    traffic = asyncio.create_task(families(client, runtime.url, 2000, random.Random(8)))
     await telemetry.scrape_all()  # the first reports: no interval yet
-    await telemetry.scrape_all()
-    assert [r.interval > 0 for r in given] == [False, False, True, True]
-    assert (await call(client, "POST", runtime.url + "/pause?mode=keep"))[0] == 200
-    await telemetry.scrape_all()  # while paused
-    assert (await call(client, "POST", runtime.url + "/resume"))[0] == 200
-    await telemetry.scrape_all()  # over an interval that saw the pause end
-    assert len(given) == 4
-    await telemetry.scrape_all()
-    assert len(given) == 6 and all(r.interval > 0 for r in given[4:])
-    await traffic
+    weight = 1.0
+    for _ in range(10):
+        # An interval of at least 0.4 s, a sync (a pause and a resume) in its middle.
+        await asyncio.sleep(0.2)
+        for path in ("/pause?mode=keep", "/resume"):
+            assert (await call(client, "POST", runtime.url + path))[0] == 200
+        await asyncio.sleep(0.2)
+        await telemetry.scrape_all()
+        weight = (await replicas(client, runtime.url))["0"]["weight"]
+        if weight < 1:
+            break
+    traffic.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await traffic
+    assert weight < 1
+    assert paused and all(seconds > 0 for seconds in paused)  # every interval saw a sync
 
 
 async def test_without_pace_a_half_speed_replica_is_dealt_its_even_share(

@@ -17,8 +17,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from pytest import approx
 
-from lora_router.fleet.telemetry import MetricsError, SyncClock, parse_report
+from lora_router.fleet.telemetry import WINDOW_S, MetricsError, SyncClock, parse_report
 
 DATA = Path(__file__).parent / "data"
 REAL = (DATA / "vllm-0.32-metrics.txt").read_bytes()
@@ -194,18 +195,22 @@ def test_a_sync_runs_from_pause_to_resume() -> None:
     assert clock.durations.counts[clock.durations.bounds.index(5.0)] == 1
 
 
-def test_an_interval_that_saw_a_pause_is_known() -> None:
+def test_the_seconds_an_interval_spent_paused_are_known() -> None:
     clock = SyncClock()
     t0 = clock.started
-    assert not clock.paused_between(t0, t0 + 10)
+    assert clock.paused_within(t0, t0 + 10) == approx(0.0)
     clock.pause(t0 + 10)
-    assert clock.paused_between(t0 + 5, t0 + 11)  # paused now
+    assert clock.paused_within(t0 + 5, t0 + 11) == approx(1.0)  # paused now
     clock.resume(t0 + 12)
-    assert clock.paused_between(t0 + 5, t0 + 13)  # the whole sync inside
-    assert clock.paused_between(t0 + 11, t0 + 13)  # its end inside
-    assert clock.paused_between(t0 + 9, t0 + 10)  # its start inside
-    assert not clock.paused_between(t0 + 12.5, t0 + 14)  # after it
-    assert not clock.paused_between(t0 + 5, t0 + 9)  # before it
+    assert clock.paused_within(t0 + 5, t0 + 13) == approx(2.0)  # the whole sync inside
+    assert clock.paused_within(t0 + 11, t0 + 13) == approx(1.0)  # its end inside
+    assert clock.paused_within(t0 + 9, t0 + 10.5) == approx(0.5)  # its start inside
+    assert clock.paused_within(t0 + 12.5, t0 + 14) == approx(0.0)  # after it
+    clock.pause(t0 + 20)
+    clock.resume(t0 + 20.25)
+    assert clock.paused_within(t0 + 11, t0 + 21) == approx(1.25)  # two syncs
+    # An interval older than the syncs kept: none of it is known unpaused.
+    assert clock.paused_within(t0, t0 + WINDOW_S + 1) == approx(WINDOW_S + 1)
 
 
 def test_the_paused_share_looks_at_the_last_window_only() -> None:
