@@ -190,13 +190,15 @@ def test_unload_with_rollouts_running_is_answered_at_once_and_broadcast_after(
                     await response.read()
                     return response.status
 
-            async def on_replicas() -> int:
-                async with session.get(router.url + "/router/replicas") as response:
-                    return sum(r["in_flight"] for r in (await response.json())["replicas"])
+            async def routed() -> int:
+                async with session.get(router.url + "/router/status") as response:
+                    return sum((await response.json())["routing"].values())
 
             rollouts = [asyncio.create_task(rollout()) for _ in range(4)]
+            # Every rollout routed, so admitted under V1: they need not all run at once (a CPU
+            # replica can stall seconds on its first request while the first one runs).
             async with asyncio.timeout(60):
-                while await on_replicas() < 4:
+                while await routed() < 4:
                     await asyncio.sleep(0.05)
             async with session.post(
                 router.url + "/v1/unload_lora_adapter", json={"lora_name": V1}
