@@ -105,10 +105,11 @@ async def prefill_per_token(session: aiohttp.ClientSession, url: str, model: str
 
 
 async def measure(url: str, model: str, headers: dict[str, str]) -> dict[str, float]:
-    # A connection idle for a second is not reused: vLLM's server (uvicorn) closes one idle for
-    # 5 s, and a request sent on it as it closes fails ("Server disconnected"), which a batch of
-    # 32 left idle through the prefill pairs met once.
-    connector = aiohttp.TCPConnector(keepalive_timeout=1.0)
+    # No connection is reused: a request sent on a pooled connection as vLLM's server (uvicorn)
+    # closes it fails ("Server disconnected"). Dropping those idle for a second (37361ad) still
+    # met it once in CI; a connection per request costs both runs of a pair the same, which
+    # `difference` cancels.
+    connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(
         headers=headers, timeout=aiohttp.ClientTimeout(total=120), connector=connector
     ) as session:
