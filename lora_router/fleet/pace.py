@@ -63,9 +63,8 @@ MIN_DECODED = 16
 # The shortest mean decode step that is a sample: 0.1 ms, below any engine's.
 MIN_STEP_S = 1e-4
 # The most of an interval the fleet may have spent paused for it to be a sample: a pause
-# lengthens the mean step by about its share, a fifth of the dead band's 25 %. Refusing every
-# interval that saw a pause left a fleet that syncs every few seconds unweighed for most of a
-# run (docs/design/routing.md#a-slow-replica-pace-and-weights).
+# lengthens the mean step by about its share, a fifth of the dead band's 25 %
+# (docs/design/routing.md#a-slow-replica-pace-and-weights).
 PAUSE_SHARE = 1 / 20
 STALE_S = 30.0
 UNMEASURED = "its /metrics has no vllm:inter_token_latency_seconds"

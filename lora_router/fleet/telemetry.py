@@ -385,11 +385,7 @@ class SyncClock:
         since = max(self.started, now - window)
         if now <= since:
             return 0.0
-        intervals = list(self._window)
-        if self.paused_at is not None:
-            intervals.append((self.paused_at, now))
-        paused = sum(max(0.0, end - max(start, since)) for start, end in intervals)
-        return min(1.0, paused / (now - since))
+        return min(1.0, self.paused_within(since, now) / (now - since))
 
     def paused_within(self, start: float, end: float) -> float:
         """The seconds the fleet was paused from `start` to `end` (`end` now), the sync in
