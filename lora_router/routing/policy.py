@@ -31,17 +31,19 @@ room in the deal's order, a member's time being `(1 + max(0, in_flight - BATCH_F
 WEIGHT_FULL / weight`: its own request plus those it would wait behind, a replica decoding what
 it holds together up to its batch; and only if its scaled cap has room for the whole family, as
 many requests as a family has brought so far (`_family_size`: the first and its siblings per
-family dealt), since a group split over a slow member waits for its slow siblings while those
-spilled recompute its prompt (`_finish_rule`). Else that member takes it, and the slow member's
-turn counts as dealt to it (its count keeps pace, so one back at full weight is owed no burst of
-families). A fleet whose full-weight members hold at most BATCH_FLOOR each never deals a new
-family to a slower one: it would finish 1 / weight times later for nothing. *Later turns and
-spills*: a continuation whose replica is below full weight, and a spill, go to the first
-full-weight member with room under the load cap in ring order from the prefix's key, if any
-(`_faster`; a spill finding none takes the first member with room), and a conversation's next
-turns follow it: a slow member multiplies every token of a long completion, a queue only adds
-its wait, and a turn's history is prefilled far faster than it is decoded. With every weight
-full, decisions are exactly those without weights.
+family dealt), besides the siblings still to come of the families it was dealt (`_coming`: each
+such family's size less one, less each repeat since of a prompt homed there; none once it holds
+nothing, since siblings are sent with their first), since a group split over a slow member
+waits for its slow siblings while those spilled recompute its prompt (`_finish_rule`). Else
+that member takes it, and the slow member's turn counts as dealt to it (its count keeps pace,
+so one back at full weight is owed no burst of families). A fleet whose full-weight members
+hold at most BATCH_FLOOR each never deals a new family to a slower one: it would finish
+1 / weight times later for nothing. *Later turns and spills*: a continuation whose replica is
+below full weight, and a spill, go to the first full-weight member with room under the load cap
+in ring order from the prefix's key, if any (`_faster`; a spill finding none takes the first
+member with room), and a conversation's next turns follow it: a slow member multiplies every
+token of a long completion, a queue only adds its wait, and a turn's history is prefilled far
+faster than it is decoded. With every weight full, decisions are exactly those without weights.
 
 Invariants: some replica always has room under either cap unscaled, so every walk ends (with
 weights none may: a walk that finds no room takes the least loaded); a prompt's first
@@ -57,7 +59,8 @@ With a member below full weight: one dict lookup more per member tried (a contin
 slow member: one ring walk, O(1 + s)), and a rank's k tied
 members filtered by room, O(k) (`_first_routable`); when the deal picks a member below full
 weight, the finish rule's full-weight member, found the same way among the full-weight members
-(walking: none more), and `_family_size` O(1); a spill, one ring walk more at most;
+(walking: none more), and `_family_size` and `_coming` O(1) (a repeat of a prompt homed
+on a slow member: one dict lookup more); a spill, one ring walk more at most;
 `set_weight` O(1).
 
 Contract with the caller: one `choose(key, routable)` per attempt, `key` the request's
@@ -221,6 +224,9 @@ class PrefixAffinity:
         self._moved: dict[str, int] = {}  # member -> conversations moved into it (`_lighter`)
         self._moved_tokens = 0  # prompt tokens priced for the moves made (`_lighter`)
         self._sibling_spills = 0  # repeats of a known prompt that spilled (`_family_size`)
+        # Member below full weight -> siblings still to come of the families the finish rule
+        # dealt it (module docstring): only members with some.
+        self._coming: dict[str, int] = {}
         self._routed_tokens = 0  # prompt tokens of every request with a key routed (`choose`)
         self._ranks = Ranks()
         # Members whose load changed since the ranks were last read, by name: re-filed when
@@ -240,6 +246,7 @@ class PrefixAffinity:
         self._dealt_total = sum(self._dealt.values())
         self._moved = {name: self._moved.get(name, 0) for name in names}
         self._slow = {name: w for name, w in self._slow.items() if name in self._dealt}
+        self._coming = {name: c for name, c in self._coming.items() if name in self._slow}
         self._ranks = Ranks()
         self._unfiled.clear()
         self._members = len(self._dealt)  # before a deal outside the ring adds to `_dealt`
@@ -256,6 +263,7 @@ class PrefixAffinity:
             raise ValueError(f"weight {weight} outside {WEIGHT_MIN} to {WEIGHT_FULL}")
         if weight == WEIGHT_FULL:
             self._slow.pop(name, None)
+            self._coming.pop(name, None)
         else:
             self._slow[name] = weight
 
@@ -311,6 +319,8 @@ class PrefixAffinity:
                     else home.in_flight <= self.load_slack or home.in_flight < self.cap(routable)
                 ):
                     self.counts.sibling += 1
+                    if self._coming:
+                        self._arrived(home.name)
                     tokens = anchor_tokens(known)
                     self._routed_tokens += tokens
                     return Decision(home, "sibling", 0, tokens)
@@ -354,6 +364,8 @@ class PrefixAffinity:
             if exact:
                 if self._room(replica, cap):
                     self.counts.sibling += 1
+                    if self._coming:
+                        self._arrived(name)
                     return Decision(replica, "sibling", 0, key.tokens)
             else:
                 if follow < 0:
@@ -381,7 +393,10 @@ class PrefixAffinity:
             faster = self._faster(key.full, routable, cap) if self._slow else None
             replica = faster or self._next_with_room(key.full, routable, cap)
             self.counts.spill += 1
-            self._sibling_spills += home is not None
+            if home is not None:
+                self._sibling_spills += 1
+                if self._coming:
+                    self._arrived(home)
             self._remember(key, home, replica.name)
             return Decision(replica, "spill", key.tokens, key.tokens)
         decision = self._fresh(key, routable, cap)
@@ -567,16 +582,33 @@ class PrefixAffinity:
         """The finish rule (module docstring): `best`, the deal's member at `weight` below
         full, keeps the family if it would finish it sooner than `full`, the first full-weight
         member with room in the deal's order (None: none has room), and has room for all of
-        it under its scaled cap; else `full` takes it, and `best`'s passed turn is counted as
-        dealt to it. Times compared in integers."""
-        if full is None:
-            return best
-        ahead = max(0, best.in_flight - BATCH_FLOOR)
-        sooner = (1 + ahead) * WEIGHT_FULL < (1 + max(0, full.in_flight - BATCH_FLOOR)) * weight
-        if sooner and best.in_flight + self._family_size() <= scaled_cap(cap, weight):
+        it under its scaled cap besides the siblings still to come there; then the family's
+        siblings are awaited there too. Else `full` takes it, and `best`'s passed turn is
+        counted as dealt to it. Times compared in integers; O(1)."""
+        size = self._family_size()
+        coming = self._coming.get(best.name, 0) if best.in_flight else 0
+        if full is None or (
+            (1 + max(0, best.in_flight - BATCH_FLOOR)) * WEIGHT_FULL
+            < (1 + max(0, full.in_flight - BATCH_FLOOR)) * weight
+            and best.in_flight + coming + size <= scaled_cap(cap, weight)
+        ):
+            if coming + size > 1:
+                self._coming[best.name] = coming + size - 1
+            else:
+                self._coming.pop(best.name, None)
             return best
         self._charge(best)
         return full
+
+    def _arrived(self, name: str) -> None:
+        """A repeat of a prompt homed on `name` was routed: one sibling fewer to come there
+        (`_coming`), O(1)."""
+        coming = self._coming.get(name)
+        if coming is not None:
+            if coming > 1:
+                self._coming[name] = coming - 1
+            else:
+                del self._coming[name]
 
     def _family_size(self) -> int:
         """The requests a new family brings, as routed so far: the families dealt and every

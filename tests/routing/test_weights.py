@@ -336,6 +336,45 @@ def test_a_slow_member_keeps_a_new_family_only_with_room_for_all_of_it(walk, siz
     assert decision.kind == "fresh" and decision.replica is not slow
 
 
+@pytest.mark.parametrize("walk", [False, True], ids=["kept ranks", "walk deal"])
+def test_a_slow_member_counts_the_siblings_still_to_come_of_a_family_it_was_dealt(walk):
+    # A family's samples are separate requests: the finish rule counts the siblings of a family
+    # dealt to the slow member as held there until they are routed, so a second family dealt
+    # before they arrive cannot take their room and be split. A member that holds nothing
+    # awaits nothing: siblings are sent with their first.
+    size = 8
+    policy = PrefixAffinity()
+    names = [r.name for r in fleet(4)]  # the replicas `watched` makes
+    # The others dealt far more: the deal offers every family to the slow member first.
+    policy._dealt = {name: (0 if i == 0 else 50 * DEAL_UNIT) for i, name in enumerate(names)}
+    reps, policy = watched(4, walk, policy)
+    slow = reps[0]
+    policy.set_weight(slow.name, WEIGHT_MIN)
+    for rep in reps[1:]:
+        rep.in_flight = 30  # past the floor: the slow member would finish a family sooner
+    teach_family_size(policy, size)
+    first, second, third, fourth = families(4, seed=4)
+
+    def sample(prompt: list[int]) -> RouteKey:
+        return route(prompt_key("m", prompt), wire_key("m", repr(prompt).encode()))
+
+    def sent(prompt: list[int]) -> Rep:
+        replica = policy.choose(sample(prompt), reps).replica
+        replica.in_flight += 1
+        return replica
+
+    assert scaled_cap(policy.cap(reps), WEIGHT_MIN) == size + 1  # one family, and one more
+    assert sent(first) is slow
+    # Its 7 siblings on their way: the second family would have room only without them.
+    assert slow.in_flight + size <= scaled_cap(policy.cap(reps), WEIGHT_MIN)
+    assert sent(second) is not slow
+    assert [sent(first) for _ in range(size - 1)] == [slow] * (size - 1)  # all of them home
+    slow.in_flight = 1  # the siblings answered, the first still decoding: none to come
+    assert sent(third) is slow
+    slow.in_flight = 0  # the third family's first answered, its siblings never sent
+    assert sent(fourth) is slow
+
+
 def test_a_spill_passes_over_a_slow_member_for_a_full_weight_one_with_room() -> None:
     reps, policy, sibling, home = one_family()
     block = sibling().key
