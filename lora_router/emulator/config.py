@@ -31,7 +31,7 @@ SUPPORTED_VERSIONS = ("0.27", "0.32", "0.33", "0.34")
 # (lora_router/testbed/tiny_model.py) with one OpenMP thread, as tests/vllm starts it.
 PROFILES: dict[str, StepCosts] = {
     "tiny-cpu": StepCosts(
-        prefill_s_per_token=14e-6, decode_s_per_token=3.2e-3, decode_s_per_seq=0.065e-3
+        prefill_s_per_token=18e-6, decode_s_per_token=3.2e-3, decode_s_per_seq=0.065e-3
     ),
 }
 # What `/version` reports for each emulated release line.
