@@ -165,6 +165,7 @@ class RouterRuntime:
                 await self.stop()
                 raise
         replay.on_block_size = self._key_by  # the size no replica said at start (replay.py)
+        await telemetry.scrape_round()  # before serving: the first reports (telemetry.py)
         await self.server.start_serving()
         health.start()
         telemetry.start()

@@ -1,11 +1,14 @@
 """Replica telemetry: what each replica says about itself on its `/metrics`, and the fleet's
 weight syncs as the router saw them.
 
-Every `health_interval` (the first time one interval after start) one task asks the `/metrics`
-of the next `scrape_budget` members, round robin, at once, through the replica client
-(client.py, so with the replica's token), each call bounded by `health_timeout`, and keeps the
-answer as a frozen `Report` on `Replica.report`. With n members each report is at most
-ceil(n / budget) intervals old, and shows its age (`/router/status`'s `age_s`, `top`). Read:
+A round asks the `/metrics` of the next `scrape_budget` members, round robin, at once, through
+the replica client (client.py, so with the replica's token), each call bounded by
+`health_timeout`, and keeps the answer as a frozen `Report` on `Replica.report`. The first round
+runs as the router starts, before it serves (runtime.py), so that each figure read over an
+interval (the decode step, and with it a replica's weight) has its first value one interval
+after start, not two; then one task runs a round every `health_interval`. With n members
+each report is at most ceil(n / budget) intervals old, and shows its age (`/router/status`'s
+`age_s`, `top`). Read:
 
 - queue: `vllm:num_requests_running`, `vllm:num_requests_waiting`;
 - KV use: `vllm:kv_cache_usage_perc` (0..1);

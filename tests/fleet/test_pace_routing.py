@@ -4,7 +4,8 @@ and /metrics, and it is dealt no new family while the others run below their bat
 some once they are past it, and a later turn of a conversation on it goes to a full-speed
 replica; a fleet at one speed keeps every weight at 1, never telling the policy of a change; a
 replica whose /metrics lacks the histogram keeps full weight and says why; a fleet that syncs
-in every scrape interval is weighed all the same; with --no-pace every weight stays 1."""
+in every scrape interval is weighed all the same; the first weight is read one scrape after
+traffic starts (the router's start scraped the baseline); with --no-pace every weight stays 1."""
 
 from __future__ import annotations
 
@@ -313,7 +314,7 @@ async def test_a_fleet_that_syncs_in_every_interval_still_weighs_its_slow_replic
 
     telemetry.pace.scraped = record  # type: ignore[method-assign]
     traffic = asyncio.create_task(families(client, runtime.url, 2000, random.Random(8)))
-    await telemetry.scrape_all()  # the first reports: no interval yet
+    # The first reports were the router's start's: each interval below is from a scrape here.
     weight = 1.0
     for _ in range(10):
         # An interval of at least 0.4 s, a sync (a pause and a resume) in its middle.
@@ -330,6 +331,23 @@ async def test_a_fleet_that_syncs_in_every_interval_still_weighs_its_slow_replic
         await traffic
     assert weight < 1
     assert paused and all(seconds > 0 for seconds in paused)  # every interval saw a sync
+
+
+async def test_the_first_weight_is_read_one_scrape_after_traffic_starts(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    # The router scrapes every replica as it starts, before it serves: the first interval
+    # runs from there, so one scrape after traffic weighs the slow replica (the loop's first
+    # round, one --health-interval after start), not two.
+    runtime = await router(await half_speed_fleet(emulators))  # scraped when the test asks
+    assert runtime.telemetry is not None and runtime.fleet is not None
+    assert all(r.report is not None for r in runtime.fleet.replicas)  # the start's reports
+    assert {r["weight"] for r in (await replicas(client, runtime.url)).values()} == {1.0}
+    await families(client, runtime.url, 48, random.Random(9))
+    await runtime.telemetry.scrape_all()  # the first scrape since the start's
+    status = await replicas(client, runtime.url)
+    assert status["0"]["weight"] < 1
+    assert [status[r]["weight"] for r in ("1", "2", "3")] == [1.0] * 3
 
 
 async def test_without_pace_a_half_speed_replica_is_dealt_its_even_share(

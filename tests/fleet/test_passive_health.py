@@ -151,7 +151,8 @@ async def test_scrapes_stay_within_the_budget_in_a_large_fleet(
     replicas = rt.fleet.replicas
     rounds = math.ceil(n / budget)
     for i in range(1, rounds + 1):
-        await rt.telemetry.scrape_round()
+        if i > 1:  # the first round is the router's start's
+            await rt.telemetry.scrape_round()
         assert sum(count(e, "/metrics") for e in emus) == budget * i
         assert sum(r.report is not None for r in replicas) == budget * i
     # Round robin: every replica once in ceil(n / budget) rounds, then the first ones again.
