@@ -50,12 +50,13 @@ sync to every replica itself, as a trainer that drives each server does.
 
 Per run (bench/lib/rl_clock_runs.py): each group's time from its first request's send to its
 last answer (p50, p90, max), the step time (the gap between two steps' last groups), accepted
-samples per second, the hit rate from the replicas' own /metrics, and for lora-router each
-replica's routing weight at the end and how often it changed (/router/status, fleet/pace.py).
-Per cell (trace, fleet, load, contender): medians over the rounds and their ranges. The
-issue's targets (#43): on a uniform fleet at saturating load, lora-router's group p90 at most
-the best contender's at a hit rate at least 0.99 of the best's; with one replica at half
-speed, its group p90 at most 0.9 x the best contender's.
+samples per second, the hit rate from the replicas' own /metrics, the groups that more than one
+replica answered (*split*: from the replicas' own logs of each request's group), and for
+lora-router each replica's routing weight at the end and how often it changed (/router/status,
+fleet/pace.py). Per cell (trace, fleet, load, contender): medians over the rounds and their
+ranges. The issue's targets (#43): on a uniform fleet at saturating load, lora-router's group
+p90 at most the best contender's at a hit rate at least 0.99 of the best's; with one replica at
+half speed, its group p90 at most 0.9 x the best contender's.
 
 Seeds (`--seeds`): each trace seed is another draw of the workload (prompts, completion
 lengths). lora-router's placement is a function of the requests and their order, so its runs of

@@ -43,6 +43,7 @@ class Summary:
     weights: list[float] = field(default_factory=list)
     weight_changes: list[int] = field(default_factory=list)
     sync_max_s: float = 0.0  # the longest weight sync of a run (ClockResult.sync_max_s)
+    split_groups: float | None = None  # ClockResult.split_groups; None: not counted
 
 
 def _median(values: list[float]) -> float:
@@ -65,6 +66,7 @@ def summarize(results: list[ClockResult]) -> list[Summary]:
         for r in runs:
             by_seed.setdefault(str(r.seed), []).append(r.group_p90_s)
         middle = sorted(runs, key=lambda r: r.group_p90_s)[len(runs) // 2]
+        split = [r.split_groups for r in runs if r.split_groups is not None]
         out.append(
             Summary(
                 trace,
@@ -86,6 +88,7 @@ def summarize(results: list[ClockResult]) -> list[Summary]:
                 middle.weights,
                 middle.weight_changes,
                 _median([r.sync_max_s for r in runs]),
+                _median(split) if split else None,
             )
         )
     return out
@@ -202,17 +205,18 @@ def write_markdown(path: Path, meta: dict[str, Any], summaries: list[Summary]) -
             f"### {trace}, {fleet}, {load} load",
             "",
             "| router | group p50 s | group p90 s (range) | group max s | step s | samples/s "
-            "| hit rate | longest sync s | requests per replica | complete runs "
+            "| hit rate | split groups | longest sync s | requests per replica | complete runs "
             "| failed requests |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for s in sorted(rows, key=lambda s: s.group_p90_s):
             every = [p for runs in s.group_p90_by_seed.values() for p in runs]
             low, high = min(every), max(every)
+            split = "-" if s.split_groups is None else f"{s.split_groups:g}"
             lines.append(
                 f"| {s.label} | {s.group_p50_s:.2f} | {s.group_p90_s:.2f} ({low:.2f}-{high:.2f}) "
                 f"| {s.group_max_s:.2f} | {s.step_s:.2f} | {s.samples_per_s:.1f} "
-                f"| {s.hit_rate:.3f} | {s.sync_max_s:.2f} "
+                f"| {s.hit_rate:.3f} | {split} | {s.sync_max_s:.2f} "
                 f"| {' '.join(map(str, s.per_replica_requests))} "
                 f"| {s.rounds} of {s.rounds + s.incomplete} | {s.failed} |"
             )

@@ -132,6 +132,9 @@ class ClockResult:
     hit_rate: float = 0.0
     wall_s: float = 0.0
     per_replica_requests: list[int] = field(default_factory=list)
+    # Groups whose requests more than one replica answered (`split_groups`); None in runs
+    # recorded before the replicas logged families.
+    split_groups: int | None = None
     syncs: int = 0
     sync_failures: int = 0
     # The longest weight sync, pause to the unload's answer: TRL's trainer waits for all of it
@@ -297,6 +300,18 @@ def clock_figures(
     result.samples_per_s = round(accepted / result.wall_s, 3) if result.wall_s else 0.0
 
 
+def split_groups(families: list[list[int]]) -> int:
+    """The groups whose requests more than one replica answered, from each replica's log of
+    the families it received (bench/lib/routing_procs.py, `SeedLog`): a group split over
+    replicas recomputes its prompt on each, and waits for the slowest."""
+    where: dict[int, set[int]] = {}
+    for replica, received in enumerate(families):
+        for family in received:
+            if family >= 0:
+                where.setdefault(family, set()).add(replica)
+    return sum(1 for replicas in where.values() if len(replicas) > 1)
+
+
 async def router_weights(session: aiohttp.ClientSession, url: str) -> tuple[list[float], list[int]]:
     """Each replica's routing weight in lora-router's /router/status and how often it changed,
     in replica order."""
@@ -351,7 +366,7 @@ async def run_one(
             if c.kind == "lora-router":
                 result.weights, result.weight_changes = await router_weights(session, url)
             queries, hits = await replica_metrics(session, host.urls)
-            seeds = (await host.command("dump"))["seeds"]
+            received = await host.command("dump")
     except Exception as exc:
         result.status = f"error: {type(exc).__name__}: {exc}"[:300]
         result.failed = len(items)
@@ -359,7 +374,8 @@ async def run_one(
     finally:
         router.stop()
     result.hit_rate = round(hits / queries, 4) if queries else 0.0
-    result.per_replica_requests = [len(s) for s in seeds]
+    result.per_replica_requests = [len(s) for s in received["seeds"]]
+    result.split_groups = split_groups(received["families"])
     failures = [o for o in rollouts.outcomes.values() if o.status != 200]
     result.failed = len(failures)
     result.first_error = failures[0].error[:200] if failures else ""

@@ -94,16 +94,20 @@ class RouterOptions:
 
 
 class SeedLog(list[RecordedRequest]):
-    """Stands in for `Emulator.requests`: keeps only the seed of each completion received."""
+    """Stands in for `Emulator.requests`: keeps only the seed of each completion received,
+    and its family (the load generator's FAMILY_HEADER; -1 without one)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seeds: list[int] = []
+        self.families: list[int] = []
 
     def append(self, record: RecordedRequest) -> None:
         if record.method == "POST" and record.path.startswith("/v1/completions"):
             found = _SEED.search(record.body)
             self.seeds.append(int(found.group(1)) if found else -1)
+            family = record.headers.get(FAMILY_HEADER, "")
+            self.families.append(int(family) if family.isdigit() else -1)
 
 
 async def serve_replicas(count: int, timing: Timing) -> None:
@@ -115,7 +119,8 @@ async def serve_emulators(configs: list[EmulatorConfig]) -> None:
     """One emulator per config in this process; commands on stdin, answers on stdout
     (one JSON line each): `reset` restarts them all (fresh caches, counters, adapters),
     `restart I DOWN_S` crashes replica I and brings it back empty DOWN_S later (bench/
-    cache_pressure.py), `dump` returns the seeds each one received since, `quit` stops."""
+    cache_pressure.py), `dump` returns the seeds and families each one received since, `quit`
+    stops."""
     emulators = [await start_emulator(config) for config in configs]
     logs = [SeedLog() for _ in emulators]
     for emulator, log in zip(emulators, logs, strict=True):
@@ -150,7 +155,12 @@ async def serve_emulators(configs: list[EmulatorConfig]) -> None:
                 await emulator.restart()
                 answer(counters)
             elif line == "dump":
-                answer({"seeds": [log.seeds for log in logs]})
+                answer(
+                    {
+                        "seeds": [log.seeds for log in logs],
+                        "families": [log.families for log in logs],
+                    }
+                )
             elif line == "quit":
                 break
             else:
