@@ -18,32 +18,35 @@ The rules, each stated in full with its measurements in docs/design/routing.md:
    tokens in flight, ties in ring order from its key; inside the *deal window* (`DEAL_WINDOW`
    x the mean count) a replica dealt more that holds less work (`work_held`) takes it.
 4. *No key*: least in flight, round robin among ties.
-The load cap is `ceil(max((1 + load_factor) * m, m + load_slack))`, m = (in flight + 1) / n.
+The load cap is `ceil(max((1 + load_factor) * m, m + load_slack))`, m = (in flight + 1) / n,
+with members below full weight counted as their weight's share of a member (*Weights*).
 
 *Weights* (`set_weight`, measured by the caller: fleet/pace.py): a member's relative speed in
 sixteenths, `WEIGHT_FULL` unless it is measurably slow. Families dealt are counted in
-`DEAL_UNIT`ths, a family costing `DEAL_UNIT * WEIGHT_FULL // weight` (a half-speed member is
-dealt about half the families), and a member's room in every rule is the cap scaled by its
-weight, `max(1, cap * weight // WEIGHT_FULL)`, so siblings and continuations spill off a member
-that is behind. *The finish rule*: a member below full weight that the deal (window included)
-picks keeps the family only if it would finish it sooner than the first full-weight member with
-room in the deal's order, a member's time being `(1 + max(0, in_flight - BATCH_FLOOR)) x
-WEIGHT_FULL / weight`: its own request plus those it would wait behind, a replica decoding what
-it holds together up to its batch; and only if its scaled cap has room for the whole family, as
-many requests as a family has brought so far (`_family_size`: the first and its siblings per
-family dealt), besides the siblings still to come of the families it was dealt (`_coming`: each
-such family's size less one, less each repeat since of a prompt homed there; none once it holds
-nothing, since siblings are sent with their first), since a group split over a slow member
-waits for its slow siblings while those spilled recompute its prompt (`_finish_rule`). Else
-that member takes it, and the slow member's turn counts as dealt to it (its count keeps pace,
-so one back at full weight is owed no burst of families). A fleet whose full-weight members
-hold at most BATCH_FLOOR each never deals a new family to a slower one: it would finish
-1 / weight times later for nothing. *Later turns and spills*: a continuation whose replica is
-below full weight, and a spill, go to the first full-weight member with room under the load cap
-in ring order from the prefix's key, if any (`_faster`; a spill finding none takes the first
-member with room), and a conversation's next turns follow it: a slow member multiplies every
-token of a long completion, a queue only adds its wait, and a turn's history is prefilled far
-faster than it is decoded. With every weight full, decisions are exactly those without weights.
+`DEAL_UNIT`ths, a family costing `DEAL_UNIT * WEIGHT_FULL // weight` (a half-speed member is dealt
+about half the families), and a member's room in every rule is the cap scaled by its weight,
+`max(1, cap * weight // WEIGHT_FULL)`, so siblings and continuations spill off a member that is
+behind. The cap's mean counts a member as its weight's share of one (n = the weights summed /
+WEIGHT_FULL): the others take what a slow member does not, so their mean load is above the plain
+one, and a cap on the plain mean would spill their siblings. *The finish rule*: a member below full
+weight that the deal (window included) picks keeps the family only if it would finish it sooner
+than the first full-weight member with room in the deal's order, a member's time being `(1 + max(0,
+in_flight - BATCH_FLOOR)) x WEIGHT_FULL / weight`: its own request plus those it would wait behind,
+a replica decoding what it holds together up to its batch; and only if its scaled cap has room for
+the whole family, as many requests as a family has brought so far (`_family_size`: the first and
+its siblings per family dealt), besides the siblings still to come of the families it was dealt
+(`_coming`: each such family's size less one, less each repeat since of a prompt homed there; none
+once it holds nothing, since siblings are sent with their first), since a group split over a slow
+member waits for its slow siblings while those spilled recompute its prompt (`_finish_rule`). Else
+that member takes it, and the slow member's turn counts as dealt to it (its count keeps pace, so
+one back at full weight is owed no burst of families). A fleet whose full-weight members hold at
+most BATCH_FLOOR each never deals a new family to a slower one: it would finish 1 / weight times
+later for nothing. *Later turns and spills*: a continuation whose replica is below full weight, and
+a spill, go to the first full-weight member with room under the load cap in ring order from the
+prefix's key, if any (`_faster`; a spill finding none takes the first member with room), and a
+conversation's next turns follow it: a slow member multiplies every token of a long completion, a
+queue only adds its wait, and a turn's history is prefilled far faster than it is decoded. With
+every weight full, decisions are exactly those without weights.
 
 Invariants: some replica always has room under either cap unscaled, so every walk ends (with
 weights none may: a walk that finds no room takes the least loaded); a prompt's first
@@ -55,12 +58,12 @@ spill O(1 + s), s the members the walk passes over; a new family O(log n) per ra
 (`ranks`) plus O(min(k, n / k)) for k tied members (at most O(sqrt(n)); twice with the window
 open) plus O(log n) per member whose load changed since, or one ring walk with at most
 `WALK_DEAL_MEMBERS` members (the same choice); O(n) only in `least_loaded`, `set_members`.
-With a member below full weight: one dict lookup more per member tried (a continuation on a
-slow member: one ring walk, O(1 + s)), and a rank's k tied
-members filtered by room, O(k) (`_first_routable`); when the deal picks a member below full
-weight, the finish rule's full-weight member, found the same way among the full-weight members
-(walking: none more), and `_family_size` and `_coming` O(1) (a repeat of a prompt homed
-on a slow member: one dict lookup more); a spill, one ring walk more at most;
+With a member below full weight: one dict lookup more per member tried and, for each cap, per
+member below full weight (a continuation on a slow member: one ring walk, O(1 + s)), and a
+rank's k tied members filtered by room, O(k) (`_first_routable`); when the deal picks a member
+below full weight, the finish rule's full-weight member, found the same way among the
+full-weight members (walking: none more), and `_family_size` and `_coming` O(1) (a repeat of a
+prompt homed on a slow member: one dict lookup more); a spill, one ring walk more at most;
 `set_weight` O(1).
 
 Contract with the caller: one `choose(key, routable)` per attempt, `key` the request's
@@ -131,15 +134,18 @@ def scaled_cap(cap: int, weight: int) -> int:
     return max(1, cap * weight // WEIGHT_FULL)
 
 
-def _cap(total: int, n: int, grow: int, den: int, slack: int) -> int:
-    """The most requests a replica may have in flight after taking one more request:
-    `ceil(max((1 + load_factor) * m, m + slack))` with `m = (total + 1) / n`, the mean load
-    counting the new request, and 1 + load_factor given as the integers grow / den.
+def _cap(total: int, units: int, grow: int, den: int, slack: int) -> int:
+    """The most requests a full-weight replica may have in flight after taking one more
+    request: `ceil(max((1 + load_factor) * m, m + slack))` with `m = (total + 1) x WEIGHT_FULL
+    / units`, the mean load counting the new request of a member at full weight, `units` the
+    candidates' weights summed (WEIGHT_FULL each at full weight: then m is the plain mean),
+    and 1 + load_factor given as the integers grow / den.
 
     Integer arithmetic on the exact fraction: with floats, `1.1 * 10 / 11` rounds up to 2 and
     would let the cap drift by one.
     """
-    return max(-(-grow * (total + 1) // (den * n)), -(-(total + 1) // n) + slack)
+    scaled = (total + 1) * WEIGHT_FULL
+    return max(-(-grow * scaled // (den * units)), -(-scaled // units) + slack)
 
 
 def work_held(replica: Replica, per_request: int) -> int:
@@ -296,7 +302,18 @@ class PrefixAffinity:
     def cap(self, routable: Candidates[R]) -> int:
         """The in-flight count a replica may reach by taking the next request: O(1), from
         the candidates' maintained total."""
-        return _cap(routable.in_flight, len(routable), self._grow, self._den, self.load_slack)
+        return _cap(
+            routable.in_flight, self._units(routable), self._grow, self._den, self.load_slack
+        )
+
+    def _units(self, routable: Candidates[R]) -> int:
+        """The candidates' weights summed, in sixteenths (`_cap`): O(1) on a fleet at one
+        speed, else one lookup per member below full weight."""
+        units = WEIGHT_FULL * len(routable)
+        for name, weight in self._slow.items():
+            if routable.get(name) is not None:
+                units -= WEIGHT_FULL - weight
+        return units
 
     def choose(self, key: RouteKey | None, routable: Candidates[R]) -> Decision[R]:
         """A sibling by its wire key alone when its home has room: O(1). Else the whole
@@ -346,7 +363,8 @@ class PrefixAffinity:
     def follow_cap(self, routable: Candidates[R]) -> int:
         """The in-flight count a continuation's replica may reach: the load cap with twice
         the slack (module docstring), O(1)."""
-        return _cap(routable.in_flight, len(routable), self._grow, self._den, 2 * self.load_slack)
+        units = self._units(routable)
+        return _cap(routable.in_flight, units, self._grow, self._den, 2 * self.load_slack)
 
     def _choose(self, key: PromptKey, routable: Candidates[R], wire: int | None) -> Decision[R]:
         cap = self.cap(routable)

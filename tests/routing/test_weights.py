@@ -184,12 +184,13 @@ def test_siblings_spill_off_a_slow_home_at_its_scaled_cap() -> None:
     policy.set_weight(home.name, WEIGHT_FULL // 2)
     for rep in reps:
         rep.in_flight = 2
-    # 9 at home, 6 elsewhere: the cap is 4 + the slack (20), the home's half of it 10.
+    # 9 at home, 6 elsewhere: a full-weight member's mean counts the home as half a member,
+    # 16 requests over 3.5 (4.57), so the cap is 5 + the slack (21), the home's half of it 10.
     home.in_flight = 9
-    assert policy.cap(reps) == 4 + DEFAULT_LOAD_SLACK
+    assert policy.cap(reps) == 5 + DEFAULT_LOAD_SLACK
     assert scaled_cap(policy.cap(reps), WEIGHT_FULL // 2) == 10
     assert policy.choose(sibling(), reps).replica is home  # room for one more
-    home.in_flight = 10  # the cap is 21 now, its half still 10: full
+    home.in_flight = 10  # the cap is still 21, its half 10: full
     decision = policy.choose(sibling(), reps)
     assert decision.replica is not home and decision.kind == "spill"
     policy.set_weight(home.name, WEIGHT_FULL)  # back at full speed: room again
@@ -206,11 +207,13 @@ def test_a_slow_member_dealt_the_fewest_is_passed_over_without_room(walk):
     policy.set_weight(reps[0].name, WEIGHT_MIN)
     for rep in reps[1:]:
         rep.in_flight = 40  # past the batch floor: it would finish a family sooner (finish rule)
-    reps[0].in_flight = 12  # the cap is 34 + the slack (50), a quarter of it 12: full
-    assert scaled_cap(policy.cap(reps), WEIGHT_MIN) == 12
+    # The cap is 42 + the slack (58: 135 requests over 3.25 members' worth), a quarter of it
+    # 14: full.
+    reps[0].in_flight = 14
+    assert scaled_cap(policy.cap(reps), WEIGHT_MIN) == 14
     decision = policy.choose(route(prompt_key("m", families(1)[0])), reps)
     assert decision.kind == "fresh" and decision.replica is not reps[0]
-    reps[0].in_flight = 11  # room for one
+    reps[0].in_flight = 13  # room for one
     decision = policy.choose(route(prompt_key("m", families(2)[1])), reps)
     assert decision.replica is reps[0]
 
@@ -281,16 +284,19 @@ def test_a_later_turn_stays_on_a_slow_home_when_no_full_weight_member_has_room()
     watch(policy, reps)
     prompt = families(1)[0]
     home = policy.choose(route(prompt_key("m", prompt)), reps).replica
-    policy.set_weight(home.name, WEIGHT_FULL // 2)
     others = [r for r in reps if r is not home]
-    for rep in others:
+    # Two members at half speed, idle: the cap is 1.25 x the mean of a full-weight member (201
+    # requests over 3 members' worth, 67), 84, and the two full-weight members hold more.
+    # (With one half-speed member of four, some full-weight one always has room.)
+    for slow in (home, others[0]):
+        policy.set_weight(slow.name, WEIGHT_FULL // 2)
+    for rep in others[1:]:
         rep.in_flight = 100
-    # The cap is 76 + the slack (95): no full-weight member has room; the home's follow cap
-    # scaled to half (54) leaves it room.
-    assert policy.cap(reps) == 95 and scaled_cap(policy.follow_cap(reps), WEIGHT_FULL // 2) == 54
+    # The home's follow cap (67 + twice the slack) scaled to half (49) leaves it room.
+    assert policy.cap(reps) == 84 and scaled_cap(policy.follow_cap(reps), WEIGHT_FULL // 2) == 49
     decision = policy.choose(route(prompt_key("m", [*prompt, 5, 6, 7])), reps)
     assert decision[:2] == (home, "continuation")
-    others[-1].in_flight = 91  # room for one more under the cap (now 92): the one it finds
+    others[-1].in_flight = 73  # room for one more under the cap (now 74): the one it finds
     decision = policy.choose(route(prompt_key("m", [*prompt, 8, 9, 10])), reps)
     assert decision[:2] == (others[-1], "spill")
 
@@ -303,11 +309,13 @@ def teach_family_size(policy: PrefixAffinity, size: int) -> None:
 
 
 @pytest.mark.parametrize("walk", [False, True], ids=["kept ranks", "walk deal"])
-@pytest.mark.parametrize("size", [1, 8, 16])
+@pytest.mark.parametrize("size", [2, 8, 16])
 def test_a_slow_member_keeps_a_new_family_only_with_room_for_all_of_it(walk, size):
     # The others past the floor: the slow member would finish a family sooner (the finish
     # rule), and it keeps one only while its scaled cap has room for as many requests as the
-    # families so far brought (a group split over it would wait for its slow siblings).
+    # families so far brought (a group split over it would wait for its slow siblings). (With
+    # room for one request alone it holds about its share of the weighted cap: a full-weight
+    # member finishes sooner.)
     policy = PrefixAffinity()
     names = [r.name for r in fleet(4)]  # the replicas `watched` makes
     policy._dealt = {name: (0 if i == 0 else 5 * DEAL_UNIT) for i, name in enumerate(names)}
@@ -351,7 +359,7 @@ def test_a_slow_member_counts_the_siblings_still_to_come_of_a_family_it_was_deal
     slow = reps[0]
     policy.set_weight(slow.name, WEIGHT_MIN)
     for rep in reps[1:]:
-        rep.in_flight = 30  # past the floor: the slow member would finish a family sooner
+        rep.in_flight = 22  # past the floor: the slow member would finish a family sooner
     teach_family_size(policy, size)
     first, second, third, fourth = families(4, seed=4)
 
@@ -386,11 +394,11 @@ def test_a_spill_passes_over_a_slow_member_for_a_full_weight_one_with_room() -> 
     home.in_flight = 30  # the cap is 26 (9.25 + the slack, rounded up): the home is full
     assert policy.cap(reps) == 26
     assert policy.choose(sibling(), reps)[:2] == (first, "spill")
-    policy.set_weight(first.name, WEIGHT_FULL // 2)  # room under its scaled cap (12) still
+    policy.set_weight(first.name, WEIGHT_FULL // 2)  # room under its scaled cap (13) still
     second = next(r for r in reps if r.name == walk[1])
     assert policy.choose(sibling(), reps)[:2] == (second, "spill")
-    for rep in reps:
-        if rep is not first:
-            rep.in_flight = 100  # no full-weight member has room under the cap (95)
-    assert policy.cap(reps) == 95
+    third = next(r for r in reps if r.name == walk[2])
+    policy.set_weight(third.name, WEIGHT_FULL // 2)
+    home.in_flight = second.in_flight = 100  # no full-weight member has room under the cap
+    assert policy.cap(reps) == 86  # 205 requests over 3 members' worth (68.3) + the slack
     assert policy.choose(sibling(), reps)[:2] == (first, "spill")
