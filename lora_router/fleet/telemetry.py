@@ -6,7 +6,7 @@ the replica client (client.py, so with the replica's token), each call bounded b
 `health_timeout`, and keeps the answer as a frozen `Report` on `Replica.report`. The first round
 runs as the router starts, before it serves (runtime.py), so that each figure read over an
 interval (the decode step, and with it a replica's weight) has its first value one interval
-after start, not two; then one task runs a round every `health_interval`. With n members
+after start; then one task runs a round every `health_interval`. With n members
 each report is at most ceil(n / budget) intervals old, and shows its age (`/router/status`'s
 `age_s`, `top`). Read:
 

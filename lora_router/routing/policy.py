@@ -300,15 +300,15 @@ class PrefixAffinity:
         self._unfiled.clear()
 
     def cap(self, routable: Candidates[R]) -> int:
-        """The in-flight count a replica may reach by taking the next request: O(1), from
-        the candidates' maintained total."""
-        return _cap(
-            routable.in_flight, self._units(routable), self._grow, self._den, self.load_slack
-        )
+        """The in-flight count a full-weight replica may reach by taking the next request:
+        O(1) from the candidates' maintained total, plus `_units` with members below full
+        weight."""
+        units = self._units(routable) if self._slow else WEIGHT_FULL * len(routable)
+        return _cap(routable.in_flight, units, self._grow, self._den, self.load_slack)
 
     def _units(self, routable: Candidates[R]) -> int:
-        """The candidates' weights summed, in sixteenths (`_cap`): O(1) on a fleet at one
-        speed, else one lookup per member below full weight."""
+        """The candidates' weights summed, in sixteenths (`_cap`): one lookup per member below
+        full weight."""
         units = WEIGHT_FULL * len(routable)
         for name, weight in self._slow.items():
             if routable.get(name) is not None:
@@ -362,8 +362,8 @@ class PrefixAffinity:
 
     def follow_cap(self, routable: Candidates[R]) -> int:
         """The in-flight count a continuation's replica may reach: the load cap with twice
-        the slack (module docstring), O(1)."""
-        units = self._units(routable)
+        the slack (module docstring), as `cap` costs."""
+        units = self._units(routable) if self._slow else WEIGHT_FULL * len(routable)
         return _cap(routable.in_flight, units, self._grow, self._den, 2 * self.load_slack)
 
     def _choose(self, key: PromptKey, routable: Candidates[R], wire: int | None) -> Decision[R]:
