@@ -51,7 +51,9 @@ sync to every replica itself, as a trainer that drives each server does.
 Per run (bench/lib/rl_clock_runs.py): each group's time from its first request's send to its
 last answer (p50, p90, max), the step time (the gap between two steps' last groups), accepted
 samples per second, the hit rate from the replicas' own /metrics, the groups that more than one
-replica answered (*split*: from the replicas' own logs of each request's group), and for
+replica answered (*split*: from the replicas' own logs of each request's group), on a fleet
+with replica 0 at half speed the groups it answered a request of and the group p90 of the
+others (the tail the full-speed replicas set on their own: `slow_share`), and for
 lora-router each replica's routing weight at the end and how often it changed (/router/status,
 fleet/pace.py). Per cell (trace, fleet, load, contender): medians over the rounds and their
 ranges. The issue's targets (#43): on a uniform fleet at saturating load, lora-router's group
@@ -382,6 +384,7 @@ async def run_cell(
                     adapters,
                     workdir / f"{c.key}-{log_name}",
                     args.deadline,
+                    fleet.slow,
                 )
                 results.append(result)
                 print(f"{tag} {c.key:11} seed {seed} #{round_ + 1} {one_line(result)}", flush=True)

@@ -44,6 +44,10 @@ class Summary:
     weight_changes: list[int] = field(default_factory=list)
     sync_max_s: float = 0.0  # the longest weight sync of a run (ClockResult.sync_max_s)
     split_groups: float | None = None  # ClockResult.split_groups; None: not counted
+    # ClockResult.slow_groups and rest_p90_s (rl_clock_runs.slow_share); None: a uniform fleet,
+    # or runs recorded before they were counted.
+    slow_groups: float | None = None
+    rest_p90_s: float | None = None
 
 
 def _median(values: list[float]) -> float:
@@ -67,6 +71,8 @@ def summarize(results: list[ClockResult]) -> list[Summary]:
             by_seed.setdefault(str(r.seed), []).append(r.group_p90_s)
         middle = sorted(runs, key=lambda r: r.group_p90_s)[len(runs) // 2]
         split = [r.split_groups for r in runs if r.split_groups is not None]
+        slow = [r.slow_groups for r in runs if r.slow_groups is not None]
+        rest = [r.rest_p90_s for r in runs if r.rest_p90_s is not None]
         out.append(
             Summary(
                 trace,
@@ -89,6 +95,8 @@ def summarize(results: list[ClockResult]) -> list[Summary]:
                 middle.weight_changes,
                 _median([r.sync_max_s for r in runs]),
                 _median(split) if split else None,
+                _median(slow) if slow else None,
+                _median(rest) if rest else None,
             )
         )
     return out
@@ -147,6 +155,12 @@ def target(cell: tuple[str, str, str], rows: list[Summary]) -> dict[str, Any] | 
             "met": ours.group_p90_s <= bound,
             "run_pairs": _pairs(ours, best, SLOW_FLEET_P90),
             "seed_ratios": _seed_ratios(ours, best),
+            # lora-router's p90 over the groups no slower replica answered, over the best
+            # other's p90: below the bound, or not, however the slow replica's groups were
+            # placed (rl_clock_runs.slow_share).
+            "rest_ratio": (
+                round(ours.rest_p90_s / best.group_p90_s, 3) if ours.rest_p90_s else None
+            ),
         }
     if load != "saturating":
         return None
@@ -225,6 +239,13 @@ def write_markdown(path: Path, meta: dict[str, Any], summaries: list[Summary]) -
             weights = " ".join(f"{w:g}" for w in ours.weights)
             changes = " ".join(map(str, ours.weight_changes))
             lines += ["", f"{ours.label}: weights at the end {weights}, changed {changes} times."]
+        shares = [s for s in sorted(rows, key=lambda s: s.group_p90_s) if s.rest_p90_s]
+        if shares:
+            each = "; ".join(
+                f"{s.label} {s.slow_groups:g} groups, the rest's p90 {s.rest_p90_s:.2f} s"
+                for s in shares
+            )
+            lines += ["", f"Groups the slower replica answered a request of: {each}."]
         t = target(cell, rows)
         if t is not None:
             verdict = "met" if t["met"] else "NOT met"
@@ -236,12 +257,18 @@ def write_markdown(path: Path, meta: dict[str, Any], summaries: list[Summary]) -
                 if len(seeds) > 1
                 else ""
             )
+            rest = (
+                f" The groups no slower replica answered had a p90 {t['rest_ratio']:.2f}x the "
+                "best other's."
+                if t.get("rest_ratio")
+                else ""
+            )
             lines.append("")
             lines.append(
                 f"Target ({t['kind']}): {verdict}: lora-router's p90 {t['ours_p90_s']:.2f} s is "
                 f"{t['ratio']:.2f}x the best other ({t['best']}, {t['best_p90_s']:.2f} s){extra}; "
                 f"its p90 bound holds in {met} of {pairs} pairings of their runs "
-                f"(same seed){per_seed}."
+                f"(same seed){per_seed}.{rest}"
             )
         lines.append("")
     path.write_text("\n".join(lines))

@@ -59,6 +59,11 @@ class Fleet:
     max_num_batched_tokens: int = 8192
     cache_blocks: int = 4096
 
+    @property
+    def slow(self) -> frozenset[int]:
+        """The replicas below full speed."""
+        return frozenset(i for i, speed in enumerate(self.speeds) if speed < 1)
+
     def settings(self) -> list[dict[str, Any]]:
         """Each replica's `EmulatorConfig` keyword arguments."""
         return [
@@ -135,6 +140,10 @@ class ClockResult:
     # Groups whose requests more than one replica answered (`split_groups`); None in runs
     # recorded before the replicas logged families.
     split_groups: int | None = None
+    # On a fleet with a replica below full speed (`slow_share`): the complete groups a slower
+    # replica answered a request of, and the group p90 of the others. None on a uniform fleet.
+    slow_groups: int | None = None
+    rest_p90_s: float | None = None
     syncs: int = 0
     sync_failures: int = 0
     # The longest weight sync, pause to the unload's answer: TRL's trainer waits for all of it
@@ -266,10 +275,9 @@ class Rollouts:
         )
 
 
-def clock_figures(
-    result: ClockResult, items: list[Item], outcomes: dict[int, Outcome], per_step: int
-) -> None:
-    """Fill the group, step and throughput figures of `result` from the outcomes."""
+def group_spans(items: list[Item], outcomes: dict[int, Outcome]) -> dict[int, tuple[float, float]]:
+    """Each complete group's first send and last answer (a group with a failed request has no
+    span: it measured another workload)."""
     spans: dict[int, tuple[float, float]] = {}
     failed_families: set[int] = set()
     for item in items:
@@ -279,7 +287,14 @@ def clock_figures(
             continue
         first, last = spans.get(item.family, (out.sent_at, out.done_at))
         spans[item.family] = (min(first, out.sent_at), max(last, out.done_at))
-    complete = {f: s for f, s in spans.items() if f not in failed_families}
+    return {f: s for f, s in spans.items() if f not in failed_families}
+
+
+def clock_figures(
+    result: ClockResult, items: list[Item], outcomes: dict[int, Outcome], per_step: int
+) -> None:
+    """Fill the group, step and throughput figures of `result` from the outcomes."""
+    complete = group_spans(items, outcomes)
     durations = [end - begin for begin, end in complete.values()]
     result.groups = len(complete)
     if durations:
@@ -312,6 +327,21 @@ def split_groups(families: list[list[int]]) -> int:
     return sum(1 for replicas in where.values() if len(replicas) > 1)
 
 
+def slow_share(
+    spans: dict[int, tuple[float, float]], families: list[list[int]], slow: frozenset[int]
+) -> tuple[int, float | None]:
+    """How many complete groups a replica in `slow` answered a request of, and the group p90
+    of the rest (None if none is left), from each replica's log of the families it received.
+
+    The rest's p90 is the tail the full-speed replicas set at the load they carried: what the
+    run's p90 would be if the slow replicas' groups had been no slower than the others. No
+    placement of those groups gets below it without taking load off the full-speed replicas,
+    which only the slow replicas can take."""
+    touched = {f for replica in slow for f in families[replica] if f >= 0}
+    rest = [end - begin for f, (begin, end) in spans.items() if f not in touched]
+    return len(touched & spans.keys()), round(quantile(rest, 0.9), 4) if rest else None
+
+
 async def router_weights(session: aiohttp.ClientSession, url: str) -> tuple[list[float], list[int]]:
     """Each replica's routing weight in lora-router's /router/status and how often it changed,
     in replica order."""
@@ -337,8 +367,10 @@ async def run_one(
     adapters: Path,
     log: Path,
     deadline_s: float,
+    slow: frozenset[int] = frozenset(),
 ) -> ClockResult:
-    """One run: fresh replicas, the router started, v1 live, the rollouts, the figures."""
+    """One run: fresh replicas, the router started, v1 live, the rollouts, the figures; `slow`:
+    the fleet's replicas below full speed (`slow_share`)."""
     result.requests = len(items)
     await host.command("reset")
     port = free_port()
@@ -376,6 +408,9 @@ async def run_one(
     result.hit_rate = round(hits / queries, 4) if queries else 0.0
     result.per_replica_requests = [len(s) for s in received["seeds"]]
     result.split_groups = split_groups(received["families"])
+    if slow:
+        spans = group_spans(items, rollouts.outcomes)
+        result.slow_groups, result.rest_p90_s = slow_share(spans, received["families"], slow)
     failures = [o for o in rollouts.outcomes.values() if o.status != 200]
     result.failed = len(failures)
     result.first_error = failures[0].error[:200] if failures else ""
