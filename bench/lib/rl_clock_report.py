@@ -155,11 +155,13 @@ def target(cell: tuple[str, str, str], rows: list[Summary]) -> dict[str, Any] | 
             "met": ours.group_p90_s <= bound,
             "run_pairs": _pairs(ours, best, SLOW_FLEET_P90),
             "seed_ratios": _seed_ratios(ours, best),
-            # lora-router's p90 over the groups no slower replica answered, over the best
-            # other's p90: below the bound, or not, however the slow replica's groups were
-            # placed (rl_clock_runs.slow_share).
+            # lora-router's group p90 over the groups no slower replica answered, over the best
+            # other's p90 (rl_clock_runs.slow_share): above the bound, placing the slow
+            # replica's groups better cannot meet it alone.
             "rest_ratio": (
-                round(ours.rest_p90_s / best.group_p90_s, 3) if ours.rest_p90_s else None
+                round(ours.rest_p90_s / best.group_p90_s, 3)
+                if ours.rest_p90_s is not None
+                else None
             ),
         }
     if load != "saturating":
@@ -239,7 +241,7 @@ def write_markdown(path: Path, meta: dict[str, Any], summaries: list[Summary]) -
             weights = " ".join(f"{w:g}" for w in ours.weights)
             changes = " ".join(map(str, ours.weight_changes))
             lines += ["", f"{ours.label}: weights at the end {weights}, changed {changes} times."]
-        shares = [s for s in sorted(rows, key=lambda s: s.group_p90_s) if s.rest_p90_s]
+        shares = [s for s in sorted(rows, key=lambda s: s.group_p90_s) if s.rest_p90_s is not None]
         if shares:
             each = "; ".join(
                 f"{s.label} {s.slow_groups:g} groups, the rest's p90 {s.rest_p90_s:.2f} s"
@@ -260,7 +262,7 @@ def write_markdown(path: Path, meta: dict[str, Any], summaries: list[Summary]) -
             rest = (
                 f" The groups no slower replica answered had a p90 {t['rest_ratio']:.2f}x the "
                 "best other's."
-                if t.get("rest_ratio")
+                if t.get("rest_ratio") is not None
                 else ""
             )
             lines.append("")

@@ -333,8 +333,8 @@ def slow_share(
     """How many complete groups a replica in `slow` answered a request of, and the group p90
     of the rest (None if none is left), from each replica's log of the families it received.
 
-    The rest's p90 is the tail the full-speed replicas set at the load they carried: what the
-    run's p90 would be if the slow replicas' groups had been no slower than the others. No
+    The rest's p90 is the tail the full-speed replicas set at the load they carried: about what
+    the run's p90 would be had the slow replicas' groups been no slower than the others. No
     placement of those groups gets below it without taking load off the full-speed replicas,
     which only the slow replicas can take."""
     touched = {f for replica in slow for f in families[replica] if f >= 0}
