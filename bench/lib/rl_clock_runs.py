@@ -291,10 +291,14 @@ def group_spans(items: list[Item], outcomes: dict[int, Outcome]) -> dict[int, tu
 
 
 def clock_figures(
-    result: ClockResult, items: list[Item], outcomes: dict[int, Outcome], per_step: int
+    result: ClockResult,
+    complete: dict[int, tuple[float, float]],
+    items: list[Item],
+    outcomes: dict[int, Outcome],
+    per_step: int,
 ) -> None:
-    """Fill the group, step and throughput figures of `result` from the outcomes."""
-    complete = group_spans(items, outcomes)
+    """Fill the group, step and throughput figures of `result` from the outcomes and the
+    complete groups' spans (`group_spans`)."""
     durations = [end - begin for begin, end in complete.values()]
     result.groups = len(complete)
     if durations:
@@ -408,8 +412,8 @@ async def run_one(
     result.hit_rate = round(hits / queries, 4) if queries else 0.0
     result.per_replica_requests = [len(s) for s in received["seeds"]]
     result.split_groups = split_groups(received["families"])
+    spans = group_spans(items, rollouts.outcomes)
     if slow:
-        spans = group_spans(items, rollouts.outcomes)
         result.slow_groups, result.rest_p90_s = slow_share(spans, received["families"], slow)
     failures = [o for o in rollouts.outcomes.values() if o.status != 200]
     result.failed = len(failures)
@@ -418,5 +422,5 @@ async def run_one(
     result.sync_max_s = round(rollouts.sync_max_s, 3)
     if rollouts.sessions:
         result.finished_sessions = rollouts.finished_sessions
-    clock_figures(result, items, rollouts.outcomes, per_step)
+    clock_figures(result, spans, items, rollouts.outcomes, per_step)
     return result
