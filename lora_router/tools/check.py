@@ -21,8 +21,10 @@ server that has the route answers the empty body with its 400 validation error.
 
 Then the fleet as a whole: replicas must agree on base model, `max_lora_rank`, `max_loras` and
 block size; `max_loras` must be at least `--max-staleness + 2` (TRL raises otherwise);
-`data_parallel_size` must be 1. A URL with a path under which `/health` and `/v1/models` both
-answer 404 is one problem ("give the server's root URL"), not missing routes.
+`data_parallel_size` must be 1. A URL whose `/health` or `/v1/models` the router would take
+for no vLLM server (fleet/failure.py: a 404 on either, or a `/v1/models` that is no model list)
+is that one problem, in the router's words ("give the server's root URL" when the URL has a
+path), not several missing routes.
 
 Leftover adapters (listed after the base card) are judged by name, by fleet/leftovers.py: fatal only
 when the trainer may load the same name again (`--lineage-pattern`), and fine once
@@ -154,24 +156,21 @@ async def probe_replica(client: ReplicaClient, address: ReplicaAddress) -> Repli
     try:
         health = await _ask(client, address, "GET", "/health")
         answer = await _ask(client, address, "GET", "/v1/models")
-        if health.status == answer.status == 404:  # nothing of vLLM's: no further question
-            if address.path_prefix:
-                facts.answer = "wrong path"
-                facts.detail = f"/health and /v1/models answer 404 under {address.path_prefix}"
-            else:
-                facts.answer = "not vllm"
-                facts.detail = "/health and /v1/models answer 404"
-            return facts
+        for path, reply in (("/health", health), ("/v1/models", answer)):
+            # Not vLLM, or not its root, by the router's own rule: no further question.
+            failure = reply.failure(path)
+            if failure.cause in (Cause.PATH, Cause.NOT_VLLM):
+                facts.answer = "wrong path" if failure.cause is Cause.PATH else "not vllm"
+                facts.detail = failure.what
+                return facts
         if health.status == 503:
             facts.answer, facts.detail = "dead", "/health answers 503: the engine is dead"
         elif health.status != 200:
             facts.oddities.append(f"/health answered {health.status}")
         listed = parse_models(answer.parsed()) if answer.status == 200 else None
-        if answer.status != 200:
+        if listed is None:
             facts.oddities.append(f"/v1/models answered {answer.status}")
-        elif listed is None or not listed.bases:
-            facts.oddities.append("/v1/models has no model list")
-        else:
+        else:  # a 200 with a model list: `failure` named any other as not vLLM
             _read_models(facts, listed)
             answer = await _ask(client, address, "GET", "/v1/models")
             again = parse_models(answer.parsed()) if answer.status == 200 else None
@@ -290,8 +289,8 @@ def _judge_replica(
         return [
             Problem(
                 f.name,
-                f"no vLLM server at this URL's path: {f.detail} (a replica URL is the server's "
-                "root, not the OpenAI base URL ending in /v1)",
+                f"{f.detail} (a replica URL is the server's root, not the OpenAI base URL "
+                "ending in /v1)",
                 f"give the server's root URL: {_root_url(f.name)}",
             )
         ]
@@ -299,13 +298,7 @@ def _judge_replica(
     out: list[Problem] = []
     name = f.name
     if f.answer == "not vllm":
-        return [
-            Problem(
-                name,
-                f"no vLLM server answers at this URL: {f.detail}",
-                FIX[Cause.NOT_VLLM],
-            )
-        ]
+        return [Problem(name, f.detail, FIX[Cause.NOT_VLLM])]
     if f.answer == "unreachable":
         return [Problem(name, f"unreachable: {f.detail}", f.fix)]
     if f.answer == "unauthorized":

@@ -264,12 +264,32 @@ async def test_check_fails_on_a_fleet_it_cannot_find(tmp_path: Path) -> None:
     assert "NOT READY: 2 problem(s)" in text
 
 
-async def test_a_server_that_is_not_vllm_is_named_as_such_and_nothing_else() -> None:
-    async def not_found(request: aiohttp.web.Request) -> aiohttp.web.Response:
-        return aiohttp.web.json_response({"detail": "Not Found"}, status=404)
+async def _not_found(request: aiohttp.web.Request) -> aiohttp.web.Response:
+    return aiohttp.web.json_response({"detail": "Not Found"}, status=404)
 
+
+async def _web_page(request: aiohttp.web.Request) -> aiohttp.web.Response:
+    return aiohttp.web.Response(text="<html>Sign in</html>", content_type="text/html")
+
+
+async def _health_only(request: aiohttp.web.Request) -> aiohttp.web.Response:
+    return aiohttp.web.Response() if request.path == "/health" else await _not_found(request)
+
+
+@pytest.mark.parametrize(
+    ("answer", "seen"),
+    [
+        (_not_found, "HTTP 404 on /health: no vLLM server answers at "),
+        (_web_page, "/v1/models answered no model list: "),
+        (_health_only, "HTTP 404 on /v1/models: no vLLM server answers at "),
+    ],
+    ids=["404-everywhere", "web-page", "health-only"],
+)
+async def test_a_server_that_is_not_vllm_is_named_as_such_and_nothing_else(
+    answer: Any, seen: str
+) -> None:
     app = aiohttp.web.Application()
-    app.router.add_route("*", "/{tail:.*}", not_found)
+    app.router.add_route("*", "/{tail:.*}", answer)
     runner = aiohttp.web.AppRunner(app)
     await runner.setup()
     with socket.socket() as s:
@@ -283,7 +303,7 @@ async def test_a_server_that_is_not_vllm_is_named_as_such_and_nothing_else() -> 
         finally:
             await runner.cleanup()
     flat = " ".join(text.split())
-    assert status == 1
-    assert "no vLLM server answers at this URL: /health and /v1/models answer 404" in flat
-    assert "give the URL `vllm serve` listens on" in flat
+    assert status == 1, flat
+    assert seen in flat and "give the URL `vllm serve` listens on" in flat
+    assert "NOT READY: 1 problem(s)" in flat  # that one, not missing routes or settings
     assert "dev mode is off" not in flat and "runtime adapter loading is off" not in flat
