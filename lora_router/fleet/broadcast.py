@@ -82,6 +82,7 @@ from lora_router.fleet.fence import (
 )
 from lora_router.fleet.fleet import Fleet, PauseIntent
 from lora_router.fleet.lifecycle import OUT, State
+from lora_router.fleet.readiness import load_failure
 from lora_router.fleet.refusals import (
     Conflict,
     FleetRefusal,
@@ -712,7 +713,6 @@ def _load_failure(name: str, path: str, o: Outcome, config: Config) -> FleetRefu
         )
     assert o.answer is not None
     if o.answer.status == 404:  # never "No adapter found" (retried, then 504)
-        return ReplicaRefused(
-            f"Cannot load adapter '{name}': {who}: {o.answer.failure(LOAD)}.", 404
-        )
+        failure = load_failure(o.answer.failure(LOAD), o.replica.unready)
+        return ReplicaRefused(f"Cannot load adapter '{name}': {who}: {failure}.", 404)
     return replica_failure(o.answer, f"Cannot load adapter '{name}'")

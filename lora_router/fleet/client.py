@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Protocol, TypeVar
@@ -312,10 +313,10 @@ class ReplicaClient:
                     return answer
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 if attempt or isinstance(exc, aiohttp.ClientConnectorError):
-                    cause, error = transport_error(exc)
+                    cause, error = transport_error(exc, url.scheme)
                     return Answer(replica, 0, error=error, transport=cause)
             except (aiohttp.ClientError, OSError) as exc:
-                cause, error = transport_error(exc)
+                cause, error = transport_error(exc, url.scheme)
                 return Answer(replica, 0, error=error, transport=cause)
         raise AssertionError("unreachable")
 
@@ -365,9 +366,9 @@ def _redirected(url: URL, location: str | None, status: int) -> str:
     )
 
 
-def transport_error(exc: BaseException) -> tuple[Cause, str]:
-    """Why a request got no HTTP answer: its cause (failure.py), and the reason in words an
-    operator acts on (the fix is the cause's)."""
+def transport_error(exc: BaseException, scheme: str) -> tuple[Cause, str]:
+    """Why a request got no HTTP answer on a URL of `scheme`: its cause (failure.py), and the
+    reason in words an operator acts on (the fix is the cause's)."""
     if isinstance(exc, TimeoutError):  # aiohttp's connect or read timeout
         return Cause.TIMEOUT, "timed out"
     if isinstance(exc, aiohttp.ClientConnectorCertificateError):
@@ -376,10 +377,18 @@ def transport_error(exc: BaseException) -> tuple[Cause, str]:
         # Its errno is OpenSSL's, not the OS's: strerror would say "Operation not permitted".
         reason = getattr(exc.os_error, "reason", None) or str(exc.os_error)
         return Cause.TLS, f"TLS handshake failed ({reason})"
+    if isinstance(exc, aiohttp.ClientConnectorError) and isinstance(exc.os_error, socket.gaierror):
+        # Its errno is getaddrinfo's, not the OS's: strerror would say "Unknown error -2".
+        return Cause.REFUSED, f"cannot resolve the host {exc.host} ({exc.os_error.strerror})"
     if isinstance(exc, aiohttp.ClientConnectorError):
         errno = exc.os_error.errno
         reason = os.strerror(errno) if errno else exc.os_error.__class__.__name__
         return Cause.REFUSED, f"cannot connect ({reason})"
     if isinstance(exc, aiohttp.ServerDisconnectedError):
+        if scheme == "http":  # what an HTTPS server does with a plain request
+            return Cause.REFUSED, (
+                "the replica closed the connection without an answer (if it serves HTTPS, "
+                "give its URL as https://)"
+            )
         return Cause.REFUSED, "the replica closed the connection"
     return Cause.REFUSED, exc.__class__.__name__

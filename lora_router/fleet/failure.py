@@ -144,6 +144,6 @@ def _rejected(seen: str, token_from: str | None) -> Failure:
         return Failure(
             Cause.TOKEN,
             f"{seen}: the token in {token_from} was rejected",
-            f"export the replicas' token in {token_from}",
+            f"export in {token_from} the one token every replica accepts",
         )
     return named(Cause.TOKEN, f"{seen}: the token was rejected")

@@ -24,6 +24,7 @@ seen", and is never a problem.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lora_router.fleet.client import Facts
@@ -84,3 +85,12 @@ def sync_problems(facts: SyncFacts, loras_needed: int) -> list[Failure]:
             )
         )
     return out
+
+
+def load_failure(failure: Failure, unready: Sequence[Failure]) -> Failure:
+    """A failed adapter load's cause on a replica whose sync problems are `unready`: a missing
+    load route (runtime loading off) on one seen without LoRA is the LoRA problem (module
+    docstring), whose fix is the one that helps; any other failure as it is."""
+    if failure.cause is Cause.RUNTIME_LOADING:
+        return next((f for f in unready if f.cause is Cause.NO_LORA), failure)
+    return failure

@@ -47,7 +47,7 @@ from lora_router.fleet.fence import AdapterFence
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.leftovers import Leftovers
 from lora_router.fleet.lifecycle import State
-from lora_router.fleet.readiness import loras_needed, seen_in, sync_problems
+from lora_router.fleet.readiness import load_failure, loras_needed, seen_in, sync_problems
 from lora_router.fleet.replica import Replica
 from lora_router.fleet.replica_loads import ReplicaLoads
 
@@ -304,7 +304,7 @@ class Replay:
             elif o.kind == "conflict" and not o.detail:
                 raise UnlistedError(name)
             elif o.answer is not None and o.kind in ("down", "failed"):  # the replica's answer
-                failure = o.answer.failure("/v1/load_lora_adapter")
+                failure = load_failure(o.answer.failure("/v1/load_lora_adapter"), replica.unready)
                 raise ReplayError(f"replaying adapter '{name}' failed: {failure}")
             else:
                 raise ReplayError(f"replaying adapter '{name}' failed ({o.kind}): {o.detail}")

@@ -1,12 +1,11 @@
 """A replica's failure is named by its cause, with its fix, wherever the router reports it.
 
 Each replica below fails in one of a new user's first ways: the router's token does not match
-its `--api-key`, nothing listens on its port, its certificate comes from a CA the router does
-not trust, its URL ends in `/v1` (the OpenAI base-URL habit), it is not a vLLM server, or it
-never answers. The
-router's log, `/router/replicas`, `/router/status`, `/health` and `lora-router top` name the
-cause and the fix (fleet/failure.py) from the start, and still do after a health check has come
-and gone.
+its `--api-key`, nothing listens on its port, its host name does not resolve, its certificate
+comes from a CA the router does not trust, it serves HTTPS to an http:// URL, its URL ends in
+`/v1` (the OpenAI base-URL habit), it is not a vLLM server, or it never answers. The router's
+log, `/router/replicas`, `/router/status`, `/health` and `lora-router top` name the cause and
+the fix (fleet/failure.py) from the start, and still do after a health check has come and gone.
 """
 
 from __future__ import annotations
@@ -92,6 +91,15 @@ def failing(
         (emu,) = await emulators(1, ssl=server_ctx)
         return emu.url, {}
 
+    async def unknown_host() -> Failing:
+        return "http://no-such-replica.invalid:8000", {}  # .invalid never resolves (RFC 2606)
+
+    async def https_as_http() -> Failing:
+        server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        trustme.CA().issue_cert("127.0.0.1").configure_cert(server_ctx)
+        (emu,) = await emulators(1, ssl=server_ctx)
+        return emu.url.replace("https://", "http://"), {}
+
     async def v1_path() -> Failing:
         (emu,) = await emulators(1)
         return emu.url + "/v1", {}
@@ -106,6 +114,8 @@ def failing(
         "wrong-token": wrong_token,
         "refused": refused,
         "untrusted-tls": untrusted_tls,
+        "unknown-host": unknown_host,
+        "https-as-http": https_as_http,
         "v1-path": v1_path,
         "not-vllm": not_vllm,
         "timeout": stalled,
@@ -118,6 +128,16 @@ def failing(
         ("wrong-token", "HTTP 401 on /v1/models: the token was rejected", "--token-env NAME"),
         ("refused", "cannot connect (Connection refused)", "`vllm serve` is running there"),
         ("untrusted-tls", "TLS certificate not trusted (", "give --ca-file"),
+        (
+            "unknown-host",
+            "cannot resolve the host no-such-replica.invalid (",
+            "check the URL and that `vllm serve` is running there",
+        ),
+        (
+            "https-as-http",
+            "closed the connection without an answer (if it serves HTTPS, give its URL as https://)",
+            "check the URL",
+        ),
         ("v1-path", "/v1 is not a vLLM server's root URL", "give the server's root URL"),
         ("not-vllm", "/v1/models answered no model list", "the URL `vllm serve` listens on"),
         ("timeout", "no answer within ", "is not stuck or overloaded (--health-timeout"),
@@ -203,20 +223,50 @@ async def test_a_load_on_a_replica_without_runtime_loading_names_the_fix(
     assert "fix: start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1" in message
 
 
-async def test_a_replica_back_without_runtime_loading_is_kept_out_with_the_fix(
+async def test_a_load_on_a_replica_without_lora_names_lora_not_runtime_loading(
     emulators: StartEmulators, router: StartRouter, client: ClientSession, adapter: Adapter
+) -> None:
+    # Started with the runtime-loading variable but without --enable-lora: vLLM then has no
+    # load route either, and the variable's fix would change nothing.
+    emus = await emulators(1)
+    (no_lora,) = await emulators(1, enable_lora=False)
+    rt = await router([*emus, no_lora])
+    status, data = await load(client, rt.url, "trl-policy-v1", adapter("trl-policy-v1"))
+    assert status == 404
+    message = orjson.loads(data)["error"]["message"]
+    assert "Replica 1 " in message and "LoRA is disabled" in message, message
+    assert "fix: start it with --enable-lora" in message, message
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in message, message
+
+
+@pytest.mark.parametrize(
+    ("setting", "cause"),
+    [
+        (
+            "runtime_lora_updating",
+            "runtime adapter loading is off: /v1/load_lora_adapter does not exist; fix: start "
+            "it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1",
+        ),
+        ("enable_lora", "LoRA is disabled (vllm_config.lora_config is null)"),
+    ],
+)
+async def test_a_replica_back_without_runtime_loading_or_lora_is_kept_out_with_the_fix(
+    setting: str,
+    cause: str,
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: ClientSession,
+    adapter: Adapter,
 ) -> None:
     emus = await emulators(2)
     rt = await router(emus, health_interval=INTERVAL, health_failures=1)
     assert (await load(client, rt.url, "trl-policy-v1", adapter("trl-policy-v1")))[0] == 200
-    emus[1].config.runtime_lora_updating = False  # restarted without the variable
+    setattr(emus[1].config, setting, False)  # restarted without the variable, or the flag
     await emus[1].restart()
     assert rt.fleet is not None
     back = rt.fleet.replicas[1].life
     await until(lambda: "replaying adapter" in back.last_error, 5.0)
-    assert back.last_error == (
-        "replay failed: replaying adapter 'trl-policy-v1' failed: runtime adapter loading is "
-        "off: /v1/load_lora_adapter does not exist; fix: start it with "
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
-    )
+    assert back.last_error.startswith(
+        f"replay failed: replaying adapter 'trl-policy-v1' failed: {cause}"
+    ), back.last_error
     assert not back.serving

@@ -24,7 +24,7 @@ GUARD = "s3cret-guard"
         (
             {"token_env": "HF_TOKEN", "token": Secret("wrong")},
             "HTTP 401 on /v1/models: the token in HF_TOKEN was rejected",
-            "fix: export the replicas' token in HF_TOKEN",
+            "fix: export in HF_TOKEN the one token every replica accepts",
         ),
         (
             {},

@@ -252,7 +252,9 @@ async def follow(fleet: Fleet, advice: Advice, way: str) -> None:
         fleet.flags = drop_flag(fleet.flags, "--unload-stale")
         fleet.router_flags = ["--unload-stale", pattern]
     elif m := re.fullmatch(
-        r"give --token-env (\w+) holding its token|export the replicas' token in (\w+)", way
+        r"give --token-env (\w+) holding its token"
+        r"|export in (\w+) the one token every replica accepts",
+        way,
     ):
         variable = m.group(1) or m.group(2)
         fleet.env[variable] = TOKEN
