@@ -50,13 +50,29 @@ _JSON_REQUEST = {"Content-Type": "application/json"}
 MAX_ANSWER_BYTES = 16 << 20
 
 # The facts every replica of a fleet must agree on, as (attribute of `Facts`, how a person
-# calls it): discovery warns, `--check` fails.
+# calls it): the router warns and shows it (`disagreement`), `--check` fails.
 AGREEMENT = (
     ("base_model", "base model"),
     ("max_lora_rank", "max_lora_rank"),
     ("max_loras", "max_loras"),
     ("block_size", "block size"),
 )
+# The fix of any disagreement on `AGREEMENT`'s facts.
+AGREE_FIX = "start every replica with the same model and LoRA flags"
+
+
+def disagreement(label: str, values: Mapping[str, object]) -> str | None:
+    """What replicas that disagree on one fact (`label`) say: `values` maps each replica (as
+    the message names it) to its value, None for "did not say" (never a disagreement). The
+    replicas of one value are listed together; None when they agree."""
+    by_value: dict[object, list[str]] = {}
+    for who, value in values.items():
+        if value is not None:
+            by_value.setdefault(value, []).append(who)
+    if len(by_value) < 2:
+        return None
+    parts = "; ".join(f"{value} on {', '.join(who)}" for value, who in by_value.items())
+    return f"the replicas disagree on {label}: {parts}"
 
 
 class Named(Protocol):

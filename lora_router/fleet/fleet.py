@@ -32,10 +32,11 @@ serving replica) come only from agreement (issue 44): each member's last `/v1/mo
 every member that listed one names it, and it is neither a name the fence knows as an adapter
 nor shaped like a version of one (`--lineage-pattern`, routing/keys.py: `trl-policy-v8`).
 Agreement, not the union, because any one member's card would otherwise widen the fence for
-the whole fleet: a member can only narrow the set (at worst the base model then waits at the
-fence and is answered 404, with a warning naming the member), never add a name the others do
-not serve. A removed member's listing stops counting at once. The set is recomputed in place:
-the fence holds the same object (runtime.py).
+the whole fleet: a member can only narrow the set (at worst a name some members list is then
+answered 404 naming those that do not, `unshared_base`, and the disagreement shows in
+`/router/status`, `disagreements`), never add a name the others do not serve. A removed
+member's listing stops counting at once. The set is recomputed in place: the fence holds the
+same object (runtime.py).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from dataclasses import dataclass
 
 from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.breaker import CLOSED, CircuitBreaker
+from lora_router.fleet.client import AGREE_FIX, AGREEMENT, disagreement
 from lora_router.fleet.lifecycle import OUT, Lifecycle, State
 from lora_router.fleet.replica import Replica
 from lora_router.http.upstream import UpstreamPool
@@ -178,6 +180,37 @@ class Fleet:
             self.base_models.clear()
             self.base_models.update(agreed)
             self._changed()
+
+    def disagreements(self) -> list[str]:
+        """What the members disagree on of the facts every replica must share
+        (`client.AGREEMENT`, from each one's `Replica.facts`), each with its fix; empty when
+        they agree. A standing warning: logged when it appears (replay.py), shown in
+        `/router/status` and by `lora-router top`. The base model's part also explains the 404
+        a completion for it gets (`unshared_base`)."""
+        seen = {f"replica {r.rid}": r.facts for r in self.replicas if r.life.member and r.facts}
+        out = []
+        for attr, label in AGREEMENT:
+            what = disagreement(label, {who: getattr(f, attr) for who, f in seen.items()})
+            if what is not None:
+                out.append(f"{what}; fix: {AGREE_FIX}")
+        return out
+
+    def unshared_base(self, model: str) -> str | None:
+        """Why `model` is no base model of the fleet although a member lists it as one: the
+        members that do not (module docstring, *Base model names*); None when none lists it."""
+        if not any(model in names for names in self._listed.values()):
+            return None
+        others = [
+            f"replica {rid} ({', '.join(sorted(names))})"
+            for rid, names in sorted(self._listed.items())
+            if model not in names
+        ]
+        if not others:
+            return None
+        return (
+            f"Not every replica serves it as its base model: {', '.join(others)} "
+            f"{'lists' if len(others) == 1 else 'list'} another; fix: {AGREE_FIX}."
+        )
 
     @property
     def full(self) -> bool:

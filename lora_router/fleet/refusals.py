@@ -79,7 +79,15 @@ def no_replica_in_service(fleet: Fleet, config: Config) -> Unavailable:
     """No replica serves: names why the first one is out (with its fix), and a retry after one
     health interval, the soonest a health check can bring one back."""
     out = [r for r in fleet.replicas if r.life.member]
-    why = f" ({named(out)} out of service{reason(out[0])})" if out else ""
+    if out:
+        why = f" ({named(out)} out of service{reason(out[0])})"
+    elif config.discovering:
+        why = (
+            " (the fleet has no member: discovery has named none yet; /router/status's "
+            "`discovery` shows what each source last read)"
+        )
+    else:
+        why = " (the fleet has no member: add one with POST /router/replicas)"
     return Unavailable(f"No replica is in service{why}.", config.health_interval)
 
 

@@ -3,7 +3,9 @@
 - `Replay.discover` reads every configured replica once at start: its `/v1/models` (base model,
   adapters already registered) and `/server_info` (LoRA limits, KV block size), both parsed by
   the replica client (client.py). It warns when the replicas disagree on a fact of
-  `client.AGREEMENT` (base model, `max_lora_rank`, `max_loras`, block size); clears
+  `client.AGREEMENT` (base model, `max_lora_rank`, `max_loras`, block size), with the fix, as
+  replays and re-reads do when a replica's facts make a new disagreement appear
+  (`Fleet.disagreements`, shown in `/router/status`); clears
   names matching `--unload-stale` (a reused replica still holding `trl-policy-v1` from an
   earlier run would make TRL's first load fail with "already loaded"); and makes live the
   adapters found on *every* answering replica at the same path (static `--lora-modules`).
@@ -39,9 +41,10 @@ import asyncio
 import fnmatch
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from lora_router.config import Config
-from lora_router.fleet.client import AGREEMENT, Facts, ReplicaClient
+from lora_router.fleet.client import Facts, ReplicaClient
 from lora_router.fleet.failure import Cause, Failure
 from lora_router.fleet.fence import AdapterFence
 from lora_router.fleet.fleet import Fleet
@@ -90,6 +93,7 @@ class Replay:
         self.loads = loads
         self.block_size: int | None = config.block_size  # known (module docstring), else None
         self.on_block_size: Callable[[int], None] | None = None
+        self._discovered = False  # `discover` has read every replica (`_note_facts`)
 
     def _known_adapter(self, name: str) -> bool:
         """Whether the fence knows `name` as an adapter: never a base model (fleet.py)."""
@@ -102,13 +106,18 @@ class Replay:
         docstring)."""
         fleet = self.fleet
         results = await asyncio.gather(*(self._probe(r) for r in fleet.replicas))
+        self._discovered = True
         up: list[tuple[Replica, Facts]] = []
         for replica, (facts, error) in zip(fleet.replicas, results, strict=True):
             if facts is None:
                 replica.life.eject(error)
             else:
                 up.append((replica, facts))
-        _warn_disagreements(up)
+        for replica, facts in up:
+            if facts.lora is False:
+                log.warning("%s runs without LoRA (lora_config is null)", replica.describe())
+        for what in fleet.disagreements():
+            log.warning("%s", what)
         serving = [r for r, _ in up]
         if self.config.unload_stale:
             await self._unload_stale(serving, self.config.unload_stale)
@@ -125,6 +134,7 @@ class Replay:
         if isinstance(held, Failure):
             return None, f"at start: {held}"
         replica.adapters = dict(held.adapters)
+        replica.facts = held
         self.fleet.listed(replica, held.bases, self._known_adapter)
         info = await self._read_info(replica, held)
         if isinstance(info, Failure):
@@ -138,6 +148,9 @@ class Replay:
         404 marks it to be read again (`Replica.info_unread`, `reread`)."""
         info = await self.client.server_info(replica, listed)
         self._note_readiness(replica, info)
+        if isinstance(info, Facts):  # its listing's part: the one read with it, else kept
+            kept = replica.facts if listed is None and replica.facts is not None else info
+            self._note_facts(replica, replace(info, bases=kept.bases))
         replica.info_unread = isinstance(info, Failure) and info.cause is not Cause.DEV_MODE
         return info
 
@@ -154,6 +167,19 @@ class Replay:
             log.info("KV block size %d, as %s reports it", info.block_size, replica.describe())
             if self.on_block_size is not None:
                 self.on_block_size(info.block_size)
+
+    def _note_facts(self, replica: Replica, facts: Facts) -> None:
+        """Record what `replica` said of itself, and warn of each disagreement of the fleet's
+        (`Fleet.disagreements`) that this makes appear. At start the whole fleet's are logged
+        once, after every replica has said (`discover`)."""
+        if not self._discovered:
+            replica.facts = facts
+            return
+        before = set(self.fleet.disagreements())
+        replica.facts = facts
+        for what in self.fleet.disagreements():
+            if what not in before:
+                log.warning("%s", what)
 
     def _note_readiness(self, replica: Replica, info: Facts | Failure) -> None:
         """Record whether `replica` can take part in a weight sync (readiness.py), from its
@@ -252,9 +278,8 @@ class Replay:
         if isinstance(held, Failure):
             raise ReplayError(str(held))
         fleet, fence, loads = self.fleet, self.fence, self.loads
-        base = held.base_model
-        if base is not None and fleet.base_models and base not in fleet.base_models:
-            log.warning("%s serves base model %r, unlike the fleet", replica.describe(), base)
+        facts = held if replica.facts is None else replace(replica.facts, bases=held.bases)
+        self._note_facts(replica, facts)
         fleet.listed(replica, held.bases, self._known_adapter)
         replica.adapters = dict(held.adapters)
         replica.loaded = {n: d for n, d in replica.loaded.items() if n in held.adapters}
@@ -317,14 +342,3 @@ class Replay:
         answer = await self.client.call(replica, "POST", path, query=pause.query or "")
         if answer.status != 200:
             raise ReplayError(f"replaying the pause state failed: {answer.failure(path)}")
-
-
-def _warn_disagreements(up: Sequence[tuple[Replica, Facts]]) -> None:
-    for r, facts in up:
-        if facts.lora is False:
-            log.warning("%s runs without LoRA (lora_config is null)", r.describe())
-    for key, label in AGREEMENT:
-        values = {r.rid: getattr(f, key) for r, f in up if getattr(f, key) is not None}
-        if len(set(values.values())) > 1:
-            shown = ", ".join(f"replica {rid}: {v}" for rid, v in values.items())
-            log.warning("the replicas disagree on %s (%s)", label, shown)

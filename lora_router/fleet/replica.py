@@ -20,6 +20,7 @@ from typing import Any
 
 from lora_router.config import ReplicaAddress
 from lora_router.fleet.breaker import CircuitBreaker
+from lora_router.fleet.client import Facts
 from lora_router.fleet.failure import Failure
 from lora_router.fleet.lifecycle import Lifecycle, State
 from lora_router.fleet.pace import Pace
@@ -35,6 +36,7 @@ class Replica:
         "breaker",
         "computed_at",
         "cut_streams",
+        "facts",
         "host_header",
         "in_flight",
         "in_flight_tokens",
@@ -88,6 +90,9 @@ class Replica:
         # Why it cannot take part in a weight sync, as last seen (fleet/readiness.py): a
         # standing warning, shown in /router/status; empty when it can.
         self.unready: tuple[Failure, ...] = ()
+        # What it last said of itself (`/server_info` and `/v1/models`): the fleet checks that
+        # every member agrees on `client.AGREEMENT`'s facts (`Fleet.disagreements`).
+        self.facts: Facts | None = None
         # Its `/server_info` could not be read (not for dev mode): read again at its next
         # passing health check (fleet/replay.py's `reread`).
         self.info_unread = False

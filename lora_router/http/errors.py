@@ -106,6 +106,9 @@ def unavailable(message: str, retry_after: float) -> HTTPError:
     )
 
 
-def model_not_found(model: str) -> HTTPError:
-    """vLLM's answer for a model name no replica serves, before any stream starts."""
-    return HTTPError(404, f"The model `{model}` does not exist.", param="model")
+def model_not_found(model: str, why: str = "") -> HTTPError:
+    """vLLM's answer for a model name the fleet does not serve, before any stream starts;
+    `why`, a sentence after vLLM's words (which clients match the start of), when the router
+    knows more than vLLM would say."""
+    said = f" {why}" if why else ""
+    return HTTPError(404, f"The model `{model}` does not exist.{said}", param="model")

@@ -136,6 +136,8 @@ def status(state: RouterState) -> dict[str, object]:
         "discovery": [s.json() for s in state.discovery.states] if state.discovery else [],
         "syncs": syncs_json(control),
         "base_models": sorted(state.fleet.base_models),
+        # What the replicas disagree on that they must share, each with its fix (fleet.py).
+        "disagreements": state.fleet.disagreements(),
         "adapters": adapters,
         "fence": {
             "version": fence.version,

@@ -39,7 +39,7 @@ from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.health import HealthMonitor
 from lora_router.fleet.refusals import no_replica_in_service
 from lora_router.fleet.replica import Replica
-from lora_router.http.errors import bad_request
+from lora_router.http.errors import bad_request, model_not_found
 from lora_router.http.exchange import Exchange, UpstreamError
 from lora_router.http.request import Request
 from lora_router.http.server import ClientConnection
@@ -240,6 +240,9 @@ class CompletionRoute:
                 # No replica has listed what it serves yet: the name may well be the base
                 # model; whether it exists is unknown, so not vLLM's 404 but "not now".
                 raise fleet_error(no_replica_in_service(self.fleet, self.config))
+            unshared = self.fleet.unshared_base(model)
+            if unshared is not None:  # a base model some replicas lack: never routed
+                raise model_not_found(model, unshared)
             await self.fence.wait(model)
         job, first = self.admit(request, conn, chat, fields)
         job.session = session

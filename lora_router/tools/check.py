@@ -49,10 +49,12 @@ from typing import Any, TextIO
 import lora_router.fleet.leftovers as leftovers
 from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.client import (
+    AGREE_FIX,
     AGREEMENT,
     Answer,
     Facts,
     ReplicaClient,
+    disagreement,
     parse_models,
     parse_server_info,
 )
@@ -359,22 +361,8 @@ def _judge_replica(
 def _disagreement(
     fleet: Sequence[ReplicaFacts], attr: str, label: str, note: bool = False
 ) -> list[Problem]:
-    by_value: dict[object, list[str]] = {}
-    for f in fleet:
-        value = getattr(f, attr)
-        if value is not None:
-            by_value.setdefault(value, []).append(f.name)
-    if len(by_value) < 2:
-        return []
-    parts = "; ".join(f"{value} on {', '.join(names)}" for value, names in by_value.items())
-    return [
-        Problem(
-            None,
-            f"replicas disagree on {label}: {parts}",
-            "" if note else "start every replica with the same model and LoRA flags",
-            note=note,
-        )
-    ]
+    what = disagreement(label, {f.name: getattr(f, attr) for f in fleet})
+    return [] if what is None else [Problem(None, what, "" if note else AGREE_FIX, note=note)]
 
 
 # --- reporting ------------------------------------------------------------------------------

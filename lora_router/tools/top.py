@@ -33,7 +33,9 @@ fleet never reads as an idle one:
 3. the fleet is paused (`/pause` broadcast, no `/resume` since) while requests are in flight or
    wait at the fence: **paused**, with their count and the way out (`POST /resume`);
 4. no replica in service can take part in a weight sync: **misconfigured**, with the first
-   problem and its fix (fleet/readiness.py).
+   problem and its fix (fleet/readiness.py);
+5. the replicas disagree on a fact they must share (base model, LoRA limits, block size):
+   **misconfigured**, with the first disagreement and its fix (`Fleet.disagreements`).
 
 Then, on the shares:
 
@@ -139,6 +141,9 @@ def stall(status: dict[str, Any]) -> str | None:
             "misconfigured: no replica in service can take part in a weight sync; replica "
             f"{serving[0].get('id')}: {problems[0][0]}"
         )
+    disagreements = status.get("disagreements") or []
+    if disagreements:
+        return f"misconfigured: {disagreements[0]}"
     return None
 
 

@@ -9,7 +9,7 @@ import aiohttp
 import orjson
 import pytest
 from emulated_fleet import FenceMonitor, StartEmulators, StartRouter, paths_of
-from helpers import Adapter, call, complete, load, unload, until
+from helpers import Adapter, call, complete, load, run_top, unload, until
 from multidict import CIMultiDictProxy
 
 from lora_router.emulator import Emulator
@@ -354,9 +354,59 @@ async def test_disagreeing_replicas_are_reported_at_start(
     with caplog.at_level(logging.WARNING, logger="lora_router"):
         rt = await router(emus)
     text = caplog.text
-    assert "disagree on max_loras (replica 0: 6, replica 1: 4, replica 2: 6)" in text
-    assert "disagree on block size" in text
+    fix = "fix: start every replica with the same model and LoRA flags"
+    max_loras = "the replicas disagree on max_loras: 6 on replica 0, replica 2; 4 on replica 1"
+    block = "the replicas disagree on block size: 16 on replica 0, replica 1; 32 on replica 2"
+    assert f"{max_loras}; {fix}" in text and f"{block}; {fix}" in text
     assert rt.route is not None and rt.route.block_size == 16  # no agreement: vLLM's default
+    async with aiohttp.ClientSession() as client:
+        _, data, _ = await call(client, "GET", rt.url + "/router/status")
+    assert orjson.loads(data)["disagreements"] == [f"{max_loras}; {fix}", f"{block}; {fix}"]
+
+
+async def test_replicas_serving_different_models_are_named_to_the_client_and_the_operator(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = [*(await emulators(1)), *(await emulators(1, model="meta-llama/Llama-3.2-1B"))]
+    rt = await router(emus)
+    base = emus[0].config.model
+    status, body = await complete(client, rt.url, base)
+    assert status == 404
+    assert body["error"]["message"] == (
+        f"The model `{base}` does not exist. Not every replica serves it as its base model: "
+        "replica 1 (meta-llama/Llama-3.2-1B) lists another; fix: start every replica with the "
+        "same model and LoRA flags."
+    )
+    status, data, _ = await call(client, "GET", rt.url + "/router/status")
+    (disagreement,) = orjson.loads(data)["disagreements"]
+    assert disagreement.startswith(
+        f"the replicas disagree on base model: {base} on replica 0; "
+        "meta-llama/Llama-3.2-1B on replica 1; fix: "
+    )
+    code, out, err = await run_top("--once", "--url", rt.url)
+    assert code == 0, err
+    assert "misconfigured: the replicas disagree on base model" in " ".join(out.split())
+    status, body = await complete(client, rt.url, "no-such-model")  # vLLM's words, no more
+    assert (status, body["error"]["message"]) == (404, "The model `no-such-model` does not exist.")
+
+
+async def test_a_replica_back_with_other_settings_makes_the_disagreement_appear(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    adapter: Adapter,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    emus = await emulators(2)
+    rt = await router(emus, health_interval=0.2, health_failures=1)
+    assert (await load(client, rt.url, "trl-policy-v1", adapter("trl-policy-v1")))[0] == 200
+    emus[1].config.max_lora_rank = 8  # restarted with another --max-lora-rank: replayed
+    with caplog.at_level(logging.WARNING, logger="lora_router"):
+        await emus[1].restart()
+        await until(lambda: "disagree on max_lora_rank" in caplog.text, 5.0)
+    _, data, _ = await call(client, "GET", rt.url + "/router/status")
+    (disagreement,) = orjson.loads(data)["disagreements"]
+    assert disagreement.startswith("the replicas disagree on max_lora_rank: ")
 
 
 async def test_block_size_is_read_from_the_replicas(

@@ -4,6 +4,8 @@ exist": the model exists, the replicas are what is missing."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import aiohttp
 import orjson
 import pytest
@@ -60,3 +62,16 @@ async def test_before_any_replica_answered_the_base_model_gets_503_not_404(
     rt = await router(emus, health_interval=2.0)
     message = assert_unavailable(*await completion(client, rt.url, emus[0].config.model), 2.0)
     assert "at start: cannot connect" in message
+
+
+async def test_a_fleet_discovery_has_not_filled_says_so(
+    router: StartRouter, client: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    members = tmp_path / "replicas"
+    members.write_text("")  # the file names no replica yet
+    rt = await router([], replicas_files=(str(members),), replica_hosts=("127.0.0.1",))
+    async with client.get(rt.url + "/health") as resp:
+        status, headers, body = resp.status, resp.headers, await resp.read()
+    message = assert_unavailable(status, headers, body, rt.config.health_interval)
+    assert "the fleet has no member: discovery has named none yet" in message
+    assert "/router/status's `discovery`" in message
