@@ -407,4 +407,15 @@ def transport_error(exc: BaseException, scheme: str) -> tuple[Cause, str]:
                 "give its URL as https://)"
             )
         return Cause.REFUSED, "the replica closed the connection"
+    if isinstance(exc, aiohttp.ClientPayloadError):  # a body that broke off or lied its length
+        return Cause.OTHER, f"its answer's body broke off ({_first_line(exc)})"
+    if isinstance(exc, aiohttp.ClientResponseError):  # the parser's: no valid HTTP answer
+        return Cause.NOT_VLLM, f"its answer is not valid HTTP ({_first_line(exc)})"
     return Cause.REFUSED, exc.__class__.__name__
+
+
+def _first_line(exc: BaseException) -> str:
+    """An exception's message, its first line and at most 200 characters (aiohttp's parser
+    errors quote the bytes they stopped at, which come from the replica)."""
+    text = str(getattr(exc, "message", "") or exc)
+    return text.splitlines()[0][:200] if text else exc.__class__.__name__

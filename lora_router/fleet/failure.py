@@ -11,6 +11,8 @@ The rules (`classify`), for one answer to a request on `path`:
 | answer | cause |
 | --- | --- |
 | no connection: refused, reset, unknown host | refused |
+| an answer that is not HTTP (the parser's error) | not vLLM |
+| a body that broke off | other |
 | a redirect (never followed: the token goes only to the replica's URL) | wrong path |
 | no answer in time | timeout |
 | a TLS failure (untrusted certificate, failed handshake) | TLS, with the reason |

@@ -3,9 +3,10 @@
 Each replica below fails in one of a new user's first ways: the router's token does not match
 its `--api-key`, nothing listens on its port, its host name does not resolve, its certificate
 comes from a CA the router does not trust, it serves HTTPS to an http:// URL, its URL ends in
-`/v1` (the OpenAI base-URL habit), it is not a vLLM server, or it never answers. The router's
-log, `/router/replicas`, `/router/status`, `/health` and `lora-router top` name the cause and
-the fix (fleet/failure.py) from the start, and still do after a health check has come and gone.
+`/v1` (the OpenAI base-URL habit), it is not a vLLM server, it answers no valid HTTP or breaks
+its answer off, or it never answers. The router's log, `/router/replicas`, `/router/status`,
+`/health` and `lora-router top` name the cause and the fix (fleet/failure.py) from the start,
+and still do after a health check has come and gone.
 """
 
 from __future__ import annotations
@@ -72,8 +73,33 @@ async def stalled_server() -> AsyncIterator[str]:
 
 
 @pytest.fixture
+async def answering() -> AsyncIterator[Callable[[bytes], Awaitable[str]]]:
+    """Servers that answer every request with the bytes given, then close the connection."""
+    servers: list[asyncio.Server] = []
+
+    async def start(reply: bytes) -> str:
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(reply)
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        servers.append(server)
+        return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+    yield start
+    for server in servers:
+        server.close()
+        await server.wait_closed()
+
+
+@pytest.fixture
 def failing(
-    emulators: StartEmulators, plain_server: str, stalled_server: str
+    emulators: StartEmulators,
+    plain_server: str,
+    stalled_server: str,
+    answering: Callable[[bytes], Awaitable[str]],
 ) -> dict[str, MakeFailing]:
     """Each failing replica by name."""
     trustme = pytest.importorskip("trustme")
@@ -107,6 +133,13 @@ def failing(
     async def not_vllm() -> Failing:
         return plain_server, {}
 
+    async def not_http() -> Failing:
+        return await answering(b"SSH-2.0-OpenSSH_9.6\r\n\r\n"), {}
+
+    async def cut_body() -> Failing:
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+        return await answering(head + b'{"data": ['), {}
+
     async def stalled() -> Failing:
         return stalled_server, {"health_timeout": 0.3}
 
@@ -119,6 +152,8 @@ def failing(
         "v1-path": v1_path,
         "not-vllm": not_vllm,
         "timeout": stalled,
+        "not-http": not_http,
+        "cut-body": cut_body,
     }
 
 
@@ -141,6 +176,8 @@ def failing(
         ("v1-path", "/v1 is not a vLLM server's root URL", "give the server's root URL"),
         ("not-vllm", "/v1/models answered no model list", "the URL `vllm serve` listens on"),
         ("timeout", "no answer within ", "is not stuck or overloaded (--health-timeout"),
+        ("not-http", "its answer is not valid HTTP (", "the URL `vllm serve` listens on"),
+        ("cut-body", "its answer's body broke off (", "see the replica's log"),
     ],
 )
 async def test_a_failing_replica_is_named_by_its_cause_in_the_log_and_the_status_routes(
