@@ -7,6 +7,7 @@ application, one at a time per connection, in order. It owns the connection's li
   connection closes after `keepalive_timeout`; while a request is answered the replica's
   timeouts apply instead, and a pipelined request gets its deadlines once the one in front ends;
 - header bytes and count, body bytes (431 / 413) and the head rules of http/framing.py;
+  the head's bytes count as they arrive (`_head_arrived`), not only once it is complete;
 - the bodies buffered over all connections (`ConnectionCount.buffered`): a body is reserved
   from its head (chunked: chunk by chunk) until its answer begins (`head`, `send`), its input
   is refused (`_fail`) or its connection goes; past `max_buffered_bytes`, 503 + Retry-After.
@@ -83,6 +84,7 @@ class ClientConnection(asyncio.Protocol):
     __slots__ = (
         "__weakref__",
         "_armed",
+        "_begun",
         "_body",
         "_body_bytes",
         "_broken",
@@ -97,6 +99,7 @@ class ClientConnection(asyncio.Protocol):
         "_error",
         "_framing",
         "_handler",
+        "_head_bytes",
         "_header_bytes",
         "_header_timeout",
         "_headers",
@@ -176,6 +179,10 @@ class ClientConnection(asyncio.Protocol):
         self._session: tuple[bytes, ...] = ()  # the SESSION_HEADER values, in order
         self._http11 = True
         self._header_bytes = 0
+        # The head being received, as it arrives (`_head_arrived`): its bytes so far, and the
+        # number of requests begun on this connection (to tell where a head began).
+        self._head_bytes = 0
+        self._begun = 0
         self._body: list[bytes] = []
         self._body_bytes = 0
         # In `count.buffered`: the body being received (`_receiving`, chunk by chunk when
@@ -220,8 +227,11 @@ class ClientConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._closed or self._broken:
             return
+        phase, begun = self._phase, self._begun
         try:
             self._parser.feed_data(data)
+            if self._phase == _Phase.HEADERS:  # this read ends inside a head
+                self._head_arrived(len(data), phase == _Phase.IDLE, self._begun - begun)
             # A request still arriving gets the deadline of its phase here, once per read, not
             # in the parser callbacks that enter each phase: a request read whole (the usual
             # case) sets none, where it used to set two. The deadline starts microseconds
@@ -259,6 +269,8 @@ class ClientConnection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._phase = _Phase.HEADERS  # its deadline: `data_received`
+        self._begun += 1
+        self._head_bytes = 0
         self._url = b""
         self._headers = []
         self._framing = []
@@ -553,6 +565,22 @@ class ClientConnection(asyncio.Protocol):
 
     def _headers_too_big(self) -> None:
         self._raise(headers_too_big(self._max_header_bytes))
+
+    def _head_arrived(self, size: int, idle: bool, begun: int) -> None:
+        """A read of `size` bytes ended inside a head: past `max_header_bytes` of it (raw bytes,
+        separators and whitespace included), 431 now.
+
+        httptools keeps a header line until it ends (then `on_header` counts it), so a line
+        that never ends would be held, and copied again on each read, until the deadline. The
+        read's bytes are the head's when the head began before it (`begun` 0) or with it (the
+        connection was `idle` and one request began); a head begun behind another request in
+        the same read is counted from the next read on (its share of this one is unknown),
+        so a connection holds at most one read more than the limit.
+        """
+        if begun == 0 or (idle and begun == 1):
+            self._head_bytes += size
+            if self._head_bytes > self._max_header_bytes:
+                self._fail(headers_too_big(self._max_header_bytes))
 
     def _write_continue(self) -> None:
         if self.transport is not None:

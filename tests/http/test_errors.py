@@ -8,7 +8,16 @@ import os
 import orjson
 import pytest
 from helpers import until
-from http_harness import TOKEN, RawClient, Received, ReplicaConn, completion, json_response, request
+from http_harness import (
+    TOKEN,
+    RawClient,
+    Received,
+    ReplicaConn,
+    completion,
+    json_response,
+    post_completion,
+    request,
+)
 
 
 def assert_vllm_error(r, status: int, type_: str | None = None) -> dict:
@@ -153,6 +162,43 @@ async def test_header_bytes_over_the_limit_are_431(router, replica, clients):
     await client.send(b"GET / HTTP/1.1\r\nhost: r\r\nx-big: " + b"a" * 2100 + b"\r\n\r\n")
     assert_vllm_error(await client.response(), 431)
     assert await client.closed()
+
+
+@pytest.mark.parametrize(
+    "line", [b"x-flood: ", b"x-flood-"], ids=["unfinished value", "unfinished name"]
+)
+async def test_an_unfinished_header_line_over_the_limit_is_431_as_it_arrives(
+    router, replica, clients, line
+):
+    # The line never ends: httptools would hold it (and copy it on each read) until the
+    # header deadline, the limit judged only once it was complete.
+    rt = await router([replica], max_header_bytes=2000)
+    client = await clients(rt.url)
+    await client.send(b"GET /version HTTP/1.1\r\nhost: r\r\n" + line)
+    for _ in range(20):  # 4000 bytes in writes below the limit: one read or many
+        await client.send(b"a" * 200)
+    assert_vllm_error(await client.response(timeout=2), 431)  # before the 5 s deadline
+    assert await client.closed()
+    assert replica.requests == []
+
+
+async def test_a_head_under_the_limit_passes_in_pieces_and_behind_a_bigger_request(
+    router, replica, clients
+):
+    # What arrives while a head is unfinished counts only when it is that head's: a head sent
+    # in pieces is judged on its own bytes, and one that begins in the same read as a request
+    # bigger than the limit does not inherit that request's bytes.
+    rt = await router([replica], max_header_bytes=2000)
+    client = await clients(rt.url)
+    head = b"GET /version HTTP/1.1\r\nhost: r\r\nx-a: " + b"a" * 1800 + b"\r\n\r\n"
+    for piece in (head[:900], head[900:1700], head[1700:]):
+        await client.send(piece)
+    assert (await client.response()).status == 200
+    body = completion(prompt="x" * 3000)
+    await client.send(post_completion(body) + head[:1000])
+    assert (await client.response()).status == 200
+    await client.send(head[1000:])
+    assert (await client.response()).status == 200
 
 
 async def test_a_long_url_counts_against_the_header_limit(router, replica):
