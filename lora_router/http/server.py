@@ -8,6 +8,8 @@ application, one at a time per connection, in order. It owns the connection's li
   timeouts apply instead, and a pipelined request gets its deadlines once the one in front ends;
 - header bytes and count, body bytes (431 / 413) and the head rules of http/framing.py;
   the head's bytes count as they arrive (`_head_arrived`), not only once it is complete;
+- no protocol upgrade: a request asking for one (`Connection: upgrade`, or CONNECT) is 501,
+  before its body is read (llhttp would hand it over with an empty body) or it is dispatched;
 - the bodies buffered over all connections (`ConnectionCount.buffered`): a body is reserved
   from its head (chunked: chunk by chunk) until its answer begins (`head`, `send`), its input
   is refused (`_fail`) or its connection goes; past `max_buffered_bytes`, 503 + Retry-After.
@@ -239,10 +241,6 @@ class ClientConnection(asyncio.Protocol):
             # phase: more bytes of the same phase never move it (a fixed deadline).
             if self._phase != self._armed and not (self._busy or self._closed):
                 self._rearm()
-        except httptools.HttpParserUpgrade:
-            # `Upgrade:` (or CONNECT) would turn this connection into a tunnel: never. A request
-            # that was complete is answered without the upgrade, then the connection closes.
-            self._fail(HTTPError(501, "CONNECT and protocol upgrades are not supported."))
         except httptools.HttpParserError as exc:
             error, self._error = self._error, None
             self._fail(error or HTTPError(400, f"Malformed HTTP request: {exc}."))
@@ -309,6 +307,10 @@ class ClientConnection(asyncio.Protocol):
         if version not in ("1.1", "1.0"):
             self._raise(HTTPError(505, f"HTTP/{version} is not supported."))
         self._http11 = version == "1.1"
+        if self._parser.should_upgrade():
+            # A tunnel, never: and llhttp would skip the body (the new protocol's bytes) and
+            # complete the request empty. Refused before anything reads or dispatches it.
+            self._raise(HTTPError(501, "CONNECT and protocol upgrades are not supported."))
         framing = self._framing
         if len(framing) == 1 and framing[0][0] == b"content-length":  # the usual case
             self._chunked = False
