@@ -338,9 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
         "max_buffered_bytes": "request body bytes held at once over all client connections, "
         "each body counted from its head (its Content-Length) until its answer begins (503 "
         "with Retry-After beyond; at least --max-body-bytes)",
-        "max_prompt_tokens": "longest token-id prompt a completion may carry (400 beyond); "
-        "text and chat prompts are routed on their first 4 bytes a token of it and forwarded "
-        "whole",
+        "max_prompt_tokens": "most token ids a completion may carry, a batch's prompts counted "
+        "together (400 beyond); text and chat prompts are routed on their first 4 bytes a "
+        "token of it and forwarded whole",
         "max_upstream_connections": "requests in flight to one replica",
         "control_connections": "control-plane connections open to one replica at once (health "
         "checks, listings, broadcasts, scrapes); more calls wait for one",

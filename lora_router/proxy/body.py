@@ -6,9 +6,10 @@ The body is decoded once with msgspec and forwarded byte for byte; nothing here 
 Validation covers only what the router itself relies on, and answers like vLLM would (400,
 `type: "Bad Request"`): a body that is not a JSON object, a `model` that is not a string, a
 prompt of the wrong shape, token ids that are not non-negative 32-bit integers, more tokens
-than `max_prompt_tokens`, or JSON nested deeper than the decoders go. Everything else is the
-replica's to judge. `max_prompt_tokens` bounds the routing work of every prompt shape: token
-ids beyond it are refused; text and chat prompts, which the router cannot count in tokens
+than `max_prompt_tokens` (a batch's prompts counted together), or JSON nested deeper than the
+decoders go. Everything else is the replica's to judge. `max_prompt_tokens` bounds the routing
+work of every prompt shape: token ids beyond it are refused, in one prompt or in a whole batch;
+text and chat prompts, which the router cannot count in tokens
 (it counts `TEXT_BYTES_PER_TOKEN` bytes a token, routing/keys.py), are keyed and counted on
 their first `max_prompt_tokens` * that many bytes and forwarded whole, for the replica to
 judge their length. All of it is judged here, in `read_completion`, before the request is
@@ -24,7 +25,20 @@ pair of brackets: non-negative integers) and counted by its commas. Its range (e
 carrying a given prompt text parses it into an `array('I')` at once, and `CompletionReader`
 remembers the last few prompt texts it parsed, exactly, so the G - 1 siblings of a GRPO prompt
 (same prompt, their own seeds) skip the parse: they are routed by a hash of the raw text (see
-routed.py) and never need their ids. Everything else (batches, text, chat) is decoded whole.
+routed.py) and never need their ids. A batch is read on its text too, in one C pass: a list
+of flat lists of ids (`_token_batch`: counted by its commas, every id range-checked in one
+parse, which the limit on its tokens bounds), or a list of strings (`_TEXT_BATCH`); either is
+keyed by its first prompt, the only one the router decodes. A text prompt is one string,
+decoded; chat messages are decoded whole, within the bound below, and each serialised.
+
+Bounded decoding: JSON decoded into Python objects costs up to some 60 bytes a value, 20 times
+the text of `[{},{},...]`. So nothing is decoded whole that may hold more than
+`MAX_DECODED_VALUES` values (262,144: some 16 MiB), counted on its text by the bytes `{[,:`
+that precede them (`_decodable`). Chat messages past it are neither keyed nor checked: the
+request is routed by load alone, like `prompt_embeds`, and the replica judges it (ordinary text
+holds one of those bytes every few dozen: a conversation past the bound is millions of tokens
+long). A prompt that no reader above accepts is wrong; it is decoded only to name what is
+wrong, and past the bound gets the 400 that names every shape.
 
 The cut (`_read_cut`): the decoder skips a token-id list number by number, most of the time a
 TRL body takes to read (docs/design/overhead.md#one-path-41). So a body whose `"prompt":` is
@@ -47,7 +61,7 @@ import os
 import re
 from array import array
 from collections import OrderedDict
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import orjson
@@ -81,6 +95,17 @@ _PROMPT_KEY = b'"prompt":'
 _ARRAY_AT = re.compile(rb"[ \t\r\n]*\[")
 _HOLE = b"[]"
 _HOLE_RAW = msgspec.Raw(_HOLE)
+# A batch read on its text (`_token_batch`, `_TEXT_BATCH`), the syntax already checked: a list
+# of lists each holding digits, commas and whitespace, an id first; a list of strings.
+_TOKEN_BATCH = re.compile(rb"\[\s*+\[\s*+\d[\d\s,]*+\](?:\s*+,\s*+\[\s*+\d[\d\s,]*+\])*+\s*+\]")
+_STRING = rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"'
+_TEXT_BATCH = re.compile(
+    rb"\[\s*+(" + _STRING + rb")(?:\s*+,\s*+" + _STRING + rb")*+\s*+\]", re.DOTALL
+)
+_MAX_ID = 2**32 - 1
+# The JSON values (keys included) a prompt or messages may decode into (module docstring):
+# about 60 bytes each at most, so some 16 MiB.
+MAX_DECODED_VALUES = 1 << 18
 
 
 class Completion(msgspec.Struct):
@@ -184,21 +209,26 @@ def read_completion(
     except msgspec.DecodeError as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}.") from None
     model, stream = data.model, bool(data.stream)
+    limit = max_prompt_tokens * TEXT_BYTES_PER_TOKEN  # a text's keyed prefix (above)
     if chat:
-        limit = max_prompt_tokens * TEXT_BYTES_PER_TOKEN
-        messages = _messages_text(_loads(data.messages) if data.messages else None, limit)
+        messages = _messages_text(bytes(data.messages), limit)
         return Completion(model, None, None, messages, stream)
     raw = bytes(data.prompt)
     if (not raw or raw == b"null") and data.prompt_embeds:
         return Completion(model, None, None, None, stream)  # embeddings: the replica judges them
+    if raw[:1] == b'"':
+        return Completion(model, None, None, _text(raw, limit), stream)
     if raw[:1] == b"[":
         flat = _token_prompt(model, raw, stream, max_prompt_tokens, checked)
         if flat is not None:
             return flat
-    batch_tokens, text = _prompt(_loads(raw) if raw else None, max_prompt_tokens)
-    if text is not None:
-        text = text[: max_prompt_tokens * TEXT_BYTES_PER_TOKEN]  # the keyed prefix (above)
-    return Completion(model, None, batch_tokens, text, stream)
+        tokens = _token_batch(raw, max_prompt_tokens)
+        if tokens is not None:
+            return Completion(model, None, tokens, None, stream)
+        texts = _TEXT_BATCH.fullmatch(raw)
+        if texts is not None:  # keyed by its first prompt, the others left to the replica
+            return Completion(model, None, None, _text(texts.group(1), limit), stream)
+    raise _prompt_error(_loads(raw) if raw and _decodable(raw) else None)
 
 
 def _read_cut(
@@ -271,49 +301,75 @@ def _token_prompt(
     return Completion(model, raw, tokens, None, stream)
 
 
-def _loads(raw: bytes | msgspec.Raw) -> object:
-    """A raw field decoded (msgspec checked its JSON syntax, not its strings' UTF-8)."""
+def _decodable(raw: bytes) -> bool:
+    """Whether decoding `raw` whole makes at most `MAX_DECODED_VALUES` JSON values (module
+    docstring): a value (or key) begins the text or follows a `{`, `[`, `,` or `:`, so those
+    bytes, counted in C (inside strings too: an upper bound), bound them; a text that short
+    holds no more."""
+    if len(raw) < MAX_DECODED_VALUES:
+        return True
+    return 1 + sum(raw.count(c) for c in b"{[,:") <= MAX_DECODED_VALUES
+
+
+def _loads(raw: bytes) -> object:
+    """A raw field decoded (msgspec checked its JSON syntax, not its strings' UTF-8); callers
+    decode a string, or a text `_decodable` passed."""
     try:
-        return orjson.loads(bytes(raw))
+        return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         if exc.msg.startswith("depth limit"):
             raise _too_deep() from None
         raise bad_request(f"The request body is not valid JSON: {exc.msg}.") from None
 
 
-def _prompt(prompt: object, max_tokens: int) -> tuple[array[int] | None, bytes | None]:
-    """A prompt is token ids, a batch of them, a string or a batch of strings.
+def _text(raw: bytes, limit: int) -> bytes:
+    """A JSON string's (`raw` opens with its quote) first `limit` bytes of UTF-8."""
+    return cast(str, _loads(raw)).encode()[:limit]
 
-    A batch is one upstream request (its answer is one body), so it is routed as a whole,
-    keyed by its first prompt; every prompt of it is still validated.
-    """
-    if isinstance(prompt, str):
-        return None, prompt.encode()
-    if not isinstance(prompt, list) or not prompt:
+
+def _token_batch(raw: bytes, max_prompt_tokens: int) -> array[int] | None:
+    """The first prompt of a batch of token-id prompts `raw` (a JSON array's text), or None if
+    `raw` is not a list of non-empty flat lists of non-negative integers (by its text, as
+    `_token_prompt` judges one); raises vLLM's 400 for more than `max_prompt_tokens` tokens in
+    the whole batch or an id past 32 bits.
+
+    Every id is range-checked in one parse, bounded by the limit on the batch's tokens: a
+    batch costs what one prompt of as many tokens costs, however many prompts it holds."""
+    if _TOKEN_BATCH.fullmatch(raw) is None:
+        return None
+    # A token per comma, plus one: each list's last id has none, the lists' commas make up
+    # for all but the first (every list holds an id: checked above).
+    count = raw.count(b",") + 1
+    if count > max_prompt_tokens:
         raise bad_request(
-            "`prompt` must be a string, a list of token ids, or a non-empty list of either.",
-            param="prompt",
+            f"The batch's prompts have {count} tokens in all; the limit is {max_prompt_tokens}.",
+            "prompt",
         )
-    first = prompt[0]
-    if isinstance(first, str):
-        if not all(isinstance(p, str) for p in prompt):
-            raise bad_request("A batch of text prompts must contain only strings.", "prompt")
-        return None, first.encode()
-    if isinstance(first, list):
-        packed = [_tokens(p, max_tokens) for p in prompt]
-        return packed[0], None
-    return _tokens(prompt, max_tokens), None
+    ids = _range_checked(b"[" + raw.translate(None, b"[]") + b"]")
+    first = raw[: raw.index(b"]")]
+    return ids[: first.count(b",") + 1]
 
 
-def _tokens(ids: object, max_tokens: int) -> array[int]:
-    if not isinstance(ids, list) or not ids:
-        raise bad_request("A token-id prompt must be a non-empty list of integers.", "prompt")
-    if len(ids) > max_tokens:
-        raise bad_request(f"The prompt has {len(ids)} tokens; the limit is {max_tokens}.", "prompt")
-    try:
-        return array("I", ids)
-    except (TypeError, OverflowError):
-        raise _bad_token_ids() from None
+def _prompt_error(prompt: object) -> HTTPError:
+    """Why `prompt` (decoded; None when absent or not `_decodable`) is none of the shapes
+    `read_completion` reads: a string, a list of token ids, or a non-empty list of either
+    (a text batch of strings only). The 400 names what is wrong as closely as its shape
+    tells."""
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, str):
+            return bad_request("A batch of text prompts must contain only strings.", "prompt")
+        for ids in prompt if isinstance(first, list) else (prompt,):
+            if not isinstance(ids, list) or not ids:
+                return bad_request(
+                    "A token-id prompt must be a non-empty list of integers.", "prompt"
+                )
+            if not all(type(i) is int and 0 <= i <= _MAX_ID for i in ids):
+                return _bad_token_ids()
+    return bad_request(
+        "`prompt` must be a string, a list of token ids, or a non-empty list of either.",
+        param="prompt",
+    )
 
 
 def _range_checked(raw: bytes) -> array[int]:
@@ -328,33 +384,37 @@ def _range_checked(raw: bytes) -> array[int]:
     return tokens
 
 
-def _too_deep() -> Exception:
+def _too_deep() -> HTTPError:
     return bad_request("The request body is nested too deeply to be read.")
 
 
-def _bad_token_ids() -> Exception:
+def _bad_token_ids() -> HTTPError:
     return bad_request("Token ids must be integers between 0 and 4294967295.", param="prompt")
 
 
-def _messages_text(messages: object, limit: int) -> bytes:
-    """Chat messages, each serialised on its own and concatenated: a later turn's encoding
-    starts with an earlier turn's, so conversations keep their affinity. Only the first `limit`
-    bytes are kept (the messages after them are not serialised)."""
+def _messages_text(raw: bytes, limit: int) -> bytes | None:
+    """Chat messages `raw` (their JSON text), each serialised on its own and concatenated: a
+    later turn's encoding starts with an earlier turn's, so conversations keep their affinity.
+    Only the first `limit` bytes are kept (the messages after them are not serialised), grown
+    in one buffer: a bytes object kept per message held some 4 KiB resident each.
+    None, unkeyed and left to the replica, for messages not `_decodable` (module docstring)."""
+    if raw and not _decodable(raw):
+        return None
+    messages = _loads(raw) if raw else None
     if not isinstance(messages, list) or not messages:
         raise bad_request("`messages` must be a non-empty list of objects.", param="messages")
     if not all(isinstance(m, dict) for m in messages):
         raise bad_request("Every message must be a JSON object.", param="messages")
-    parts: list[bytes] = []
-    size = 0
+    text = bytearray()
     try:
         for m in messages:
-            if size >= limit:
+            if len(text) >= limit:
                 break
-            parts.append(orjson.dumps(m, option=orjson.OPT_SORT_KEYS))
-            size += len(parts[-1])
+            text += orjson.dumps(m, option=orjson.OPT_SORT_KEYS)
     except orjson.JSONEncodeError:  # nested deeper than the encoder goes (255 levels)
         raise _too_deep() from None
-    return b"".join(parts)[:limit]
+    del text[limit:]
+    return bytes(text)
 
 
 # -- adapter loads and unloads (their bodies go to the replicas as they are) ------------

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from xxhash import xxh3_64_intdigest
 
 from lora_router.http.errors import HTTPError
-from lora_router.proxy.body import CompletionReader, read_completion
+from lora_router.proxy.body import MAX_DECODED_VALUES, CompletionReader, read_completion
 
 
 def read(body: bytes, chat: bool = False):
@@ -35,7 +35,24 @@ def test_a_sibling_prompt_is_kept_as_its_wire_text_unparsed() -> None:
 
 @pytest.mark.parametrize(
     "prompt",
-    [b"[-1, 2]", b"[1.5]", b"[1e3]", b'[1, "2"]', b"[1, [2]]", b"[]", b"[ ]", b"{}", b"null"],
+    [
+        b"[-1, 2]",
+        b"[1.5]",
+        b"[1e3]",
+        b'[1, "2"]',
+        b"[1, [2]]",
+        b"[]",
+        b"[ ]",
+        b"{}",
+        b"null",
+        b"[true]",
+        b"[[1], [false]]",
+        b"[[1], []]",
+        b"[[1], [[2]]]",
+        b"[[1], 2]",
+        b'[[1], "a"]',
+        b'["a", [1]]',
+    ],
 )
 def test_token_ids_are_non_negative_integers_checked_on_the_raw_text(prompt: bytes) -> None:
     with pytest.raises(HTTPError) as info:
@@ -75,6 +92,30 @@ def test_a_batch_is_keyed_by_its_first_prompt() -> None:
 def test_a_batch_is_validated_whole() -> None:
     with pytest.raises(HTTPError):
         read(b'{"prompt": [[1, 2], [-3]]}')
+
+
+def ids(n: int, start: int = 0) -> bytes:
+    return b"[%s]" % b", ".join(b"%d" % i for i in range(start, start + n))
+
+
+def test_a_batch_is_limited_by_its_tokens_in_all() -> None:
+    with pytest.raises(HTTPError) as info:
+        read(b'{"prompt": [%s, %s]}' % (ids(60), ids(41)))
+    assert info.value.status == 400 and info.value.param == "prompt"
+    assert info.value.message == "The batch's prompts have 101 tokens in all; the limit is 100."
+    batch = read(b'{"prompt": [%s, %s]}' % (ids(60, 7), ids(40)))
+    assert list(batch.token_ids() or []) == list(range(7, 67))
+
+
+@given(
+    batch=st.lists(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=5), min_size=1),
+    spaced=st.booleans(),
+)
+def test_a_batch_of_token_ids_read_on_its_text_is_keyed_by_its_first_prompt(
+    batch: list[list[int]], spaced: bool
+) -> None:
+    body = json.dumps({"prompt": batch[:20]}, separators=(" , ", ": ") if spaced else (",", ":"))
+    assert list(read(body.encode()).token_ids() or []) == batch[0]
 
 
 def test_a_text_prompt_is_read_as_its_first_text() -> None:
@@ -163,6 +204,22 @@ def test_chat_messages_are_keyed_on_a_bounded_prefix_and_later_messages_not_enco
     assert chat.text == orjson.dumps(first, option=orjson.OPT_SORT_KEYS)[:400]
     short = read(orjson.dumps({"messages": [{"role": "user", "content": "hi"}]}), chat=True)
     assert short.text == b'{"content":"hi","role":"user"}'
+
+
+def test_a_chat_past_the_decoded_values_bound_is_left_unkeyed_to_the_replica() -> None:
+    # `[{},{},...]`: a `{` and a `,` a message, and the `[`; one more value than the bound.
+    past = b'{"messages": [%s]}' % b",".join([b"{}"] * (MAX_DECODED_VALUES // 2))
+    chat = read(past, chat=True)
+    assert chat.text is None and chat.token_ids() is None
+    within = b'{"messages": [%s]}' % b",".join([b"{}"] * (MAX_DECODED_VALUES // 2 - 1))
+    assert read(within, chat=True).text == b"{}" * 200  # keyed on its first 400 bytes
+
+
+def test_a_wrong_prompt_past_the_decoded_values_bound_gets_the_400_naming_every_shape() -> None:
+    with pytest.raises(HTTPError) as info:
+        read(b'{"prompt": [%s]}' % b",".join([b"[-1]"] * MAX_DECODED_VALUES))
+    assert info.value.status == 400 and info.value.param == "prompt"
+    assert info.value.message.startswith("`prompt` must be a string, a list of token ids")
 
 
 # -- the cut: a flat token-id list is judged on its own text, not walked by the decoder -------
