@@ -70,7 +70,7 @@ from lora_router.proxy.answers import (
     no_replica_for,
     refusal,
 )
-from lora_router.proxy.body import abort_ids, load_fields, unload_name
+from lora_router.proxy.body import abort_ids, control_body, load_fields, unload_name
 from lora_router.proxy.forward import Forwarder
 from lora_router.proxy.retry import RetryBudget
 from lora_router.proxy.routed import ROUTED, CompletionRoute
@@ -82,6 +82,7 @@ log = logging.getLogger(__name__)
 
 _JSON = [(b"content-type", b"application/json")]
 _ADMIN = b"/router/replicas"
+_ID_DIGITS = 20  # a replica id's digits at most: 2**64 has 20
 _LOOPBACK = (b"127.", b"::1", b"::ffff:127.")
 
 Handler = Callable[[Request, ClientConnection], Awaitable[None]]
@@ -267,7 +268,7 @@ class RouterApp:
         whether it was kept or not: an unknown id is harmless); no id, or one the rules refuse,
         is a 400 (routing/sessions.py)."""
         try:
-            session = finish_id(request.query, request.body)
+            session = finish_id(request.query, control_body(request.body))
         except SessionIdError as exc:
             raise bad_request(str(exc), param="session_id") from None
         released = self.completions.sessions.finish(session)
@@ -306,7 +307,7 @@ class RouterApp:
         (202)."""
         self._admin_allowed(request)
         try:
-            doc = orjson.loads(request.body)
+            doc = orjson.loads(control_body(request.body))
         except orjson.JSONDecodeError:
             doc = None
         url = doc.get("url") if isinstance(doc, dict) else None
@@ -348,7 +349,9 @@ class RouterApp:
         """`DELETE /router/replicas/{id}`: no new work at once, removed once drained."""
         self._admin_allowed(request)
         tail = request.path[len(_ADMIN) + 1 :]
-        replica = self.fleet.find(int(tail)) if tail.isdigit() else None
+        # An id is a count of replicas added: past `_ID_DIGITS` digits none is in the fleet
+        # (and int() refuses past 4,300 digits).
+        replica = self.fleet.find(int(tail)) if tail.isdigit() and len(tail) <= _ID_DIGITS else None
         if replica is None:
             raise HTTPError(404, f"No replica with id {tail.decode('latin-1')!r} in the fleet.")
         drained = await self.health.remove(replica)

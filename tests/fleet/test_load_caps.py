@@ -18,6 +18,7 @@ from helpers import Adapter, call, load
 from lora_router.fleet import adapter_files, fence
 from lora_router.fleet.adapter_files import read_digest
 from lora_router.fleet.fence import AdapterFence, LoadRefused
+from lora_router.proxy.body import CONTROL_BODY_BYTES
 
 HUGE = 6 << 30  # a sparse file: no disk used, but this many bytes to read
 
@@ -78,7 +79,9 @@ async def test_an_entry_keeps_only_what_a_replay_needs(
     emus = await emulators(2)
     rt = await router(emus)
     path = adapter("trl-policy-v1")
-    padded = {"lora_name": "trl-policy-v1", "lora_path": path, "pad": "x" * (8 << 20)}
+    # Padded to half the cap on a control call's body (a load over it is a 413).
+    pad = "x" * (CONTROL_BODY_BYTES // 2)
+    padded = {"lora_name": "trl-policy-v1", "lora_path": path, "pad": pad}
     status, _, _ = await call(client, "POST", rt.url + "/v1/load_lora_adapter", padded)
     assert status == 200
     assert rt.fence is not None
