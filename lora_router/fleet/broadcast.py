@@ -42,7 +42,9 @@ reported to its lifecycle (lifecycle.py). Why each rule: docs/design/fleet.md#br
   answer in time counts as unreachable (above), so a hung replica costs one broadcast at most
   that long, and the trainer is answered: a pause, resume or reset within `--control-timeout`,
   an unload within that, a load within `--load-deadline` plus the rollback's
-  `--control-timeout`.
+  `--control-timeout`. A broadcast waits only for its targets, the replicas serving when it
+  starts: one of them that the router gives up on meanwhile (its health checks eject it) is
+  not waited for any longer and counts as unreachable (replica_loads.py's `unless_given_up`).
 - **Stopping** (`close`): broadcasts not yet started are refused, but for a deferred unload
   (its client was told it is done: it goes out once drained); a load under way is
   abandoned (mount waits end at once, as when its client leaves), then every running broadcast
@@ -104,6 +106,8 @@ from lora_router.fleet.replica_loads import (
     ReplicaLoads,
     failure_rank,
     forget,
+    no_answer,
+    unless_given_up,
 )
 from lora_router.fleet.telemetry import SyncClock
 from lora_router.http.headers import HOP_BY_HOP, REPLICA_HEADER
@@ -338,7 +342,12 @@ class Broadcaster:
         job = loads.replace_on if replace else loads.load_on
         outcomes, rides = await asyncio.gather(
             asyncio.gather(
-                *(job(r, name, path, body, digest, deadline, abandoned) for r in targets)
+                *(
+                    unless_given_up(
+                        r, job(r, name, path, body, digest, deadline, abandoned), no_answer
+                    )
+                    for r in targets
+                )
             ),
             asyncio.gather(
                 *(loads.load_on(r, name, path, body, digest, deadline, abandoned) for r in riders)
@@ -349,7 +358,7 @@ class Broadcaster:
             if o.kind == "down":
                 assert o.answer is not None  # a "down" outcome carries its answer (status 0)
                 failure = o.answer.failure(LOAD)
-                o.replica.life.eject(f"unreachable during the load of '{name}': {failure}")
+                _unreachable(o.replica, f"during the load of '{name}': {failure}")
         accepted = [o for o in outcomes if o.kind in ("loaded", "present")]
         failed = [o for o in outcomes if o.kind in FAILED]
         if self.config.down_replica_policy == "fail":
@@ -373,7 +382,7 @@ class Broadcaster:
         )
         for a in rolled_back:
             if a.status == 0:  # it may hold the name: its replay on return drops it
-                a.replica.life.eject(f"unreachable during the rollback of '{name}': {a.error}")
+                _unreachable(a.replica, f"during the rollback of '{name}': {a.error}")
         if not failed:
             down = [o.replica for o in outcomes]
             raise Unavailable(f"Cannot load adapter '{name}': {named(down)} could not be reached.")
@@ -461,7 +470,7 @@ class Broadcaster:
                     raise Unavailable(f"Cannot unload adapter '{name}': no replica in service.")
                 known = bool(entry.path) or any(name in r.adapters for r in self.fleet.replicas)
                 answers = await asyncio.gather(
-                    *(self.call(r, "POST", "/v1/unload_lora_adapter", body=body) for r in targets)
+                    *(self._ask(r, "/v1/unload_lora_adapter", body=body) for r in targets)
                 )
                 for a in answers:
                     if a.status in (200, 404):
@@ -469,7 +478,7 @@ class Broadcaster:
                     elif a.status == 0:
                         # Its replay on return drops the name (it mirrors the fleet).
                         failure = a.failure("/v1/unload_lora_adapter")
-                        a.replica.life.eject(f"unreachable during an unload: {failure}")
+                        _unreachable(a.replica, f"during an unload: {failure}")
                 failed = [a for a in answers if a.status not in (200, 404, 0)]
                 if failed:
                     raise replica_failure(failed[0], f"Cannot unload adapter '{name}'")
@@ -525,10 +534,7 @@ class Broadcaster:
                 quick = self.config.health_timeout  # best effort: never the trainer's wait
                 answers, _ = await asyncio.gather(
                     asyncio.gather(
-                        *(
-                            self.call(r, "POST", path, query=query, body=body or None)
-                            for r in targets
-                        )
+                        *(self._ask(r, path, query=query, body=body or None) for r in targets)
                     ),
                     asyncio.gather(
                         *(self.call(r, "POST", path, query=query, timeout=quick) for r in stranded)
@@ -536,7 +542,7 @@ class Broadcaster:
                 )
                 for a in answers:
                     if a.status == 0:
-                        a.replica.life.eject(f"unreachable during /{op}: {a.failure(path)}")
+                        _unreachable(a.replica, f"during /{op}: {a.failure(path)}")
                 failed = [a for a in answers if a.status not in (200, 0)]
                 if failed:
                     raise replica_failure(failed[0], f"/{op} failed", path)
@@ -559,6 +565,14 @@ class Broadcaster:
             if op == "resume":  # the sync ends when the fleet was told to go on, whatever came
                 self.syncs.resume(time.monotonic())
             self._record(op, outcome, started, detail=detail)
+
+    async def _ask(
+        self, replica: Replica, path: str, *, body: bytes | None = None, query: str = ""
+    ) -> Answer:
+        """A broadcast's POST to one of its replicas: its answer, or status 0 once the router
+        gives up on that replica (replica_loads.py's `unless_given_up`)."""
+        call = self.call(replica, "POST", path, query=query, body=body)
+        return await unless_given_up(replica, call, lambda answer: answer)
 
     # -- read-only --------------------------------------------------------------------------
 
@@ -644,6 +658,14 @@ async def _read_files(path: str) -> tuple[str | None, str | None]:
     if problem is not None:
         return problem, None
     return None, await asyncio.to_thread(read_digest, path)
+
+
+def _unreachable(replica: Replica, during: str) -> None:
+    """A replica of a broadcast gave no answer: out of service (replayed when it answers).
+    One already out of service (ejected by its health checks while the broadcast waited, and
+    maybe replaying since) keeps its state and the reason it was given."""
+    if replica.live:
+        replica.life.eject(f"unreachable {during}")
 
 
 def _copied_headers(

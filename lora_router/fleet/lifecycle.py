@@ -35,12 +35,18 @@ replica ejected meanwhile, an eject of a draining replica) is refused: it return
 leaves the state as it was. A listing alone never ejects the last serving replica
 (`listing_lacks` with no other replica serving is refused, counted in `listing_kept`).
 
+A replica the router has *given up on* (ejected, backing-off or gone) is no longer waited for:
+`given_up` is an event set when it enters one of those states, and a fresh, unset one each time
+it comes back, so whoever waits for one of its answers can stop waiting then
+(replica_loads.py's `unless_given_up`).
+
 Pure bookkeeping, like breaker.py: the caller passes the clock; no I/O, no tasks. It must never
 let a replica serve without a replay that succeeded after its last ejection.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 from collections.abc import Callable
@@ -65,12 +71,15 @@ class State(enum.Enum):
 
 # Out of service but still a member: health checks watch it and a replay may bring it back.
 OUT = frozenset({State.JOINING, State.EJECTED, State.BACKING_OFF})
+# The router has given up on it: nothing waits for its answers any longer (`given_up`).
+GIVEN_UP = frozenset({State.EJECTED, State.BACKING_OFF, State.GONE})
 
 
 class Lifecycle:
     """One replica's state and the events that move it (module docstring)."""
 
     __slots__ = (
+        "_given_up",
         "_state",
         "admitted_at",
         "ejections",
@@ -87,6 +96,9 @@ class Lifecycle:
         self.who = who  # how log lines name the replica
         self.interval = interval  # the health interval: the back-off's unit
         self._state = state
+        self._given_up = asyncio.Event()
+        if state in GIVEN_UP:
+            self._given_up.set()
         # Called after every transition (the fleet's kept candidate sets, fleet/fleet.py).
         self.on_change: Callable[[], None] | None = None
         self.last_error = ""  # why it was last ejected or refused admission
@@ -105,8 +117,18 @@ class Lifecycle:
         # Written only by the event methods below.
         if state is not self._state:
             self._state = state
+            if state in GIVEN_UP:
+                self._given_up.set()
+            elif self._given_up.is_set():
+                self._given_up = asyncio.Event()  # back: a new wait for the next time
             if self.on_change is not None:
                 self.on_change()
+
+    @property
+    def given_up(self) -> asyncio.Event:
+        """Set once it is ejected, backing off or gone (module docstring); a waiter keeps the
+        event it got when its wait began."""
+        return self._given_up
 
     @property
     def serving(self) -> bool:

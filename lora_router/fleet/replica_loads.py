@@ -11,7 +11,11 @@ never takes the broadcast lock: its callers (broadcast.py, replay.py), which are
 Deadlines: a load on one replica ends by its `deadline` (`--load-deadline` from the start of
 the broadcast); each request in it is bounded by `--control-timeout` (client.py). A replica
 that gives no answer at all in time is *down* (the caller ejects it), told apart from one that
-kept answering "No adapter found" until the deadline (*timeout*, a failed load).
+kept answering "No adapter found" until the deadline (*timeout*, a failed load). A replica the
+router gives up on while a call to it waits (ejected by its health checks, removed:
+lifecycle.py's `given_up`) is not waited for any longer: the call is cancelled and ends as that
+replica gave no answer (`unless_given_up`), so a broadcast goes on with the other replicas at
+once, by the same rules as for a replica that is down.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import orjson
 
@@ -36,6 +41,7 @@ Answer = ReplicaAnswer[Replica]
 LOAD = "/v1/load_lora_adapter"
 _MOUNT_LAG = "No adapter found"
 _ALREADY_LOADED = "already been loaded"
+W = TypeVar("W")
 
 
 @dataclass(slots=True)
@@ -101,7 +107,7 @@ class ReplicaLoads:
                             replica.loaded[name] = digest
                         return Outcome(replica, "loaded", answer)
                     if answer.status == 0:
-                        return Outcome(replica, "down", answer, answer.error)
+                        return no_answer(answer)
                     message = answer.message()
                     if answer.status == 404 and _MOUNT_LAG in message:
                         last = message
@@ -229,7 +235,7 @@ class ReplicaLoads:
         body = orjson.dumps({"lora_name": name})
         answer = await self.client.call(replica, "POST", "/v1/unload_lora_adapter", body=body)
         if answer.status == 0:
-            return Outcome(replica, "down", answer, answer.error)
+            return no_answer(answer)
         if answer.status not in (200, 404):
             return Outcome(replica, "failed", answer, answer.message())
         forget(replica, name)
@@ -240,7 +246,7 @@ class ReplicaLoads:
                 replica, "POST", "/reset_prefix_cache", query="reset_running_requests=true"
             )
             if answer.status == 0:
-                return Outcome(replica, "down", answer, answer.error)
+                return no_answer(answer)
             if answer.status != 200:
                 return Outcome(replica, "reset", answer, answer.summary())
             doc = answer.parsed()
@@ -264,6 +270,36 @@ class ReplicaLoads:
                     a.message(),
                 )
         return list(answers)
+
+
+async def unless_given_up(
+    replica: Replica, work: Awaitable[W], instead: Callable[[Answer], W]
+) -> W:
+    """`work`'s result, unless the router gives up on `replica` first (module docstring): then
+    `work` is cancelled and `instead` turns the answer the replica did not give (status 0, a
+    timeout: it did not answer in time) into the result."""
+    given_up = replica.life.given_up
+    task = asyncio.ensure_future(work)
+    waiter = asyncio.ensure_future(given_up.wait())
+    try:
+        await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        waiter.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    error = f"it was ejected while the router waited for its answer ({replica.life.last_error})"
+    return instead(Answer(replica, 0, error=error, transport=Cause.TIMEOUT))
+
+
+def no_answer(answer: Answer) -> Outcome:
+    """A load's outcome on a replica that gave no answer (`answer`, status 0)."""
+    return Outcome(answer.replica, "down", answer, answer.error)
 
 
 def forget(replica: Replica, name: str) -> None:

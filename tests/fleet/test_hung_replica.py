@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import pytest
 from emulated_fleet import FAST, StartEmulators, StartRouter
-from helpers import Adapter, call, load, until
+from helpers import Adapter, call, load, unload, until
 
 from lora_router.fleet.lifecycle import State
 from lora_router.runtime import RouterRuntime
@@ -182,6 +182,36 @@ async def test_a_replay_that_hangs_under_the_lock_never_holds_the_trainers_next_
     assert status == 200
     assert not emus[0].state.paused
     assert state_of(rt, emus[1].url) is not State.SERVING
+    emus[1].faults.hang = None
+
+
+@pytest.mark.parametrize("op", ["pause", "load", "unload"])
+async def test_a_broadcast_stops_waiting_for_a_replica_its_health_checks_eject(
+    op: str,
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    adapter: Adapter,
+) -> None:
+    emus = await emulators(2)
+    rt = await router(
+        emus, control_timeout=30.0, load_deadline=60.0, health_interval=0.05, health_timeout=0.2
+    )
+    if op == "unload":
+        assert (await load(client, rt.url, "trl-policy-v1", adapter("v1")))[0] == 200
+    emus[1].faults.hang = "/"  # /health too: its checks eject it within a second
+    work = {
+        "pause": lambda: post(client, rt.url + "/pause?mode=keep"),
+        "load": lambda: load(client, rt.url, "trl-policy-v1", adapter("v1")),
+        "unload": lambda: unload(client, rt.url, "trl-policy-v1"),
+    }[op]()
+    # Answered once the health checks eject it, not at --control-timeout (30 s).
+    status, body, _ = await timed(work, 1.0)
+    assert status == 200, body
+    assert state_of(rt, emus[1].url) is State.EJECTED
+    assert rt.fleet is not None
+    # It keeps the reason its health checks gave, not a second one from the broadcast.
+    assert "unreachable" not in rt.fleet.replicas[1].life.last_error
     emus[1].faults.hang = None
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from lora_router.fleet.lifecycle import MAX_BACKOFF_S, Lifecycle, State
+from lora_router.fleet.lifecycle import GIVEN_UP, MAX_BACKOFF_S, Lifecycle, State
 
 J, R, S, E, B, D, G = (
     State.JOINING,
@@ -153,6 +153,8 @@ def test_each_event_moves_each_state_as_the_table_says(state: State, event: str)
         assert changed is False and life.state is state
     else:
         assert changed is True and life.state is expected
+    # Whoever waits for its answers stops waiting exactly when the router gives up on it.
+    assert life.given_up.is_set() is (life.state in GIVEN_UP)
 
 
 def test_only_a_replica_in_service_counts_an_ejection() -> None:
@@ -189,6 +191,15 @@ def test_a_restart_soon_after_admission_backs_off_for_double_the_wait_each_time(
     life.replay_succeeded(NOW + 2 * INTERVAL)
     life.restarted(NOW + 3 * INTERVAL, "lost v1")
     assert life.slips == 2 and life.readmit_at == NOW + 3 * INTERVAL + 4 * INTERVAL
+
+
+def test_a_waiter_keeps_the_event_it_got_when_the_replica_comes_back() -> None:
+    life = in_state(S)
+    waited = life.given_up
+    life.eject("down")
+    life.replay_begins(NOW, others_serving=True)
+    life.replay_succeeded(NOW)
+    assert waited.is_set() and not life.given_up.is_set()
 
 
 def test_a_replica_that_stayed_in_service_a_while_restarts_afresh() -> None:
