@@ -44,7 +44,8 @@ reported to its lifecycle (lifecycle.py). Why each rule: docs/design/fleet.md#br
   an unload within that, a load within `--load-deadline` plus the rollback's
   `--control-timeout`. A broadcast waits only for its targets, the replicas serving when it
   starts: one of them that the router gives up on meanwhile (its health checks eject it) is
-  not waited for any longer and counts as unreachable (replica_loads.py's `unless_given_up`).
+  not waited for any longer and counts as unreachable (replica_loads.py's `unless_given_up`),
+  and a load's riders (replicas replaying) are never waited for.
 - **Stopping** (`close`): broadcasts not yet started are refused, but for a deferred unload
   (its client was told it is done: it goes out once drained); a load under way is
   abandoned (mount waits end at once, as when its client leaves), then every running broadcast
@@ -164,6 +165,7 @@ class Broadcaster:
         """The router is stopping: refuse what has not started, abandon the loads, give the
         rest `--control-timeout` to end consistently, then cancel (module docstring)."""
         self.stopping = True
+        await self.loads.close()  # rides: nothing waits for them
         for event in self._abandon.values():
             event.set()
         if self._tasks:
@@ -332,28 +334,24 @@ class Broadcaster:
         # requests go out in the order of the replicas' last load times, slowest first (with
         # eight replicas, the last one sent starts about a millisecond after the first).
         targets.sort(key=lambda r: r.load_seconds, reverse=True)
-        # Replicas in the middle of a replay ride along, best effort: their answers never
-        # decide the broadcast, but what they accept is theirs when their replay's final pass
-        # runs (fleet/replay.py), so that pass does not load it again under the lock.
-        # A reload takes none: their replay's final pass finds their copy is not these files.
-        riders = [] if replace else [r for r in fleet.replicas if r.state is State.REPLAYING]
         deadline = asyncio.get_running_loop().time() + self.config.load_deadline
         loads = self.loads
+        # Replicas in the middle of a replay ride along, best effort (replica_loads.py's
+        # `ride`): the broadcast neither waits for them nor reads their answers, but what they
+        # accept is theirs when their replay's final pass runs (fleet/replay.py), so that pass
+        # does not load it again under the lock. A reload takes none: their replay's final
+        # pass finds their copy is not these files.
+        if not replace:
+            for rider in fleet.replicas:
+                if rider.state is State.REPLAYING:
+                    loads.ride(rider, name, path, body, digest, deadline, abandoned)
         job = loads.replace_on if replace else loads.load_on
-        outcomes, rides = await asyncio.gather(
-            asyncio.gather(
-                *(
-                    unless_given_up(
-                        r, job(r, name, path, body, digest, deadline, abandoned), no_answer
-                    )
-                    for r in targets
-                )
-            ),
-            asyncio.gather(
-                *(loads.load_on(r, name, path, body, digest, deadline, abandoned) for r in riders)
-            ),
+        outcomes = await asyncio.gather(
+            *(
+                unless_given_up(r, job(r, name, path, body, digest, deadline, abandoned), no_answer)
+                for r in targets
+            )
         )
-        carried = [o.replica for o in rides if o.kind in ("loaded", "present")]
         for o in outcomes:
             if o.kind == "down":
                 assert o.answer is not None  # a "down" outcome carries its answer (status 0)
@@ -367,18 +365,16 @@ class Broadcaster:
             accepted.sort(key=lambda o: o.replica.rid)
             for o in accepted:
                 o.replica.adapters[name] = path
-            for replica in carried:
-                replica.adapters[name] = path
             first = next((o.answer for o in accepted if o.kind == "loaded"), None)
             return _loaded_reply(name, first, [o.replica for o in accepted])
         # All or nothing: take it back from every replica that may hold it now (after a failed
         # reload, from all: none may keep the old weights under the name). A replica that
         # timed out may still finish its load later; that copy is reloaded by the next load of
-        # the name (the router has no record of it), or unloaded by a replay.
+        # the name (the router has no record of it), or unloaded by a replay (a rider's copy:
+        # by its replay's final pass, as the name is not live).
         may_hold = ("loaded", "present", "timeout", "abandoned")
         rolled_back = await loads.unload_from(
-            name,
-            [o.replica for o in outcomes if replace or o.kind in may_hold] + carried,
+            name, [o.replica for o in outcomes if replace or o.kind in may_hold]
         )
         for a in rolled_back:
             if a.status == 0:  # it may hold the name: its replay on return drops it

@@ -22,9 +22,10 @@
   counts only if the router loaded the fleet's files there, broadcast.py), every other name
   unloaded, the fleet's pause intent applied — and reports the outcome to the replica's
   lifecycle, which alone admits it. The long part runs outside the broadcast lock, so a
-  trainer's load never waits behind a replay; a final pass under the lock catches up with
-  whatever changed meanwhile and admits the replica between two broadcasts, so it can neither
-  miss one nor see half of one.
+  trainer's load never waits behind a replay, nor for the loads that ride to it on broadcasts
+  meanwhile (replica_loads.py's `ride`), which it collects before its final pass; a final
+  pass under the lock catches up with whatever changed meanwhile and admits the replica
+  between two broadcasts, so it can neither miss one nor see half of one.
 
 The final pass holds the lock at most `--load-deadline` (each request in it is bounded by
 `--control-timeout`, client.py): a replica that hangs there fails its replay, stays out of
@@ -52,7 +53,7 @@ from lora_router.fleet.leftovers import Leftovers
 from lora_router.fleet.lifecycle import State
 from lora_router.fleet.readiness import load_failure, loras_needed, seen_in, sync_problems
 from lora_router.fleet.replica import Replica
-from lora_router.fleet.replica_loads import ReplicaLoads
+from lora_router.fleet.replica_loads import LOAD, Outcome, ReplicaLoads
 
 log = logging.getLogger(__name__)
 
@@ -250,15 +251,20 @@ class Replay:
         to its lifecycle (which admits it); raises ReplayError.
 
         Loads being broadcast meet it from both sides, best effort: a broadcast that starts
-        while it replays includes it (broadcast.py), and its first pass includes the loads
-        under way when it starts. A version that goes live meanwhile is then already loaded
-        when the final pass runs under the broadcast lock, so that pass — and the trainer's
-        next call queued behind it — does not wait for a whole adapter load."""
+        while it replays sends it its load (a ride, broadcast.py), and its first pass includes
+        the loads under way when it starts. A version that goes live meanwhile is then already
+        loaded when the final pass runs under the broadcast lock, so that pass — and the
+        trainer's next call queued behind it — does not wait for a whole adapter load."""
+        loads = self.loads
+        loads.drop_rides(replica)
         self._learn_block_size(replica, await self._read_info(replica))
         await self._converge(replica, final=False)
+        self._check_rides(replica, await loads.settle(replica))
         async with self.lock:
             try:
                 async with asyncio.timeout(self.config.load_deadline):
+                    # Rides of the broadcasts that ran since (none starts while this holds it).
+                    self._check_rides(replica, await loads.settle(replica))
                     await self._converge(replica, final=True)
                     await self._replay_pause(replica)
             except TimeoutError:
@@ -266,12 +272,26 @@ class Replay:
                     "its final pass did not end within --load-deadline "
                     f"({self.config.load_deadline:g} s)"
                 ) from None
-            if replica.state is not State.REPLAYING:
-                if not replica.life.member:
-                    raise ReplayError("it was removed from the fleet")
-                raise ReplayError(f"it was ejected during its replay: {replica.life.last_error}")
+            self._check_replaying(replica)
             replica.life.replay_succeeded(asyncio.get_running_loop().time())
             replica.breaker.reset()
+
+    def _check_replaying(self, replica: Replica) -> None:
+        """Raise unless the replica is still replaying (its replay may go on)."""
+        if replica.state is not State.REPLAYING:
+            if not replica.life.member:
+                raise ReplayError("it was removed from the fleet")
+            raise ReplayError(f"it was ejected during its replay: {replica.life.last_error}")
+
+    def _check_rides(self, replica: Replica, rides: list[Outcome]) -> None:
+        """A load that rode to the replica and got no answer fails its replay now, outside the
+        final pass (which would wait for that load again under the lock); any other outcome is
+        settled by the final pass's listing."""
+        self._check_replaying(replica)  # else a ride ended because it was given up on
+        for o in rides:
+            if o.kind == "down" and o.answer is not None:
+                failure = o.answer.failure(LOAD)
+                raise ReplayError(f"a load broadcast meanwhile got no answer: {failure}")
 
     async def _converge(self, replica: Replica, *, final: bool) -> None:
         held = await self.client.listing(replica)
@@ -329,7 +349,7 @@ class Replay:
             elif o.kind == "conflict" and not o.detail:
                 raise UnlistedError(name)
             elif o.answer is not None and o.kind in ("down", "failed"):  # the replica's answer
-                failure = load_failure(o.answer.failure("/v1/load_lora_adapter"), replica.unready)
+                failure = load_failure(o.answer.failure(LOAD), replica.unready)
                 raise ReplayError(f"replaying adapter '{name}' failed: {failure}")
             else:
                 raise ReplayError(f"replaying adapter '{name}' failed ({o.kind}): {o.detail}")

@@ -16,6 +16,12 @@ router gives up on while a call to it waits (ejected by its health checks, remov
 lifecycle.py's `given_up`) is not waited for any longer: the call is cancelled and ends as that
 replica gave no answer (`unless_given_up`), so a broadcast goes on with the other replicas at
 once, by the same rules as for a replica that is down.
+
+*Rides*: a load broadcast also sends its load to the replicas that are replaying (broadcast.py),
+in tasks of their own that no broadcast waits for (`ride`). Each ends by its load's deadline, or
+when its replica is given up on; the replay collects their outcomes before its final pass
+(`settle`, replay.py); one that ends when its replica no longer replays is dropped, a new
+replay drops those of the one before, and `close` cancels them.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from lora_router.config import Config
 from lora_router.fleet.client import Answer as ReplicaAnswer
 from lora_router.fleet.client import ReplicaClient
 from lora_router.fleet.failure import Cause, Failure
+from lora_router.fleet.lifecycle import State
 from lora_router.fleet.replica import Replica
 
 log = logging.getLogger(__name__)
@@ -76,6 +83,58 @@ class ReplicaLoads:
         self.client = client
         # Loads being retried because a replica does not see the files yet: (rid, name) -> wait.
         self.mount_waits: dict[tuple[int, str], MountWait] = {}
+        # Replaying replica -> the loads riding to it, running or not collected yet (`ride`).
+        self._rides: dict[Replica, set[asyncio.Task[Outcome]]] = {}
+
+    # -- rides ------------------------------------------------------------------------------
+
+    def ride(
+        self,
+        replica: Replica,
+        name: str,
+        path: str,
+        body: bytes,
+        digest: str | None,
+        deadline: float,
+        abandoned: asyncio.Event | None = None,
+    ) -> None:
+        """Load `name` on a replaying replica in a task no broadcast waits for (module
+        docstring): it ends by `deadline`, or when the replica is given up on."""
+        load = self.load_on(replica, name, path, body, digest, deadline, abandoned)
+        task = asyncio.get_running_loop().create_task(unless_given_up(replica, load, no_answer))
+        self._rides.setdefault(replica, set()).add(task)
+        task.add_done_callback(lambda done: self._ended(replica, done))
+
+    def _ended(self, replica: Replica, task: asyncio.Task[Outcome]) -> None:
+        """A ride ended: kept for `settle` while its replica replays, else of no use."""
+        if replica.state is State.REPLAYING:
+            return
+        rides = self._rides.get(replica)
+        if rides is not None:
+            rides.discard(task)
+            if not rides:
+                del self._rides[replica]
+        if not task.cancelled():
+            task.exception()  # never "never retrieved"
+
+    async def settle(self, replica: Replica) -> list[Outcome]:
+        """The outcomes of the loads that rode to `replica` since its replay began, once every
+        one of them has ended (each by its load's deadline)."""
+        rides = self._rides.pop(replica, set())
+        return list(await asyncio.gather(*rides)) if rides else []
+
+    def drop_rides(self, replica: Replica) -> None:
+        """A replay begins: the rides of an earlier one, ended or not, are of no use to it."""
+        for task in self._rides.pop(replica, set()):
+            task.cancel()
+
+    async def close(self) -> None:
+        """The router is stopping: every ride still running is cancelled."""
+        tasks = [t for rides in self._rides.values() for t in rides]
+        self._rides.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def load_on(
         self,

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import pytest
-from emulated_fleet import FAST, StartEmulators, StartRouter
+from emulated_fleet import FAST, StartEmulators, StartRouter, paths_of
 from helpers import Adapter, call, load, unload, until
 
 from lora_router.fleet.lifecycle import State
@@ -213,6 +213,34 @@ async def test_a_broadcast_stops_waiting_for_a_replica_its_health_checks_eject(
     # It keeps the reason its health checks gave, not a second one from the broadcast.
     assert "unreachable" not in rt.fleet.replicas[1].life.last_error
     emus[1].faults.hang = None
+
+
+async def test_a_load_never_waits_for_a_replica_that_replays(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    adapter: Adapter,
+) -> None:
+    (emu, joiner) = await emulators(2)
+    rt = await router([emu], control_timeout=30.0, load_deadline=60.0, replica_hosts=("127.0.0.1",))
+    assert (await load(client, rt.url, "trl-policy-v0", adapter("v0")))[0] == 200
+    joiner.faults.hang = "/v1/load_lora_adapter"  # its replay waits on its first load
+    joining = asyncio.create_task(
+        call(client, "POST", rt.url + "/router/replicas", {"url": joiner.url})
+    )
+    await until(lambda: "trl-policy-v0" in paths_of(joiner, "/v1/load_lora_adapter"))
+    assert state_of(rt, joiner.url) is State.REPLAYING
+    # The trainer's load rides along to the replaying replica and is answered without it.
+    status, body, _ = await timed(load(client, rt.url, "trl-policy-v1", adapter("v1")), 1.0)
+    assert status == 200, body
+    await until(lambda: "trl-policy-v1" in paths_of(joiner, "/v1/load_lora_adapter"))
+    joiner.faults.hang = None
+    async with asyncio.timeout(10):
+        await joining
+    # Its replay kept what rode to it: admitted with both, v1 sent to it once.
+    assert state_of(rt, joiner.url) is State.SERVING
+    assert {"trl-policy-v0", "trl-policy-v1"} <= set(joiner.state.adapters)
+    assert paths_of(joiner, "/v1/load_lora_adapter").count("trl-policy-v1") == 1
 
 
 async def test_stopping_during_a_load_rolls_it_back(
