@@ -45,7 +45,10 @@ reported to its lifecycle (lifecycle.py). Why each rule: docs/design/fleet.md#br
   `--control-timeout`. A broadcast waits only for its targets, the replicas serving when it
   starts: one of them that the router gives up on meanwhile (its health checks eject it) is
   not waited for any longer and counts as unreachable (replica_loads.py's `unless_given_up`),
-  and a load's riders (replicas replaying) are never waited for.
+  and a load's riders (replicas replaying) are never waited for. A replica the running
+  broadcast has waited on for `SLOW_ANSWER_S` or more (vLLM answers a control call within about
+  a second) is named: in `/router/status` (`waiting_for`: the call and for how long), and in a
+  warning when another operation queues behind it.
 - **Stopping** (`close`): broadcasts not yet started are refused, but for a deferred unload
   (its client was told it is done: it goes out once drained); a load under way is
   abandoned (mount waits end at once, as when its client leaves), then every running broadcast
@@ -67,9 +70,9 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -117,7 +120,9 @@ log = logging.getLogger(__name__)
 
 _JSON = (b"content-type", b"application/json")
 PATH_JUDGED_IN = 1.0  # seconds a load's path may take to judge (a hung mount is not judged)
+SLOW_ANSWER_S = 2.0  # a replica a broadcast waits on this long is named (module docstring)
 Answer = ReplicaAnswer[Replica]
+W = TypeVar("W")
 # Headers of a replica's answer that describe its connection or framing, not the message; the
 # router frames its own answer.
 _NOT_COPIED = HOP_BY_HOP | {b"content-length", REPLICA_HEADER}
@@ -160,6 +165,8 @@ class Broadcaster:
         self.seconds: dict[tuple[str, str], float] = {}
         self.syncs = SyncClock()  # pause -> resume intervals, for status and metrics
         self._unread = 0  # loads whose files the router could not read (each its own identity)
+        # (replica, call) -> loop time it was sent: a running broadcast's unanswered calls.
+        self._waits: dict[tuple[Replica, str], float] = {}
 
     async def close(self) -> None:
         """The router is stopping: refuse what has not started, abandon the loads, give the
@@ -348,7 +355,12 @@ class Broadcaster:
         job = loads.replace_on if replace else loads.load_on
         outcomes = await asyncio.gather(
             *(
-                unless_given_up(r, job(r, name, path, body, digest, deadline, abandoned), no_answer)
+                self._wait_for(
+                    r,
+                    f"load '{name}'",
+                    job(r, name, path, body, digest, deadline, abandoned),
+                    no_answer,
+                )
                 for r in targets
             )
         )
@@ -386,18 +398,33 @@ class Broadcaster:
 
     def _note_queue(self, op: str) -> None:
         """Say why an operation will wait, when what it waits behind is a load that a
-        replica cannot see yet (a mistyped path waits the whole --load-deadline)."""
-        if not (self.lock.locked() and self.loads.mount_waits):
+        replica cannot see yet (a mistyped path waits the whole --load-deadline), or a replica
+        that has not answered the running broadcast (module docstring)."""
+        if not self.lock.locked():
             return
-        wait, seconds = max(self.loads.mount_wait_seconds(), key=lambda ws: ws[1])
-        log.warning(
-            "%s waits for load %r: %s has answered 'No adapter found' for %.0f s (it ends "
-            "at --load-deadline, or when the client that asked for the load disconnects)",
-            op,
-            wait.name,
-            wait.replica.describe(),
-            seconds,
-        )
+        if self.loads.mount_waits:
+            wait, seconds = max(self.loads.mount_wait_seconds(), key=lambda ws: ws[1])
+            log.warning(
+                "%s waits for load %r: %s has answered 'No adapter found' for %.0f s (it ends "
+                "at --load-deadline, or when the client that asked for the load disconnects)",
+                op,
+                wait.name,
+                wait.replica.describe(),
+                seconds,
+            )
+            return
+        slow = max(self.waiting_for(), key=lambda w: w[2], default=None)
+        if slow is not None:
+            replica, what, waited = slow
+            log.warning(
+                "%s waits: %s has not answered %s for %.0f s (it is ejected at "
+                "--control-timeout, %g s, or when its health checks fail)",
+                op,
+                replica.describe(),
+                what,
+                waited,
+                self.config.control_timeout,
+            )
 
     # -- unloads ----------------------------------------------------------------------------
 
@@ -568,7 +595,30 @@ class Broadcaster:
         """A broadcast's POST to one of its replicas: its answer, or status 0 once the router
         gives up on that replica (replica_loads.py's `unless_given_up`)."""
         call = self.call(replica, "POST", path, query=query, body=body)
-        return await unless_given_up(replica, call, lambda answer: answer)
+        return await self._wait_for(replica, path, call, lambda answer: answer)
+
+    async def _wait_for(
+        self,
+        replica: Replica,
+        what: str,
+        work: Coroutine[Any, Any, W],
+        instead: Callable[[Answer], W],
+    ) -> W:
+        """A broadcast's wait for one of its replicas (`what` it asked): shown while it lasts
+        (`waiting_for`), and over when the router gives up on the replica (`unless_given_up`)."""
+        key = (replica, what)
+        self._waits[key] = asyncio.get_running_loop().time()
+        try:
+            return await unless_given_up(replica, work, instead)
+        finally:
+            self._waits.pop(key, None)
+
+    def waiting_for(self) -> list[tuple[Replica, str, float]]:
+        """Each replica the running broadcast has waited on for `SLOW_ANSWER_S` or more: what
+        it asked, for how long."""
+        now = asyncio.get_running_loop().time()
+        waits = [(r, what, now - since) for (r, what), since in self._waits.items()]
+        return [w for w in waits if w[2] >= SLOW_ANSWER_S]
 
     # -- read-only --------------------------------------------------------------------------
 

@@ -37,7 +37,9 @@ check: one line per check would bury the log; a member that never answers must s
 
 A replay that did not stick (the replica lacks a live adapter again soon after re-admission, or
 answers "already loaded" for a name its listing does not show) puts its lifecycle in back-off
-(lifecycle.py); one warning names the replica and what it lacks, `listing_flaps` counts it.
+(lifecycle.py); one warning names the replica and what it lacks, `listing_flaps` counts it. So
+does a replay that failed because the replica did not answer in time (replay.py's `HungError`);
+the line that says it stays out says when its next replay may start.
 
 Operators add and remove replicas at run time (`add`, `remove`): an added replica is replayed
 before it serves; a removed one stops taking requests at once and leaves the fleet when its
@@ -60,7 +62,7 @@ from lora_router.fleet.failure import Failure
 from lora_router.fleet.fence import AdapterEntry, AdapterFence, AdapterState
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.lifecycle import State
-from lora_router.fleet.replay import Replay, ReplayError, UnlistedError
+from lora_router.fleet.replay import HungError, Replay, ReplayError, UnlistedError
 from lora_router.fleet.replica import Replica
 
 log = logging.getLogger(__name__)
@@ -382,14 +384,17 @@ class HealthMonitor:
             try:
                 await self.replay.readmit(replica)
             except ReplayError as exc:
-                slips = life.slips
-                unlisted = isinstance(exc, UnlistedError)
-                life.replay_failed(loop.time(), f"replay failed: {exc}", unlisted=unlisted)
+                slips, now = life.slips, loop.time()
+                unlisted, hung = isinstance(exc, UnlistedError), isinstance(exc, HungError)
+                life.replay_failed(now, f"replay failed: {exc}", unlisted=unlisted, hung=hung)
                 if isinstance(exc, UnlistedError):
                     self._note_slip(replica, slips, [exc.name])
                 self.readmission_failures += 1
                 watch.successes = 0
-                self._log_out(replica, watch, f"replay failed: {exc}", loop.time())
+                why = f"replay failed: {exc}"
+                if hung and life.state is State.BACKING_OFF:
+                    why += f" (its replays back off: the next in {life.readmit_at - now:g} s)"
+                self._log_out(replica, watch, why, now)
                 return False
             self.readmissions += 1
             watch.out_reason, watch.out_quiet = "", 0

@@ -12,7 +12,9 @@ Every replica is in exactly one state:
   live adapters: a restart); re-admitted through a replay once its health checks pass;
 - **backing-off**: ejected because its last replay did not stick (it lacked a live adapter again
   soon after it was re-admitted, or it answers "already loaded" for a name its listing does not
-  show: a URL that is a load balancer); not replayed before `readmit_at` (the wait doubles with
+  show: a URL that is a load balancer), or because its last replay failed for want of an answer
+  in time (`hung`: its health checks pass while a control route hangs, and each replay would
+  wait out the call's deadline again); not replayed before `readmit_at` (the wait doubles with
   each such replay, from one health interval up to `MAX_BACKOFF_S`) unless no other replica
   serves; a replica that stays in service for a while starts afresh;
 - **draining**: an operator is removing it: nothing new, it leaves once its requests are done;
@@ -196,16 +198,19 @@ class Lifecycle:
         self.last_error = ""
         return True
 
-    def replay_failed(self, now: float, reason: str, unlisted: bool = False) -> bool:
+    def replay_failed(
+        self, now: float, reason: str, unlisted: bool = False, hung: bool = False
+    ) -> bool:
         """Its replay failed; `unlisted`: it answers "already loaded" for a name its listing does
-        not show, so its replay did not stick (back-off)."""
+        not show, so its replay did not stick; `hung`: a request of its replay got no answer in
+        time. Either backs off."""
         state = self.state
         if state is State.REPLAYING:
             self.state = State.EJECTED
         elif state not in OUT:
             return False
         self.last_error = reason
-        if unlisted:
+        if unlisted or hung:
             self._slip(now)
         return True
 

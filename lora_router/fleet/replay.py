@@ -22,14 +22,17 @@
   counts only if the router loaded the fleet's files there, broadcast.py), every other name
   unloaded, the fleet's pause intent applied — and reports the outcome to the replica's
   lifecycle, which alone admits it. The long part runs outside the broadcast lock, so a
-  trainer's load never waits behind a replay, nor for the loads that ride to it on broadcasts
-  meanwhile (replica_loads.py's `ride`), which it collects before its final pass; a final
-  pass under the lock catches up with whatever changed meanwhile and admits the replica
-  between two broadcasts, so it can neither miss one nor see half of one.
+  trainer's call never waits behind a replay: the loads, the unloads, the pause intent, and
+  the loads that rode to it on broadcasts meanwhile (replica_loads.py's `ride`, collected
+  there). A final pass under the lock catches up with whatever changed meanwhile and admits
+  the replica between two broadcasts, so it can neither miss one nor see half of one.
 
-The final pass holds the lock at most `--load-deadline` (each request in it is bounded by
-`--control-timeout`, client.py): a replica that hangs there fails its replay, stays out of
-service and is tried again later; it never holds the trainer's next broadcast for longer.
+What the final pass holds the lock for: a listing, the loads and unloads of what changed
+since the first pass, and the pause intent only if the trainer changed it since it was applied
+(then within `--health-timeout`, not `--control-timeout`); the whole pass within
+`--load-deadline`. A replay whose request got no answer in time (`HungError`: a replica whose
+health checks pass while a control route hangs) fails, and the replica backs off before its next
+replay (lifecycle.py), so a hang is met outside the lock, and at most once per back-off under it.
 
 It is given the replica client, the fleet, the fence, the broadcast lock and the per-replica
 load and unload (`ReplicaLoads`) explicitly. This module must never admit a replica whose
@@ -48,7 +51,7 @@ from lora_router.config import Config
 from lora_router.fleet.client import Facts, ReplicaClient
 from lora_router.fleet.failure import Cause, Failure
 from lora_router.fleet.fence import AdapterFence
-from lora_router.fleet.fleet import Fleet
+from lora_router.fleet.fleet import Fleet, PauseIntent
 from lora_router.fleet.leftovers import Leftovers
 from lora_router.fleet.lifecycle import State
 from lora_router.fleet.readiness import load_failure, loras_needed, seen_in, sync_problems
@@ -60,6 +63,17 @@ log = logging.getLogger(__name__)
 
 class ReplayError(Exception):
     """A replica could not be brought to the fleet's state; it stays out of service."""
+
+
+class HungError(ReplayError):
+    """A request of the replay got no answer in time: the replica backs off (lifecycle.py)."""
+
+
+def failed(what: str, failure: Failure) -> ReplayError:
+    """The replay failed at `what` for `failure`; a HungError if the replica did not answer in
+    time."""
+    kind = HungError if failure.cause is Cause.TIMEOUT else ReplayError
+    return kind(f"{what}: {failure}")
 
 
 class UnlistedError(ReplayError):
@@ -95,6 +109,8 @@ class Replay:
         self.block_size: int | None = config.block_size  # known (module docstring), else None
         self.on_block_size: Callable[[int], None] | None = None
         self._discovered = False  # `discover` has read every replica (`_note_facts`)
+        # The replica whose final pass holds the broadcast lock, and since when (loop time).
+        self.holding: tuple[Replica, float] | None = None
 
     def _known_adapter(self, name: str) -> bool:
         """Whether the fence knows `name` as an adapter: never a base model (fleet.py)."""
@@ -255,23 +271,33 @@ class Replay:
         the loads under way when it starts. A version that goes live meanwhile is then already
         loaded when the final pass runs under the broadcast lock, so that pass — and the
         trainer's next call queued behind it — does not wait for a whole adapter load."""
-        loads = self.loads
+        config, loads = self.config, self.loads
         loads.drop_rides(replica)
         self._learn_block_size(replica, await self._read_info(replica))
         await self._converge(replica, final=False)
+        applied = self.fleet.pause
+        await self._replay_pause(replica, applied, config.control_timeout)
         self._check_rides(replica, await loads.settle(replica))
         async with self.lock:
+            loop = asyncio.get_running_loop()
+            since = loop.time()
+            self.holding = (replica, since)
             try:
-                async with asyncio.timeout(self.config.load_deadline):
+                async with asyncio.timeout(config.load_deadline):
                     # Rides of the broadcasts that ran since (none starts while this holds it).
                     self._check_rides(replica, await loads.settle(replica))
                     await self._converge(replica, final=True)
-                    await self._replay_pause(replica)
-            except TimeoutError:
-                raise ReplayError(
-                    "its final pass did not end within --load-deadline "
-                    f"({self.config.load_deadline:g} s)"
+                    if self.fleet.pause != applied:
+                        await self._replay_pause(replica, self.fleet.pause, config.health_timeout)
+            except (TimeoutError, HungError) as exc:
+                deadline = f"--load-deadline ({config.load_deadline:g} s)"
+                why = str(exc) or f"it did not end within {deadline}"
+                raise HungError(
+                    f"{why} (in its final pass, which held the broadcast lock for "
+                    f"{loop.time() - since:.1f} s)"
                 ) from None
+            finally:
+                self.holding = None
             self._check_replaying(replica)
             replica.life.replay_succeeded(asyncio.get_running_loop().time())
             replica.breaker.reset()
@@ -290,13 +316,12 @@ class Replay:
         self._check_replaying(replica)  # else a ride ended because it was given up on
         for o in rides:
             if o.kind == "down" and o.answer is not None:
-                failure = o.answer.failure(LOAD)
-                raise ReplayError(f"a load broadcast meanwhile got no answer: {failure}")
+                raise failed("a load broadcast meanwhile got no answer", o.answer.failure(LOAD))
 
     async def _converge(self, replica: Replica, *, final: bool) -> None:
         held = await self.client.listing(replica)
         if isinstance(held, Failure):
-            raise ReplayError(str(held))
+            raise failed("its /v1/models", held)
         fleet, fence, loads = self.fleet, self.fence, self.loads
         facts = held if replica.facts is None else replace(replica.facts, bases=held.bases)
         self._note_facts(replica, facts)
@@ -315,7 +340,8 @@ class Replay:
         unloads = await asyncio.gather(*(loads.unload_from(n, [replica]) for n in extra))
         for answers in unloads:
             if answers[0].status not in (200, 404):
-                raise ReplayError(f"unloading a stale adapter failed: {answers[0].message()}")
+                path = "/v1/unload_lora_adapter"
+                raise failed("unloading a stale adapter failed", answers[0].failure(path))
         # Missing, too: a copy at the right path whose files this router did not load there
         # (load_on drops it and loads the files again). Names found at start have no digest.
         missing = [
@@ -350,15 +376,17 @@ class Replay:
                 raise UnlistedError(name)
             elif o.answer is not None and o.kind in ("down", "failed"):  # the replica's answer
                 failure = load_failure(o.answer.failure(LOAD), replica.unready)
-                raise ReplayError(f"replaying adapter '{name}' failed: {failure}")
+                raise failed(f"replaying adapter '{name}' failed", failure)
             else:
                 raise ReplayError(f"replaying adapter '{name}' failed ({o.kind}): {o.detail}")
 
-    async def _replay_pause(self, replica: Replica) -> None:
-        pause = self.fleet.pause
+    async def _replay_pause(self, replica: Replica, pause: PauseIntent, timeout: float) -> None:
+        """Apply the pause intent `pause`, waiting at most `timeout` for the answer."""
         if not pause.known:
             return
         path = "/pause" if pause.query is not None else "/resume"
-        answer = await self.client.call(replica, "POST", path, query=pause.query or "")
+        answer = await self.client.call(
+            replica, "POST", path, query=pause.query or "", timeout=timeout
+        )
         if answer.status != 200:
-            raise ReplayError(f"replaying the pause state failed: {answer.failure(path)}")
+            raise failed(f"replaying the pause state ({path}) failed", answer.failure(path))

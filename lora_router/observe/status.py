@@ -9,6 +9,7 @@ what the views read (the live `/metrics` families, families.py, read the same).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -166,6 +167,14 @@ def status(state: RouterState) -> dict[str, object]:
                 }
                 for w, seconds in control.loads.mount_wait_seconds()
             ],
+            # The replicas the running broadcast has waited on for 2 s or more: what it asked,
+            # how long ago (a hung replica shows here until --control-timeout or its ejection).
+            "waiting_for": [
+                {"replica": r.rid, "call": what, "seconds": round(seconds, 3)}
+                for r, what, seconds in control.waiting_for()
+            ],
+            # A replay's final pass holding the broadcast lock: broadcasts queue behind it.
+            "replay_holding_lock": holding_json(state.health.replay.holding),
         },
         "routing": state.policy.counts.as_dict(),
         # The KV block size prompts are keyed by, from --block-size or the replicas; null while
@@ -191,6 +200,15 @@ def status(state: RouterState) -> dict[str, object]:
             "last_replica_kept_despite_listing": state.health.listing_kept,
         },
     }
+
+
+def holding_json(holding: tuple[Replica, float] | None) -> dict[str, object] | None:
+    """Which replica's final replay pass holds the broadcast lock, and for how long so far."""
+    if holding is None:
+        return None
+    replica, since = holding
+    seconds = asyncio.get_running_loop().time() - since
+    return {"replica": replica.rid, "seconds": round(seconds, 3)}
 
 
 def fleet_json(state: RouterState) -> dict[str, object]:

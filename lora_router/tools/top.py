@@ -29,7 +29,10 @@ fleet never reads as an idle one:
 
 1. no replica in service: **down**, with the first one's cause and fix (`last_error`);
 2. a load waits for a replica's mount: **syncing**, with the replica, the adapter and how long
-   (it ends at `--load-deadline`, or when the client that asked leaves);
+   (it ends at `--load-deadline`, or when the client that asked leaves); a broadcast has waited
+   long for a replica's answer (`waiting_for`, which lists only those: a hung replica whose
+   health checks pass), or broadcasts queue behind a replay's final pass, which holds the
+   broadcast lock (`replay_holding_lock`): **syncing**, with the replica and how long;
 3. the fleet is paused (`/pause` broadcast, no `/resume` since) while requests are in flight or
    wait at the fence: **paused**, with their count and the way out (`POST /resume`);
 4. no replica in service can take part in a weight sync: **misconfigured**, with the first
@@ -127,6 +130,9 @@ def stall(status: dict[str, Any]) -> str | None:
             f"answered 'No adapter found' for {float(w.get('seconds') or 0.0):.0f} s (it ends at "
             "--load-deadline, or when the client that asked disconnects)"
         )
+    slow = _slow_broadcast(status.get("broadcasts") or {})
+    if slow is not None:
+        return slow
     fence_waiting = int((status.get("fence") or {}).get("waiting") or 0)
     in_flight = sum(int(r.get("in_flight") or 0) for r in replicas)
     if status.get("paused") is not None and (in_flight or fence_waiting):
@@ -145,6 +151,31 @@ def stall(status: dict[str, Any]) -> str | None:
     if disagreements:
         return f"misconfigured: {disagreements[0]}"
     return None
+
+
+def _slow_broadcast(broadcasts: dict[str, Any]) -> str | None:
+    """The second stall's other cases: a broadcast waits for a replica, or behind a replay."""
+    slow = broadcasts.get("waiting_for") or []
+    if slow:
+        w = max(slow, key=_seconds)
+        return (
+            f"syncing: {w.get('call')} waits for replica {w.get('replica')}, which has not "
+            f"answered for {_seconds(w):.0f} s (it ends at --control-timeout, or when its health "
+            "checks eject it)"
+        )
+    held = broadcasts.get("replay_holding_lock")
+    pending = int(broadcasts.get("pending") or 0)
+    if held and pending:
+        return (
+            f"syncing: {pending} broadcast(s) wait for the replay of replica "
+            f"{held.get('replica')}, whose final pass has held the broadcast lock for "
+            f"{_seconds(held):.0f} s (a replay that hangs fails and backs off)"
+        )
+    return None
+
+
+def _seconds(doc: dict[str, Any]) -> float:
+    return float(doc.get("seconds") or 0.0)
 
 
 def verdict(status: dict[str, Any]) -> str:

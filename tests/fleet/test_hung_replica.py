@@ -15,14 +15,17 @@ import re
 import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import pytest
 from emulated_fleet import FAST, StartEmulators, StartRouter, paths_of
-from helpers import Adapter, call, load, unload, until
+from helpers import Adapter, call, load, router_status, unload, until
 
+from lora_router.fleet.broadcast import SLOW_ANSWER_S
 from lora_router.fleet.lifecycle import State
 from lora_router.runtime import RouterRuntime
+from lora_router.tools.top import verdict
 
 # A broadcast with a hung replica must be answered within the bound under test plus this much
 # (the machine is shared: scheduling noise, never a second deadline).
@@ -241,6 +244,99 @@ async def test_a_load_never_waits_for_a_replica_that_replays(
     assert state_of(rt, joiner.url) is State.SERVING
     assert {"trl-policy-v0", "trl-policy-v1"} <= set(joiner.state.adapters)
     assert paths_of(joiner, "/v1/load_lora_adapter").count("trl-policy-v1") == 1
+
+
+async def test_a_replay_that_hangs_on_the_pause_state_never_holds_a_broadcast_and_backs_off(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(2)
+    rt = await router(emus, control_timeout=3.0, health_interval=0.05)
+    assert (await post(client, rt.url + "/pause?mode=keep"))[0] == 200
+    # Replica 1 dies, is ejected, and comes back with /pause hung and /health fine.
+    emus[1].faults.dead = True
+    await until(lambda: state_of(rt, emus[1].url) is State.EJECTED)
+    emus[1].faults.hang = "/pause"
+    pauses = len([r for r in emus[1].requests if r.path.startswith("/pause")])
+    emus[1].faults.dead = False
+    await until(lambda: len([r for r in emus[1].requests if r.path.startswith("/pause")]) > pauses)
+    # Its replay waits for that /pause outside the broadcast lock: the trainer does not.
+    status, _, seconds = await timed(post(client, rt.url + "/resume"), 3.0)
+    assert status == 200 and not emus[0].state.paused
+    assert seconds < 1.0
+    # Its replay fails for want of an answer, says so, and backs off before the next.
+    await until(lambda: state_of(rt, emus[1].url) is State.BACKING_OFF)
+    assert rt.fleet is not None
+    life = rt.fleet.replicas[1].life
+    assert "/pause" in life.last_error and "no answer within 3 s" in life.last_error
+    assert life.readmit_at > asyncio.get_running_loop().time()
+    emus[1].faults.hang = None
+
+
+async def test_a_replica_that_hangs_a_broadcast_is_named_while_it_waits(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    emus = await emulators(2)
+    rt = await router(emus, control_timeout=30.0)
+    assert rt.broadcaster is not None
+    emus[1].faults.hang = "/pause"  # its /health answers: nothing ejects it before 30 s
+    pausing = asyncio.create_task(post(client, rt.url + "/pause?mode=keep"))
+    waited = rt.broadcaster.waiting_for
+    await until(lambda: bool(waited()), timeout=SLOW_ANSWER_S + 3)
+    doc = await router_status(client, rt.url)
+    assert [(w["replica"], w["call"]) for w in doc["broadcasts"]["waiting_for"]] == [(1, "/pause")]
+    assert verdict(doc).startswith("syncing: /pause waits for replica 1, which has not answered")
+    # A call queued behind it says why it waits.
+    resuming = asyncio.create_task(post(client, rt.url + "/resume"))
+    await until(lambda: "has not answered /pause" in caplog.text)
+    assert f"/resume waits: Replica 1 ({emus[1].url})" in caplog.text
+    emus[1].faults.hang = None
+    async with asyncio.timeout(5):
+        assert (await pausing)[0] == 200
+        assert (await resuming)[0] == 200
+    assert rt.broadcaster.waiting_for() == []
+
+
+async def test_a_final_pass_reapplies_a_changed_pause_within_the_health_timeout(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    emus = await emulators(2)
+    rt = await router(emus, control_timeout=30.0, health_interval=0.05, health_timeout=0.5)
+    assert rt.health is not None and rt.fleet is not None
+    replay, back = rt.health.replay, rt.fleet.replicas[1]
+    assert (await post(client, rt.url + "/pause?mode=keep"))[0] == 200
+    # Replica 1 comes back; its replay is held once it has applied the pause outside the lock.
+    applied, go_on = asyncio.Event(), asyncio.Event()
+    settle = replay.loads.settle
+
+    async def held(replica: Any) -> Any:
+        if replica is back and not go_on.is_set():
+            applied.set()
+            await go_on.wait()
+        return await settle(replica)
+
+    monkeypatch.setattr(replay.loads, "settle", held)
+    emus[1].faults.dead = True
+    await until(lambda: state_of(rt, emus[1].url) is State.EJECTED)
+    emus[1].faults.dead = False
+    async with asyncio.timeout(5):
+        await applied.wait()
+    # Meanwhile the trainer resumes, and replica 1 hangs /resume: its final pass must apply it.
+    assert (await post(client, rt.url + "/resume"))[0] == 200
+    emus[1].faults.hang = "/resume"
+    go_on.set()
+    await until(lambda: replay.holding is not None)
+    # The trainer's next call waits for that final pass within --health-timeout, not 30 s.
+    status, _, seconds = await timed(post(client, rt.url + "/pause?mode=keep"), 0.5)
+    assert status == 200 and seconds < 2.0
+    await until(lambda: state_of(rt, emus[1].url) is State.BACKING_OFF)
+    assert "/resume" in back.life.last_error and "held the broadcast lock" in back.life.last_error
+    emus[1].faults.hang = None
 
 
 async def test_stopping_during_a_load_rolls_it_back(

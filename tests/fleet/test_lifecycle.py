@@ -36,6 +36,7 @@ def _events() -> dict[str, object]:
         "replay_succeeded": lambda lc: lc.replay_succeeded(NOW),
         "replay_failed": lambda lc: lc.replay_failed(NOW, "test"),
         "replay_failed(unlisted)": lambda lc: lc.replay_failed(NOW, "test", unlisted=True),
+        "replay_failed(hung)": lambda lc: lc.replay_failed(NOW, "test", hung=True),
         "drain": lambda lc: lc.drain(),
         "remove": lambda lc: lc.remove(),
     }
@@ -56,6 +57,7 @@ TABLE: dict[State, dict[str, State | str]] = {
         "replay_succeeded": REFUSED,
         "replay_failed": J,
         "replay_failed(unlisted)": B,
+        "replay_failed(hung)": B,
         "drain": D,
         "remove": G,
     },
@@ -69,6 +71,7 @@ TABLE: dict[State, dict[str, State | str]] = {
         "replay_succeeded": S,
         "replay_failed": E,
         "replay_failed(unlisted)": B,
+        "replay_failed(hung)": B,
         "drain": D,
         "remove": G,
     },
@@ -82,6 +85,7 @@ TABLE: dict[State, dict[str, State | str]] = {
         "replay_succeeded": REFUSED,
         "replay_failed": REFUSED,
         "replay_failed(unlisted)": REFUSED,
+        "replay_failed(hung)": REFUSED,
         "drain": D,
         "remove": G,
     },
@@ -95,6 +99,7 @@ TABLE: dict[State, dict[str, State | str]] = {
         "replay_succeeded": REFUSED,
         "replay_failed": E,
         "replay_failed(unlisted)": B,
+        "replay_failed(hung)": B,
         "drain": D,
         "remove": G,
     },
@@ -108,6 +113,7 @@ TABLE: dict[State, dict[str, State | str]] = {
         "replay_succeeded": REFUSED,
         "replay_failed": B,
         "replay_failed(unlisted)": B,
+        "replay_failed(hung)": B,
         "drain": D,
         "remove": G,
     },
@@ -121,6 +127,7 @@ TABLE: dict[State, dict[str, State | str]] = {
         "replay_succeeded": REFUSED,
         "replay_failed": REFUSED,
         "replay_failed(unlisted)": REFUSED,
+        "replay_failed(hung)": REFUSED,
         "drain": REFUSED,
         "remove": G,
     },
@@ -191,6 +198,17 @@ def test_a_restart_soon_after_admission_backs_off_for_double_the_wait_each_time(
     life.replay_succeeded(NOW + 2 * INTERVAL)
     life.restarted(NOW + 3 * INTERVAL, "lost v1")
     assert life.slips == 2 and life.readmit_at == NOW + 3 * INTERVAL + 4 * INTERVAL
+
+
+def test_a_replay_that_hung_backs_off_for_double_the_wait_each_time() -> None:
+    life = in_state(E)
+    life.replay_begins(NOW, others_serving=True)
+    assert life.replay_failed(NOW, "its /pause got no answer", hung=True)
+    assert life.state is B and life.readmit_at == NOW + 2 * INTERVAL
+    assert not life.replay_begins(NOW + INTERVAL, others_serving=True)
+    assert life.replay_begins(NOW + 2 * INTERVAL, others_serving=True)
+    life.replay_failed(NOW + 2 * INTERVAL, "its /pause got no answer", hung=True)
+    assert life.slips == 2 and life.readmit_at == NOW + 2 * INTERVAL + 4 * INTERVAL
 
 
 def test_a_waiter_keeps_the_event_it_got_when_the_replica_comes_back() -> None:

@@ -43,6 +43,15 @@ def test_the_verdict_follows_the_documented_rule(busy: float, paused: float, exp
     assert "3 waiting" in line and "9 running" in line
 
 
+def test_a_broadcast_queued_behind_a_slow_replay_reads_syncing() -> None:
+    doc = status(0.99, 0.30)  # trainer-bound by its shares: the stall is named first
+    doc["broadcasts"] = {"pending": 1, "replay_holding_lock": {"replica": 1, "seconds": 7.0}}
+    line = verdict(doc)
+    assert line.startswith("syncing: 1 broadcast(s) wait for the replay of replica 1"), line
+    doc["broadcasts"]["pending"] = 0  # nothing waits for it
+    assert verdict(doc).startswith("trainer-bound:")
+
+
 def test_no_verdict_without_a_reporting_replica() -> None:
     assert verdict(status(0.99, 0.0, reporting=0)).startswith("unknown:")
 
