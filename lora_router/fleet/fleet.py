@@ -134,6 +134,7 @@ class Fleet:
         breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown)
         replica = Replica(rid, address, pool, breaker, life, origin)
         life.on_change = breaker.on_change = replica.on_change = self._changed
+        life.on_leave = pool.withdraw  # its waiting requests go elsewhere (lifecycle.py)
         self.replicas.append(replica)
         self._members_changed()
         return replica

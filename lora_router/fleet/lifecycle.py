@@ -37,10 +37,18 @@ replica ejected meanwhile, an eject of a draining replica) is refused: it return
 leaves the state as it was. A listing alone never ejects the last serving replica
 (`listing_lacks` with no other replica serving is refused, counted in `listing_kept`).
 
-A replica the router has *given up on* (ejected, backing-off or gone) is no longer waited for:
-`given_up` is an event set when it enters one of those states, and a fresh, unset one each time
-it comes back, so whoever waits for one of its answers can stop waiting then
-(replica_loads.py's `unless_given_up`).
+Nothing waits for the answers of a replica the router has stopped counting on; two signals
+say when, one for each plane:
+
+- *given up* (ejected, backing-off or gone): `given_up` is an event set when it enters one of
+  those states, and a fresh, unset one each time it comes back, so a broadcast waiting for one
+  of its answers stops waiting then (replica_loads.py's `unless_given_up`);
+- *leaves service* (`eject` while serving or replaying, and so `restarted` and
+  `listing_lacks`: each counted in `ejections`): it is told to `on_leave` with the reason, once;
+  the fleet wires it to the replica's pool (`UpstreamPool.withdraw`), which ends the routed
+  requests still waiting there for an answer, so they are retried elsewhere at once rather than
+  wait out `--first-byte-timeout` on a replica that is known to be out (fleet/fleet.py).
+  Draining is not leaving service in this sense: a drained replica finishes what it has.
 
 Pure bookkeeping, like breaker.py: the caller passes the clock; no I/O, no tasks. It must never
 let a replica serve without a replay that succeeded after its last ejection.
@@ -89,6 +97,7 @@ class Lifecycle:
         "last_error",
         "listing_kept",
         "on_change",
+        "on_leave",
         "readmit_at",
         "slips",
         "who",
@@ -103,6 +112,8 @@ class Lifecycle:
             self._given_up.set()
         # Called after every transition (the fleet's kept candidate sets, fleet/fleet.py).
         self.on_change: Callable[[], None] | None = None
+        # Called with the reason when it leaves service (module docstring).
+        self.on_leave: Callable[[str], None] | None = None
         self.last_error = ""  # why it was last ejected or refused admission
         self.ejections = 0  # times it left service (for metrics)
         self.admitted_at = 0.0  # when its last replay ended in admission
@@ -151,6 +162,8 @@ class Lifecycle:
             self.ejections += 1
             log.warning("ejecting %s: %s", self.who, reason)
             self.state = State.EJECTED
+            if self.on_leave is not None:
+                self.on_leave(reason)
         elif state not in OUT:
             return False
         self.last_error = reason

@@ -21,9 +21,11 @@ from lora_router.http.request import ResponseSink
 class UpstreamError(Exception):
     """A replica exchange failed.
 
-    `kind` is one of connect, reset, timeout, protocol. `received` tells whether any response
-    byte arrived from the replica. Whether any reached the client is the client connection's
-    to know (`response_started`): if it did, the only thing left is to close that connection.
+    `kind` is one of connect, reset, timeout, protocol, or withdrawn: the router ended it, the
+    replica having left service before it answered (`UpstreamPool.withdraw`). `received` tells
+    whether any response byte arrived from the replica. Whether any reached the client is the
+    client connection's to know (`response_started`): if it did, the only thing left is to
+    close that connection.
     """
 
     def __init__(self, kind: str, message: str, *, received: bool) -> None:
@@ -38,6 +40,13 @@ class UpstreamError(Exception):
         A timeout is not: the replica may still be working on the request (a long prefill).
         """
         return not self.received and self.kind != "timeout"
+
+    @property
+    def news(self) -> bool:
+        """Whether the failure tells something new of the replica's health (the routed path
+        reports it to the health monitor): not when the router withdrew the exchange, as the
+        replica had already left service for a failure that was reported."""
+        return self.kind != "withdrawn"
 
 
 class Exchange:

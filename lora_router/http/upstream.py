@@ -15,7 +15,19 @@ a request is sent again to the same replica only when it went out on a *reused* 
 connection and that connection failed in a way `UpstreamError.retryable` allows (nothing
 received, not a timeout): the replica most likely closed it while idle, and the request cannot
 have been processed. A fresh connection is tried once. So the request's bytes are held (by its
-`Exchange`) only until the first response byte: a long stream does not keep them.
+`Exchange`) only until the first response byte: a long stream does not keep them. Never a
+request the pool withdrew (below): its replica is out of service.
+
+The withdrawal rule: when the replica leaves service (ejected: fleet/lifecycle.py calls
+`withdraw`), every exchange on it that has received no response byte ends at once, its
+connection closed (vLLM aborts the work), as a failure `UpstreamError.retryable` allows (kind
+`withdrawn`), and so do the requests still waiting for a slot: the routed path's retry rule
+sends them to another replica at once, where they would otherwise wait out
+`--first-byte-timeout` on a replica known to be out (hung, dead, restarted). Nothing had reached
+the client, whose connection is unaffected. An exchange whose answer has begun is left to
+finish: part of it may have reached the client, which a second answer cannot be spliced onto,
+and a replica ejected for its health checks may still be streaming; `--idle-timeout` bounds one
+that stalls. It costs the request path nothing: the pool walks its connections only then.
 
 A connection's objects die with it, by reference counting: its parser and timer refer back to
 it, and are dropped when it is lost (a cycle would wait for the cycle collector).
@@ -324,6 +336,12 @@ class UpstreamConnection(asyncio.Protocol):
         what = "between response bytes" if received else "for the first response byte"
         self._fail("timeout", f"the replica sent nothing {what} for {self._limit:g} s", received)
 
+    def withdraw(self, why: str) -> None:
+        """The withdrawal rule (module docstring): an exchange that has received nothing ends."""
+        ex = self._ex
+        if ex is not None and not ex.received:
+            self._fail("withdrawn", f"the replica left service before it answered ({why})", False)
+
     def decoded(self, body: bytes) -> None:
         """Body bytes decoded for an HTTP/1.0 client (`_Dechunking`), written on."""
         ex = self._ex
@@ -422,7 +440,7 @@ class UpstreamPool:
                     # traceback holds this frame and `ex` (a cycle).
                     ex.done = None
                     ex.ended = False
-                    if fresh or not exc.retryable:
+                    if fresh or not exc.retryable or exc.kind == "withdrawn":
                         raise
                     # A reused connection died before answering (nothing was received, so the
                     # exchange is as new): the re-send rule above.
@@ -448,6 +466,18 @@ class UpstreamPool:
                 waiter.set_result(None)  # the slot passes to it as it is
                 return
         self._busy -= 1
+
+    def withdraw(self, why: str) -> None:
+        """The replica left service (`why`): the withdrawal rule (module docstring). O(open
+        connections + waiters), once per departure."""
+        for conn in list(self._all):
+            conn.withdraw(why)
+        waiters, self._waiters = self._waiters, deque()
+        for waiter in waiters:
+            if not waiter.done():  # holds no slot yet: nothing to release
+                waiter.set_exception(
+                    UpstreamError("withdrawn", f"the replica left service ({why})", received=False)
+                )
 
     def put_back(self, conn: UpstreamConnection) -> None:
         """An open connection whose exchange ended whole: idle in the pool, the most recent

@@ -5,7 +5,8 @@ pause state, the fleet's state and the budget's room. A routed request is tried 
 replica only while nothing of its answer has reached the client, at most `--retries` times:
 
 - after a transport failure before any response byte (connection refused or reset, replica
-  gone; never a timeout: the replica may still be working on it): free;
+  gone, or withdrawn as its replica left service: http/upstream.py; never a timeout: the
+  replica may still be working on it): free;
 - after a 404 for an adapter the fence says is live (the replica lost it): free;
 - after a 5xx head (never a 503 while the fleet is paused: vLLM refusing work on purpose), when
   a replica is left to try: free while most of the fleet is not failing; when it is, only

@@ -23,7 +23,9 @@ and it sees a truncated answer, never a clean end; it is counted on the replica
 also the sink of its current attempt's
 answer: a 404 or 5xx head that the retry rule sends elsewhere is swallowed with its body
 (`diverted` holds its status), any other head and everything after it goes to the client.
-Every routed outcome is reported to the health monitor (fleet/health.py).
+Every routed outcome is reported to the health monitor (fleet/health.py), but a failure that is
+no news of the replica (`UpstreamError.news`: an exchange withdrawn because its replica had
+already left service).
 """
 
 from __future__ import annotations
@@ -361,7 +363,8 @@ class CompletionRoute:
         """The outcome of one attempt, by the retry rule (proxy/retry.py): True when the
         request is answered, False for another attempt; raises the router's own answer."""
         if failure is not None:
-            self.health.report_failure(replica)
+            if failure.news:
+                self.health.report_failure(replica)
             outcome = Outcome.TRANSPORT if failure.retryable else Outcome.UNSAFE
             if not self._retried(job.tried, outcome):
                 raise exchange_failed(replica, failure)

@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 from emulated_fleet import FAST, StartEmulators, StartRouter, paths_of
-from helpers import Adapter, call, load, router_status, unload, until
+from helpers import Adapter, call, complete, load, router_status, unload, until
 
 from lora_router.fleet.broadcast import SLOW_ANSWER_S
 from lora_router.fleet.lifecycle import State
@@ -356,3 +356,36 @@ async def test_stopping_during_a_load_rolls_it_back(
     assert "trl-policy-v1" not in emus[0].state.adapters
     with pytest.raises(aiohttp.ClientError):
         await loading
+
+
+async def test_requests_waiting_on_a_replica_that_hangs_are_retried_once_it_is_ejected(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    emus = await emulators(2)
+    rt = await router(
+        emus,
+        policy="round-robin",
+        first_byte_timeout=60.0,
+        health_interval=0.1,
+        health_timeout=0.5,
+        health_failures=2,
+    )
+    assert rt.fleet is not None
+    hung = rt.fleet.replicas[1]
+    emus[1].faults.hang = "/"  # accepts, answers nothing, /health included
+    try:
+        # Round robin: half of them go to the hung replica and wait there for a first byte.
+        work = [
+            asyncio.create_task(complete(client, rt.url, prompt=[i + 1] * 20)) for i in range(4)
+        ]
+        await until(lambda: hung.in_flight == 2)
+        # Ejected by its health checks within a second or so; the requests on it are then
+        # retried on replica 0 at once, not after --first-byte-timeout (60 s).
+        async with asyncio.timeout(2.0 + SLACK):
+            answers = await asyncio.gather(*work)
+        assert [status for status, _ in answers] == [200] * 4
+        assert hung.state is State.EJECTED
+        assert hung.in_flight == 0
+        assert hung.breaker.failures == 0  # the withdrawal is not a second failure of it
+    finally:
+        emus[1].faults.hang = None

@@ -172,6 +172,16 @@ def test_only_a_replica_in_service_counts_an_ejection() -> None:
     assert ejected.last_error == "still gone"
 
 
+@pytest.mark.parametrize(("state", "event"), CELLS, ids=[f"{s.value}-{e}" for s, e in CELLS])
+def test_only_leaving_service_is_told_to_on_leave_with_the_reason(state: State, event: str) -> None:
+    life = in_state(state)
+    left: list[str] = []
+    life.on_leave = left.append
+    ejections = life.ejections
+    EVENTS[event](life)  # type: ignore[operator]
+    assert left == (["test"] if life.ejections > ejections else [])  # it left service
+
+
 def _replayed() -> Lifecycle:
     life = in_state(E)
     life.eject("down")

@@ -132,6 +132,55 @@ async def test_waiters_for_a_full_pool_get_freed_slots_in_turn_minus_the_cancell
         pool.close()
 
 
+async def test_withdrawing_a_pool_ends_what_waits_on_it_and_lets_a_begun_answer_finish(
+    replica,
+):
+    release = asyncio.Event()
+
+    async def respond(req, conn) -> None:
+        if req.target == b"/stream":  # an answer under way: its head, then the rest later
+            await conn.write(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nab")
+            await release.wait()
+            await conn.write(b"cd")
+        elif req.target == b"/ok":
+            await conn.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        # Any other request waits for a first byte that never comes (a hung replica).
+
+    replica.responder = respond
+    pool = pool_for(replica, first_byte_timeout=60.0, stream_idle_timeout=60.0)  # 4 slots
+    try:
+        # A pooled connection: one of the hung requests reuses it, which the re-send rule
+        # would otherwise send again once it fails unanswered.
+        assert await pool.forward(Exchange(Sink(), GET.replace(b"/a", b"/ok"), False, True))
+        hung = [
+            asyncio.create_task(pool.forward(Exchange(Sink(), GET, False, True))) for _ in range(3)
+        ]
+        await replica.wait_requests(4)
+        streaming = Sink()
+        stream = asyncio.create_task(
+            pool.forward(Exchange(streaming, GET.replace(b"/a", b"/stream"), False, True))
+        )
+        await until(lambda: streaming.data.endswith(b"ab"))
+        queued = asyncio.create_task(pool.forward(Exchange(Sink(), GET, False, True)))
+        await until(lambda: len(pool._waiters) == 1)
+        pool.withdraw("ejected by the test")
+        async with asyncio.timeout(5):
+            failures = await asyncio.gather(*hung, queued, return_exceptions=True)
+        for failure in failures:
+            assert isinstance(failure, UpstreamError) and failure.kind == "withdrawn"
+            assert failure.retryable and not failure.news
+            assert "ejected by the test" in str(failure)
+        assert len(replica.requests) == 5  # none was sent again to the withdrawn replica
+        assert not stream.done()  # the begun answer goes on, and ends whole
+        release.set()
+        async with asyncio.timeout(5):
+            assert await stream
+        assert streaming.data.endswith(b"abcd")
+        assert pool._busy == 0 and not pool._waiters
+    finally:
+        pool.close()
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
