@@ -282,13 +282,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--first-byte-timeout",
         type=float,
         default=d.first_byte_timeout,
-        help="wait for a replica's first response byte (long prefills, /pause?mode=wait)",
+        help="wait for a replica's first response byte (long prefills, /pause?mode=wait), "
+        "and at most this long for one of its --max-upstream-connections",
     )
     g.add_argument(
         "--idle-timeout",
         type=float,
         default=d.idle_timeout,
-        help="wait between two response bytes of a replica",
+        help="wait between two response bytes of a replica, counted while the client reads; a "
+        "client that reads nothing of its answer this long is dropped",
     )
     g.add_argument(
         "--fence-timeout",
@@ -341,7 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
         "max_prompt_tokens": "most token ids a completion may carry, a batch's prompts counted "
         "together (400 beyond); text and chat prompts are routed on their first 4 bytes a "
         "token of it and forwarded whole",
-        "max_upstream_connections": "requests in flight to one replica",
+        "max_upstream_connections": "requests in flight to one replica; more wait for one, at "
+        "most --first-byte-timeout, then are tried on another replica (503 when none is left)",
         "control_connections": "control-plane connections open to one replica at once (health "
         "checks, listings, broadcasts, scrapes); more calls wait for one",
         "max_replicas": "members at once, from --replicas, discovery and POST /router/replicas "

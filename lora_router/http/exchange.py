@@ -21,11 +21,12 @@ from lora_router.http.request import ResponseSink
 class UpstreamError(Exception):
     """A replica exchange failed.
 
-    `kind` is one of connect, reset, timeout, protocol, or withdrawn: the router ended it, the
-    replica having left service before it answered (`UpstreamPool.withdraw`). `received` tells
-    whether any response byte arrived from the replica. Whether any reached the client is the
-    client connection's to know (`response_started`): if it did, the only thing left is to
-    close that connection.
+    `kind` is one of connect, reset, timeout, protocol; withdrawn: the router ended it, the
+    replica having left service before it answered (`UpstreamPool.withdraw`); or busy: it was
+    never sent, every connection the router may open to the replica staying busy too long
+    (http/upstream.py). `received` tells whether any response byte arrived from the replica.
+    Whether any reached the client is the client connection's to know (`response_started`):
+    if it did, the only thing left is to close that connection.
     """
 
     def __init__(self, kind: str, message: str, *, received: bool) -> None:
@@ -45,8 +46,9 @@ class UpstreamError(Exception):
     def news(self) -> bool:
         """Whether the failure tells something new of the replica's health (the routed path
         reports it to the health monitor): not when the router withdrew the exchange, as the
-        replica had already left service for a failure that was reported."""
-        return self.kind != "withdrawn"
+        replica had already left service for a failure that was reported, nor when the router's
+        own cap held it back (busy: the replica is loaded, not failing)."""
+        return self.kind != "withdrawn" and self.kind != "busy"
 
 
 class Exchange:

@@ -69,6 +69,8 @@ class Limits(Protocol):
     @property
     def keepalive_timeout(self) -> float: ...
     @property
+    def idle_timeout(self) -> float: ...
+    @property
     def max_body_bytes(self) -> int: ...
     @property
     def max_buffered_bytes(self) -> int: ...
@@ -76,6 +78,19 @@ class Limits(Protocol):
     def max_header_bytes(self) -> int: ...
     @property
     def max_headers(self) -> int: ...
+
+
+class Upstream(Protocol):
+    """The replica connection an answer streams from, as its client connection drives it: the
+    client's flow control, and an abort when the client goes (http/upstream.py's
+    `UpstreamConnection`)."""
+
+    def pause_reading(self) -> None:
+        """The client does not read: stop reading the replica (its silence is not counted)."""
+
+    def resume_reading(self) -> None: ...
+
+    def abort(self) -> None: ...
 
 
 class ResponseSink(Protocol):
@@ -92,7 +107,8 @@ class ResponseSink(Protocol):
     def write(self, data: bytes | memoryview) -> None:
         """Body bytes, as they arrive."""
 
-    def on_upstream(self, transport: asyncio.Transport | None) -> None: ...
+    def on_upstream(self, upstream: Upstream | None) -> None:
+        """The replica connection now streaming into the client (None: it ended)."""
 
 
 class ConnectionCount:

@@ -6,6 +6,11 @@ application, one at a time per connection, in order. It owns the connection's li
   not idle timers: a client trickling a byte a second is still cut off); an idle keep-alive
   connection closes after `keepalive_timeout`; while a request is answered the replica's
   timeouts apply instead, and a pipelined request gets its deadlines once the one in front ends;
+- the write deadline: while an answer streams from a replica into a client that does not read
+  it (its transport paused for writing), the replica is not read and its silence is not counted
+  (http/upstream.py); the client instead has `idle_timeout` from the pause to read again, or it
+  is dropped as gone (its replica's connection closed, counted 499 like any client that leaves:
+  never a failure or a cut stream of the replica, which did nothing wrong);
 - header bytes and count, body bytes (431 / 413) and the head rules of http/framing.py;
   the head's bytes count as they arrive (`_head_arrived`), not only once it is complete;
 - no protocol upgrade: a request asking for one (`Connection: upgrade`, or CONNECT) is 501,
@@ -26,7 +31,8 @@ pipelined request, or the Task waits for one. A client that goes away cancels th
 
 Back-pressure: while the client's transport is paused for writing (`pause_writing`: the client
 does not read), no next request starts and no more input is read, whoever wrote the answer (a
-replica, or the router itself: an error, a 401, /router/status); `resume_writing` goes on.
+replica, or the router itself: an error, a 401, /router/status), and a replica streaming the
+answer is not read (the write deadline above); `resume_writing` goes on.
 So a client that pipelines requests and never reads holds one answer's bytes, one read of
 input and the requests parsed from it; the keep-alive deadline then closes its connection.
 
@@ -58,7 +64,7 @@ from lora_router.http.framing import (
     over_budget,
 )
 from lora_router.http.headers import response_head
-from lora_router.http.request import SESSION_HEADER, ConnectionCount, Limits, Request
+from lora_router.http.request import SESSION_HEADER, ConnectionCount, Limits, Request, Upstream
 from lora_router.http.timer import LazyTimer
 
 log = logging.getLogger(__name__)
@@ -166,7 +172,7 @@ class ClientConnection(asyncio.Protocol):
         self._task: asyncio.Task[None] | None = None  # `_serve`, from the first request on
         # While the Task waits for the next request: what `_start` hands it over with.
         self._waiting: asyncio.Future[Request] | None = None
-        self._upstream: asyncio.Transport | None = None
+        self._upstream: Upstream | None = None
         self._paused = False  # the client's socket buffer is full (pause_writing)
         self.response_started = False
         self.keep_alive = True
@@ -254,10 +260,12 @@ class ClientConnection(asyncio.Protocol):
         self._paused = True
         if self._upstream is not None:
             self._upstream.pause_reading()
+            self._await_reader()
 
     def resume_writing(self) -> None:
         self._paused = False
         if self._upstream is not None:
+            self._deadline = math.inf  # answering: no client deadline (the replica's apply)
             self._upstream.resume_reading()
         if self._held and not self._closed:
             self._held = False
@@ -506,11 +514,12 @@ class ClientConnection(asyncio.Protocol):
         if self.transport is not None:
             self._cork.write_through(self.transport, data)
 
-    def on_upstream(self, transport: asyncio.Transport | None) -> None:
+    def on_upstream(self, upstream: Upstream | None) -> None:
         """Register the replica connection now streaming into this client (for flow control)."""
-        self._upstream = transport
-        if transport is not None and self._paused:
-            transport.pause_reading()
+        self._upstream = upstream
+        if upstream is not None and self._paused:
+            upstream.pause_reading()
+            self._await_reader()
 
     def send(
         self, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
@@ -646,9 +655,23 @@ class ClientConnection(asyncio.Protocol):
         if self._timer.due(self._loop.time(), self._deadline):
             self._on_timeout()
 
+    def _await_reader(self) -> None:
+        """The write deadline (module docstring), from now: the client reads again by then."""
+        seconds = self._limits.idle_timeout
+        now = self._loop.time()
+        self._deadline = now + seconds
+        self._timer.arm(now, seconds)
+
     def _on_timeout(self) -> None:
         if self._busy:
-            return  # answering: the replica's timeouts apply
+            if self._paused and self._upstream is not None:  # the write deadline
+                log.warning(
+                    "dropping a client that read nothing of its answer for %g s "
+                    "(--idle-timeout); its replica's connection is closed",
+                    self._limits.idle_timeout,
+                )
+                self.abort()  # connection_lost: the client is gone
+            return  # otherwise answering: the replica's timeouts apply
         if self._phase != _Phase.IDLE:
             self.keep_alive = False
             self.send(408, error_body(408, "The request was not received in time."))

@@ -7,8 +7,24 @@ as it arrives — chunked framing and SSE frames included, never decoded or re-c
 parses the response only to learn where it ends, so the connection can go back to the pool.
 
 Flow control is done by the transports themselves: when the client's socket buffer fills, the
-client connection pauses reading from the replica (`ResponseSink.on_upstream`), so a slow reader
-costs bounded memory however long the stream.
+client connection pauses reading from the replica (`ResponseSink.on_upstream`, then
+`pause_reading`), so a slow reader costs bounded memory however long the stream.
+
+The timeouts, each a deadline on the replica alone:
+- the first response byte within `first_byte_timeout` of the request's send (a long prefill,
+  `/pause?mode=wait`);
+- then each gap between two reads of the body within `stream_idle_timeout` (`--idle-timeout`),
+  counted only while the client reads: while it does not, the replica is not read and its
+  silence says nothing of it, so the timer stands still until `resume_reading`; the client
+  connection has its own write deadline meanwhile (http/server.py). A body as a whole has no
+  deadline: a stream may rightly last hours (long generations), and a client that wants a bound
+  on a whole answer sets its own (TRL's request timeout);
+- a pooled connection unused for `idle_timeout` (`--upstream-idle-timeout`) is closed;
+- a request waits for a slot (one of `max_connections`) at most `first_byte_timeout`: queued in
+  the router it waits for the replica as it would in vLLM's own queue, and gets the same bound;
+  past it, it fails unsent (kind `busy`, which the routed retry rule tries on another replica and
+  answers 503 when none is left), never counted against the replica's health: the cap is the
+  router's own.
 
 The re-send rule (stated once, here; trying *another* replica is proxy/retry.py's retry rule):
 a request is sent again to the same replica only when it went out on a *reused* pooled
@@ -65,6 +81,7 @@ class UpstreamConnection(asyncio.Protocol):
         "_limit",
         "_loop",
         "_parser",
+        "_paused",
         "_pool",
         "_timer",
         "closed",
@@ -84,6 +101,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._timer = LazyTimer(self._loop, self._on_timer, pool.idle_timeout)
         self._last = 0.0
         self._limit = 0.0
+        self._paused = False  # by the client, which does not read (`pause_reading`)
         self.closed = False
 
     @property
@@ -261,7 +279,7 @@ class UpstreamConnection(asyncio.Protocol):
             self._arm(limit)
         else:
             self._limit = limit
-        ex.sink.on_upstream(self.transport)
+        ex.sink.on_upstream(self)
         self._pool.cork.write(self.transport, ex.request)  # at the end of the pass
 
     def _client_keep_alive(self, ex: Exchange, head: bytes) -> bool:
@@ -296,8 +314,7 @@ class UpstreamConnection(asyncio.Protocol):
         if keep and not self.closed:
             # A slow client may have paused this connection; in the pool it must read again,
             # or it would neither see the replica close it nor answer its next request.
-            assert self.transport is not None
-            self.transport.resume_reading()
+            self.resume_reading()
             # Closed if unused that long in the pool. Only the limit changes: the idle timeout
             # is the timer's horizon, and the timer of an open connection that was armed once
             # is pending, so `_arm` would not move it (http/timer.py).
@@ -326,7 +343,12 @@ class UpstreamConnection(asyncio.Protocol):
         self._timer.arm(self._last, limit)
 
     def _on_timer(self) -> None:
-        if self.closed or not self._timer.due(self._loop.time(), self._last + self._limit):
+        if self.closed:
+            return
+        now = self._loop.time()
+        if self._paused:
+            self._last = now  # the client does not read: the replica's silence is not counted
+        if not self._timer.due(now, self._last + self._limit):
             return
         ex = self._ex
         if ex is None:
@@ -335,6 +357,23 @@ class UpstreamConnection(asyncio.Protocol):
         received = ex.head_sent or bool(ex.head_buf)
         what = "between response bytes" if received else "for the first response byte"
         self._fail("timeout", f"the replica sent nothing {what} for {self._limit:g} s", received)
+
+    # -- the client's flow control (http/request.py's `Upstream`) -----------------------------
+
+    def pause_reading(self) -> None:
+        """The client does not read: neither does this connection, and its timer stands still
+        (module docstring)."""
+        self._paused = True
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        """The client reads again: so does this connection, the replica's silence counted from
+        now."""
+        self._paused = False
+        self._last = self._loop.time()
+        if self.transport is not None:
+            self.transport.resume_reading()
 
     def withdraw(self, why: str) -> None:
         """The withdrawal rule (module docstring): an exchange that has received nothing ends."""
@@ -449,15 +488,31 @@ class UpstreamPool:
             self.release_slot()
 
     async def _wait_for_slot(self) -> None:
-        """Queue, first come first served, for a slot; it is handed over already counted."""
+        """Queue, first come first served, for a slot; it is handed over already counted. At
+        most `first_byte_timeout` (module docstring), then UpstreamError `busy`."""
         waiter: asyncio.Future[None] = self.loop.create_future()
         self._waiters.append(waiter)
+        expiry = self.loop.call_later(self.first_byte_timeout, self._expire, waiter)
         try:
             await waiter
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():
                 self.release_slot()  # handed a slot, then cancelled: the next one's turn
             raise
+        finally:
+            expiry.cancel()
+
+    def _expire(self, waiter: asyncio.Future[None]) -> None:
+        """A waiter's time is up: it leaves the queue without a slot (release_slot skips it)."""
+        if not waiter.done():
+            waiter.set_exception(
+                UpstreamError(
+                    "busy",
+                    f"all {self.max_connections} of the router's connections to the replica "
+                    f"(--max-upstream-connections) stayed busy for {self.first_byte_timeout:g} s",
+                    received=False,
+                )
+            )
 
     def release_slot(self) -> None:
         while self._waiters:

@@ -116,5 +116,7 @@ def lost_adapter(model: str, tried: Sequence[Replica], state: AdapterState | Non
 
 
 def exchange_failed(replica: Replica, exc: UpstreamError) -> HTTPError:
-    status = 504 if exc.kind == "timeout" else 502
+    """A failed exchange: 504 for a timeout, 503 when it waited for a connection too long (the
+    router's own cap: busy, not broken), else 502."""
+    status = 504 if exc.kind == "timeout" else 503 if exc.kind == "busy" else 502
     return HTTPError(status, f"{replica.describe()}: {exc}.")
