@@ -100,9 +100,11 @@ class ResponseSink(Protocol):
     def keep_alive(self) -> bool:
         """Whether the client's connection may stay open after this response."""
 
-    def head(self, status: int, data: bytes, body: memoryview | None = None) -> None:
+    def head(self, status: int, data: bytes, body: memoryview | None = None) -> bool:
         """The response head (maybe with the first body bytes), then `body` if given: the
-        response's first write."""
+        response's first write. Returns whether the answer goes on to the client; False: the
+        sink held it back for another attempt (proxy/routed.py), and nothing more of it is
+        wanted (http/upstream.py then ends the exchange at once)."""
 
     def write(self, data: bytes | memoryview) -> None:
         """Body bytes, as they arrive."""

@@ -494,7 +494,7 @@ class ClientConnection(asyncio.Protocol):
 
     # -- writing answers ---------------------------------------------------------------------
 
-    def head(self, status: int, data: bytes, body: memoryview | None = None) -> None:
+    def head(self, status: int, data: bytes, body: memoryview | None = None) -> bool:
         """A replica's response head, rewritten, and the first body bytes (one writev)."""
         request = self._request
         if request is not None:  # the answer has begun: nothing will re-send the request
@@ -508,6 +508,7 @@ class ClientConnection(asyncio.Protocol):
                 self._cork.write(self.transport, data)
             else:
                 self._cork.writelines(self.transport, (data, body))
+        return True
 
     def write(self, data: bytes | memoryview) -> None:
         """Response body bytes, as the replica sends them (at once: flow control)."""

@@ -212,13 +212,12 @@ class UpstreamConnection(asyncio.Protocol):
             # A whole small answer (vLLM's non-streamed completions are a few KB): its body is
             # copied behind the rewritten head in the same join, and goes in one write.
             body = buf[body_at:] if len(buf) > body_at else b""
-            ex.sink.head(
-                ex.status, client_response_head(head, self._pool.label, keep_alive, False, body)
-            )
+            out = client_response_head(head, self._pool.label, keep_alive, False, body)
+            passed = ex.sink.head(ex.status, out)
         else:
             out = client_response_head(head, self._pool.label, keep_alive, False)
-            ex.sink.head(ex.status, out, memoryview(buf)[body_at:])  # one writev, no copy
-        return True
+            passed = ex.sink.head(ex.status, out, memoryview(buf)[body_at:])  # one writev
+        return passed or self._diverted(ex, ex.complete)
 
     def _send_head(self, ex: Exchange, head: bytes, rest: memoryview) -> bool:
         """The final head on the careful path, then what followed it (parsed first)."""
@@ -227,7 +226,8 @@ class UpstreamConnection(asyncio.Protocol):
         out = client_response_head(
             head, self._pool.label, self._client_keep_alive(ex, head), ex.dechunk
         )
-        ex.sink.head(ex.status, out)
+        if not ex.sink.head(ex.status, out):
+            return self._diverted(ex, ex.complete and not rest)
         if rest and not ex.head_only:
             # With `dechunk`, on_body writes the decoded body; otherwise forward it once parsed.
             self._feed(rest)
@@ -236,6 +236,18 @@ class UpstreamConnection(asyncio.Protocol):
             if not ex.dechunk:
                 ex.sink.write(rest)
         return True
+
+    def _diverted(self, ex: Exchange, whole: bool) -> bool:
+        """The sink held the head back for another attempt (`ResponseSink.head`): an answer
+        read `whole` ends as usual (its connection reusable); any other is not read on, as its
+        body may stall or never end: the connection is closed (vLLM aborts the request) and the
+        exchange ends now, its answer having said nothing of the client's connection. Returns
+        whether the caller goes on with this read."""
+        if whole:
+            return True
+        ex.client_keep_alive = True
+        self._finish(keep=False)
+        return False
 
     # -- httptools callbacks ----------------------------------------------------------------
 

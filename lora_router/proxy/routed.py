@@ -20,9 +20,10 @@ reached the client (a crash mid-stream) is a *cut stream*: never retried (the cl
 of an answer; a second one would be spliced onto it), so the client's connection is closed
 and it sees a truncated answer, never a clean end; it is counted on the replica
 (`cut_streams`, in `/router/status` and `/metrics`) and logged with the bytes that came. It is
-also the sink of its current attempt's
-answer: a 404 or 5xx head that the retry rule sends elsewhere is swallowed with its body
-(`diverted` holds its status), any other head and everything after it goes to the client.
+also the sink of its current attempt's answer: a 404 or 5xx head that the retry rule sends
+elsewhere is held back (`diverted` holds its status) and the rest of that answer is not read:
+its connection is closed at once (http/upstream.py), so the retry waits neither for a body that
+stalls nor for one that never ends; any other head and everything after it goes to the client.
 Every routed outcome is reported to the health monitor (fleet/health.py), but a failure that is
 no news of the replica (`UpstreamError.news`: an exchange withdrawn because its replica had
 already left service).
@@ -165,16 +166,15 @@ class RoutedRequest:
     def keep_alive(self) -> bool:
         return self.conn.keep_alive
 
-    def head(self, status: int, data: bytes, body: memoryview | None = None) -> None:
+    def head(self, status: int, data: bytes, body: memoryview | None = None) -> bool:
         if (status >= 500 or (status == 404 and self.adapter)) and self.route.diverts(self, status):
             self.move(DIVERTED)
             self.diverted = status
-            self.write = _drop
-            return
+            return False
         self.move(PASSED)
         if self.held is not None:
             self.release()
-        self.conn.head(status, data, body)
+        return self.conn.head(status, data, body)
 
     def read_end(self, ex: Exchange) -> None:
         """The exchange's `on_end` for a counted answer: its report, read from its last reads
@@ -186,10 +186,6 @@ class RoutedRequest:
         held, self.held = self.held, None
         if held is not None:
             self.route.fence.release(held)
-
-
-def _drop(data: bytes | memoryview) -> None:
-    pass
 
 
 class CompletionRoute:
@@ -342,7 +338,6 @@ class CompletionRoute:
             ):
                 self.budget.spend(self.loop.time())
             job.diverted = 0
-            job.write = job.conn.write
         return replica
 
     def cut(self, job: RoutedRequest, replica: Replica, failure: UpstreamError, got: int) -> None:

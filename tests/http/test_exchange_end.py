@@ -14,7 +14,8 @@ from lora_router.http.exchange import Exchange
 class Sink:
     keep_alive = True
 
-    def head(self, status: int, data: bytes, body: memoryview | None = None) -> None: ...
+    def head(self, status: int, data: bytes, body: memoryview | None = None) -> bool:
+        return True
 
     def write(self, data: bytes | memoryview) -> None: ...
 

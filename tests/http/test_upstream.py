@@ -14,6 +14,7 @@ from http_harness import FakeReplica
 
 from lora_router.config import ReplicaAddress
 from lora_router.http.exchange import Exchange, UpstreamError
+from lora_router.http.request import Upstream
 from lora_router.http.upstream import UpstreamPool
 
 
@@ -25,20 +26,21 @@ class Sink:
     def __init__(self, pausing: bool = False) -> None:
         self.pausing = pausing
         self.data = b""
-        self.upstream: asyncio.Transport | None = None
+        self.upstream: Upstream | None = None
 
-    def head(self, status: int, data: bytes, body: memoryview | None = None) -> None:
+    def head(self, status: int, data: bytes, body: memoryview | None = None) -> bool:
         self.write(data)
         if body is not None:
             self.write(body)
+        return True
 
     def write(self, data: bytes | memoryview) -> None:
         self.data += bytes(data)
         if self.pausing and self.upstream is not None:
             self.upstream.pause_reading()
 
-    def on_upstream(self, transport: asyncio.Transport | None) -> None:
-        self.upstream = transport
+    def on_upstream(self, upstream: Upstream | None) -> None:
+        self.upstream = upstream
 
 
 def pool_for(replica: FakeReplica, **kw: float) -> UpstreamPool:

@@ -301,15 +301,16 @@ async def test_a_client_leaving_goes_gone_and_stops_the_replicas_work(
     assert moves == ([(A, S), (S, P), (P, GONE)] if answered else [(A, S), (S, GONE)])
 
 
-async def test_a_client_leaving_while_a_500_is_held_back_goes_gone(
+async def test_a_diverted_500_is_not_read_on_and_a_client_leaving_its_retry_goes_gone(
     moves: list[Move], replica_factory: StartReplica, router: StartRouter, clients: Any
 ) -> None:
     held: list[ReplicaConn] = []
     arrived = asyncio.Event()
 
     async def answer(req: Received, conn: ReplicaConn, n: int) -> None:
-        await conn.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 100\r\n\r\n{")
-        held.append(conn)
+        if not held:  # the first replica asked: a 500 head, its body held
+            await conn.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 100\r\n\r\n{")
+        held.append(conn)  # the second: no answer yet
         arrived.set()
         await hold(conn)
 
@@ -321,10 +322,11 @@ async def test_a_client_leaving_while_a_500_is_held_back_goes_gone(
     await client.send(head + body)
     async with asyncio.timeout(5):
         await arrived.wait()
-        while not moves or moves[-1] != (S, D):
+        await held[0].closed.wait()  # diverted: closed at once, the rest of its body unread
+        while len(held) < 2:  # the retry is on the other replica
             await asyncio.sleep(0.01)
     client.writer.transport.abort()
     async with asyncio.timeout(5):
-        await held[0].closed.wait()
-    await counted(rt, ("/v1/completions", 499, b"0"))
-    assert moves == [(A, S), (S, D), (D, GONE)]
+        await held[1].closed.wait()
+    await counted(rt, ("/v1/completions", 499, b"1"))
+    assert moves == [(A, S), (S, D), (D, A), (A, S), (S, GONE)]
