@@ -282,8 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--first-byte-timeout",
         type=float,
         default=d.first_byte_timeout,
-        help="wait for a replica's first response byte (long prefills, /pause?mode=wait), "
-        "and at most this long for one of its --max-upstream-connections",
+        help="wait for a replica's whole response head from the send (long prefills, "
+        "/pause?mode=wait), and at most this long for one of its --max-upstream-connections",
     )
     g.add_argument(
         "--idle-timeout",

@@ -11,8 +11,10 @@ client connection pauses reading from the replica (`ResponseSink.on_upstream`, t
 `pause_reading`), so a slow reader costs bounded memory however long the stream.
 
 The timeouts, each a deadline on the replica alone:
-- the first response byte within `first_byte_timeout` of the request's send (a long prefill,
-  `/pause?mode=wait`);
+- the response head, whole, within `first_byte_timeout` of the request's send (a long prefill,
+  `/pause?mode=wait`): a replica dripping its head a byte at a time does not restart it (the
+  head is at most 64 KiB, but a byte a second would take it 18 hours); once its first bytes
+  came, each gap in it is also bounded as a body's is (below);
 - then each gap between two reads of the body within `stream_idle_timeout` (`--idle-timeout`),
   counted only while the client reads: while it does not, the replica is not read and its
   silence says nothing of it, so the timer stands still until `resume_reading`; the client
@@ -142,7 +144,6 @@ class UpstreamConnection(asyncio.Protocol):
             # Bytes nobody asked for: the connection is no longer in a known state.
             self.abort()
             return
-        self._last = self._loop.time()
         ex.received += len(data)
         if ex.head_sent:
             ex.earlier, ex.prior, ex.tail = ex.prior, ex.tail, data
@@ -154,7 +155,8 @@ class UpstreamConnection(asyncio.Protocol):
             if not ex.dechunk:
                 ex.sink.write(data)
         elif not self._head(ex, data):
-            return
+            return  # no whole head yet: its deadline runs from the send (module docstring)
+        self._last = self._loop.time()
         if ex.complete:
             self._finish(keep=ex.reusable)
         elif self._limit != self._pool.stream_idle_timeout:
@@ -164,9 +166,9 @@ class UpstreamConnection(asyncio.Protocol):
         """Collect the response head; once whole, send it on with what followed it."""
         if not ex.head_buf:
             # The first response byte: the request will not be sent again (the re-send rule
-            # above, and proxy/retry.py's). The replica is streaming, not thinking:
-            # `data_received` arms the stream-idle timeout unless this read ends the answer
-            # (the usual case: the pool's idle one follows).
+            # above, and proxy/retry.py's). Once the head is whole the replica is streaming,
+            # not thinking: `data_received` arms the stream-idle timeout unless this read ends
+            # the answer (the usual case: the pool's idle one follows).
             ex.request = b""
         buf = ex.tail = ex.head_buf + data if ex.head_buf else data
         while True:
@@ -176,7 +178,11 @@ class UpstreamConnection(asyncio.Protocol):
                     self._fail("protocol", "the replica sent an oversized response head", True)
                     return False
                 ex.head_buf = buf
-                self._arm(self._pool.stream_idle_timeout)
+                # Both bounds (module docstring): the whole head by the first-byte deadline,
+                # from the send (`_last` until the head is whole), and this gap's end.
+                pool = self._pool
+                gap = self._loop.time() - self._last + pool.stream_idle_timeout
+                self._arm(min(pool.first_byte_timeout, gap))
                 return False
             body_at = end + 4
             if buf[9:10] != b"1" and not ex.dechunk and not ex.head_only:
@@ -346,9 +352,10 @@ class UpstreamConnection(asyncio.Protocol):
         ex.end(UpstreamError(kind, message, received=received))
 
     # -- timers -----------------------------------------------------------------------------
-    # `_last` (the last byte either way) and `_limit` (the timeout of the current phase) say
-    # when the connection is due (http/timer.py). The timer never sleeps longer than the pool's
-    # idle timeout: an idle or slow connection re-checks itself that often.
+    # `_last` (the last byte either way, but a head's: until its head is whole an answer is
+    # timed from the send) and `_limit` (the timeout of the current phase) say when the
+    # connection is due (http/timer.py). The timer never sleeps longer than the pool's idle
+    # timeout: an idle or slow connection re-checks itself that often.
 
     def _arm(self, limit: float) -> None:
         self._limit = limit
@@ -366,9 +373,15 @@ class UpstreamConnection(asyncio.Protocol):
         if ex is None:
             self.abort()  # idle in the pool for too long
             return
+        limit, pool = self._limit, self._pool
+        if ex.head_sent or (ex.head_buf and limit < pool.first_byte_timeout):
+            what = f"nothing between response bytes for {pool.stream_idle_timeout:g} s"
+        elif ex.head_buf:
+            what = f"no whole response head within {limit:g} s"
+        else:
+            what = f"nothing for the first response byte for {limit:g} s"
         received = ex.head_sent or bool(ex.head_buf)
-        what = "between response bytes" if received else "for the first response byte"
-        self._fail("timeout", f"the replica sent nothing {what} for {self._limit:g} s", received)
+        self._fail("timeout", f"the replica sent {what}", received)
 
     # -- the client's flow control (http/request.py's `Upstream`) -----------------------------
 

@@ -183,6 +183,28 @@ async def test_withdrawing_a_pool_ends_what_waits_on_it_and_lets_a_begun_answer_
         pool.close()
 
 
+async def test_a_head_dripped_a_byte_at_a_time_times_out_at_the_first_byte_timeout(replica):
+    async def drip(req, conn) -> None:
+        head = b"HTTP/1.1 200 OK\r\nx-pad: " + b"a" * 1000 + b"\r\ncontent-length: 2\r\n\r\nok"
+        for i in range(len(head)):  # a byte every 20 ms: each gap well within the idle timeout
+            await conn.write(head[i : i + 1])
+            await asyncio.sleep(0.02)
+
+    replica.responder = drip
+    pool = pool_for(replica, first_byte_timeout=1.0, stream_idle_timeout=0.5)
+    try:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(UpstreamError) as failed:
+            async with asyncio.timeout(1.0 + 3.0):  # the drip would last 20 s
+                await pool.forward(Exchange(Sink(), GET, False, True))
+        assert failed.value.kind == "timeout" and failed.value.received
+        assert "no whole response head within 1 s" in str(failed.value)
+        assert loop.time() - started >= 1.0
+    finally:
+        pool.close()
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
