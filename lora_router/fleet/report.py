@@ -37,6 +37,10 @@ class Report:
     # lacks them): the mean decode step over the interval is their ratio (`decode_step_s`).
     interval_token_latency: float = 0.0
     interval_decoded: float = 0.0
+    # Since when the replica has computed nothing, no prompt token and no generated one, at
+    # every scrape while the router had a request in flight on it (`following`): a replica
+    # that holds work and never moves on it; None: it moved, or held nothing.
+    still_since: float | None = None
 
     @property
     def hit_rate(self) -> float | None:
@@ -59,10 +63,19 @@ class Report:
         (None: it decoded nothing then, or does not say)."""
         return ratio(self.interval_token_latency, self.interval_decoded)
 
-    def following(self, previous: Report | None) -> Report:
-        """This report with its interval figures taken against `previous`."""
+    def following(self, previous: Report | None, holding: bool) -> Report:
+        """This report with its interval figures taken against `previous`, `holding` whether
+        the router had a request in flight on the replica as it arrived (`still_since`: the
+        previous report's time, or its own `still_since`, while holding and no counter
+        moved)."""
         if previous is None or self.at <= previous.at:
             return self
+        still = None
+        if holding and (
+            self.generation_tokens == previous.generation_tokens
+            and self.prompt_tokens == previous.prompt_tokens
+        ):
+            still = previous.still_since if previous.still_since is not None else previous.at
         latency = decoded = 0.0
         if (
             self.token_latency_sum is not None
@@ -80,6 +93,7 @@ class Report:
             interval_generation_tokens=delta(self.generation_tokens, previous.generation_tokens),
             interval_token_latency=latency,
             interval_decoded=decoded,
+            still_since=still,
         )
 
 

@@ -15,6 +15,8 @@ each report is at most ceil(n / budget) intervals old, and shows its age (`/rout
 - prefix cache: `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` (tokens), over
   the interval since the previous report and since the replica started;
 - generated tokens per second: the change of `vllm:generation_tokens_total` over the interval;
+  and since when it has computed nothing (that counter and `vllm:prompt_tokens_total` unmoved)
+  at every scrape while the router held a request in flight on it (`Report.still_since`);
 - the decode step: the change of `vllm:inter_token_latency_seconds`' `_sum` over its `_count`'s
   over the interval, the mean seconds between a sequence's tokens (a histogram vLLM observes at
   every generated token but a sequence's first); optional: a replica without it reports the
@@ -282,7 +284,7 @@ class Telemetry:
             encoding = _header(answer.headers, b"content-encoding")
             if encoding not in (b"", b"identity"):
                 raise MetricsError(f"/metrics came {encoding.decode('latin-1')}-encoded")
-            report = parse_report(answer.body, now).following(replica.report)
+            report = parse_report(answer.body, now).following(replica.report, replica.in_flight > 0)
         except MetricsError as exc:
             self.scrape_failures += 1
             if replica.report is not None or replica.report_error != str(exc):

@@ -69,6 +69,8 @@ def report_json(r: Replica, busy_share: float | None = None) -> dict[str, object
         "status": "ok",
         "age_s": round(time.monotonic() - rep.at, 3),
         "interval_s": round(rep.interval, 3),
+        # Seconds it has computed nothing while holding requests (`Report.still_since`); 0: not.
+        "still_s": round(rep.at - rep.still_since, 3) if rep.still_since is not None else 0.0,
         "running": rep.running,
         "waiting": rep.waiting,
         "kv_cache_usage": round(rep.kv_cache_usage, 4),

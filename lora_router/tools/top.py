@@ -35,6 +35,10 @@ fleet never reads as an idle one:
    broadcast lock (`replay_holding_lock`): **syncing**, with the replica and how long;
 3. the fleet is paused (`/pause` broadcast, no `/resume` since) while requests are in flight or
    wait at the fence: **paused**, with their count and the way out (`POST /resume`);
+   then a serving replica that has computed nothing, no prompt token and no generated one,
+   over `STILL_SCRAPES` scrapes while the router held requests on it (its `still_s`, 40 s at
+   the default `--health-interval`): **stalled**, with the replica and the fix (its `/health`
+   answers, so nothing else takes it out: an engine that hangs);
 4. no replica in service can take part in a weight sync: **misconfigured**, with the first
    problem and its fix (fleet/readiness.py);
 5. the replicas disagree on a fact they must share (base model, LoRA limits, block size):
@@ -79,6 +83,9 @@ from lora_router.config import secret_from_env
 from lora_router.tools.terminal import shown, shown_json
 
 PAUSED_TRAINER_BOUND = 0.25
+# Scrapes without a token computed while holding requests that make a replica stalled: long
+# enough for a long prompt's prefill (vLLM counts its tokens when it ends) on a busy replica.
+STILL_SCRAPES = 20
 BUSY_INFERENCE_BOUND = 0.90
 BUSY_TRAINER_BOUND = 0.50
 _ONCE_WIDTH = 160  # plain-text frames are not cut to an 80-column guess
@@ -141,6 +148,16 @@ def stall(status: dict[str, Any]) -> str | None:
             f"request(s) in flight and {fence_waiting} waiting at the fence; a trainer that "
             "stopped between /pause and /resume? POST /resume to the router resumes it"
         )
+    for r in serving:
+        report = r.get("reported") or {}
+        still, interval = float(report.get("still_s") or 0.0), float(report.get("interval_s") or 0)
+        if interval > 0 and still >= STILL_SCRAPES * interval:
+            return (
+                f"stalled: replica {r.get('id')} has computed no token for {still:.0f} s with "
+                f"{r.get('in_flight')} request(s) in flight, though its /health answers (an "
+                "engine that hangs?); restart it: its requests are retried on the others when "
+                "it is ejected"
+            )
     problems = [r.get("sync_problems") or [] for r in serving]
     if serving and all(problems):
         return (

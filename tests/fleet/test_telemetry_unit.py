@@ -11,6 +11,7 @@ tests build more of it the same way.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -94,10 +95,10 @@ def test_the_decode_step_is_the_inter_token_latency_over_the_interval() -> None:
     before = parse_report(REAL, at=10.0)
     assert (before.token_latency_sum, before.token_latency_count) == (0, 0)
     assert after.decode_step_s is None  # no interval yet
-    step = after.following(before)
+    step = after.following(before, False)
     assert (step.interval_token_latency, step.interval_decoded) == (665.5941000779985, 6384)
     assert step.decode_step_s == pytest.approx(665.5941000779985 / 6384)
-    assert after.following(after).decode_step_s is None  # nothing decoded in it
+    assert after.following(after, False).decode_step_s is None  # nothing decoded in it
 
 
 def test_a_replica_without_the_inter_token_latency_reports_the_rest() -> None:
@@ -105,7 +106,7 @@ def test_a_replica_without_the_inter_token_latency_reports_the_rest() -> None:
     report = parse_report(b"\n".join(lines), at=12.0)
     assert report.token_latency_sum is None and report.token_latency_count is None
     assert report.generation_tokens == 6400
-    assert report.following(parse_report(REAL, at=10.0)).decode_step_s is None
+    assert report.following(parse_report(REAL, at=10.0), False).decode_step_s is None
 
 
 def test_the_newest_lora_label_set_is_the_current_one() -> None:
@@ -152,7 +153,7 @@ def test_interval_figures_are_taken_against_the_previous_report() -> None:
             vllm__generation_tokens_total=250,
         ),
         at=12.0,
-    ).following(first)
+    ).following(first, False)
     assert second.interval == 2.0
     assert second.hit_rate == 180 / 200
     assert second.hit_rate_total == 180 / 300
@@ -162,7 +163,7 @@ def test_interval_figures_are_taken_against_the_previous_report() -> None:
 def test_a_counter_that_went_down_counts_from_zero() -> None:
     before = parse_report(with_values(REAL, vllm__generation_tokens_total=5000), at=0.0)
     restarted = parse_report(with_values(REAL, vllm__generation_tokens_total=40), at=4.0)
-    assert restarted.following(before).tokens_per_s == 10.0
+    assert restarted.following(before, False).tokens_per_s == 10.0
 
 
 @given(st.binary(max_size=300))
@@ -245,3 +246,13 @@ def test_only_the_lines_of_the_families_read_are_looked_at() -> None:
         b"vllm:num_requests_running_other not-a-number\n"
     )
     assert parse_report(text, at=0.0).running == 2
+
+
+def test_a_replica_holding_work_is_still_from_the_first_report_its_counters_stood_at() -> None:
+    first = parse_report(REAL, at=10.0)
+    second = parse_report(REAL, at=12.0).following(first, True)
+    third = parse_report(REAL, at=14.0).following(second, True)
+    assert (second.still_since, third.still_since) == (10.0, 10.0)
+    assert parse_report(REAL, at=14.0).following(second, False).still_since is None  # idle
+    moved = replace(parse_report(REAL, at=14.0), prompt_tokens=first.prompt_tokens + 1)
+    assert moved.following(second, True).still_since is None  # it computed a prompt token

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -185,3 +186,42 @@ async def test_top_once_shows_each_discovery_source_and_its_members(
     words = " ".join(out.split())  # the line is wrapped at the terminal's width
     assert f"source file:{members}: 1 member (replicas 1)" in words
     assert "last read failed: cannot read it" in words
+
+
+async def test_a_replica_whose_engine_hangs_reads_stalled(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    # Its completions hang while /health and /metrics answer: nothing ejects it, and its
+    # counters stand still while the router holds a request on it.
+    (emu,) = await emulators(1)
+    rt = await router([emu], health_interval=0.1)
+    emu.faults.hang = "/v1/completions"
+    body = {"prompt": list(range(40)), "max_tokens": 4}
+    held = asyncio.create_task(client.post(rt.url + "/v1/completions", json=body))
+    try:
+
+        async def still_s() -> float:
+            doc = await router_status(client, rt.url)
+            return float(doc["replicas"][0]["reported"].get("still_s") or 0.0)
+
+        deadline = asyncio.get_running_loop().time() + 15
+        while (still := await still_s()) < 20 * 0.1 + 0.5:  # past STILL_SCRAPES intervals
+            assert asyncio.get_running_loop().time() < deadline, still
+            await asyncio.sleep(0.1)  # scrapes come every 0.1 s: no event to await
+        code, out, err = await run_top("--once", "--url", rt.url)
+        assert code == 0, err
+        assert "verdict: stalled: replica 0 has computed no token for " in " ".join(out.split()), (
+            out
+        )
+    finally:
+        held.cancel()
+        emu.faults.hang = None
+    # Once it computes again, it is still no longer.
+    async with client.post(rt.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+    await until(lambda: rt.fleet is not None and _still(rt) == 0.0, 5.0)
+
+
+def _still(rt: Any) -> float:
+    report = rt.fleet.replicas[0].report
+    return 0.0 if report is None or report.still_since is None else 1.0
