@@ -165,9 +165,8 @@ class Replay:
         404 marks it to be read again (`Replica.info_unread`, `reread`)."""
         info = await self.client.server_info(replica, listed)
         self._note_readiness(replica, info)
-        if isinstance(info, Facts):  # its listing's part: the one read with it, else kept
-            kept = replica.facts if listed is None and replica.facts is not None else info
-            self._note_facts(replica, replace(info, bases=kept.bases))
+        if isinstance(info, Facts):
+            self._note_facts(replica, info)
         replica.info_unread = isinstance(info, Failure) and info.cause is not Cause.DEV_MODE
         return info
 
@@ -186,9 +185,12 @@ class Replay:
                 self.on_block_size(info.block_size)
 
     def _note_facts(self, replica: Replica, facts: Facts) -> None:
-        """Record what `replica` said of itself, and warn of each disagreement of the fleet's
+        """Record what `replica` said of itself (facts read without a listing keep its last
+        listing's base names), and warn of each disagreement of the fleet's
         (`Fleet.disagreements`) that this makes appear. At start the whole fleet's are logged
         once, after every replica has said (`discover`)."""
+        if not facts.bases and replica.facts is not None:
+            facts = replace(facts, bases=replica.facts.bases)
         if not self._discovered:
             replica.facts = facts
             return

@@ -48,7 +48,7 @@ class UpstreamError(Exception):
         reports it to the health monitor): not when the router withdrew the exchange, as the
         replica had already left service for a failure that was reported, nor when the router's
         own cap held it back (busy: the replica is loaded, not failing)."""
-        return self.kind != "withdrawn" and self.kind != "busy"
+        return self.kind not in ("withdrawn", "busy")
 
 
 class Exchange:

@@ -169,8 +169,8 @@ def status(state: RouterState) -> dict[str, object]:
                 }
                 for w, seconds in control.loads.mount_wait_seconds()
             ],
-            # The replicas the running broadcast has waited on for 2 s or more: what it asked,
-            # how long ago (a hung replica shows here until --control-timeout or its ejection).
+            # The replicas the running broadcast has waited on long (broadcast.py's
+            # `waiting_for`): what it asked, for how long.
             "waiting_for": [
                 {"replica": r.rid, "call": what, "seconds": round(seconds, 3)}
                 for r, what, seconds in control.waiting_for()

@@ -35,13 +35,13 @@ fleet never reads as an idle one:
    broadcast lock (`replay_holding_lock`): **syncing**, with the replica and how long;
 3. the fleet is paused (`/pause` broadcast, no `/resume` since) while requests are in flight or
    wait at the fence: **paused**, with their count and the way out (`POST /resume`);
-   then a serving replica that has computed nothing, no prompt token and no generated one,
-   over `STILL_SCRAPES` scrapes while the router held requests on it (its `still_s`, 40 s at
-   the default `--health-interval`): **stalled**, with the replica and the fix (its `/health`
+4. a serving replica has computed nothing, no prompt token and no generated one, over
+   `STILL_SCRAPES` scrapes while the router held requests on it (its `still_s`, 40 s at the
+   default `--health-interval`): **stalled**, with the replica and the fix (its `/health`
    answers, so nothing else takes it out: an engine that hangs);
-4. no replica in service can take part in a weight sync: **misconfigured**, with the first
+5. no replica in service can take part in a weight sync: **misconfigured**, with the first
    problem and its fix (fleet/readiness.py);
-5. the replicas disagree on a fact they must share (base model, LoRA limits, block size):
+6. the replicas disagree on a fact they must share (base model, LoRA limits, block size):
    **misconfigured**, with the first disagreement and its fix (`Fleet.disagreements`).
 
 Then, on the shares:
