@@ -12,10 +12,12 @@ Health checks, broadcasts, replays and the `/metrics` scrapes (telemetry.py) all
 `call`; the routed path does not (http/upstream.py, its own pools). **Every call has a
 deadline**: the caller's `timeout`, else `--control-timeout`; none waits without limit, so a
 replica that hangs (a stopped process, a wedged engine) costs a broadcast at most that long,
-and the caller ejects it like any replica that gave no answer. The control plane's retry
-rule is stated in proxy/dispatch.py's module docstring, the data plane's in proxy/routed.py's;
-`call`'s own part of it is the one resend of a request that met a pooled connection the replica
-had closed while idle.
+and the caller ejects it like any replica that gave no answer. **Every body has a bound**: one
+kept is refused past `MAX_ANSWER_BYTES`; one given to a reader (`call`'s `body_to`: the
+`/metrics` scrapes) is never kept, reaches the reader in pieces with the loop free between two,
+and the reader bounds it. The control plane's retry rule is stated in proxy/dispatch.py's
+module docstring, the data plane's in proxy/routed.py's; `call`'s own part of it is the one
+resend of a request that met a pooled connection the replica had closed while idle.
 
 Redirects are never followed: the token goes only to the replica's own URL. A 3xx is an
 answer like any other non-200 (a failed check, a failed broadcast, a `--check` finding) whose
@@ -31,7 +33,7 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -45,9 +47,12 @@ from lora_router.fleet.failure import Cause, Failure, classify
 log = logging.getLogger(__name__)
 
 _JSON_REQUEST = {"Content-Type": "application/json"}
-# The largest control answer read: vLLM's biggest (`/metrics`, `/server_info`) are a few hundred
-# KiB; a replica that sends more is not answering as vLLM does, and is never buffered whole.
+# The largest control answer kept: vLLM's biggest (`/server_info`, `/v1/models`) are a few
+# hundred KiB; a replica that sends more is not answering as vLLM does, and is never buffered
+# whole.
 MAX_ANSWER_BYTES = 16 << 20
+# A body given to a reader goes to it in pieces of at most this size, the loop free between two.
+READ_PIECE_BYTES = 64 << 10
 
 # The facts every replica of a fleet must agree on, as (attribute of `Facts`, how a person
 # calls it): the router warns and shows it (`disagreement`), `--check` fails.
@@ -279,9 +284,16 @@ class ReplicaClient:
         query: str = "",
         timeout: float | None = None,
         headers: Mapping[str, str] | None = None,
+        body_to: Callable[[Answer[T]], Callable[[bytes], None] | None] | None = None,
     ) -> Answer[T]:
         """One request to one replica, answered within `timeout` seconds (None:
-        `--control-timeout`); transport failures and timeouts come back as `status` 0."""
+        `--control-timeout`); transport failures and timeouts come back as `status` 0.
+
+        `body_to`, given the answer's head (`body` empty), may name a reader of its body: the
+        body then goes to it as it arrives, in pieces of at most READ_PIECE_BYTES with the loop
+        free between two, and is not kept (`body` stays empty). An exception the reader raises
+        ends the call, the connection closed, and reaches the caller; the deadline covers the
+        reading."""
         assert self.session is not None, "ReplicaClient.open() was not called"
         url = URL(replica.name + path + (f"?{query}" if query else ""), encoded=True)
         if body is not None:
@@ -290,7 +302,7 @@ class ReplicaClient:
             timeout = self.config.control_timeout
         try:
             async with asyncio.timeout(timeout):  # both attempts: the deadline is the call's
-                return await self._request(replica, method, url, path, body, headers)
+                return await self._request(replica, method, url, path, body, headers, body_to)
         except TimeoutError:
             error = f"no answer within {timeout:g} s"
             return Answer(replica, 0, error=error, transport=Cause.TIMEOUT)
@@ -303,24 +315,31 @@ class ReplicaClient:
         path: str,
         body: bytes | None,
         headers: Mapping[str, str] | None,
+        body_to: Callable[[Answer[T]], Callable[[bytes], None] | None] | None,
     ) -> Answer[T]:
         assert self.session is not None
         # One resend, only when the request never got an answer on a pooled connection the
         # replica had closed while idle. Every control request is safe to send twice: a load
         # sent twice reads as "already loaded" with our root, an unload as 404, the rest are
-        # idempotent in vLLM.
+        # idempotent in vLLM. Never once the body was given to a reader.
         for attempt in (0, 1):
+            reader = None
             try:
                 async with self.session.request(
                     method, url, data=body, headers=headers, allow_redirects=False
                 ) as resp:
+                    answer = Answer(replica, resp.status, b"", list(resp.raw_headers))
+                    answer.token_from = self.token_from
+                    reader = body_to(answer) if body_to is not None else None
+                    if reader is not None:
+                        await _read_into(resp, reader)
+                        return answer
                     data = await _read_capped(resp)
                     if data is None:
                         resp.close()  # the rest is never read: the connection is not reused
                         error = f"its answer to {path} is larger than {MAX_ANSWER_BYTES >> 20} MiB"
                         return Answer(replica, 0, error=error, transport=Cause.NOT_VLLM)
-                    answer = Answer(replica, resp.status, data, list(resp.raw_headers))
-                    answer.token_from = self.token_from
+                    answer.body = data
                     if 300 <= resp.status < 400:
                         answer.error = _redirected(url, resp.headers.get("Location"), resp.status)
                         if (replica.name, answer.error) not in self._redirects:  # once each
@@ -328,7 +347,7 @@ class ReplicaClient:
                             log.warning("%s: %s", replica.name, answer.failure(path))
                     return answer
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                if attempt or isinstance(exc, aiohttp.ClientConnectorError):
+                if attempt or reader is not None or isinstance(exc, aiohttp.ClientConnectorError):
                     cause, error = transport_error(exc, url.scheme)
                     return Answer(replica, 0, error=error, transport=cause)
             except (aiohttp.ClientError, OSError) as exc:
@@ -367,6 +386,19 @@ async def _read_capped(resp: aiohttp.ClientResponse) -> bytes | None:
         if len(data) > MAX_ANSWER_BYTES:
             return None
     return bytes(data)
+
+
+async def _read_into(resp: aiohttp.ClientResponse, reader: Callable[[bytes], None]) -> None:
+    """The whole body, piece by piece, to `reader`, yielding to the loop after each piece (a
+    piece already received is returned without one). If `reader` raises, the connection closes
+    (the rest is never read)."""
+    try:
+        async for piece in resp.content.iter_chunked(READ_PIECE_BYTES):
+            reader(piece)
+            await asyncio.sleep(0)
+    except BaseException:
+        resp.close()
+        raise
 
 
 def _redirected(url: URL, location: str | None, status: int) -> str:

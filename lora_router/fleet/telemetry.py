@@ -27,10 +27,15 @@ each report is at most ceil(n / budget) intervals old, and shows its age (`/rout
 - adapters running and waiting: the labels `running_lora_adapters` / `waiting_lora_adapters`
   (and `max_lora`) of `vllm:lora_requests_info`'s newest sample (largest value).
 
-Samples of several engines (data parallel) add up; KV use is their mean. One scan of the bytes
-finds the sample lines of the families read (the rest are skipped, not split or decoded), and
-`_sample` reads each by the text format, refusing a line that breaks it; the scrape asks for
-`identity` encoding. How, and why it costs what it does: docs/design/fleet.md#telemetry.
+Samples of several engines (data parallel) add up; KV use is their mean. The page is read as it
+arrives, never kept whole (`ReportReader`, fed by the replica client in pieces of at most
+`READ_PIECE_BYTES`, the loop free between two): one scan of each piece finds the sample lines of
+the families read (the rest are skipped, not split or decoded), and `_sample` reads each by the
+text format, refusing a line that breaks it. A page over `MAX_PAGE_BYTES`, or a sample line of
+a family read over `MAX_LINE_BYTES`, is refused, saying so; so whatever a replica sends, a
+scrape holds the loop at most one piece's scan at a time and keeps at most a few lines. The
+scrape asks for `identity` encoding. How, and why it costs what it does:
+docs/design/fleet.md#telemetry.
 
 A replica whose `/metrics` fails, is missing a family, or answers something that does not parse
 gets `report = None` ("unknown") and `report_error` saying why; nothing else changes. Each
@@ -54,11 +59,11 @@ import math
 import re
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from lora_router.config import Config
-from lora_router.fleet.client import ReplicaClient
+from lora_router.fleet.client import Answer, ReplicaClient
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.pace import PaceRule
 from lora_router.fleet.replica import Replica
@@ -88,7 +93,7 @@ REQUIRED = (
 )
 # A line that begins with one of the names read here, then labels or a blank: the name and the
 # rest of the line. The pattern begins with a literal, so the scan skips the other lines fast;
-# `parse_report` puts a newline before the text, so its first line is found too.
+# the text scanned always begins with the newline before its first line.
 _LINE = re.compile(
     rb"\n("
     + b"|".join(
@@ -111,6 +116,14 @@ _ESCAPED = {b"n": b"\n", b"\\": b"\\", b'"': b'"'}
 _LORA_NAME = LORA_INFO.encode()
 _IDENTITY = {"Accept-Encoding": "identity"}
 
+# The largest `/metrics` answer read: vLLM's grows with `vllm:lora_requests_info`'s label sets,
+# a few MiB after thousands of weight syncs (docs/design/fleet.md#telemetry). A larger one is
+# refused, saying why and what clears it.
+MAX_PAGE_BYTES = 64 << 20
+# The longest sample line of a family read; a longer one is refused. Longer lines of other
+# families are skipped, never kept.
+MAX_LINE_BYTES = 256 << 10
+
 WINDOW_S = 300.0  # how far back `busy_share` and the paused share look
 SYNC_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 RECENT_SYNCS = 10  # shown in /router/status
@@ -121,53 +134,106 @@ class MetricsError(ValueError):
 
 
 def parse_report(text: bytes, at: float) -> Report:
-    """Read the families of the module docstring out of one `/metrics` answer."""
-    values: dict[str, list[float]] = {}
-    newest, newest_value = b"", -math.inf
-    for match in _LINE.finditer(b"\n" + text):
-        name, rest = match.groups()
-        if name == _LORA_NAME:
-            # Thousands of these over a long run: a cheap look at the value picks the newest.
-            value = _newest_value(rest)
-            if value is not None and value >= newest_value:
-                newest, newest_value = rest, value
-            continue
-        values.setdefault(name.decode(), []).append(_sample(name, rest)[1])
-    if not values and not newest:
-        raise MetricsError("no vLLM metrics in the answer")
-    missing = [name for name in REQUIRED if name not in values]
-    if missing:
-        raise MetricsError(f"no {', '.join(missing)}")
-    kv = values[KV_USAGE]
-    running, waiting, max_lora = None, None, None
-    if newest:
-        block, _ = _sample(_LORA_NAME, newest)
-        labels = _labels(_LORA_NAME, newest, block)
-        running = _adapters(labels.get("running_lora_adapters", ""))
-        waiting = _adapters(labels.get("waiting_lora_adapters", ""))
-        with contextlib.suppress(ValueError):
-            max_lora = int(labels.get("max_lora", ""))
-    return Report(
-        at=at,
-        running=int(sum(values[RUNNING])),
-        waiting=int(sum(values[WAITING])),
-        kv_cache_usage=sum(kv) / len(kv),
-        prefix_queries=sum(values[PREFIX_QUERIES]),
-        prefix_hits=sum(values[PREFIX_HITS]),
-        generation_tokens=sum(values[GENERATION_TOKENS]),
-        prompt_tokens=sum(values[PROMPT_TOKENS]),
-        adapters_running=running,
-        adapters_waiting=waiting,
-        max_lora=max_lora,
-        token_latency_sum=_total(values, TOKEN_LATENCY_SUM),
-        token_latency_count=_total(values, TOKEN_LATENCY_COUNT),
-    )
+    """Read the families of the module docstring out of one whole `/metrics` answer."""
+    reader = ReportReader()
+    reader.feed(text)
+    return reader.finish(at)
 
 
-def _total(values: dict[str, list[float]], name: str) -> float | None:
-    """The sum of an optional family's samples (of every engine); None without it."""
-    found = values.get(name)
-    return sum(found) if found is not None else None
+class ReportReader:
+    """One `/metrics` answer read as it arrives: `feed` each piece in order, then `finish`.
+
+    However the answer is cut into pieces, the report (or the MetricsError) is the same, but
+    for an answer over MAX_PAGE_BYTES, refused as soon as it passes it. Kept between pieces:
+    each family's running sum and count, the newest `vllm:lora_requests_info` line and the line
+    not yet ended, each at most MAX_LINE_BYTES, whatever the answer. A `feed` costs
+    O(len(piece) + MAX_LINE_BYTES)."""
+
+    def __init__(self) -> None:
+        self._sums: dict[bytes, float] = {}
+        self._counts: dict[bytes, int] = {}
+        self._newest, self._newest_value = b"", -math.inf
+        self._tail = bytearray(b"\n")  # the line not yet ended, after the newline before it
+        self._skipping = False  # within a line over MAX_LINE_BYTES of no family read
+        self._size = 0
+
+    def feed(self, piece: bytes) -> None:
+        self._size += len(piece)
+        if self._size > MAX_PAGE_BYTES:
+            raise MetricsError(
+                f"the page is larger than {MAX_PAGE_BYTES >> 20} MiB (vLLM keeps a "
+                f"{LORA_INFO} sample for every set of adapters it ever had in flight: a "
+                "restart of the replica starts it afresh)"
+            )
+        if self._skipping:
+            start = piece.find(b"\n")
+            if start < 0:
+                return
+            self._skipping, self._tail = False, bytearray()
+            piece = piece[start:]
+        end = piece.rfind(b"\n")
+        if end >= 0:  # lines ended in this piece: read them, keep the one that goes on
+            self._scan(b"".join((self._tail, memoryview(piece)[:end])))
+            self._tail = bytearray(memoryview(piece)[end:])
+        else:
+            self._tail += piece
+        if len(self._tail) - 1 > MAX_LINE_BYTES:
+            line = _LINE.match(self._tail)
+            if line is not None:
+                raise _too_long(line.group(1))
+            self._skipping, self._tail = True, bytearray()
+
+    def finish(self, at: float) -> Report:
+        """The report of the answer fed, whose end this is."""
+        if not self._skipping:
+            self._scan(bytes(self._tail))
+        counts, sums = self._counts, self._sums
+        if not counts and not self._newest:
+            raise MetricsError("no vLLM metrics in the answer")
+        missing = [name for name in REQUIRED if name.encode() not in counts]
+        if missing:
+            raise MetricsError(f"no {', '.join(missing)}")
+        running, waiting, max_lora = None, None, None
+        if self._newest:
+            block, _ = _sample(_LORA_NAME, self._newest)
+            labels = _labels(_LORA_NAME, self._newest, block)
+            running = _adapters(labels.get("running_lora_adapters", ""))
+            waiting = _adapters(labels.get("waiting_lora_adapters", ""))
+            with contextlib.suppress(ValueError):
+                max_lora = int(labels.get("max_lora", ""))
+        kv = KV_USAGE.encode()
+        return Report(
+            at=at,
+            running=int(sums[RUNNING.encode()]),
+            waiting=int(sums[WAITING.encode()]),
+            kv_cache_usage=sums[kv] / counts[kv],
+            prefix_queries=sums[PREFIX_QUERIES.encode()],
+            prefix_hits=sums[PREFIX_HITS.encode()],
+            generation_tokens=sums[GENERATION_TOKENS.encode()],
+            prompt_tokens=sums[PROMPT_TOKENS.encode()],
+            adapters_running=running,
+            adapters_waiting=waiting,
+            max_lora=max_lora,
+            token_latency_sum=sums.get(TOKEN_LATENCY_SUM.encode()),
+            token_latency_count=sums.get(TOKEN_LATENCY_COUNT.encode()),
+        )
+
+    def _scan(self, text: bytes) -> None:
+        """Read the sample lines of the families read in `text`, whole lines after a newline.
+        Samples of several engines add up in the order read."""
+        sums, counts = self._sums, self._counts
+        for match in _LINE.finditer(text):
+            name, rest = match.groups()
+            if len(name) + len(rest) > MAX_LINE_BYTES:
+                raise _too_long(name)
+            if name == _LORA_NAME:
+                # Thousands of these over a long run: a cheap look at the value picks the newest.
+                value = _newest_value(rest)
+                if value is not None and value >= self._newest_value:
+                    self._newest, self._newest_value = rest, value
+                continue
+            sums[name] = sums.get(name, 0.0) + _sample(name, rest)[1]
+            counts[name] = counts.get(name, 0) + 1
 
 
 def _sample(name: bytes, rest: bytes) -> tuple[bytes, float]:
@@ -196,6 +262,10 @@ def _labels(name: bytes, rest: bytes, block: bytes) -> dict[str, str]:
 
 def _unescaped(match: re.Match[bytes]) -> bytes:
     return _ESCAPED.get(match.group(1), b"\\" + match.group(1))
+
+
+def _too_long(name: bytes) -> MetricsError:
+    return MetricsError(f"a {name.decode()} line longer than {MAX_LINE_BYTES >> 10} KiB")
 
 
 def _broken(name: bytes, rest: bytes) -> MetricsError:
@@ -274,17 +344,26 @@ class Telemetry:
 
     async def scrape(self, replica: Replica) -> None:
         self.scrapes += 1
-        answer = await self.client.call(
-            replica, "GET", "/metrics", timeout=self.config.health_timeout, headers=_IDENTITY
-        )
-        now = time.monotonic()
+        reader = ReportReader()  # reads a 200 page as it arrives, never kept whole
+
+        def body_to(head: Answer[Replica]) -> Callable[[bytes], None] | None:
+            return reader.feed if head.status == 200 and _encoding(head) == b"identity" else None
+
         try:
+            answer = await self.client.call(
+                replica,
+                "GET",
+                "/metrics",
+                timeout=self.config.health_timeout,
+                headers=_IDENTITY,
+                body_to=body_to,
+            )
+            now = time.monotonic()
             if answer.status != 200:
                 raise MetricsError(f"/metrics: {answer.summary()}")
-            encoding = _header(answer.headers, b"content-encoding")
-            if encoding not in (b"", b"identity"):
-                raise MetricsError(f"/metrics came {encoding.decode('latin-1')}-encoded")
-            report = parse_report(answer.body, now).following(replica.report, replica.in_flight > 0)
+            if _encoding(answer) != b"identity":
+                raise MetricsError(f"/metrics came {_encoding(answer).decode('latin-1')}-encoded")
+            report = reader.finish(now).following(replica.report, replica.in_flight > 0)
         except MetricsError as exc:
             self.scrape_failures += 1
             if replica.report is not None or replica.report_error != str(exc):
@@ -424,5 +503,7 @@ def _newest_value(rest: bytes) -> float | None:
         return None
 
 
-def _header(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> bytes:
-    return next((v.strip().lower() for k, v in headers if k.lower() == name), b"")
+def _encoding(answer: Answer[Replica]) -> bytes:
+    """The answer's content encoding, `identity` when it names none."""
+    found = (v.strip().lower() for k, v in answer.headers if k.lower() == b"content-encoding")
+    return next(found, b"") or b"identity"

@@ -5,7 +5,9 @@ router's `/router/status` and `/metrics`; replicas that publish nothing, or garb
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -16,6 +18,7 @@ from helpers import Adapter, call, complete, load, router_status, samples, until
 from lora_router.emulator import Emulator, EmulatorConfig, Engine, start_emulator
 from lora_router.emulator import control as emulator_control
 from lora_router.emulator import metrics as emulator_metrics
+from lora_router.fleet import telemetry
 
 
 def prompt(i: int) -> list[int]:
@@ -262,6 +265,89 @@ async def test_a_replica_that_stops_reporting_loses_its_figures(
     await rt.telemetry.scrape_all()
     assert rt.fleet.replicas[1].report is None  # old figures are not passed off as current
     assert rt.fleet.replicas[0].report is not None
+
+
+# -- large pages ------------------------------------------------------------------------------
+
+AFTER_TRAFFIC = (
+    Path(__file__).parent / "data" / "vllm-0.32-metrics-after-traffic.txt"
+).read_bytes()
+
+
+def long_run_page(size: int) -> bytes:
+    """A real vLLM page after LoRA traffic, grown to `size` bytes with the
+    `vllm:lora_requests_info` label sets of a long run (two versions in flight at each sync,
+    each set newer than the one before)."""
+    lines, total, n = [AFTER_TRAFFIC], len(AFTER_TRAFFIC), 0
+    while True:
+        names = f"trl-policy-v{n},trl-policy-v{n + 1}"
+        line = (
+            f'vllm:lora_requests_info{{max_lora="3",running_lora_adapters="{names}",'
+            f'waiting_lora_adapters="{names}"}} {1.8e9 + n}\n'
+        ).encode()
+        if total + len(line) > size:
+            return b"".join(lines)
+        lines.append(line)
+        total += len(line)
+        n += 1
+
+
+async def longest_lateness(work: Callable[[], Awaitable[object]]) -> float:
+    """How late, at most, a task asking to wake every millisecond woke while `work` ran: the
+    longest the loop was held."""
+    worst, done = 0.0, False
+
+    async def tick() -> None:
+        nonlocal worst
+        while not done:
+            asked = time.perf_counter()
+            await asyncio.sleep(0.001)
+            worst = max(worst, time.perf_counter() - asked - 0.001)
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0)  # the ticker is waiting before the work starts
+    try:
+        await work()
+    finally:
+        done = True
+        await ticker
+    return worst
+
+
+async def test_a_16_mib_metrics_page_never_holds_the_routers_loop(
+    emulators: StartEmulators, router: StartRouter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A page just under 16 MiB, read whole, took 100 ms or more to scan on this loop; read as it
+    # arrives, no piece takes a millisecond. The bound is the median of three scrapes, generous
+    # for a loaded machine.
+    (emu,) = await emulators(1)
+    page = long_run_page((16 << 20) - 1024)
+    garbage_from(monkeypatch, emu, page)
+    rt = await router([emu])
+    assert rt.telemetry is not None and rt.fleet is not None
+    stalls = [await longest_lateness(rt.telemetry.scrape_all) for _ in range(3)]
+    report = rt.fleet.replicas[0].report
+    assert report is not None, rt.fleet.replicas[0].report_error
+    whole = telemetry.parse_report(page, report.at)
+    assert (report.adapters_running, report.generation_tokens) == (
+        whole.adapters_running,
+        whole.generation_tokens,
+    )
+    assert report.adapters_running is not None and len(report.adapters_running) == 2
+    assert sorted(stalls)[1] < 0.05, stalls
+
+
+async def test_a_metrics_page_over_the_cap_shows_why_in_the_status(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(telemetry, "MAX_PAGE_BYTES", 1 << 20)
+    emus = await emulators(2)
+    garbage_from(monkeypatch, emus[1], long_run_page(2 << 20))
+    rt = await router(emus, health_interval=0.02, policy="round-robin")
+    await assert_unknown_and_serving(rt, client, 1, "the page is larger than 1 MiB (vLLM keeps")
 
 
 # -- weight syncs -----------------------------------------------------------------------------

@@ -11,6 +11,8 @@ tests build more of it the same way.
 
 from __future__ import annotations
 
+import tracemalloc
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,7 +22,16 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from pytest import approx
 
-from lora_router.fleet.telemetry import WINDOW_S, MetricsError, SyncClock, parse_report
+from lora_router.fleet import telemetry
+from lora_router.fleet.report import Report
+from lora_router.fleet.telemetry import (
+    MAX_LINE_BYTES,
+    WINDOW_S,
+    MetricsError,
+    ReportReader,
+    SyncClock,
+    parse_report,
+)
 
 DATA = Path(__file__).parent / "data"
 REAL = (DATA / "vllm-0.32-metrics.txt").read_bytes()
@@ -256,3 +267,142 @@ def test_a_replica_holding_work_is_still_from_the_first_report_its_counters_stoo
     assert parse_report(REAL, at=14.0).following(second, False).still_since is None  # idle
     moved = replace(parse_report(REAL, at=14.0), prompt_tokens=first.prompt_tokens + 1)
     assert moved.following(second, True).still_since is None  # it computed a prompt token
+
+
+# -- the page read as it arrives --------------------------------------------------------------
+
+# The real page after LoRA traffic, with more label sets of vllm:lora_requests_info (ties,
+# escapes, an older set coming back newest) and a sample of a second engine.
+LONG_RUN = (
+    AFTER_TRAFFIC
+    + lora_info(
+        ("trl-policy-v1,trl-policy-v2", "trl-policy-v2", 1.7961260690e9),
+        ('a "quoted"\\name', "", 1.7961260700e9),
+        ("trl-policy-v2", "trl-policy-v2", 1.7961260700e9),  # a tie: the later line wins
+        ("trl-policy-v1", "", 1.7961260650e9),
+    )
+    + b'vllm:num_requests_running{engine="1",model_name="m"} 4.0\n'
+)
+BROKEN = AFTER_TRAFFIC + b'vllm:kv_cache_usage_perc{engine="1" 0.5\n'
+
+
+def read_in_pieces(text: bytes, cuts: Iterable[int], at: float = 1.0) -> Report | str:
+    """`text` fed to a reader cut at `cuts`: its report, or the refusal's message."""
+    reader = ReportReader()
+    start = 0
+    try:
+        for cut in [*sorted(cuts), len(text)]:
+            reader.feed(text[start:cut])
+            start = cut
+        return reader.finish(at)
+    except MetricsError as exc:
+        return str(exc)
+
+
+def read_whole(text: bytes, at: float = 1.0) -> Report | str:
+    try:
+        return parse_report(text, at)
+    except MetricsError as exc:
+        return str(exc)
+
+
+def test_the_long_run_page_reads_its_newest_label_set() -> None:
+    report = parse_report(LONG_RUN, at=1.0)
+    assert report.adapters_running == report.adapters_waiting == ("trl-policy-v2",)
+    assert report.running == 4  # both engines
+    idle = replace(report, running=0, adapters_running=(), adapters_waiting=())
+    assert parse_report(AFTER_TRAFFIC, at=1.0) == idle
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 64, 1000, 64 << 10])
+def test_a_page_read_in_pieces_of_any_size_reads_as_the_whole(size: int) -> None:
+    for text in (REAL, LONG_RUN, BROKEN):
+        cuts = range(size, len(text), size)
+        assert read_in_pieces(text, cuts) == read_whole(text)
+
+
+def _read_positions(text: bytes) -> list[int]:
+    """Every offset within or around the lines of the families read: cuts in a name, its
+    labels, an escape, a value, at a newline and either side of it."""
+    names = (b"\nvllm:num_requests_", b"\nvllm:kv_cache", b"\nvllm:lora_", b"\nvllm:prefix_cache")
+    positions: set[int] = set()
+    for name in names:
+        at = text.find(name)
+        while at >= 0:
+            end = text.find(b"\n", at + 1)
+            positions.update(range(at - 1, (end if end >= 0 else len(text)) + 2))
+            at = text.find(name, at + 1)
+    return sorted(p for p in positions if 0 <= p <= len(text))
+
+
+PAGES = {"real": REAL, "long-run": LONG_RUN, "broken": BROKEN}
+POSITIONS = {name: _read_positions(text) for name, text in PAGES.items()}
+
+
+@given(st.data())
+def test_a_page_cut_anywhere_reads_as_the_whole(data: st.DataObject) -> None:
+    name = data.draw(st.sampled_from(sorted(PAGES)))
+    text = PAGES[name]
+    cut = st.one_of(st.sampled_from(POSITIONS[name]), st.integers(0, len(text)))
+    cuts = data.draw(st.lists(cut, max_size=12))
+    assert read_in_pieces(text, cuts) == read_whole(text)
+
+
+def test_a_line_of_a_family_read_is_refused_past_its_cap() -> None:
+    value = b"x" * MAX_LINE_BYTES
+    for line in (
+        b'vllm:lora_requests_info{max_lora="3",running_lora_adapters="' + value + b'"} 1\n',
+        b'vllm:num_requests_running{engine="' + value + b'"} 1\n',
+    ):
+        text = AFTER_TRAFFIC + line
+        refused = read_whole(text)
+        assert isinstance(refused, str) and "line longer than 256 KiB" in refused
+        assert read_in_pieces(text, range(0, len(text), 64 << 10)) == refused
+
+
+def test_a_long_line_of_a_family_not_read_is_skipped() -> None:
+    long = b"x" * (2 * MAX_LINE_BYTES)
+    text = (
+        AFTER_TRAFFIC[:200]
+        + b"# HELP " + long + b"\n"
+        + b'vllm:num_requests_running_total{engine="' + long + b'"} 1\n'
+        + AFTER_TRAFFIC[200:]
+    )  # fmt: skip
+    assert read_whole(text) == read_whole(AFTER_TRAFFIC)
+    assert read_in_pieces(text, range(0, len(text), 64 << 10)) == read_whole(AFTER_TRAFFIC)
+    # The last line, cut off by the end of the answer, is skipped as well.
+    assert read_in_pieces(AFTER_TRAFFIC + b"# " + long, [len(AFTER_TRAFFIC) + 1]) == (
+        read_whole(AFTER_TRAFFIC)
+    )
+
+
+def test_reading_a_page_keeps_at_most_a_few_lines_whatever_its_size() -> None:
+    piece = lora_info(*((f"trl-policy-v{i}", "", 2e9 + i) for i in range(600)))
+    piece = piece[piece.index(b"\nvllm:lora_requests_info{") + 1 :]  # whole sample lines
+    comment = b"x" * (64 << 10)
+    tracemalloc.start()
+    try:
+        reader = ReportReader()
+        reader.feed(AFTER_TRAFFIC)
+        for _ in range((16 << 20) // len(piece)):  # 16 MiB of label sets
+            reader.feed(piece)
+        reader.feed(b"# ")
+        for _ in range(64):  # a 4 MiB line
+            reader.feed(comment)
+        reader.feed(b"\n")
+        report = reader.finish(1.0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert report.adapters_running == ("trl-policy-v599",)
+    assert peak < 2 << 20
+
+
+def test_a_page_over_the_cap_is_refused_naming_what_clears_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(telemetry, "MAX_PAGE_BYTES", len(AFTER_TRAFFIC) - 1)
+    refused = read_in_pieces(AFTER_TRAFFIC, range(0, len(AFTER_TRAFFIC), 1000))
+    assert isinstance(refused, str)
+    assert "the page is larger than" in refused and "vllm:lora_requests_info" in refused
+    assert "a restart of the replica" in refused
