@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--replicas",
         help="comma-separated replica URLs, http:// or https://, optionally with a path "
-        "prefix (required, except with --demo)",
+        "prefix, one per vLLM server (required, except with --demo)",
     )
     g.add_argument(
         "--token-env",

@@ -69,8 +69,13 @@ class Secret:
 class ReplicaAddress:
     """Where one replica lives: scheme, host, port and an optional path prefix.
 
-    `name` is the URL as the operator wrote it (normalised); the hash ring is built from names,
-    so two routers given the same URLs agree on every placement.
+    `name` is the URL as the operator wrote it, normalised: the scheme and host in lower case,
+    an IP address in its shortest form (`[0:0::1]` is `[::1]`), the port always written (80
+    and 443 when the URL gives none), the path prefix without `.` and `..` segments and
+    without a trailing `/`. Two URLs with one name are one replica (the fleet has one member
+    per name); two names are two replicas, though two host names may lead to one server
+    (fleet/aliases.py says so). The hash ring is built from names, so two routers given the
+    same URLs agree on every placement.
     """
 
     name: str
@@ -109,9 +114,11 @@ class ReplicaAddress:
         if port == 0:
             raise ValueError(f"replica URL {text!r} has port 0, which no server listens on")
         port = port or (443 if parts.scheme == "https" else 80)
-        prefix = parts.path.rstrip("/")
+        prefix = _path_prefix(parts.path)
         host = parts.hostname
-        if not _ip_literal(host) and not _dns_name(host):
+        if _ip_literal(host):
+            host = ipaddress.ip_address(host).compressed
+        elif not _dns_name(host):
             raise ValueError(
                 f"replica URL {text[:200]!r} has a host that is neither an IP address nor a DNS "
                 "name (dot-separated labels of letters, digits, '-' and '_', the last not a "
@@ -345,8 +352,15 @@ class Config:
 
     def __post_init__(self) -> None:
         """Refuse a setting the router cannot run with (ValueError naming the flag)."""
-        if len({r.name for r in self.replicas}) != len(self.replicas):
-            raise ValueError("--replicas lists the same replica twice")
+        first: dict[str, int] = {}
+        for n, replica in enumerate(self.replicas, 1):
+            if (seen := first.setdefault(replica.name, n)) != n:
+                raise ValueError(
+                    f"--replicas names {replica.name} twice (entries {seen} and {n}): one "
+                    "server would take twice its share of requests and every adapter load "
+                    "twice; list it once (URLs that differ only in the case of the scheme or "
+                    "host, a default port, a trailing / or . and .. segments are one URL)"
+                )
         if len(self.replicas) > self.max_replicas:
             raise ValueError(
                 f"--replicas names {len(self.replicas)} replicas, over --max-replicas "
@@ -555,6 +569,19 @@ def _dns_name(host: str) -> bool:
         and all(_LABEL.fullmatch(label) for label in labels)
         and not _NUMERIC_LABEL.fullmatch(labels[-1])
     )
+
+
+def _path_prefix(path: str) -> str:
+    """A URL's path as a replica's prefix: its `.` and `..` segments resolved (RFC 3986, 5.2.4)
+    and no trailing `/` ("" for the root)."""
+    segments: list[str] = []
+    for segment in path.split("/")[1:]:
+        if segment == "..":
+            if segments:
+                segments.pop()
+        elif segment != ".":
+            segments.append(segment)
+    return "".join("/" + s for s in segments).rstrip("/")
 
 
 def _ip_literal(host: str) -> bool:

@@ -3,12 +3,13 @@ broadcaster, replays, health checks and replica telemetry, the policy and the ap
 stopped together. Tests and the demo start routers in-process through this class.
 
 Start order matters: the listening socket is bound first, before any replica is contacted, so
-a port in use fails at once with nothing to clean up; the replicas are read next (adapters
-already on them, their KV block size, `--unload-stale`), and only then does the socket accept,
-so the first request already sees the fleet as it is; with `--policy kv` the KV-event
-subscriptions start then too (fleet/kv_events.py), so that a router that just started learns
-what the replicas' replay buffers still hold before it routes; the health watchers and the
-telemetry loop start last.
+a port in use fails at once with nothing to clean up; the replicas' hosts are resolved next
+(members listed under two names are warned of, fleet/aliases.py), then the replicas are read
+(adapters already on them, their KV block size, `--unload-stale`), and only then does the
+socket accept, so the first request already sees the fleet as it is; with `--policy kv` the
+KV-event subscriptions start then too (fleet/kv_events.py), so that a router that just started
+learns what the replicas' replay buffers still hold before it routes; the health watchers and
+the telemetry loop start last.
 """
 
 from __future__ import annotations
@@ -149,6 +150,7 @@ class RouterRuntime:
             ) from None
         try:
             await client.open()
+            await health.locate(fleet.replicas)  # warns of members under two names
             block_size = await replay.discover() or DEFAULT_BLOCK_SIZE
         except BaseException:
             await self.stop()

@@ -374,10 +374,47 @@ def test_a_config_built_in_code_is_validated_too() -> None:
         Config(replicas=(address,), health_interval=0.0)
 
 
-def test_a_config_listing_a_replica_twice_is_refused() -> None:
-    address = ReplicaAddress.parse("http://127.0.0.1:9000")
-    with pytest.raises(ValueError, match="the same replica twice"):
-        Config(replicas=(address, address))
+@pytest.mark.parametrize(
+    ("url", "spelling"),
+    [
+        ("http://gpu-1:8000", "http://gpu-1:8000/"),  # a trailing slash
+        ("http://gpu-1:8000", "HTTP://GPU-1:8000"),  # the scheme's and host's case
+        ("http://gpu-1", "http://gpu-1:80"),  # a default port
+        ("https://gpu-1", "https://gpu-1:443/"),
+        ("http://gpu-1:8000/v1", "http://gpu-1:8000/v1/"),
+        ("http://gpu-1:8000/a/c", "http://gpu-1:8000/a/./b/../c"),  # dot segments
+        ("http://gpu-1:8000", "http://gpu-1:8000/x/.."),
+        ("http://[::1]:8000", "http://[0:0:0:0:0:0:0:1]:8000"),  # an IP address's forms
+    ],
+)
+def test_spellings_of_one_url_name_one_replica(url: str, spelling: str) -> None:
+    assert ReplicaAddress.parse(spelling).name == ReplicaAddress.parse(url).name
+    assert ReplicaAddress.parse(spelling) == ReplicaAddress.parse(url)
+
+
+@pytest.mark.parametrize(
+    ("url", "other"),
+    [
+        ("http://gpu-1:8000", "http://gpu-2:8000"),
+        ("http://gpu-1:8000", "https://gpu-1:8000"),
+        ("http://gpu-1:8000", "http://gpu-1:8001"),
+        ("http://gpu-1:8000/a", "http://gpu-1:8000/A"),  # a path is case-sensitive
+        ("http://127.0.0.1:8000", "http://localhost:8000"),  # names are not resolved here
+    ],
+)
+def test_urls_that_differ_after_normalising_name_two_replicas(url: str, other: str) -> None:
+    assert ReplicaAddress.parse(url).name != ReplicaAddress.parse(other).name
+
+
+def test_a_replica_listed_twice_under_two_spellings_is_refused_naming_it() -> None:
+    urls = "http://127.0.0.1:9000,http://10.0.0.5:9000,HTTP://127.0.0.1:9000/"
+    result = run("--replicas", urls, "--no-token")
+    assert result.returncode == 2
+    line = result.stderr.strip()
+    assert line.startswith(
+        "lora-router: error: --replicas names http://127.0.0.1:9000 twice (entries 1 and 3)"
+    ), line
+    assert "list it once" in line
 
 
 def test_a_config_listening_beyond_loopback_without_an_api_key_is_refused() -> None:

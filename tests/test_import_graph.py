@@ -192,6 +192,7 @@ PUBLIC = {
     "lora_router.config",
     "lora_router.command",
     "lora_router.runtime",
+    "lora_router.fleet.aliases",
     "lora_router.fleet.client",
     "lora_router.fleet.discovery",
     "lora_router.fleet.failure",

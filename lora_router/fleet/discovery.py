@@ -1,8 +1,11 @@
 """Discovery: replicas that come and go, named by a file, DNS A/AAAA records or SRV records.
 
 The fleet's wanted members are the `--replicas` plus every source's last good answer (the
-union). `Discovery` compares that with the fleet every tick and changes the fleet only through
-the health monitor, as an operator's `POST`/`DELETE /router/replicas` does:
+union), one member per replica name: entries that are spellings of one URL (config.py's
+`ReplicaAddress`) are one member; two host names that resolve to one address are two, warned
+of when the second joins (fleet/aliases.py). `Discovery` compares that with the fleet every
+tick and changes the fleet only through the health monitor, as an operator's
+`POST`/`DELETE /router/replicas` does:
 
 - **join**: a wanted URL the fleet lacks is added as a joining replica (`HealthMonitor.add`): its
   live adapters and the pause state are replayed before it takes a request, the final pass under

@@ -48,6 +48,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from lora_router.config import Config, ReplicaAddress
+from lora_router.fleet.aliases import ALIAS_FIX, aliases
 from lora_router.fleet.breaker import CLOSED, CircuitBreaker
 from lora_router.fleet.client import AGREE_FIX, AGREEMENT, disagreement
 from lora_router.fleet.lifecycle import OUT, Lifecycle, State
@@ -195,6 +196,19 @@ class Fleet:
             if what is not None:
                 out.append(f"{what}; fix: {AGREE_FIX}")
         return out
+
+    def aliases(self, involving: Collection[Replica] = ()) -> list[str]:
+        """The members that very likely are one server under two names (aliases.py's rule),
+        each with its fix; with `involving`, only those that include one of them. A standing
+        warning: logged when it appears (health.py's `locate`), shown in `/router/status` and by
+        `lora-router top`. O(members)."""
+
+        def who(r: Replica) -> str:
+            return f"replica {r.rid} ({r.name})"
+
+        seen = {who(r): (r.address, r.addresses) for r in self.replicas if r.life.member}
+        found = aliases(seen, [who(r) for r in involving])
+        return [f"{what}; fix: {ALIAS_FIX}" for what in found]
 
     def unshared_base(self, model: str) -> str | None:
         """Why `model` is no base model of the fleet although a member lists it as one: the

@@ -41,9 +41,10 @@ answers "already loaded" for a name its listing does not show) puts its lifecycl
 does a replay that failed because the replica did not answer in time (replay.py's `HungError`);
 the line that says it stays out says when its next replay may start.
 
-Operators add and remove replicas at run time (`add`, `remove`): an added replica is replayed
-before it serves; a removed one stops taking requests at once and leaves the fleet when its
-in-flight requests are done (or after `shutdown_grace`).
+Operators add and remove replicas at run time (`add`, `remove`): an added replica's host is
+resolved and any alias it makes warned of (`locate`, aliases.py), and it is replayed before it
+serves; a removed one stops taking requests at once and leaves the fleet when its in-flight
+requests are done (or after `shutdown_grace`).
 
 This module must never change a replica's state but through its lifecycle's events, nor run
 two re-admissions of one replica at once.
@@ -54,9 +55,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from lora_router.config import Config, ReplicaAddress
+from lora_router.fleet.aliases import resolve
 from lora_router.fleet.client import ReplicaClient
 from lora_router.fleet.failure import Failure
 from lora_router.fleet.fence import AdapterEntry, AdapterFence, AdapterState
@@ -432,6 +434,7 @@ class HealthMonitor:
         replay."""
         replica = self.fleet.add(address, origin)
         self._watch(replica)
+        await self.locate([replica])
         answer = await self.client.call(
             replica, "GET", "/health", timeout=self.config.health_timeout
         )
@@ -443,6 +446,17 @@ class HealthMonitor:
         else:
             replica.life.eject(str(answer.failure("/health")))
         return replica
+
+    async def locate(self, replicas: Sequence[Replica]) -> None:
+        """Resolve the hosts of `replicas`, members that just joined (every member at start),
+        at once into their `addresses`, and warn of each alias they are part of (aliases.py,
+        `Fleet.aliases`)."""
+        timeout = self.config.health_timeout
+        found = await asyncio.gather(*(resolve(r.address, timeout) for r in replicas))
+        for replica, addresses in zip(replicas, found, strict=True):
+            replica.addresses = addresses
+        for what in self.fleet.aliases(involving=replicas):
+            log.warning("%s", what)
 
     async def remove(self, replica: Replica) -> bool:
         """Drain and remove a replica; returns whether its requests finished in time."""

@@ -33,6 +33,8 @@ class Replica:
 
     __slots__ = (
         "_adapters",
+        "address",
+        "addresses",
         "breaker",
         "computed_at",
         "cut_streams",
@@ -68,7 +70,10 @@ class Replica:
     ) -> None:
         self.rid = rid
         self.origin = origin  # how it joined: replicas, admin, or a discovery source's label
+        self.address = address
         self.name = address.name  # ring identity: the same URLs give the same placements
+        # What its host resolved to when it joined (fleet/aliases.py); empty: not resolved.
+        self.addresses: frozenset[str] = frozenset()
         self.label = str(rid).encode()  # what clients see in x-lora-router-replica
         # The request line's path prefix and the Host header, as they go on the wire.
         self.target_prefix = address.path_prefix.encode()

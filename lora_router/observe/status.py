@@ -141,6 +141,9 @@ def status(state: RouterState) -> dict[str, object]:
         "base_models": sorted(state.fleet.base_models),
         # What the replicas disagree on that they must share, each with its fix (fleet.py).
         "disagreements": state.fleet.disagreements(),
+        # Members that very likely are one server under two names, each with its fix
+        # (fleet/aliases.py).
+        "aliases": state.fleet.aliases(),
         "adapters": adapters,
         "fence": {
             "version": fence.version,

@@ -15,10 +15,11 @@ path, the fleet's state, the views' wiring), so each could live in its own repos
 - `lora_router.command`: what every command shares (bad flags, `--help`, Ctrl-C);
 - `lora_router.runtime`: a running router, started and stopped in-process;
 - `lora_router.fleet.client`, `lora_router.fleet.failure`, `lora_router.fleet.leftovers`,
-  `lora_router.fleet.readiness` and `lora_router.fleet.discovery`: the router's client of one
-  replica, the causes and fixes it names, how it judges the adapters left on a reused replica,
-  whether a replica can take part in a weight sync, and how it reads its membership sources
-  (so `--check` finds and reads the replicas as the router does);
+  `lora_router.fleet.readiness`, `lora_router.fleet.discovery` and `lora_router.fleet.aliases`:
+  the router's client of one replica, the causes and fixes it names, how it judges the adapters
+  left on a reused replica, whether a replica can take part in a weight sync, how it reads its
+  membership sources, and when it takes two URLs for one server (so `--check` finds and reads
+  the replicas as the router does);
 - `lora_router.routing`: the package's exported names (the policies, lineages), pure;
 - `lora_router.emulator`: the vLLM stand-in, a program of its own (the demo's replicas).
 

@@ -12,6 +12,7 @@ probe reads as it does: docs/design/check.md):
 | token accepted | `GET /v1/models` (vLLM's `--api-key` guards `/v1/*` only) | 401 / 403 |
 | base model, leftover adapters | `GET /v1/models` | entries after the base card |
 | one server behind the URL | `GET /v1/models` again | the two listings disagree |
+| one URL per server | the host's addresses (resolved) | two URLs reach one address (a note) |
 | LoRA, rank, slots, block, DP | `GET /server_info?config_format=json` | no `lora_config`; DP > 1 |
 | dev mode | `GET /is_paused` (read-only; `/pause` itself would pause) | 404 |
 | runtime loading | `POST /v1/load_lora_adapter` with `{}` | 404 `{"detail":"Not Found"}` |
@@ -21,10 +22,12 @@ server that has the route answers the empty body with its 400 validation error.
 
 Then the fleet as a whole: replicas must agree on base model, `max_lora_rank`, `max_loras` and
 block size; `max_loras` must be at least `--max-staleness + 2` (TRL raises otherwise);
-`data_parallel_size` must be 1. A URL whose `/health` or `/v1/models` the router would take
-for no vLLM server (fleet/failure.py: a 404 on either, or a `/v1/models` that is no model list)
-is that one problem, in the router's words ("give the server's root URL" when the URL has a
-path), not several missing routes.
+`data_parallel_size` must be 1. Two URLs whose hosts resolve to one address (fleet/aliases.py's
+rule, as the router warns of it) are very likely one server listed twice: a note, not a
+failure, as a proxy there may route by host name to different servers. A URL whose `/health`
+or `/v1/models` the router would take for no vLLM server (fleet/failure.py: a 404 on either,
+or a `/v1/models` that is no model list) is that one problem, in the router's words ("give the
+server's root URL" when the URL has a path), not several missing routes.
 
 Leftover adapters (listed after the base card) are judged by name, by fleet/leftovers.py: fatal only
 when the trainer may load the same name again (`--lineage-pattern`), and fine once
@@ -48,6 +51,7 @@ from typing import Any, TextIO
 
 import lora_router.fleet.leftovers as leftovers
 from lora_router.config import Config, ReplicaAddress
+from lora_router.fleet.aliases import ALIAS_FIX, aliases, resolve
 from lora_router.fleet.client import (
     AGREE_FIX,
     AGREEMENT,
@@ -105,6 +109,7 @@ class ReplicaFacts:
     paused: bool | None = None
     adapters: list[str] = field(default_factory=list)
     relisted: list[str] | None = None  # the adapters of a second listing, when it differed
+    addresses: frozenset[str] = frozenset()  # what its host resolved to (fleet/aliases.py)
     oddities: list[str] = field(default_factory=list)  # answers the contract does not predict
 
 
@@ -154,7 +159,7 @@ async def find_fleet(config: Config) -> tuple[list[ReplicaAddress], list[Problem
 
 
 async def probe_replica(client: ReplicaClient, address: ReplicaAddress) -> ReplicaFacts:
-    facts = ReplicaFacts(name=address.name)
+    facts = ReplicaFacts(name=address.name, addresses=await resolve(address, PROBE_TIMEOUT))
     try:
         health = await _ask(client, address, "GET", "/health")
         answer = await _ask(client, address, "GET", "/v1/models")
@@ -275,6 +280,8 @@ def judge(
         problems += _disagreement(live, attr, label)
     problems += _disagreement(live, "max_model_len", "max_model_len", note=True)
     problems += _disagreement(live, "version", "vLLM version", note=True)
+    located = {f.name: (ReplicaAddress.parse(f.name), f.addresses) for f in fleet}
+    problems += [Problem(None, what, ALIAS_FIX, note=True) for what in aliases(located)]
     return problems
 
 

@@ -42,7 +42,10 @@ fleet never reads as an idle one:
 5. no replica in service can take part in a weight sync: **misconfigured**, with the first
    problem and its fix (fleet/readiness.py);
 6. the replicas disagree on a fact they must share (base model, LoRA limits, block size):
-   **misconfigured**, with the first disagreement and its fix (`Fleet.disagreements`).
+   **misconfigured**, with the first disagreement and its fix (`Fleet.disagreements`);
+7. members reach the same address (very likely one server listed under two names, which
+   takes twice its share and every load twice): **misconfigured**, with the first such group
+   and its fix (`Fleet.aliases`, fleet/aliases.py).
 
 Then, on the shares:
 
@@ -167,6 +170,9 @@ def stall(status: dict[str, Any]) -> str | None:
     disagreements = status.get("disagreements") or []
     if disagreements:
         return f"misconfigured: {disagreements[0]}"
+    aliases = status.get("aliases") or []
+    if aliases:
+        return f"misconfigured: {aliases[0]}"
     return None
 
 

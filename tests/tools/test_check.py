@@ -22,6 +22,7 @@ from lora_router import cli
 from lora_router.config import Config, ReplicaAddress, Secret
 from lora_router.emulator import EmulatorConfig, start_emulator, write_adapter
 from lora_router.emulator.faults import Faults
+from lora_router.fleet.aliases import ALIAS_FIX
 from lora_router.tools.check import check, report
 
 pytestmark = pytest.mark.timeout(30)
@@ -307,3 +308,17 @@ async def test_a_server_that_is_not_vllm_is_named_as_such_and_nothing_else(
     assert seen in flat and "give the URL `vllm serve` listens on" in flat
     assert "NOT READY: 1 problem(s)" in flat  # that one, not missing routes or settings
     assert "dev mode is off" not in flat and "runtime adapter loading is off" not in flat
+
+
+async def test_one_replica_under_two_names_is_a_note_naming_both_with_the_fix() -> None:
+    async with replicas(EmulatorConfig()) as emus:
+        second = emus[0].url.replace("127.0.0.1", "localhost")  # one more name of it
+        status, text = await run_check(router_config([emus[0].url, second]))
+    text = " ".join(text.split())
+    assert status == 0, text  # not refused: a proxy at one address may route by host name
+    port = emus[0].url.rsplit(":", 1)[1]
+    assert (
+        f"note: fleet: {emus[0].url} and {second} reach the same address, 127.0.0.1:{port}: "
+        "very likely one server listed twice"
+    ) in text
+    assert f"fix: {' '.join(ALIAS_FIX.split())}" in text

@@ -53,6 +53,14 @@ def test_a_broadcast_queued_behind_a_slow_replay_reads_syncing() -> None:
     assert verdict(doc).startswith("trainer-bound:")
 
 
+def test_members_under_two_names_read_misconfigured_after_any_disagreement() -> None:
+    doc = status(0.95, 0.05)  # inference-bound by its shares: the misconfiguration comes first
+    doc["aliases"] = ["replica 0 (http://a:1) and replica 1 (http://b:1) reach ...; fix: ..."]
+    assert verdict(doc) == f"misconfigured: {doc['aliases'][0]}"
+    doc["disagreements"] = ["the replicas disagree on block size: ...; fix: ..."]
+    assert verdict(doc) == f"misconfigured: {doc['disagreements'][0]}"
+
+
 def test_no_verdict_without_a_reporting_replica() -> None:
     assert verdict(status(0.99, 0.0, reporting=0)).startswith("unknown:")
 
