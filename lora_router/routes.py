@@ -16,6 +16,9 @@ with its methods and its kind:
 - REFUSED: would change one engine's state (or its weights) while the others keep theirs, with
   no fleet-wide meaning the router could broadcast: 501 (`REFUSED_STATUS`), naming why. A
   `--forward-path` may not name it.
+The routes the router reads or broadcasts itself (BROADCAST, FAN_OUT, LOCAL) take a body of at
+most `CONTROL_BODY_BYTES` (`body_cap`, which http/server.py applies as the body arrives); the
+others take up to `--max-body-bytes`.
 A path in no entry is unknown and answered 404 `{"detail":"Not Found"}`, and a known path with
 another method 405 `{"detail":"Method Not Allowed"}` with `Allow`: what a vLLM server itself
 sends (FastAPI's shape, not vLLM's error object), so a client cannot tell the router from one
@@ -47,6 +50,10 @@ class Kind(enum.Enum):
 
 
 REFUSED_STATUS = 501  # CLOSED and REFUSED alike: the router does not implement the call
+# The body cap of a control route: about 20,000 request ids; a load, an unload, a pause, a
+# session id or a URL takes some hundred bytes.
+CONTROL_BODY_BYTES = 1 << 20
+_CAPPED = frozenset({Kind.BROADCAST, Kind.FAN_OUT, Kind.LOCAL})
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +220,20 @@ def lookup(path: bytes, table: Mapping[bytes, Route] = TABLE) -> Route | None:
         tail = path[len(_REPLICA_PREFIX) :]
         return REPLICA if tail and b"/" not in tail else None
     return route
+
+
+def body_cap(path: bytes, table: Mapping[bytes, Route] = TABLE) -> int | None:
+    """The cap on the body of a request for `path` (as the client wrote it, canonical or not):
+    `CONTROL_BODY_BYTES` on a route the router reads or broadcasts itself (module docstring),
+    None (`--max-body-bytes` alone) on any other, and on a path that names no route or that
+    http/target.py refuses (dispatch answers it)."""
+    route = table.get(path)
+    if route is None:
+        try:
+            route = lookup(canonical(path), table)
+        except HTTPError:
+            return None
+    return CONTROL_BODY_BYTES if route is not None and route.kind in _CAPPED else None
 
 
 def with_forward_paths(paths: Iterable[str]) -> dict[bytes, Route]:

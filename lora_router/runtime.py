@@ -137,7 +137,7 @@ class RouterRuntime:
             )
             # Bound now, accepting only once the fleet is known (`start_serving` below).
             self.server = await asyncio.get_running_loop().create_server(
-                lambda: ClientConnection(app.handle, config, count),
+                lambda: ClientConnection(app.handle, config, count, app.body_cap),
                 config.host,
                 config.port,
                 backlog=2048,

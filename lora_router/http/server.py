@@ -11,8 +11,12 @@ application, one at a time per connection, in order. It owns the connection's li
   (http/upstream.py); the client instead has `idle_timeout` from the pause to read again, or it
   is dropped as gone (its replica's connection closed, counted 499 like any client that leaves:
   never a failure or a cut stream of the replica, which did nothing wrong);
-- header bytes and count, body bytes (431 / 413) and the head rules of http/framing.py;
-  the head's bytes count as they arrive (`_head_arrived`), not only once it is complete;
+- header bytes and count (431) and the head rules of http/framing.py; the head's bytes count
+  as they arrive (`_head_arrived`), not only once it is complete;
+- body bytes (413): `max_body_bytes`, or the lower cap of the request's path (`body_cap`:
+  the control routes, routes.py), known once the head is complete and applied as the body
+  arrives: a Content-Length over it is refused before a byte of the body is read, a chunked
+  body as soon as it passes it. No body is ever held past its path's limit;
 - no protocol upgrade: a request asking for one (`Connection: upgrade`, or CONNECT) is 501,
   before its body is read (llhttp would hand it over with an empty body) or it is dispatched;
 - the bodies buffered over all connections (`ConnectionCount.buffered`): a body is reserved
@@ -77,6 +81,8 @@ _PICKED = FRAMING | {SESSION_HEADER}
 
 
 Handler = Callable[[Request, "ClientConnection"], Awaitable[None]]
+# A request path (as the client wrote it) -> the cap on its body, None: `max_body_bytes`.
+BodyCap = Callable[[bytes], int | None]
 
 
 class _Phase:
@@ -95,6 +101,8 @@ class ClientConnection(asyncio.Protocol):
         "_begun",
         "_body",
         "_body_bytes",
+        "_body_cap",
+        "_body_limit",
         "_broken",
         "_busy",
         "_chunked",
@@ -143,8 +151,10 @@ class ClientConnection(asyncio.Protocol):
         handler: Handler,
         limits: Limits,
         count: ConnectionCount,
+        body_cap: BodyCap,
     ) -> None:
         self._handler = handler
+        self._body_cap = body_cap
         self._limits = limits
         # Read on every request: copied out of `limits` once.
         self._max_header_bytes = limits.max_header_bytes
@@ -193,6 +203,7 @@ class ClientConnection(asyncio.Protocol):
         self._begun = 0
         self._body: list[bytes] = []
         self._body_bytes = 0
+        self._body_limit = self._max_body_bytes  # of the body being received (`_limit_body`)
         # In `count.buffered`: the body being received (`_receiving`, chunk by chunk when
         # `_chunked`), then each request's `body` until released.
         self._receiving = 0
@@ -320,17 +331,26 @@ class ClientConnection(asyncio.Protocol):
             # complete the request empty. Refused before anything reads or dispatches it.
             self._raise(HTTPError(501, "CONNECT and protocol upgrades are not supported."))
         framing = self._framing
+        if not framing:
+            return  # no body
+        self._limit_body()
         if len(framing) == 1 and framing[0][0] == b"content-length":  # the usual case
             self._chunked = False
             self._reserve_length(framing[0][1])
-        elif framing:
+        else:
             self._check_framing(version)
+
+    def _limit_body(self) -> None:
+        """The limit on the body to come: `max_body_bytes`, or its path's lower cap."""
+        limit = self._max_body_bytes
+        cap = self._body_cap(self._url.partition(b"?")[0])
+        self._body_limit = limit if cap is None or cap > limit else cap
 
     def _reserve_length(self, value: bytes) -> None:
         """A body of Content-Length `value` (digits, checked by llhttp), refused past the body
         limit or the buffer budget before it is sent, else counted in the budget."""
         length = int(value)
-        if length > self._max_body_bytes:
+        if length > self._body_limit:
             self._body_too_big()
         count = self._count
         buffered = count.buffered + length
@@ -343,7 +363,7 @@ class ClientConnection(asyncio.Protocol):
         self._raise(over_budget())
 
     def _body_too_big(self) -> None:
-        self._raise(body_too_big(self._max_body_bytes))
+        self._raise(body_too_big(self._body_limit))
 
     def _check_framing(self, version: str) -> None:
         """http/framing.py's rules applied; a `100 Continue` now, or after the answer in front."""
@@ -362,7 +382,7 @@ class ClientConnection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
-        if self._body_bytes > self._max_body_bytes:
+        if self._body_bytes > self._body_limit:
             self._body_too_big()
         if self._chunked:  # no length to reserve ahead: counted as it arrives
             self._reserve_chunk(len(body))

@@ -1,6 +1,6 @@
 """What the router reads of a body: a completion's model, prompt to key on and `stream`, an
-adapter load's or unload's fields (`load_fields`, `unload_name`), an abort's request ids
-(`abort_ids`), and the cap on every control call's body (`control_body`).
+adapter load's or unload's fields (`load_fields`, `unload_name`) and an abort's request ids
+(`abort_ids`).
 
 The body is decoded once with msgspec and forwarded byte for byte; nothing here re-encodes it.
 Validation covers only what the router itself relies on, and answers like vLLM would (400,
@@ -39,7 +39,8 @@ request is routed by load alone, like `prompt_embeds`, and the replica judges it
 holds one of those bytes every few dozen: a conversation past the bound is millions of tokens
 long). A prompt that no reader above accepts is wrong; it is decoded only to name what is
 wrong, and past the bound gets the 400 that names every shape. A control call's body is decoded
-whole: it is capped at `CONTROL_BODY_BYTES` (1 MiB), a 413 beyond (`control_body`).
+whole: its route caps it at `CONTROL_BODY_BYTES` (1 MiB, routes.py), a 413 as it arrives
+(http/server.py), so no body over it reaches here.
 
 The cut (`_read_cut`): the decoder skips a token-id list number by number, most of the time a
 TRL body takes to read (docs/design/overhead.md#one-path-41). So a body whose `"prompt":` is
@@ -69,7 +70,6 @@ import orjson
 from xxhash import xxh3_64_intdigest
 
 from lora_router.http.errors import HTTPError, bad_request
-from lora_router.http.framing import body_too_big
 from lora_router.routing.keys import TEXT_BYTES_PER_TOKEN
 
 
@@ -418,28 +418,12 @@ def _messages_text(raw: bytes, limit: int) -> bytes | None:
     return bytes(text)
 
 
-# -- control calls: loads, unloads, aborts, /finish_session, POST /router/replicas ---------
-
-# About 20,000 request ids; a load, an unload, a session id or a URL takes some hundred bytes.
-CONTROL_BODY_BYTES = 1 << 20
-
-
-def control_body(body: bytes) -> bytes:
-    """A control call's body, which the router decodes whole: at most `CONTROL_BODY_BYTES`
-    (a 413 beyond), so that no such call costs more than a small fraction of what a body up
-    to --max-body-bytes would decode into. Every control route that reads its body takes it
-    from here."""
-    if len(body) > CONTROL_BODY_BYTES:
-        raise body_too_big(CONTROL_BODY_BYTES)
-    return body
-
-
 # -- adapter loads and unloads (their bodies go to the replicas as they are) ------------
 
 
 def _json_object(body: bytes) -> dict[str, Any]:
     try:
-        doc = orjson.loads(control_body(body)) if body else None
+        doc = orjson.loads(body) if body else None
     except orjson.JSONDecodeError as exc:
         raise bad_request(f"The request body is not valid JSON: {exc.msg}.") from None
     if not isinstance(doc, dict):
@@ -485,10 +469,10 @@ def abort_ids(path: str, body: bytes) -> list[str] | None:
     Stricter than vLLM on purpose: `request_ids` must be null, a string or a list of strings
     (vLLM would abort everything for a falsy `0`, `false` or `{}` on `/abort_requests`, and
     answer 500 for a number), and the scale-out route's body must be an object (vLLM answers
-    500); a body over `CONTROL_BODY_BYTES` is a 413. A typo must not abort a fleet's work."""
+    500). A typo must not abort a fleet's work."""
     dev = path == ABORT_PATH
     try:
-        doc = orjson.loads(control_body(body))
+        doc = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise bad_request("Invalid JSON format" if dev else f"JSON decode error: {exc}") from None
     if not isinstance(doc, dict):

@@ -70,11 +70,11 @@ from lora_router.proxy.answers import (
     no_replica_for,
     refusal,
 )
-from lora_router.proxy.body import abort_ids, control_body, load_fields, unload_name
+from lora_router.proxy.body import abort_ids, load_fields, unload_name
 from lora_router.proxy.forward import Forwarder
 from lora_router.proxy.retry import RetryBudget
 from lora_router.proxy.routed import ROUTED, CompletionRoute
-from lora_router.routes import REPLICA, Kind, Route, lookup, with_forward_paths
+from lora_router.routes import REPLICA, Kind, Route, body_cap, lookup, with_forward_paths
 from lora_router.routing.policy import Policy
 from lora_router.routing.sessions import SessionIdError, finish_id
 
@@ -129,6 +129,11 @@ class RouterApp:
         self.labels = {path: route.label for path, route in self.table.items()}
         self._handlers = {path: self._handler(route) for path, route in self.table.items()}
         self._handlers[REPLICA.path] = self.remove_replica
+
+    def body_cap(self, path: bytes) -> int | None:
+        """The cap on the body of a request for `path`, in this router's table (routes.py's
+        `body_cap`; http/server.py applies it as the body arrives)."""
+        return body_cap(path, self.table)
 
     def _handler(self, route: Route) -> Handler:
         """What answers `route` (routes.py says which kind it is)."""
@@ -268,7 +273,7 @@ class RouterApp:
         whether it was kept or not: an unknown id is harmless); no id, or one the rules refuse,
         is a 400 (routing/sessions.py)."""
         try:
-            session = finish_id(request.query, control_body(request.body))
+            session = finish_id(request.query, request.body)
         except SessionIdError as exc:
             raise bad_request(str(exc), param="session_id") from None
         released = self.completions.sessions.finish(session)
@@ -307,7 +312,7 @@ class RouterApp:
         (202)."""
         self._admin_allowed(request)
         try:
-            doc = orjson.loads(control_body(request.body))
+            doc = orjson.loads(request.body)
         except orjson.JSONDecodeError:
             doc = None
         url = doc.get("url") if isinstance(doc, dict) else None

@@ -18,7 +18,7 @@ from helpers import Adapter, call, load
 from lora_router.fleet import adapter_files, fence
 from lora_router.fleet.adapter_files import read_digest
 from lora_router.fleet.fence import AdapterFence, LoadRefused
-from lora_router.proxy.body import CONTROL_BODY_BYTES
+from lora_router.routes import CONTROL_BODY_BYTES
 
 HUGE = 6 << 30  # a sparse file: no disk used, but this many bytes to read
 

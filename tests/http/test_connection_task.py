@@ -16,6 +16,7 @@ from helpers import router_config
 from lora_router.http.errors import HTTPError
 from lora_router.http.request import ConnectionCount, Request
 from lora_router.http.server import ClientConnection
+from lora_router.routes import body_cap
 
 
 class Served:
@@ -41,7 +42,7 @@ async def served() -> AsyncIterator[Served]:
     count = ConnectionCount(config.max_connections, config.max_buffered_bytes)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
-        lambda: ClientConnection(served.handler, config, count), "127.0.0.1", 0
+        lambda: ClientConnection(served.handler, config, count, body_cap), "127.0.0.1", 0
     )
     served.port = server.sockets[0].getsockname()[1]
     try:

@@ -17,6 +17,7 @@ from helpers import router_config
 
 from lora_router.http.request import ConnectionCount, Request
 from lora_router.http.server import ClientConnection
+from lora_router.routes import body_cap
 
 
 async def echo(request: Request, conn: ClientConnection) -> None:
@@ -31,7 +32,9 @@ async def port() -> AsyncIterator[int]:
     config = router_config(["http://127.0.0.1:1"])
     count = ConnectionCount(config.max_connections, config.max_buffered_bytes)
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: ClientConnection(echo, config, count), "127.0.0.1", 0)
+    server = await loop.create_server(
+        lambda: ClientConnection(echo, config, count, body_cap), "127.0.0.1", 0
+    )
     try:
         yield server.sockets[0].getsockname()[1]
     finally:
