@@ -39,13 +39,15 @@ request the pool withdrew (below): its replica is out of service.
 The withdrawal rule: when the replica leaves service (ejected: fleet/lifecycle.py calls
 `withdraw`), every exchange on it that has received no response byte ends at once, its
 connection closed (vLLM aborts the work), as a failure `UpstreamError.retryable` allows (kind
-`withdrawn`), and so do the requests still waiting for a slot: the routed path's retry rule
-sends them to another replica at once, where they would otherwise wait out
-`--first-byte-timeout` on a replica known to be out (hung, dead, restarted). Nothing had reached
-the client, whose connection is unaffected. An exchange whose answer has begun is left to
-finish: part of it may have reached the client, which a second answer cannot be spliced onto,
-and a replica ejected for its health checks may still be streaming; `--idle-timeout` bounds one
-that stalls. It costs the request path nothing: the pool walks its connections only then.
+`withdrawn`), and so do the requests still waiting for a slot and those whose connection is
+still opening (a connect or a TLS handshake in progress, abandoned and its socket closed): the
+routed path's retry rule sends them to another replica at once, where they would otherwise wait
+out `--first-byte-timeout` or `--connect-timeout` on a replica known to be out (hung, dead,
+restarted). Nothing had reached the client, whose connection is unaffected. An exchange whose
+answer has begun is left to finish: part of it may have reached the client, which a second
+answer cannot be spliced onto, and a replica ejected for its health checks may still be
+streaming; `--idle-timeout` bounds one that stalls. It costs a request on a pooled connection
+nothing (a new connection, a future to be told by): the pool walks its connections only then.
 
 A connection's objects die with it, by reference counting: its parser and timer refer back to
 it, and are dropped when it is lost (a cycle would wait for the cycle collector).
@@ -56,6 +58,7 @@ from __future__ import annotations
 import asyncio
 import re
 import ssl
+from asyncio import FIRST_COMPLETED
 from collections import deque
 from typing import Final, cast
 
@@ -472,6 +475,8 @@ class UpstreamPool:
         self.max_connections = max_connections
         self._busy = 0  # exchanges in progress, at most max_connections
         self._waiters: deque[asyncio.Future[None]] = deque()
+        # One per connect in progress (`_connect`): the withdrawal sets it to its reason.
+        self._connecting: set[asyncio.Future[str]] = set()
 
     async def forward(self, ex: Exchange) -> bool:
         """Send one exchange's request (`Exchange.request`, head + body) and stream the answer
@@ -552,6 +557,9 @@ class UpstreamPool:
         connections + waiters), once per departure."""
         for conn in list(self._all):
             conn.withdraw(why)
+        connecting, self._connecting = self._connecting, set()
+        for withdrawn in connecting:
+            withdrawn.set_result(why)
         waiters, self._waiters = self._waiters, deque()
         for waiter in waiters:
             if not waiter.done():  # holds no slot yet: nothing to release
@@ -572,25 +580,42 @@ class UpstreamPool:
         return None
 
     async def _connect(self) -> UpstreamConnection:
+        """A new connection, open (TLS handshake included) within `connect_timeout`, else
+        UpstreamError `connect`; `withdrawn` if the pool is withdrawn first (module docstring)."""
         address = self.address
+        opening = self.loop.create_task(
+            self.loop.create_connection(
+                lambda: UpstreamConnection(self),
+                address.host,
+                address.port,
+                ssl=self._ssl,
+                server_hostname=address.host if self._ssl else None,
+            )
+        )
+        withdrawn: asyncio.Future[str] = self.loop.create_future()
+        self._connecting.add(withdrawn)
         try:
-            _, conn = await asyncio.wait_for(
-                self.loop.create_connection(
-                    lambda: UpstreamConnection(self),
-                    address.host,
-                    address.port,
-                    ssl=self._ssl,
-                    server_hostname=address.host if self._ssl else None,
-                ),
-                self.connect_timeout,
+            await asyncio.wait(
+                (opening, withdrawn), timeout=self.connect_timeout, return_when=FIRST_COMPLETED
             )
-        except (TimeoutError, OSError, ssl.SSLError) as exc:
-            reason = (
-                "timed out" if isinstance(exc, asyncio.TimeoutError) else exc.__class__.__name__
-            )
-            detail = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or ""
-            text = f"cannot connect ({reason}{': ' + str(detail) if detail else ''})"
-            raise UpstreamError("connect", text, received=False) from None
+        except asyncio.CancelledError:
+            _abandon(opening)
+            raise
+        finally:
+            self._connecting.discard(withdrawn)
+        if withdrawn.done():
+            _abandon(opening)
+            text = f"the replica left service while connecting ({withdrawn.result()})"
+            raise UpstreamError("withdrawn", text, received=False)
+        if not opening.done():
+            opening.cancel()  # the socket closes with it
+            raise UpstreamError("connect", "cannot connect (timed out)", received=False)
+        try:
+            _, conn = opening.result()
+        except (OSError, ssl.SSLError) as exc:
+            detail = getattr(exc, "strerror", None) or getattr(exc, "reason", None)
+            what = f"{exc.__class__.__name__}: {detail}" if detail else exc.__class__.__name__
+            raise UpstreamError("connect", f"cannot connect ({what})", received=False) from None
         if not conn.usable:  # reset as it opened (a replica killed as the router connected)
             raise UpstreamError("connect", "cannot connect (reset as it opened)", received=False)
         self._all.add(conn)
@@ -609,3 +634,11 @@ class UpstreamPool:
         for conn in list(self._all):
             conn.abort()
         self._idle.clear()
+
+
+def _abandon(opening: asyncio.Task[tuple[asyncio.BaseTransport, UpstreamConnection]]) -> None:
+    """A connect nobody waits for any more: stopped, or closed if it opened."""
+    if not opening.done():
+        opening.cancel()
+    elif not opening.cancelled() and opening.exception() is None:
+        opening.result()[1].abort()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 import struct
 import threading
 
@@ -312,3 +313,46 @@ async def test_a_connection_reset_as_it_opens_fails_as_not_sent():
     finally:
         pool.close()
         server.close()
+
+
+async def test_withdrawing_a_pool_ends_a_connect_in_progress_and_closes_its_socket() -> None:
+    # A listener that accepts and never answers the TLS ClientHello: the handshake hangs.
+    accepted: asyncio.Queue[asyncio.StreamReader] = asyncio.Queue()
+    writers: list[asyncio.StreamWriter] = []
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        accepted.put_nowait(reader)
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = UpstreamPool(
+        ReplicaAddress.parse(f"https://127.0.0.1:{port}"),
+        b"0",
+        ssl.create_default_context(),
+        connect_timeout=30.0,
+        first_byte_timeout=30.0,
+        stream_idle_timeout=30.0,
+        idle_timeout=30.0,
+        max_connections=4,
+    )
+    try:
+        forwarding = asyncio.create_task(pool.forward(Exchange(Sink(), GET, False, True)))
+        async with asyncio.timeout(5):
+            reader = await accepted.get()
+            assert await reader.read(5)  # the ClientHello's record header: handshaking
+        pool.withdraw("ejected by the test")
+        async with asyncio.timeout(5):  # not --connect-timeout (30 s)
+            with pytest.raises(UpstreamError) as failure:
+                await forwarding
+            assert failure.value.kind == "withdrawn" and failure.value.retryable
+            assert "ejected by the test" in str(failure.value)
+            with contextlib.suppress(ConnectionResetError):  # the abandoned socket is closed
+                while await reader.read(65536):
+                    pass
+        assert pool.open_connections == 0 and pool._busy == 0
+    finally:
+        pool.close()
+        server.close()
+        for writer in writers:
+            writer.transport.abort()
