@@ -13,11 +13,17 @@ Health checks, broadcasts, replays and the `/metrics` scrapes (telemetry.py) all
 deadline**: the caller's `timeout`, else `--control-timeout`; none waits without limit, so a
 replica that hangs (a stopped process, a wedged engine) costs a broadcast at most that long,
 and the caller ejects it like any replica that gave no answer. **Every body has a bound**: one
-kept is refused past `MAX_ANSWER_BYTES`; one given to a reader (`call`'s `body_to`: the
-`/metrics` scrapes) is never kept, reaches the reader in pieces with the loop free between two,
-and the reader bounds it. The control plane's retry rule is stated in proxy/dispatch.py's
-module docstring, the data plane's in proxy/routed.py's; `call`'s own part of it is the one
-resend of a request that met a pooled connection the replica had closed while idle.
+kept is refused past `ANSWER_CAP`, before it is parsed; one given to a reader (`call`'s
+`body_to`: the `/metrics` scrapes) is never kept, reaches the reader in pieces with the loop
+free between two, and the reader bounds it. A kept answer is parsed whole on the event loop
+(as JSON, once: `Answer.parsed`), so the cap is what bounds that parse: the larger of 1 MiB and
+16 times the largest answer vLLM gives on any path the router asks
+(docs/design/fleet.md#control-answers). An answer over it is refused as not vLLM's
+(`Cause.NOT_VLLM`), naming the path, its size and the cap.
+
+The control plane's retry rule is stated in proxy/dispatch.py's module docstring, the data
+plane's in proxy/routed.py's; `call`'s own part of it is the one resend of a request that met a
+pooled connection the replica had closed while idle.
 
 Redirects are never followed: the token goes only to the replica's own URL. A 3xx is an
 answer like any other non-200 (a failed check, a failed broadcast, a `--check` finding) whose
@@ -47,10 +53,9 @@ from lora_router.fleet.failure import Cause, Failure, classify
 log = logging.getLogger(__name__)
 
 _JSON_REQUEST = {"Content-Type": "application/json"}
-# The largest control answer kept: vLLM's biggest (`/server_info`, `/v1/models`) are a few
-# hundred KiB; a replica that sends more is not answering as vLLM does, and is never buffered
-# whole.
-MAX_ANSWER_BYTES = 16 << 20
+# The largest control answer kept (module docstring); what vLLM's weigh:
+# docs/design/fleet.md#control-answers.
+ANSWER_CAP = 1 << 20
 # A body given to a reader goes to it in pieces of at most this size, the loop free between two.
 READ_PIECE_BYTES = 64 << 10
 
@@ -88,6 +93,7 @@ class Named(Protocol):
 
 
 T = TypeVar("T", bound=Named)
+_UNPARSED = object()  # `Answer.parsed` has not run yet
 
 
 @dataclass(slots=True)
@@ -101,6 +107,7 @@ class Answer(Generic[T]):
     error: str = ""  # the transport failure when status is 0; where a 3xx pointed
     transport: Cause | None = None  # the transport failure's cause when status is 0
     token_from: str | None = None  # the variable whose token went ("" none; None unknown)
+    _doc: Any = field(default=_UNPARSED, repr=False, compare=False)  # `parsed`'s
 
     def summary(self) -> str:
         """What went wrong in a few words: the transport failure, or the status."""
@@ -123,10 +130,14 @@ class Answer(Generic[T]):
         )
 
     def parsed(self) -> Any:
-        try:
-            return orjson.loads(self.body)
-        except orjson.JSONDecodeError:
-            return None
+        """The body as JSON (None when it is not), parsed at the first call only: callers may
+        change the document, which later calls return as changed."""
+        if self._doc is _UNPARSED:
+            try:
+                self._doc = orjson.loads(self.body)
+            except orjson.JSONDecodeError:
+                self._doc = None
+        return self._doc
 
     def message(self) -> str:
         """The error text, whichever of vLLM's shapes it came in."""
@@ -337,7 +348,12 @@ class ReplicaClient:
                     data = await _read_capped(resp)
                     if data is None:
                         resp.close()  # the rest is never read: the connection is not reused
-                        error = f"its answer to {path} is larger than {MAX_ANSWER_BYTES >> 20} MiB"
+                        size = resp.content_length
+                        shown = f"{size:,} bytes, over" if size else "larger than"
+                        error = (
+                            f"its answer to {path} is {shown} the {ANSWER_CAP >> 20} MiB cap "
+                            "of a control answer"
+                        )
                         return Answer(replica, 0, error=error, transport=Cause.NOT_VLLM)
                     answer.body = data
                     if 300 <= resp.status < 400:
@@ -377,13 +393,13 @@ class ReplicaClient:
 
 
 async def _read_capped(resp: aiohttp.ClientResponse) -> bytes | None:
-    """The whole body, or None once it passes `MAX_ANSWER_BYTES`."""
-    if (resp.content_length or 0) > MAX_ANSWER_BYTES:
+    """The whole body, or None when it is (or once it grows) larger than `ANSWER_CAP`."""
+    if (resp.content_length or 0) > ANSWER_CAP:
         return None
     data = bytearray()
     async for chunk in resp.content.iter_any():
         data += chunk
-        if len(data) > MAX_ANSWER_BYTES:
+        if len(data) > ANSWER_CAP:
             return None
     return bytes(data)
 

@@ -10,8 +10,10 @@ Each replica's watcher task asks its `/health` every `health_interval` (bounded 
 - a serving replica that fails `health_failures` checks in a row is **ejected**; one that
   passes is also asked its `/v1/models`: lacking an adapter that was live before the question,
   it restarted (vLLM keeps adapters in process memory) and is ejected at once, then replayed;
-  and, while its `/server_info` has not been read (it failed when the router started), that
-  (replay.py's `reread`);
+  answering it as no vLLM does (a failure of cause `NOT_VLLM`, failure.py: no model list, or
+  an answer over client.py's cap), it is ejected, and its replays keep it out until it lists
+  as vLLM does; and, while its `/server_info` has not been read (it failed when the router
+  started), that (replay.py's `reread`);
 - an ejected replica that passes `health_successes` checks in a row is **re-admitted** through
   a replay (replay.py); only then does it become routable. While it is out and failing, its
   checks space out, doubling after each failure up to `DOWN_SPACING_MAX` intervals: dead
@@ -60,7 +62,7 @@ from collections.abc import Callable, Sequence
 from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.aliases import resolve
 from lora_router.fleet.client import ReplicaClient
-from lora_router.fleet.failure import Failure
+from lora_router.fleet.failure import Cause, Failure
 from lora_router.fleet.fence import AdapterEntry, AdapterFence, AdapterState
 from lora_router.fleet.fleet import Fleet
 from lora_router.fleet.lifecycle import State
@@ -343,7 +345,11 @@ class HealthMonitor:
         if not before:
             return
         held = await self.client.listing(replica)
-        if isinstance(held, Failure) or not replica.live:
+        if isinstance(held, Failure):
+            if held.cause is Cause.NOT_VLLM and replica.live:
+                replica.life.eject(f"its /v1/models: {held}")
+            return
+        if not replica.live:
             return
         lost = [
             n
