@@ -56,6 +56,13 @@ _JSON_REQUEST = {"Content-Type": "application/json"}
 # The largest control answer kept (module docstring); what vLLM's weigh:
 # docs/design/fleet.md#control-answers.
 ANSWER_CAP = 1 << 20
+# Why a vLLM server's answer could pass the cap, where one could: said with the refusal.
+_OVERSIZE_HINT = {
+    "/v1/models": (
+        " (a vLLM server lists each adapter loaded and not unloaded in about 620 bytes: "
+        "if this one holds over a thousand, unload those no longer used)"
+    )
+}
 # A body given to a reader goes to it in pieces of at most this size, the loop free between two.
 READ_PIECE_BYTES = 64 << 10
 
@@ -352,7 +359,7 @@ class ReplicaClient:
                         shown = f"{size:,} bytes, over" if size else "larger than"
                         error = (
                             f"its answer to {path} is {shown} the {ANSWER_CAP >> 20} MiB cap "
-                            "of a control answer"
+                            f"of a control answer{_OVERSIZE_HINT.get(path, '')}"
                         )
                         return Answer(replica, 0, error=error, transport=Cause.NOT_VLLM)
                     answer.body = data

@@ -75,9 +75,11 @@ async def test_an_answer_is_kept_up_to_the_cap_and_refused_past_it(
             refused = await get(ANSWER_CAP + 1)
             assert (refused.status, refused.body, refused.transport) == (0, b"", Cause.NOT_VLLM)
             size = "larger than" if chunked else f"{ANSWER_CAP + 1:,} bytes, over"
-            assert refused.error == (
+            assert refused.error.startswith(
                 f"its answer to {path} is {size} the 1 MiB cap of a control answer"
             )
+            # A listing's refusal names the one way a vLLM server's could be that long.
+            assert ("unload those no longer used" in refused.error) == (path == "/v1/models")
             assert str(refused.failure(path)).startswith(refused.error)
     finally:
         fleet.close()
