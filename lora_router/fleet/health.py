@@ -13,7 +13,7 @@ Each replica's watcher task asks its `/health` every `health_interval` (bounded 
   answering it as no vLLM does (a failure of cause `NOT_VLLM`, failure.py: no model list, or
   an answer over client.py's cap), it is ejected, and its replays keep it out until it lists
   as vLLM does; and, while its `/server_info` has not been read (it failed when the router
-  started), that (replay.py's `reread`);
+  started), it is asked that too (replay.py's `reread`);
 - an ejected replica that passes `health_successes` checks in a row is **re-admitted** through
   a replay (replay.py); only then does it become routable. While it is out and failing, its
   checks space out, doubling after each failure up to `DOWN_SPACING_MAX` intervals: dead
