@@ -14,7 +14,8 @@ import asyncio
 import os
 import re
 import sys
-from collections.abc import AsyncIterator, Callable, Iterable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -90,6 +91,28 @@ async def until(predicate: Callable[[], bool], timeout: float = 5.0, step: float
     async with asyncio.timeout(timeout):
         while not predicate():
             await asyncio.sleep(step)
+
+
+async def longest_lateness(work: Callable[[], Awaitable[object]]) -> float:
+    """How late, at most, a task asking to wake every millisecond woke while `work` ran: the
+    longest the loop was held."""
+    worst, done = 0.0, False
+
+    async def tick() -> None:
+        nonlocal worst
+        while not done:
+            asked = time.perf_counter()
+            await asyncio.sleep(0.001)
+            worst = max(worst, time.perf_counter() - asked - 0.001)
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0)  # the ticker is waiting before the work starts
+    try:
+        await work()
+    finally:
+        done = True
+        await ticker
+    return worst
 
 
 def router_config(urls: Iterable[str], **settings: Any) -> Config:

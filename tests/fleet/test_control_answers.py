@@ -9,8 +9,7 @@ of bytes asked, whole or chunked; the 16 MiB listing comes from an emulated repl
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -18,7 +17,7 @@ import orjson
 import pytest
 from aiohttp import web
 from emulated_fleet import StartEmulators, StartRouter
-from helpers import Adapter, complete, load, router_config, router_status, until
+from helpers import Adapter, complete, load, longest_lateness, router_config, router_status, until
 
 from lora_router.emulator import control as emulator_control
 from lora_router.emulator.replies import Reply
@@ -124,28 +123,6 @@ def huge_listing(base: str, name: str, root: str, size: int) -> bytes:
     one = len(orjson.dumps({**card, "id": "trl-policy-v0000000"})) + 1
     cards += [{**card, "id": f"trl-policy-v{i:07d}"} for i in range(size // one - 2)]
     return orjson.dumps({"object": "list", "data": cards})
-
-
-async def longest_lateness(work: Callable[[], Awaitable[object]]) -> float:
-    """How late, at most, a task asking to wake every millisecond woke while `work` ran: the
-    longest the loop was held."""
-    worst, done = 0.0, False
-
-    async def tick() -> None:
-        nonlocal worst
-        while not done:
-            asked = time.perf_counter()
-            await asyncio.sleep(0.001)
-            worst = max(worst, time.perf_counter() - asked - 0.001)
-
-    ticker = asyncio.create_task(tick())
-    await asyncio.sleep(0)  # the ticker is waiting before the work starts
-    try:
-        await work()
-    finally:
-        done = True
-        await ticker
-    return worst
 
 
 async def test_a_16_mib_listing_never_holds_the_loop_and_takes_the_replica_out(

@@ -5,15 +5,14 @@ router's `/router/status` and `/metrics`; replicas that publish nothing, or garb
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from emulated_fleet import StartEmulators, StartRouter
-from helpers import Adapter, call, complete, load, router_status, samples, until
+from helpers import Adapter, call, complete, load, longest_lateness, router_status, samples, until
 
 from lora_router.emulator import Emulator, EmulatorConfig, Engine, start_emulator
 from lora_router.emulator import control as emulator_control
@@ -290,28 +289,6 @@ def long_run_page(size: int) -> bytes:
         lines.append(line)
         total += len(line)
         n += 1
-
-
-async def longest_lateness(work: Callable[[], Awaitable[object]]) -> float:
-    """How late, at most, a task asking to wake every millisecond woke while `work` ran: the
-    longest the loop was held."""
-    worst, done = 0.0, False
-
-    async def tick() -> None:
-        nonlocal worst
-        while not done:
-            asked = time.perf_counter()
-            await asyncio.sleep(0.001)
-            worst = max(worst, time.perf_counter() - asked - 0.001)
-
-    ticker = asyncio.create_task(tick())
-    await asyncio.sleep(0)  # the ticker is waiting before the work starts
-    try:
-        await work()
-    finally:
-        done = True
-        await ticker
-    return worst
 
 
 async def test_a_16_mib_metrics_page_never_holds_the_routers_loop(
