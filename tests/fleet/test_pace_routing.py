@@ -233,9 +233,10 @@ async def test_a_half_speed_replica_loses_weight_and_is_dealt_fewer_families(
 async def test_a_half_speed_replica_is_dealt_families_once_the_others_are_past_their_batch(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
 ) -> None:
-    # 128 in flight: each full-speed replica holds about 37, past the batch floor, and the slow
-    # one finishes a family sooner while it holds fewer than about 26: its capacity is used,
-    # about its weight's share (a seventh at half weight).
+    # 128 asked in flight, at most 100 at once (the client's connection limit, aiohttp's
+    # default): each full-speed replica holds about 26, past the batch floor, and the slow one
+    # finishes a family sooner while it holds fewer than about 20: its capacity is used, about
+    # its weight's share (a seventh at half weight).
     rnd = random.Random(9)
     slow = "0"
     runtime, _, kept = await slowed(
@@ -255,11 +256,11 @@ async def test_a_half_speed_replica_is_dealt_families_once_the_others_are_past_t
 async def test_no_family_is_split_over_a_half_speed_replica(
     emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
 ) -> None:
-    # Families of 8 at 128 in flight, past the others' batch: the slow replica is dealt a
-    # family only while its scaled cap has room for all 8 besides the siblings still to come
-    # of the families it was dealt (policy.py, the finish rule), and a sibling whose
-    # full-speed home is full spills to a full-speed replica with room, not to it. A group
-    # split over the slow replica would wait for its slow siblings.
+    # Families of 8 at 128 asked in flight (at most 100 at once, as above), past the others'
+    # batch: the slow replica is dealt a family only while its scaled cap has room for all 8
+    # besides the siblings still to come of the families it was dealt (policy.py, the finish
+    # rule), and a sibling whose full-speed home is full spills to a full-speed replica with
+    # room, not to it. A group split over the slow replica would wait for its slow siblings.
     rnd = random.Random(14)
     slow = "0"
     runtime, _, kept = await slowed(
