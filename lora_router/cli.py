@@ -444,6 +444,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="passed checks before an ejected replica is re-admitted",
     )
     g.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=d.stall_timeout,
+        help="seconds a serving replica may compute no token (its /metrics) while the router "
+        "holds requests on it and the fleet is not paused, before it is ejected as stalled (an "
+        "engine that hangs while its /health answers); it returns once it answers a one-token "
+        "completion (0: never)",
+    )
+    g.add_argument(
         "--breaker-failures",
         type=int,
         default=d.breaker_failures,

@@ -340,6 +340,9 @@ class Config:
     health_timeout: float = 2.0
     health_failures: int = 2
     health_successes: int = 2
+    # A serving replica that computes nothing this long while the router holds requests on it
+    # and the fleet is not paused is ejected as stalled (fleet/health.py); 0: never.
+    stall_timeout: float = 120.0
     breaker_failures: int = 5
     breaker_cooldown: float = 10.0
     # Replicas whose /metrics are read per health interval, round robin (fleet/telemetry.py):
@@ -505,7 +508,13 @@ _SECONDS = (
     "breaker_cooldown",
     "session_ttl",
 )
-_SECONDS_OR_ZERO = ("shutdown_grace", "status_interval", "unload_wait", "discovery_grace")
+_SECONDS_OR_ZERO = (
+    "shutdown_grace",
+    "status_interval",
+    "unload_wait",
+    "discovery_grace",
+    "stall_timeout",
+)
 _POSITIVE = (
     "max_body_bytes",
     "max_header_bytes",

@@ -14,6 +14,14 @@ Each replica's watcher task asks its `/health` every `health_interval` (bounded 
   an answer over client.py's cap), it is ejected, and its replays keep it out until it lists
   as vLLM does; and, while its `/server_info` has not been read (it failed when the router
   started), it is asked that too (replay.py's `reread`);
+- a serving replica whose engine hangs while its `/health` passes is ejected as **stalled**:
+  its reports (telemetry.py's `Report.still_since`) show no prompt or generated token for
+  `stall_timeout` seconds while the router held requests on it, the fleet not paused. Its
+  requests that have received nothing are then retried elsewhere (the withdrawal rule,
+  http/upstream.py), rather than wait out `--first-byte-timeout`. `/health` tests vLLM's
+  API server, not its engine, so before such a replica is replayed it must also answer a
+  one-token completion within `control_timeout` (`_engine_answers`); until it does it stays
+  out, saying why;
 - an ejected replica that passes `health_successes` checks in a row is **re-admitted** through
   a replay (replay.py); only then does it become routable. While it is out and failing, its
   checks space out, doubling after each failure up to `DOWN_SPACING_MAX` intervals: dead
@@ -59,6 +67,8 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+import orjson
+
 from lora_router.config import Config, ReplicaAddress
 from lora_router.fleet.aliases import resolve
 from lora_router.fleet.client import ReplicaClient
@@ -87,6 +97,7 @@ class _Watch:
         "out_quiet",
         "out_reason",
         "proof",
+        "stalled",
         "successes",
         "suspect",
         "task",
@@ -112,6 +123,8 @@ class _Watch:
         self.answered = False
         self.proof: str | None = None
         self.verified: dict[str, AdapterEntry] = {}
+        # Ejected as stalled: a one-token completion must be answered before its replay.
+        self.stalled = False
 
 
 class HealthMonitor:
@@ -137,6 +150,7 @@ class HealthMonitor:
         self.readmissions = 0
         self.readmission_failures = 0
         self.restarts_detected = 0
+        self.stalls_detected = 0
         # Checks of serving replicas that routed 2xx answers made unneeded (module docstring).
         self.probes_skipped = 0
         self.listings_skipped = 0
@@ -313,6 +327,8 @@ class HealthMonitor:
                 return
             watch.failures = 0
             watch.suspect = False
+            if self._stalled(replica, watch):
+                return
             await self._lost_adapters(replica, watch)
             await self._passed(replica)
             return
@@ -328,7 +344,53 @@ class HealthMonitor:
         watch.down = 0
         watch.successes += 1
         if watch.successes >= config.health_successes:
+            if watch.stalled and not await self._engine_answers(replica, watch):
+                return
             await self.admit(replica)
+
+    def _stalled(self, replica: Replica, watch: _Watch) -> bool:
+        """Eject a serving replica whose reports show it still for `stall_timeout` (module
+        docstring); whether it was."""
+        timeout, report = self.config.stall_timeout, replica.report
+        if timeout <= 0 or report is None or report.still_since is None:
+            return False
+        still = report.at - report.still_since
+        if still < timeout:
+            return False
+        reason = (
+            f"stalled: it computed no token for {still:.0f} s while the router held "
+            f"{replica.in_flight} request(s) on it, though its /health answers (an engine that "
+            "hangs); it returns once it answers a one-token completion: restart it"
+        )
+        if not replica.life.eject(reason):
+            return False
+        self.stalls_detected += 1
+        watch.stalled = True
+        watch.successes = 0
+        return True
+
+    async def _engine_answers(self, replica: Replica, watch: _Watch) -> bool:
+        """Whether a replica ejected as stalled answers a one-token completion of its base
+        model within `control_timeout`; if not, it stays out, saying why."""
+        facts = replica.facts
+        model = facts.base_model if facts is not None else None
+        probe: dict[str, object] = {"prompt": [0], "max_tokens": 1}
+        if model is not None:
+            probe["model"] = model
+        answer = await self.client.call(
+            replica, "POST", "/v1/completions", body=orjson.dumps(probe)
+        )
+        if 200 <= answer.status < 300:
+            watch.stalled = False
+            return True
+        watch.successes = 0
+        why = (
+            f"ejected as stalled, its /health answers but a one-token completion got "
+            f"{answer.summary()}: restart it"
+        )
+        replica.life.eject(why)
+        self._log_out(replica, watch, why, asyncio.get_running_loop().time())
+        return False
 
     async def _passed(self, replica: Replica) -> None:
         """A serving replica passed its check: its `/server_info`, if it could not be read

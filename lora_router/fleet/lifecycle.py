@@ -8,8 +8,9 @@ Every replica is in exactly one state:
   but load broadcasts that start meanwhile ride along to it, best effort;
 - **serving**: takes routed requests and broadcasts (the only state `Fleet.routable` and
   `Fleet.live` accept);
-- **ejected**: out of service (failed health checks, unreachable during a broadcast, or it lost
-  live adapters: a restart); re-admitted through a replay once its health checks pass;
+- **ejected**: out of service (failed health checks, unreachable during a broadcast, it lost
+  live adapters: a restart, or its engine computed nothing while holding requests: health.py's
+  stall rule); re-admitted through a replay once its health checks pass;
 - **backing-off**: ejected because its last replay did not stick (it lacked a live adapter again
   soon after it was re-admitted, or it answers "already loaded" for a name its listing does not
   show: a URL that is a load balancer), or because its last replay failed for want of an answer

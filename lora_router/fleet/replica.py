@@ -106,7 +106,8 @@ class Replica:
         # someone else (an earlier router, a direct load): its weights are unknown.
         self.loaded: dict[str, str] = {}
         # Its own /metrics at the last scrape (running, waiting, KV, ...); None: unknown, with
-        # the reason in report_error. Never a reason to eject it.
+        # the reason in report_error. Never a reason to eject it, but for the stall rule
+        # (health.py: it computed nothing for `--stall-timeout` while holding requests).
         self.report: Report | None = None
         self.report_error = "not scraped yet"
         # Its decode step and routing weight, written only by fleet/pace.py's rule.

@@ -38,8 +38,9 @@ class Report:
     interval_token_latency: float = 0.0
     interval_decoded: float = 0.0
     # Since when the replica has computed nothing, no prompt token and no generated one, at
-    # every scrape while the router had a request in flight on it (`following`): a replica
-    # that holds work and never moves on it; None: it moved, or held nothing.
+    # every scrape while the router had a request in flight on it, the fleet not paused
+    # (`following`): a replica that holds work and never moves on it; None: it moved, or held
+    # nothing. health.py ejects one still for `--stall-timeout`.
     still_since: float | None = None
 
     @property
@@ -65,9 +66,9 @@ class Report:
 
     def following(self, previous: Report | None, holding: bool) -> Report:
         """This report with its interval figures taken against `previous`, `holding` whether
-        the router had a request in flight on the replica as it arrived (`still_since`: the
-        previous report's time, or its own `still_since`, while holding and no counter
-        moved)."""
+        the router had a request in flight on the replica as it arrived, the fleet not paused
+        since `previous` (telemetry.py) (`still_since`: the previous report's time, or its own
+        `still_since`, while holding and no counter moved)."""
         if previous is None or self.at <= previous.at:
             return self
         still = None

@@ -16,7 +16,8 @@ each report is at most ceil(n / budget) intervals old, and shows its age (`/rout
   the interval since the previous report and since the replica started;
 - generated tokens per second: the change of `vllm:generation_tokens_total` over the interval;
   and since when it has computed nothing (that counter and `vllm:prompt_tokens_total` unmoved)
-  at every scrape while the router held a request in flight on it (`Report.still_since`);
+  at every scrape while the router held a request in flight on it and the fleet was not paused
+  since the previous one (`Report.still_since`, which health.py's stall rule reads);
 - the decode step: the change of `vllm:inter_token_latency_seconds`' `_sum` over its `_count`'s
   over the interval, the mean seconds between a sequence's tokens (a histogram vLLM observes at
   every generated token but a sequence's first); optional: a replica without it reports the
@@ -363,7 +364,12 @@ class Telemetry:
                 raise MetricsError(f"/metrics: {answer.summary()}")
             if _encoding(answer) != b"identity":
                 raise MetricsError(f"/metrics came {_encoding(answer).decode('latin-1')}-encoded")
-            report = reader.finish(now).following(replica.report, replica.in_flight > 0)
+            previous = replica.report
+            # Seconds the fleet stood paused since the previous report: no generation is due
+            # then, so a replica that computed nothing was not still (`Report.still_since`).
+            paused = self.syncs.paused_within(previous.at, now) if previous is not None else 0.0
+            holding = replica.in_flight > 0 and paused == 0.0 and not self.fleet.pause.paused
+            report = reader.finish(now).following(previous, holding)
         except MetricsError as exc:
             self.scrape_failures += 1
             if replica.report is not None or replica.report_error != str(exc):
@@ -372,7 +378,6 @@ class Telemetry:
             return
         replica.report, replica.report_error = report, ""
         if self.pace is not None:
-            paused = self.syncs.paused_within(now - report.interval, now)
             self.pace.scraped(replica, report, now, paused)
         if not self.fleet.pause.paused:
             # Samples taken while the fleet is paused say nothing about generation.

@@ -38,7 +38,7 @@ fleet never reads as an idle one:
 4. a serving replica has computed nothing, no prompt token and no generated one, over
    `STILL_SCRAPES` scrapes while the router held requests on it (its `still_s`, 40 s at the
    default `--health-interval`): **stalled**, with the replica and the fix (its `/health`
-   answers, so nothing else takes it out: an engine that hangs);
+   answers: an engine that hangs, which the router ejects at `--stall-timeout`, health.py);
 5. no replica in service can take part in a weight sync: **misconfigured**, with the first
    problem and its fix (fleet/readiness.py);
 6. the replicas disagree on a fact they must share (base model, LoRA limits, block size):
@@ -158,8 +158,8 @@ def stall(status: dict[str, Any]) -> str | None:
             return (
                 f"stalled: replica {r.get('id')} has computed no token for {still:.0f} s with "
                 f"{r.get('in_flight')} request(s) in flight, though its /health answers (an "
-                "engine that hangs?); restart it: its requests are retried on the others when "
-                "it is ejected"
+                "engine that hangs?); the router ejects it once it has been still for "
+                "--stall-timeout and retries its waiting requests on the others: restart it"
             )
     problems = [r.get("sync_problems") or [] for r in serving]
     if serving and all(problems):
