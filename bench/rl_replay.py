@@ -78,7 +78,8 @@ Validation (bench/results/rl-replay/validation*/tables.md, `--wall` against rl_c
 runs, seeds 0-3 on 4h and 4, 4-7 on 4, 0-3 on 2h and 8h): per cell, the median over seeds of
 sim / wall is within 0.96-1.03 for the group p90 and p50 and within 0.996-1.003 for the hit
 rate, lora-router and round robin alike; single runs within 0.87-1.12 for the p90, 0.90-1.05
-for the p50 (the wall clock's own spread), with no `--overhead-ms` (4 ms moves no cell by more than 1.7 %: groups last seconds).
+for the p50 (the wall clock's own spread), with no `--overhead-ms` (4 ms moves no cell by more
+than 1.7 %: groups last seconds).
 `--sync-ms` 5: a sync without an unload took 7 ms on the wall clock (g16's `sync_max_s`).
 The weight: the pace rule sets replica 0 of an `h` fleet to 8 at its first judgement and
 never moves it in the sim (the wall clock moved it back in one multi-turn run in 16).
@@ -221,7 +222,22 @@ def run_cell(
             f"({time.perf_counter() - started:.1f} s)",
             flush=True,
         )
+        if args.slowest:
+            print(slowest(spans, sim.replicas, args.slowest), flush=True)
     return out
+
+
+def slowest(spans: dict[int, tuple[float, float]], replicas: Sequence[Any], k: int) -> str:
+    """The `k` slowest groups of a run, slowest first: span, first send, replicas."""
+    where: dict[int, set[int]] = {}
+    for replica in replicas:
+        for family in replica.families:
+            where.setdefault(family, set()).add(replica.index)
+    ranked = sorted(spans.items(), key=lambda kv: kv[1][0] - kv[1][1])[:k]
+    return "\n".join(
+        f"    group {g:4}: {end - start:7.3f} s from {start:7.3f} s on {sorted(where.get(g, ()))}"
+        for g, (start, end) in ranked
+    )
 
 
 def _med(values: Sequence[float | None]) -> str:
@@ -352,6 +368,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--health-interval", type=float, default=2.0)
     p.add_argument(
         "--router-lead-s", type=float, default=0.2, help="router start before the first send"
+    )
+    p.add_argument(
+        "--slowest",
+        type=int,
+        default=0,
+        help="print each run's K slowest groups: their span, first send and replicas",
     )
     p.add_argument("--wall", type=Path, action="append", default=[], help="an rl-clock.json")
     p.add_argument("--out", type=Path, default=None)
