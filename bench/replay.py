@@ -54,6 +54,7 @@ import orjson
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from lib import routing_traces as traces  # noqa: E402
+from lib.rl_sim import Prompt  # noqa: E402
 from lib.routing_runs import in_flight_balance, max_mean  # noqa: E402
 
 from lora_router.emulator.prefix_cache import PrefixCache, block_hashes  # noqa: E402
@@ -74,18 +75,6 @@ class SimReplica:
         self.free_at = 0.0  # when the FIFO server finishes what it holds
         self.busy = 0.0  # modelled service time, without the overhead
         self.served = 0
-
-
-@dataclass(slots=True)
-class Prompt:
-    """What `keys.completion_key` reads of a validated completion (`keys.Prompt`)."""
-
-    raw_tokens: bytes
-    ids: list[int]
-    text: bytes | None = None
-
-    def token_ids(self) -> list[int]:
-        return self.ids
 
 
 @dataclass(slots=True)

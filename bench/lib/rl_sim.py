@@ -23,6 +23,7 @@ from lora_router.routing.keys import Lineages, completion_key
 from lora_router.routing.policy import WEIGHT_FULL
 
 from .rl_clock_runs import Fleet
+from .routing_runs import eligibility
 from .routing_traces import MAX_STALENESS, Item
 
 BLOCK = 16  # the emulator's block size (EmulatorConfig) and the router's default
@@ -193,14 +194,7 @@ def simulate(
         counter += 1
         heapq.heappush(events, (at, counter, kind, a, b))
 
-    children: dict[int, list[int]] = {}
-    ready: list[int] = []
-    for r in reqs:
-        if r.parent is None:
-            ready.append(r.index)
-        else:
-            children.setdefault(r.parent, []).append(r.index)
-    heapq.heapify(ready)
+    ready, children = eligibility(reqs)
     by_index = {r.index: r for r in reqs}
     outcomes: dict[int, Outcome] = {}
     placed: dict[int, SimReplica] = {}

@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import aiohttp
 import orjson
@@ -395,6 +396,25 @@ class Bench:
         return result
 
 
+class Linked(Protocol):
+    index: int
+    parent: int | None
+
+
+def eligibility(items: Sequence[Linked]) -> tuple[list[int], dict[int, list[int]]]:
+    """The client's order (`drive`): the items eligible at once (no parent) as a heap of
+    indices, the lowest sent first, and each parent's later turns, eligible once it answered."""
+    children: dict[int, list[int]] = {}
+    ready: list[int] = []
+    for item in items:
+        if item.parent is None:
+            ready.append(item.index)
+        else:
+            children.setdefault(item.parent, []).append(item.index)
+    heapq.heapify(ready)
+    return ready, children
+
+
 async def drive(
     items: list[Item],
     outcomes: dict[int, Outcome],
@@ -409,14 +429,7 @@ async def drive(
     send (a weight sync), `after(item)` once it ended, whatever its outcome. Whatever was not
     sent by `deadline_s` is an error outcome. Returns the wall time (first send to last
     answer)."""
-    children: dict[int, list[int]] = {}
-    ready: list[int] = []
-    for item in items:
-        if item.parent is None:
-            ready.append(item.index)
-        else:
-            children.setdefault(item.parent, []).append(item.index)
-    heapq.heapify(ready)
+    ready, children = eligibility(items)
     by_index = {item.index: item for item in items}
     wake = asyncio.Event()
     running = 0
