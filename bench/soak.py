@@ -8,12 +8,13 @@ descriptors, tasks) or wedge, while good GRPO-shaped traffic goes on without a l
 Set-up. Three emulated replicas, each its own process (`python -m lora_router.emulator`: 8
 sequences at once, 4 ms per generated token, 0.3 s adapter loads), and the router, this
 checkout's `lora_router.cli`, started through this file (`soak.py router FILE -- FLAGS`: the
-real command plus one daemon thread that writes, every sample interval, the number of asyncio
-tasks alive and of objects the garbage collector tracks to FILE; counting the objects holds the
-GIL for some milliseconds). The router's limits are lowered so an attack ends in seconds, not
-minutes: `--header-timeout 5 --body-timeout 10 --keepalive-timeout 20 --idle-timeout 20
---max-body-bytes 1048576 --max-buffered-bytes 67108864 --max-connections 1024` (others at their
-defaults; health every 1 s). Everything on 127.0.0.1; nothing pinned to a core.
+real command plus one daemon thread that writes to FILE, every second, the number of asyncio
+tasks alive and, every sample interval, of objects the garbage collector tracks; counting the
+objects holds the GIL for some milliseconds). The router's limits are lowered so an attack
+ends in seconds, not minutes: `--header-timeout 5 --body-timeout 10 --keepalive-timeout 20
+--idle-timeout 20 --max-body-bytes 1048576 --max-buffered-bytes 67108864 --max-connections
+1024` (others at their defaults; health every 1 s). Everything on 127.0.0.1; nothing pinned
+to a core.
 
 Phases. *warm-up* (good traffic only, `--warmup` s), *hostile* (good traffic plus the hostile
 clients plus the faulty replica, `--minutes`), *cool-down* (good only, `--cooldown` s), *idle*
@@ -121,7 +122,8 @@ def router_flags(limits: Limits) -> list[str]:
 
 def serve_router(argv: Sequence[str]) -> int:
     """`soak.py router FILE INTERVAL -- FLAGS`: the router's own command, plus a daemon thread
-    appending `time tasks gc_objects` to FILE every INTERVAL s."""
+    appending `time tasks gc_objects` to FILE every second, the objects counted every INTERVAL
+    s (the last count repeated between)."""
     import gc
     import threading
 
@@ -129,13 +131,15 @@ def serve_router(argv: Sequence[str]) -> int:
     flags = list(argv[3:]) if argv[2:3] == ["--"] else list(argv[2:])
 
     def watch() -> None:
+        objects, counted = 0, 0.0
         while True:
             # Python 3.11: every Task, C or not, is in this WeakSet while it lives.
             tasks = len(asyncio.tasks._all_tasks)  # type: ignore[attr-defined]
-            objects = len(gc.get_objects())
+            if time.monotonic() - counted >= interval:
+                objects, counted = len(gc.get_objects()), time.monotonic()
             with open(out, "a") as f:
                 f.write(f"{time.time():.3f} {tasks} {objects}\n")
-            time.sleep(interval)
+            time.sleep(1.0)
 
     threading.Thread(target=watch, daemon=True, name="soak-watch").start()
     from lora_router.cli import main as router_main
