@@ -205,9 +205,16 @@ def read_log(log: str) -> dict[str, Any]:
 
 
 def _cell(v: Any, spec: str = "") -> str:
+    """A figure as the docs quote it: whole numbers with thousands separators."""
     if v is None:
         return "—"
-    return f"{v:{spec}}" if spec else str(v)
+    if spec:
+        return f"{v:{spec}}"
+    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
+
+
+def _unit(v: Any, unit: str) -> str:
+    return "—" if v is None else f"{_cell(v)} {unit}"
 
 
 def markdown(r: dict[str, Any]) -> str:
@@ -239,10 +246,11 @@ def markdown(r: dict[str, Any]) -> str:
         f"- fds: {ends['start']['fds']} before the first request, {ends['idle']['fds']} after "
         f"the idle phase ({r['fds_idle_minus_start']:+d}); {ends['warm-up']['fds']} at the end "
         f"of warm-up, {ends.get('cool-down', {}).get('fds')} at the end of cool-down "
-        f"({_cell(r['fds_cooldown_minus_warmup'], '+d')}); at most {r['fds_max']}.",
+        f"({_cell(r['fds_cooldown_minus_warmup'], '+d')}); at most {_cell(r['fds_max'])}.",
         f"- RSS at most {r['rss_max_mib']} MiB, VmHWM {r['hwm_max_mib']} MiB; accepted "
         f"connections at most {r['connections_max']}; asyncio tasks at most {r['tasks_max']}.",
-        f"- Good requests: **{good['sent']} sent, {good['ok']} ok, {good['lost']} lost** "
+        f"- Good requests: **{_cell(good['sent'])} sent, {_cell(good['ok'])} ok, "
+        f"{good['lost']} lost** "
         f"({good['unended']} never ended); {good['syncs']} syncs, "
         f"{len(good['control_failures'])} control calls not answered 200.",
         f"- The router's /router/status answered in at most {_cell(r['status_ms_max'])} ms "
@@ -255,15 +263,15 @@ def markdown(r: dict[str, Any]) -> str:
         "",
         "## At the end of each phase",
         "",
-        "| phase | t (s) | RSS MiB | VmHWM MiB | fds | sockets | threads | tasks | gc objects "
+        "| phase | t (s) | RSS | VmHWM | fds | sockets | threads | tasks | gc objects "
         "| accepted connections (any TCP state) | to replicas |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, f in ends.items():
         lines.append(
-            f"| {name} | {f['t']} | {f['rss_mib']} | {f['hwm_mib']} | {f['fds']} | "
-            f"{f['sockets']} | {f['threads']} | {_cell(f['tasks'])} | {_cell(f['gc_objects'])} "
-            f"| {f['connections']} | {_cell(f['upstream'])} |"
+            f"| {name} | {f['t']} | {_unit(f['rss_mib'], 'MiB')} | {_unit(f['hwm_mib'], 'MiB')} "
+            f"| {_cell(f['fds'])} | {_cell(f['sockets'])} | {f['threads']} | {_cell(f['tasks'])} "
+            f"| {_cell(f['gc_objects'])} | {_cell(f['connections'])} | {_cell(f['upstream'])} |"
         )
     lines += [
         "",
@@ -275,7 +283,7 @@ def markdown(r: dict[str, Any]) -> str:
     ]
     for name, p in r["per_phase"].items():
         lines.append(
-            f"| {name} | {p['sent']} | {p['ok']} | {p['lost']} | {p['retried_ok']} | "
+            f"| {name} | {_cell(p['sent'])} | {_cell(p['ok'])} | {p['lost']} | {p['retried_ok']} | "
             f"{_cell(p['p50_ms'])} | {_cell(p['p99_ms'])} | {_cell(p['max_ms'])} |"
         )
     lines += [
@@ -303,19 +311,20 @@ def markdown(r: dict[str, Any]) -> str:
         "## Attacks (hostile phase)",
         "",
         "| attack | runs | outcomes (status, how the connection ended) | router ended it after "
-        "(s, median / max) |",
+        "(median / max) |",
         "|---|---:|---|---|",
     ]
     for name, a in r["attacks"].items():
         outs = ", ".join(f"{k}: {n}" for k, n in a["outcomes"].items())
         lines.append(
-            f"| {name} | {a['runs']} | {outs} | {_cell(a['close_s_median'])} / "
-            f"{_cell(a['close_s_max'])} |"
+            f"| {name} | {a['runs']} | {outs} | {_unit(a['close_s_median'], 's')} / "
+            f"{_unit(a['close_s_max'], 's')} |"
         )
     lines += ["", f"Attack errors on the client's side: {r['attack_errors'] or 'none'}.", ""]
     lines += ["Bursts of connections:", ""]
     lines += [
-        f"- at {b['at']} s: {b['asked']} asked, {b['opened']} opened in {b['open_s']} s, "
+        f"- at {b['at']} s: {_cell(b['asked'])} asked, {_cell(b['opened'])} opened in "
+        f"{b['open_s']} s, "
         f"{b['answered_503']} answered 503 past the cap, {b['connect_failed']} failed to connect"
         for b in r["bursts"]
     ] or ["- none"]
