@@ -150,7 +150,7 @@ class HealthMonitor:
         self.readmissions = 0
         self.readmission_failures = 0
         self.restarts_detected = 0
-        self.stalls_detected = 0
+        self.stalls: Counter[int] = Counter()  # replica id -> times ejected as stalled
         # Checks of serving replicas that routed 2xx answers made unneeded (module docstring).
         self.probes_skipped = 0
         self.listings_skipped = 0
@@ -364,7 +364,7 @@ class HealthMonitor:
         )
         if not replica.life.eject(reason):
             return False
-        self.stalls_detected += 1
+        self.stalls[replica.rid] += 1
         watch.stalled = True
         watch.successes = 0
         return True

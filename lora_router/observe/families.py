@@ -86,6 +86,14 @@ def metric_families(state: RouterState) -> Iterator[Metric]:
         replica,
         per_replica(lambda r: flaps.get(r.rid, 0)),
     )
+    stalls = state.health.stalls
+    yield counter(
+        "lora_router_replica_stalls",
+        "Times each replica was ejected as stalled: no token computed for --stall-timeout while "
+        "the router held requests on it, though its /health answered (an engine that hangs).",
+        replica,
+        per_replica(lambda r: stalls.get(r.rid, 0)),
+    )
     sources = state.discovery.states if state.discovery else []
     yield gauge(
         "lora_router_discovery_members",

@@ -46,6 +46,8 @@ async def test_a_replica_whose_engine_hangs_is_ejected_and_its_requests_answered
         assert (await complete(client, rt.url))[0] == 200
         status = await router_status(client, rt.url)
         assert status["health"]["stalls_detected"] == 1
+        _, page, _ = await call(client, "GET", rt.url + "/metrics")
+        assert f'lora_router_replica_stalls_total{{replica="{hung.rid}"}} 1.0' in page.decode()
     finally:
         emus[0].faults.stall = False
     # Its engine moves again: it answers the probe, is replayed and serves.
