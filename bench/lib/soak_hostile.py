@@ -214,45 +214,23 @@ class Attacks:
 
     async def big_head(self) -> tuple[str, float | None]:
         """A head past --max-header-bytes, sent at once."""
-        began = time.monotonic()
-        reader, writer = await connect(self.port)
-        try:
-            value = b"b" * 4000
-            n = self.limits.max_header_bytes // 4000 + 4
-            head = b"GET /v1/models HTTP/1.1\r\nhost: soak\r\n"
-            head += b"".join(b"x-big-%d: %s\r\n" % (i, value) for i in range(n)) + b"\r\n"
-            with contextlib.suppress(ConnectionError, OSError):
-                writer.write(head)
-                await writer.drain()
-            return await ending(reader, began, 15)
-        finally:
-            writer.close()
+        value = b"b" * 4000
+        n = self.limits.max_header_bytes // 4000 + 4
+        head = b"GET /v1/models HTTP/1.1\r\nhost: soak\r\n"
+        return await self._sent_whole(
+            head + b"".join(b"x-big-%d: %s\r\n" % (i, value) for i in range(n)) + b"\r\n"
+        )
 
     async def many_headers(self) -> tuple[str, float | None]:
-        began = time.monotonic()
-        reader, writer = await connect(self.port)
-        try:
-            head = b"GET /v1/models HTTP/1.1\r\nhost: soak\r\n"
-            head += b"".join(b"x-h-%d: 1\r\n" % i for i in range(300)) + b"\r\n"
-            with contextlib.suppress(ConnectionError, OSError):
-                writer.write(head)
-                await writer.drain()
-            return await ending(reader, began, 15)
-        finally:
-            writer.close()
+        head = b"GET /v1/models HTTP/1.1\r\nhost: soak\r\n"
+        return await self._sent_whole(
+            head + b"".join(b"x-h-%d: 1\r\n" % i for i in range(300)) + b"\r\n"
+        )
 
     async def cl_over_cap(self) -> tuple[str, float | None]:
         """A Content-Length over --max-body-bytes, and the start of such a body."""
-        began = time.monotonic()
-        reader, writer = await connect(self.port)
-        try:
-            with contextlib.suppress(ConnectionError, OSError):
-                writer.write(post_head(b"/v1/completions", 4 * self.limits.max_body_bytes))
-                writer.write(b"{" + b" " * 65536)
-                await writer.drain()
-            return await ending(reader, began, 15)
-        finally:
-            writer.close()
+        head = post_head(b"/v1/completions", 4 * self.limits.max_body_bytes)
+        return await self._sent_whole(head + b"{" + b" " * 65536)
 
     async def chunked_over_cap(self) -> tuple[str, float | None]:
         """A chunked body sent in 64 KiB chunks until it passes --max-body-bytes (or the
@@ -276,16 +254,8 @@ class Attacks:
     async def smuggling(self) -> tuple[str, float | None]:
         """One of the malformed or ambiguous heads of tests/http/test_smuggling.py, followed
         by a hidden request that must never be answered."""
-        began = time.monotonic()
-        reader, writer = await connect(self.port)
-        try:
-            shape = self.rng.choice(SMUGGLING)
-            with contextlib.suppress(ConnectionError, OSError):
-                writer.write(shape + b"GET /hidden HTTP/1.1\r\nhost: soak\r\n\r\n")
-                await writer.drain()
-            return await ending(reader, began, 15)
-        finally:
-            writer.close()
+        shape = self.rng.choice(SMUGGLING)
+        return await self._sent_whole(shape + b"GET /hidden HTTP/1.1\r\nhost: soak\r\n\r\n")
 
     async def pipelined_unread(self) -> tuple[str, float | None]:
         """64 requests pipelined at once (listings and completions, some streamed) on a
@@ -352,11 +322,16 @@ class Attacks:
 
     async def garbage(self) -> tuple[str, float | None]:
         """Random bytes, 1-16 KiB."""
+        return await self._sent_whole(os.urandom(self.rng.randrange(1024, 16384)))
+
+    async def _sent_whole(self, data: bytes) -> tuple[str, float | None]:
+        """`data` written on a new connection at once, then how the router ended it (within
+        15 s)."""
         began = time.monotonic()
         reader, writer = await connect(self.port)
         try:
             with contextlib.suppress(ConnectionError, OSError):
-                writer.write(os.urandom(self.rng.randrange(1024, 16384)))
+                writer.write(data)
                 await writer.drain()
             return await ending(reader, began, 15)
         finally:
