@@ -101,7 +101,6 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -322,18 +321,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     procs = Procs()
     adapters = Path(tempfile.mkdtemp(prefix="faults-bench-", dir=procs.tmp))
     started = time.time()
-    try:
+    with procs.run(args.keep_logs):
         cluster = Cluster(settings, procs)
         cluster.start()
         result = asyncio.run(measure(settings, cluster, adapters))
-    except BaseException:
-        for proc in procs.procs:
-            print(f"--- {proc.args!r}\n{procs.log_tail(proc.pid)}", file=sys.stderr)
-        raise
-    finally:
-        if args.keep_logs:
-            shutil.copytree(procs.tmp, args.keep_logs, dirs_exist_ok=True)
-        procs.close()
     report: dict[str, Any] = {
         "command": " ".join(["python bench/faults.py", *args_list]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

@@ -438,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.time()
     procs = Procs()
     args.watch = procs.tmp / "router-watch.txt"
-    try:
+    with procs.run(args.keep_logs):
         ports = [free_port() for _ in range(4)]
         for i, port in enumerate(ports[:3]):
             procs.start(
@@ -449,16 +449,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         for port in ports[:3]:
             wait_port(port, 30)
         result = asyncio.run(soak(args, procs, ports))
-    except BaseException:
-        for proc in procs.procs:
-            print(f"--- {proc.args!r}\n{procs.log_tail(proc.pid)}", file=sys.stderr)
-        raise
-    finally:
-        if args.keep_logs:
-            import shutil
-
-            shutil.copytree(procs.tmp, args.keep_logs, dirs_exist_ok=True)
-        procs.close()
     report: dict[str, Any] = {
         "command": " ".join(["python bench/soak.py", *args_list]),
         "revision": git_revision(),

@@ -6,13 +6,15 @@ stopped by `Procs.close()`, so a benchmark that fails half-way leaves nothing ru
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from lora_router.testbed.net import free_port  # noqa: F401 (bench/lib imports it from here)
@@ -170,3 +172,18 @@ class Procs:
         for proc in list(self.procs):
             self.stop(proc)
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def run(self, keep_logs: str | None = None) -> Iterator[Procs]:
+        """A run's processes: on an error, each one's log tail goes to stderr; at the end
+        their logs are copied to `keep_logs` (if given) and every one is stopped."""
+        try:
+            yield self
+        except BaseException:
+            for proc in self.procs:
+                print(f"--- {proc.args!r}\n{self.log_tail(proc.pid)}", file=sys.stderr)
+            raise
+        finally:
+            if keep_logs:
+                shutil.copytree(self.tmp, keep_logs, dirs_exist_ok=True)
+            self.close()
