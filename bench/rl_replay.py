@@ -50,6 +50,9 @@ What is modelled, and from where (bench/lib/rl_sim.py holds the loop):
   replica's sample the change of its inter-token-latency sum and count, the seconds paused in
   the interval as telemetry counts them; `fixed` sets each replica's speed in sixteenths
   (8 for half speed) through `set_weight` at that first judgement; `none` never sets one.
+- late binding, a router design screened (`--late home|any`, bench/lib/rl_sim.py's
+  `SimSettings.late`): the router holds each request until a replica has room for its
+  weight's share of max_num_seqs, instead of sending it at once;
 - a candidate rule without editing lora_router: `--policy-module NAME=path.py` imports the
   file (once, before any run: it may also monkeypatch lora_router.routing.policy) and a router
   `NAME` or `NAME:key=value,...` calls its `make_policy(**options)`, which returns an object with
@@ -187,6 +190,7 @@ def run_cell(
         weights=args.weights,
         health_interval=args.health_interval,
         router_lead_s=args.router_lead_s,
+        late=args.late,
     )
     out = []
     for name, make in makers.items():
@@ -368,6 +372,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--health-interval", type=float, default=2.0)
     p.add_argument(
         "--router-lead-s", type=float, default=0.2, help="router start before the first send"
+    )
+    p.add_argument(
+        "--late",
+        choices=("", "any", "home"),
+        default="",
+        help="late binding, a design screened (bench/lib/rl_sim.py's SimSettings.late)",
     )
     p.add_argument(
         "--slowest",

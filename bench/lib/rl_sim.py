@@ -9,6 +9,7 @@ were scheduled in), so the same inputs give the same figures.
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,6 +170,12 @@ class SimSettings:
     weights: str = "pace"  # pace | fixed | none
     health_interval: float = 2.0
     router_lead_s: float = 0.2  # router start (the first scrape) before the first send
+    # Late binding (a design screened, not lora-router's): the router holds each request until
+    # a replica has fewer than its weight's share of max_num_seqs in flight, then sends the
+    # oldest held one to the least loaded replica with room for its weight ("any"), or to the
+    # policy's choice when that one has room, else the same ("home"); "": every request is
+    # sent at once, as lora-router does.
+    late: str = ""
 
 
 def simulate(
@@ -193,6 +200,11 @@ def simulate(
         nonlocal counter
         counter += 1
         heapq.heappush(events, (at, counter, kind, a, b))
+
+    held: deque[SimRequest] = deque()  # late binding: sent by the client, not yet placed
+
+    def pace_weight(rep: SimReplica) -> int:
+        return policy.weight(rep.name) if hasattr(policy, "weight") else WEIGHT_FULL
 
     ready, children = eligibility(reqs)
     by_index = {r.index: r for r in reqs}
@@ -332,19 +344,43 @@ def simulate(
                 push(now + settings.sync_s, RESUME)
                 return
             heapq.heappop(ready)
-            seeds = lineages.seeds(req.model, True)
-            key = completion_key(Prompt(req.raw, req.prompt), seeds, BLOCK)
-            decision = policy.choose(key, routable)
-            rep = decision.replica
-            placed[req.index] = rep
-            charged[req.index] = decision.tokens
-            rep.in_flight += 1  # Fleet.started
-            rep.in_flight_tokens += decision.tokens
-            routable.in_flight += 1
-            policy.load_changed(rep)
             running += 1
             outcomes[req.index] = Outcome(sent_at=now)
-            push(now + half, ARRIVE, rep.index, req.index)
+            if settings.late:
+                held.append(req)
+                continue
+            send(req, None)
+        if settings.late:
+            release()
+
+    def room(rep: SimReplica) -> bool:
+        share = pace_weight(rep) / WEIGHT_FULL
+        return rep.in_flight < max(1, int(fleet.max_num_seqs * share))
+
+    def release() -> None:
+        """Late binding: the oldest held requests, while a replica has room."""
+        while held:
+            free = [r for r in replicas if room(r)]
+            if not free:
+                return
+            send(held.popleft(), free)
+
+    def send(req: SimRequest, free: list[SimReplica] | None) -> None:
+        """`req` to the policy's choice, or under late binding (`free`: the replicas with
+        room) to the least loaded of them for its weight unless the choice has room ("home")."""
+        seeds = lineages.seeds(req.model, True)
+        key = completion_key(Prompt(req.raw, req.prompt), seeds, BLOCK)
+        decision = policy.choose(key, routable)
+        rep = decision.replica
+        if free is not None and (settings.late == "any" or rep not in free):
+            rep = min(free, key=lambda r: (r.in_flight / max(pace_weight(r), 1), r.index))
+        placed[req.index] = rep
+        charged[req.index] = decision.tokens
+        rep.in_flight += 1  # Fleet.started
+        rep.in_flight_tokens += decision.tokens
+        routable.in_flight += 1
+        policy.load_changed(rep)
+        push(now + half, ARRIVE, rep.index, req.index)
 
     def answered(index: int) -> None:
         nonlocal running
@@ -358,6 +394,8 @@ def simulate(
         running -= 1
         for child in children.get(index, ()):
             heapq.heappush(ready, child)
+        if settings.late:
+            release()
 
     # --- telemetry (fleet/telemetry.py's rounds, fleet/pace.py's rule) ----------------------
 
