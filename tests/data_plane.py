@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,6 +45,22 @@ async def replica_factory() -> AsyncIterator[Callable[..., Awaitable[FakeReplica
 @pytest.fixture
 async def replica(replica_factory: Callable[..., Awaitable[FakeReplica]]) -> FakeReplica:
     return await replica_factory()
+
+
+@pytest.fixture
+async def tls_replica(
+    replica_factory: Callable[..., Awaitable[FakeReplica]], tmp_path: Path
+) -> tuple[FakeReplica, str]:
+    """A fake replica serving TLS as 127.0.0.1 under a private CA, and the CA file that
+    trusts it (`--ca-file`)."""
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+    replica = await replica_factory(ssl_context=server_ctx)
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    return replica, str(ca_file)
 
 
 @pytest.fixture

@@ -5,5 +5,6 @@ from data_plane import (  # noqa: F401 (fixtures, found by name)
     replica,
     replica_factory,
     router_settings,
+    tls_replica,
     token_never_leaks,
 )

@@ -10,9 +10,7 @@ resolver is replaced by one that records the names it is asked and answers none.
 from __future__ import annotations
 
 import asyncio
-import ssl
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import orjson
 import pytest
@@ -65,17 +63,11 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 
 
 @pytest.fixture
-async def tls_replica(replica_factory, tmp_path: Path) -> AsyncIterator[tuple[TlsOnly, str]]:
+async def tls_front(tls_replica: tuple[FakeReplica, str]) -> AsyncIterator[tuple[TlsOnly, str]]:
     """A TLS replica behind `TlsOnly`; yields the listener and the CA file that trusts it."""
-    trustme = pytest.importorskip("trustme")
-    ca = trustme.CA()
-    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
-    replica: FakeReplica = await replica_factory(ssl_context=server_ctx)
+    replica, ca_file = tls_replica
     front = await TlsOnly(replica.port).start()
-    ca_file = tmp_path / "ca.pem"
-    ca.cert_pem.write_to_path(str(ca_file))
-    yield front, str(ca_file)
+    yield front, ca_file
     front.stop()
 
 
@@ -96,8 +88,8 @@ async def add(router_url: str, url: str):
     return await request(router_url, "POST", "/router/replicas", orjson.dumps({"url": url}))
 
 
-async def test_an_https_replica_is_never_added_again_as_http(router, tls_replica, tmp_path):
-    front, ca_file = tls_replica
+async def test_an_https_replica_is_never_added_again_as_http(router, tls_front, tmp_path):
+    front, ca_file = tls_front
     rt = await router([f"https://127.0.0.1:{front.port}"], ca_file=ca_file)
     assert (await request(rt.url, path="/health")).status == 200  # TLS through the front
     r = await add(rt.url, f"http://127.0.0.1:{front.port}")

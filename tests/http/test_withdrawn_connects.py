@@ -11,9 +11,7 @@ too must connect anew, hang, and eject it.
 from __future__ import annotations
 
 import asyncio
-import ssl
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 from helpers import until
@@ -73,17 +71,11 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 
 
 @pytest.fixture
-async def gated(replica_factory, tmp_path: Path) -> AsyncIterator[tuple[Gate, str]]:
+async def gated(tls_replica: tuple[FakeReplica, str]) -> AsyncIterator[tuple[Gate, str]]:
     """A TLS replica behind a `Gate`; yields the gate and the CA file that trusts the replica."""
-    trustme = pytest.importorskip("trustme")
-    ca = trustme.CA()
-    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
-    replica: FakeReplica = await replica_factory(ssl_context=server_ctx)
+    replica, ca_file = tls_replica
     gate = await Gate(replica.port).start()
-    ca_file = tmp_path / "ca.pem"
-    ca.cert_pem.write_to_path(str(ca_file))
-    yield gate, str(ca_file)
+    yield gate, ca_file
     gate.stop()
 
 
