@@ -365,10 +365,11 @@ class Telemetry:
             if _encoding(answer) != b"identity":
                 raise MetricsError(f"/metrics came {_encoding(answer).decode('latin-1')}-encoded")
             previous = replica.report
-            # Seconds the fleet stood paused since the previous report: no generation is due
-            # then, so a replica that computed nothing was not still (`Report.still_since`).
+            # Seconds the fleet stood paused since the previous report, a pause still on
+            # included: no generation is due then, so a replica that computed nothing was not
+            # still (`Report.still_since`).
             paused = self.syncs.paused_within(previous.at, now) if previous is not None else 0.0
-            holding = replica.in_flight > 0 and paused == 0.0 and not self.fleet.pause.paused
+            holding = replica.in_flight > 0 and paused == 0.0
             report = reader.finish(now).following(previous, holding)
         except MetricsError as exc:
             self.scrape_failures += 1
