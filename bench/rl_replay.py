@@ -53,6 +53,13 @@ What is modelled, and from where (bench/lib/rl_sim.py holds the loop):
 - late binding, a router design screened (`--late home|any`, bench/lib/rl_sim.py's
   `SimSettings.late`): the router holds each request until a replica has room for its
   weight's share of max_num_seqs, instead of sending it at once;
+- hedging, a router design screened (`--hedge-s 0,3`: every router without and with it, as
+  `NAME hedge 3 s`; bench/lib/rl_sim.py's `SimSettings.hedge_s`): a request still unanswered on
+  a replica below full weight that long after its send gets one copy on a full-weight
+  replica, the first answer kept; the copy is the same sample (`--hedge-length same`, a seeded
+  request reproduced) or another one (`fresh`, single-turn traces only), and the run's
+  `length_ratio` (its answers' completion tokens over the trace's) shows which samples it kept;
+  a replica's requests then count the copies;
 - a candidate rule without editing lora_router: `--policy-module NAME=path.py` imports the
   file (once, before any run: it may also monkeypatch lora_router.routing.policy) and a router
   `NAME` or `NAME:key=value,...` calls its `make_policy(**options)`, which returns an object with
@@ -93,12 +100,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import random
 import shlex
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -113,12 +121,30 @@ from lib.rl_clock_runs import (  # noqa: E402
     slow_share,
     split_groups,
 )
-from lib.rl_sim import SimSettings, policy_weights, sim_requests, simulate  # noqa: E402
+from lib.rl_sim import (  # noqa: E402
+    SimRequest,
+    SimSettings,
+    policy_weights,
+    sim_requests,
+    simulate,
+)
 from lib.routing_traces import build_workload  # noqa: E402
 
 from lora_router.routing.policy import PolicyParams, PrefixAffinity, make_policy  # noqa: E402
+from lora_router.testbed import grpo_trace  # noqa: E402
 
 WALL_NAMES = {"lr-prefix": "prefix", "round-robin": "round-robin"}  # rl_clock -> sim router
+
+
+@dataclass(slots=True)
+class ReplayResult(ClockResult):
+    """A replayed run: rl_clock's figures and the hedge's (`--hedge-s`)."""
+
+    hedges: int = 0  # copies the hedge sent
+    hedges_won: int = 0  # requests whose copy answered first
+    # The answers' completion tokens over the trace's own: below 1, the hedge kept the shorter
+    # of two samples, a length bias in what the trainer learns from.
+    length_ratio: float = 1.0
 
 
 def options_of(text: str) -> dict[str, Any]:
@@ -174,8 +200,8 @@ def run_cell(
     trace_name: str,
     load: str,
     seed: int,
-    makers: dict[str, Callable[[], Any]],
-) -> list[ClockResult]:
+    makers: dict[str, tuple[Callable[[], Any], float]],
+) -> list[ReplayResult]:
     trace = rl_clock.TRACES[trace_name]
     fleet = rl_clock.fleet_of(fleet_name, args)
     cap = rl_clock.in_flight(load, fleet.replicas, args.max_num_seqs)
@@ -192,11 +218,17 @@ def run_cell(
         router_lead_s=args.router_lead_s,
         late=args.late,
     )
+    redraw = None
+    if args.hedge_length == "fresh":
+
+        def redraw(req: SimRequest) -> int:
+            return grpo_trace.completion_length(random.Random(f"{seed}:hedge:{req.index}"), spec)
+
     out = []
-    for name, make in makers.items():
+    for name, (make, hedge_s) in makers.items():
         started = time.perf_counter()
-        sim = simulate(reqs, fleet, make(), settings)
-        result = ClockResult(
+        sim = simulate(reqs, fleet, make(), replace(settings, hedge_s=hedge_s), redraw)
+        result = ReplayResult(
             trace_name, rl_clock.fleet_label(fleet_name), load, name, "sim", 0, seed
         )
         result.requests = len(items)
@@ -214,6 +246,10 @@ def run_cell(
         result.sync_max_s = round(max((b - a for a, b in sim.sync_log), default=0.0), 3)
         result.weights, result.weight_changes = policy_weights(sim)
         clock_figures(result, spans, items, sim.outcomes, spec.prompts_per_step)  # type: ignore[arg-type]
+        result.hedges, result.hedges_won = sim.hedges, sim.hedges_won
+        result.length_ratio = round(
+            sum(sim.accepted_lengths.values()) / sum(r.length for r in reqs), 4
+        )
         out.append(result)
         print(
             f"{fleet_name:3} {trace_name:11} {load:10} seed {seed} {name:24} "
@@ -223,6 +259,7 @@ def run_cell(
             f"rest-p90 {result.rest_p90_s} split {result.split_groups} "
             f"w {result.weights} set {[(round(t, 2), n, w) for t, n, w in sim.weight_log]} "
             f"sync-max {result.sync_max_s} end {result.wall_s} "
+            f"hedged {result.hedges} won {result.hedges_won} length {result.length_ratio} "
             f"({time.perf_counter() - started:.1f} s)",
             flush=True,
         )
@@ -255,14 +292,15 @@ def _span(values: Sequence[float]) -> str:
     return f"{statistics.median(values):.4f} [{min(values):.4f}-{max(values):.4f}]"
 
 
-def table(results: list[ClockResult], names: Sequence[str]) -> list[str]:
+def table(results: list[ReplayResult], names: Sequence[str]) -> list[str]:
     """One row per (trace, fleet, load, router): medians over the seeds, and the group p90
-    as a ratio to the first router's, seed by seed."""
+    as a ratio to the first router's, seed by seed; with hedging, its medians too."""
+    hedging = any(r.hedges for r in results)
     rows = [
         "| trace | fleet | load | router | seeds | group p50 | p90 | max | p90 / "
         f"{names[0]}'s, median [min-max] | hit | requests per replica | slow groups "
-        "| rest p90 | split |",
-        "|" + "---|" * 14,
+        "| rest p90 | split |" + (" hedges | won | length ratio |" if hedging else ""),
+        "|" + "---|" * (17 if hedging else 14),
     ]
     keyed = {(r.trace, r.fleet, r.load, r.seed, r.contender): r for r in results}
     cells = list(dict.fromkeys((r.trace, r.fleet, r.load) for r in results))
@@ -289,11 +327,17 @@ def table(results: list[ClockResult], names: Sequence[str]) -> list[str]:
                 f"| {statistics.median(r.hit_rate for r in mine):.4f} | {per_replica} "
                 f"| {_med([r.slow_groups for r in mine])} | {_med([r.rest_p90_s for r in mine])} "
                 f"| {_med([r.split_groups for r in mine])} |"
+                + (
+                    f" {_med([r.hedges for r in mine])} | {_med([r.hedges_won for r in mine])} "
+                    f"| {statistics.median(r.length_ratio for r in mine):.4f} |"
+                    if hedging
+                    else ""
+                )
             )
     return rows
 
 
-def wall_table(results: list[ClockResult], walls: list[Path]) -> list[str]:
+def wall_table(results: list[ReplayResult], walls: list[Path]) -> list[str]:
     """sim / wall per cell and seed: group p50, p90, hit rate, for the routers both have."""
     wall_runs: dict[tuple[str, str, str, int, str], dict[str, Any]] = {}
     for path in walls:
@@ -380,6 +424,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help="late binding, a design screened (bench/lib/rl_sim.py's SimSettings.late)",
     )
     p.add_argument(
+        "--hedge-s",
+        default="0",
+        help="hedging, a design screened: a request on a slow replica still unanswered this long "
+        "after its send gets a copy on a full-weight replica (bench/lib/rl_sim.py SimSettings); "
+        "'0,3': every router without and with it",
+    )
+    p.add_argument(
+        "--hedge-length",
+        choices=("same", "fresh"),
+        default="same",
+        help="a hedge copy's completion: the same sample (seeded) or a fresh draw (unseeded)",
+    )
+    p.add_argument(
         "--slowest",
         type=int,
         default=0,
@@ -397,6 +454,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if bad:
         p.error(f"unknown trace, fleet or load: {', '.join(sorted(bad))}")
     args.seed_list = seeds_of(args.seeds)
+    args.hedge_list = [float(h) for h in args.hedge_s.split(",") if h]
+    if args.hedge_length == "fresh" and any(rl_clock.TRACES[t].turns > 1 for t in args.trace_list):
+        p.error("--hedge-length fresh: a later turn's prompt holds its parent's completion")
     return args
 
 
@@ -407,8 +467,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for entry in args.policy_module:
         name, _, path = entry.partition("=")
         modules[name] = load_module(name, path)
-    makers = routers(args.routers, modules)
-    results: list[ClockResult] = []
+    makers = {
+        name if hedge_s == 0 else f"{name} hedge {hedge_s:g} s": (make, hedge_s)
+        for name, make in routers(args.routers, modules).items()
+        for hedge_s in args.hedge_list
+    }
+    results: list[ReplayResult] = []
     timings = []
     for fleet_name in args.fleet_list:
         for trace_name in args.trace_list:
@@ -437,6 +501,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "weights",
                 "health_interval",
                 "router_lead_s",
+                "late",
+                "hedge_list",
+                "hedge_length",
                 "decode_ms",
                 "decode_per_seq_ms",
                 "prefill_us",

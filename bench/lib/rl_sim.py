@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lora_router.emulator.batching import InterTokenLatency, Progress, StepCosts, plan_step
@@ -109,6 +109,17 @@ class Job:
     progress: Progress | None = None
 
 
+@dataclass(slots=True, eq=False)
+class Copy:
+    """One send of a request to a replica: the policy's, or a hedge's (SimSettings.hedge_s)."""
+
+    req: SimRequest
+    rep: SimReplica
+    tokens: int  # what the router charged it (`Decision.tokens`; 0 for a hedge)
+    job: Job | None = None  # at the replica since its arrival
+    live: bool = True  # neither answered nor aborted
+
+
 class SimReplica:
     """One emulated replica: engine.py's state in simulated time, and the router's counts of
     it (`Replica`: name, in_flight, in_flight_tokens) and its pace (`Paced`)."""
@@ -157,9 +168,12 @@ class SimResult:
     syncs: int = 0
     sync_log: list[tuple[float, float]] = field(default_factory=list)  # client held: from, to
     weight_log: list[tuple[float, str, int]] = field(default_factory=list)
+    hedges: int = 0  # copies sent by the hedge
+    hedges_won: int = 0  # requests whose hedge answered first
+    accepted_lengths: dict[int, int] = field(default_factory=dict)  # each answer's tokens
 
 
-ARRIVE, CHUNK, ANSWER, SCRAPE, RESUME = range(5)
+ARRIVE, CHUNK, ANSWER, SCRAPE, RESUME, HEDGE = range(6)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,12 +190,24 @@ class SimSettings:
     # policy's choice when that one has room, else the same ("home"); "": every request is
     # sent at once, as lora-router does.
     late: str = ""
+    # Hedging (a design screened, not lora-router's): a request on a replica below full weight
+    # still unanswered `hedge_s` after its send gets one copy on the full-weight replica with
+    # the fewest requests in flight; the first answer is the request's, the other copy is
+    # aborted then (its place freed at once). 0: off. The copy's completion length is
+    # simulate's `hedge_length` of the request: the same (a seeded sample, reproduced) or a
+    # fresh draw (an unseeded sample: a new one).
+    hedge_s: float = 0.0
 
 
 def simulate(
-    reqs: Sequence[SimRequest], fleet: Fleet, policy: Any, settings: SimSettings
+    reqs: Sequence[SimRequest],
+    fleet: Fleet,
+    policy: Any,
+    settings: SimSettings,
+    hedge_length: Callable[[SimRequest], int] | None = None,
 ) -> SimResult:
-    """Replay `reqs` through `policy` to `fleet` (module docstring of bench/rl_replay.py)."""
+    """Replay `reqs` through `policy` to `fleet` (module docstring of bench/rl_replay.py).
+    `hedge_length`: a hedge copy's completion tokens (None: the request's own)."""
     replicas = [SimReplica(i, fleet) for i in range(fleet.replicas)]
     routable: Candidates[SimReplica] = Candidates(replicas)
     policy.set_members(routable)
@@ -209,8 +235,10 @@ def simulate(
     ready, children = eligibility(reqs)
     by_index = {r.index: r for r in reqs}
     outcomes: dict[int, Outcome] = {}
-    placed: dict[int, SimReplica] = {}
-    charged: dict[int, int] = {}
+    copies: list[Copy] = []  # by copy id
+    sends: dict[int, list[Copy]] = {}  # a request's copies
+    accepted: dict[int, int] = {}  # a request answered: its completion tokens
+    hedged = [0, 0]  # copies sent, and won
     running = 0
     loaded = 1  # v1 is live before the clock starts (rl_clock_runs.run_one)
     paused = False
@@ -283,7 +311,24 @@ def simulate(
         del rep.jobs[job.seq]
         rep.scheduler.release(job.seq)
         admit_queued(rep)
-        push(now + half, ANSWER, job.req.index)
+        push(now + half, ANSWER, int(job.seq.request_id))
+
+    def abort(copy: Copy) -> None:
+        """The router has closed `copy`'s upstream request: the replica drops it."""
+        rep, job = copy.rep, copy.job
+        if job is None:
+            return
+        if job.seq in rep.jobs:
+            del rep.progress[job.seq]
+            del rep.jobs[job.seq]
+            rep.scheduler.release(job.seq)
+            admit_queued(rep)
+            if not rep.stepping and not paused:
+                start_chunk(rep, now)
+        for waiting in (rep.queued, rep.door, rep.deferred):
+            if job in waiting:
+                waiting.remove(job)
+        rep.scheduler._drop(job.seq)
 
     def chunk_end(rep: SimReplica) -> None:
         for decoders, end in rep.chunk_decoded:
@@ -374,21 +419,54 @@ def simulate(
         rep = decision.replica
         if free is not None and (settings.late == "any" or rep not in free):
             rep = min(free, key=lambda r: (r.in_flight / max(pace_weight(r), 1), r.index))
-        placed[req.index] = rep
-        charged[req.index] = decision.tokens
+        dispatch(Copy(req, rep, decision.tokens))
+        if settings.hedge_s > 0:
+            push(now + settings.hedge_s, HEDGE, req.index)
+
+    def dispatch(copy: Copy) -> None:
+        copies.append(copy)
+        sends.setdefault(copy.req.index, []).append(copy)
+        rep = copy.rep
         rep.in_flight += 1  # Fleet.started
-        rep.in_flight_tokens += decision.tokens
+        rep.in_flight_tokens += copy.tokens
         routable.in_flight += 1
         policy.load_changed(rep)
-        push(now + half, ARRIVE, rep.index, req.index)
+        push(now + half, ARRIVE, rep.index, len(copies) - 1)
 
-    def answered(index: int) -> None:
-        nonlocal running
-        rep = placed[index]
-        rep.in_flight -= 1  # Fleet.finished
-        rep.in_flight_tokens -= charged[index]
+    def hedge(index: int) -> None:
+        """SimSettings.hedge_s: a copy of a request still unanswered on a slow replica."""
+        if index in accepted or len(sends[index]) > 1:
+            return
+        (first,) = sends[index]
+        full = [r for r in replicas if pace_weight(r) >= WEIGHT_FULL]
+        if pace_weight(first.rep) >= WEIGHT_FULL or not full:
+            return
+        target = min(full, key=lambda r: (r.in_flight, r.index))
+        req = first.req
+        if hedge_length is not None and (length := hedge_length(req)) != req.length:
+            req = replace(req, length=length, output_hashes=None)
+        hedged[0] += 1
+        dispatch(Copy(req, target, 0))
+
+    def settle(copy: Copy) -> None:
+        """`copy` leaves the router's counts (Fleet.finished)."""
+        copy.live = False
+        rep = copy.rep
+        rep.in_flight -= 1
+        rep.in_flight_tokens -= copy.tokens
         routable.in_flight -= 1
         policy.load_changed(rep)
+
+    def answered(copy: Copy) -> None:
+        nonlocal running
+        index = copy.req.index
+        settle(copy)
+        accepted[index] = copy.req.length
+        hedged[1] += copy is not sends[index][0]
+        for twin in sends[index]:
+            if twin.live:
+                abort(twin)
+                settle(twin)
         out = outcomes[index]
         out.done_at, out.status = now, 200
         running -= 1
@@ -428,12 +506,17 @@ def simulate(
         if kind == CHUNK:
             chunk_end(replicas[a])
         elif kind == ARRIVE:
-            req = by_index[b]
-            arrive(replicas[a], Job(req, Seq(request_id=str(b), lora_id=req.version)))
+            copy = copies[b]
+            if copy.live:  # else aborted on its way
+                copy.job = Job(copy.req, Seq(request_id=str(b), lora_id=copy.req.version))
+                arrive(replicas[a], copy.job)
         elif kind == ANSWER:
-            answered(a)
-            answered_count += 1
-            fill()
+            if copies[a].live:
+                answered(copies[a])
+                answered_count = len(accepted)
+                fill()
+        elif kind == HEDGE:
+            hedge(a)
         elif kind == RESUME:
             resume()
             sync_done()  # the unload is answered at once and drains in the background
@@ -445,7 +528,9 @@ def simulate(
             else:
                 scrape()
                 push(now + settings.health_interval, SCRAPE)
-    return SimResult(outcomes, replicas, now, syncs, sync_log, weight_log)
+    return SimResult(
+        outcomes, replicas, now, syncs, sync_log, weight_log, hedged[0], hedged[1], accepted
+    )
 
 
 @dataclass(frozen=True, slots=True)

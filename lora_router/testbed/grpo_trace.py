@@ -152,7 +152,8 @@ def retokenize(ids: list[int], vocab: int) -> list[int]:
     return out
 
 
-def _completion_length(rng: random.Random, spec: TraceSpec) -> int:
+def completion_length(rng: random.Random, spec: TraceSpec) -> int:
+    """A completion's tokens under `spec`'s law (uniform, or long-tailed: module docstring)."""
     low, high = spec.completion_tokens
     if not spec.long_tail:
         return rng.randint(low, high)
@@ -218,7 +219,7 @@ def generate(spec: TraceSpec, complete: Complete | None = None) -> Iterator[Requ
                         prompt = render_chat(history)
                     else:
                         prompt = previous + output + tool
-                length = _completion_length(rng, spec)
+                length = completion_length(rng, spec)
                 seed = seeds.getrandbits(63)
                 completion = complete(model, prompt, seed, length)
                 yield Request(
