@@ -17,8 +17,9 @@ Each replica's watcher task asks its `/health` every `health_interval` (bounded 
 - a serving replica whose engine hangs while its `/health` passes is ejected as **stalled**:
   its reports (telemetry.py's `Report.still_since`) show no prompt or generated token for
   `stall_timeout` seconds while the router held requests on it, the fleet not paused. Its
-  requests that have received nothing are then retried elsewhere (the withdrawal rule,
-  http/upstream.py), rather than wait out `--first-byte-timeout`. `/health` tests vLLM's
+  requests that have received nothing are then retried elsewhere, and its streams under way
+  are cut (the withdrawal rule, http/upstream.py), rather than wait out `--first-byte-timeout`
+  and `--idle-timeout`. `/health` tests vLLM's
   API server, not its engine, so before such a replica is replayed it must also answer a
   one-token completion within `control_timeout` (`_engine_answers`); until it does it stays
   out, saying why;
@@ -362,7 +363,7 @@ class HealthMonitor:
             f"{replica.in_flight} request(s) on it, though its /health answers (an engine that "
             "hangs); it returns once it answers a one-token completion: restart it"
         )
-        if not replica.life.eject(reason):
+        if not replica.life.eject(reason, stalled=True):
             return False
         self.stalls[replica.rid] += 1
         watch.stalled = True

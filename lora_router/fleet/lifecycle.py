@@ -48,7 +48,8 @@ say when, one for each plane:
   `listing_lacks`: each counted in `ejections`): it is told to `on_leave` with the reason, once;
   the fleet wires it to the replica's pool (`UpstreamPool.withdraw`), which ends the routed
   requests still waiting there for an answer, so they are retried elsewhere at once rather than
-  wait out `--first-byte-timeout` on a replica that is known to be out (fleet/fleet.py).
+  wait out `--first-byte-timeout` on a replica that is known to be out (fleet/fleet.py), and,
+  when it was ejected as stalled, the answers begun there too (http/upstream.py's rule).
   Draining is not leaving service in this sense: a drained replica finishes what it has.
 
 Pure bookkeeping, like breaker.py: the caller passes the clock; no I/O, no tasks. It must never
@@ -113,8 +114,9 @@ class Lifecycle:
             self._given_up.set()
         # Called after every transition (the fleet's kept candidate sets, fleet/fleet.py).
         self.on_change: Callable[[], None] | None = None
-        # Called with the reason when it leaves service (module docstring).
-        self.on_leave: Callable[[str], None] | None = None
+        # Called with the reason, and whether its engine stalled, when it leaves service
+        # (module docstring).
+        self.on_leave: Callable[[str, bool], None] | None = None
         self.last_error = ""  # why it was last ejected or refused admission
         self.ejections = 0  # times it left service (for metrics)
         self.admitted_at = 0.0  # when its last replay ended in admission
@@ -155,16 +157,17 @@ class Lifecycle:
 
     # -- events -----------------------------------------------------------------------------
 
-    def eject(self, reason: str) -> bool:
-        """It failed (health checks, unreachable during a broadcast): out of service. A replica
-        already out of service keeps its state (and its back-off) and records the reason."""
+    def eject(self, reason: str, *, stalled: bool = False) -> bool:
+        """It failed (health checks, unreachable during a broadcast; `stalled`: its engine
+        computes nothing): out of service. A replica already out of service keeps its state
+        (and its back-off) and records the reason."""
         state = self.state
         if state in (State.SERVING, State.REPLAYING):
             self.ejections += 1
             log.warning("ejecting %s: %s", self.who, reason)
             self.state = State.EJECTED
             if self.on_leave is not None:
-                self.on_leave(reason)
+                self.on_leave(reason, stalled)
         elif state not in OUT:
             return False
         self.last_error = reason

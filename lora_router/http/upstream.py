@@ -46,8 +46,12 @@ out `--first-byte-timeout` or `--connect-timeout` on a replica known to be out (
 restarted). Nothing had reached the client, whose connection is unaffected. An exchange whose
 answer has begun is left to finish: part of it may have reached the client, which a second
 answer cannot be spliced onto, and a replica ejected for its health checks may still be
-streaming; `--idle-timeout` bounds one that stalls. It costs a request on a pooled connection
-nothing (a new connection, a future to be told by): the pool walks its connections only then.
+streaming; `--idle-timeout` bounds one that stalls. But when the replica left service because
+its engine stalled (fleet/health.py: it has computed no token for `--stall-timeout`), a begun
+answer will not go on either: it ends too, at once, as a failure no retry may take (the
+routed path closes the client's connection, a cut stream), rather than wait out
+`--idle-timeout` (30 minutes by default). It costs a request on a pooled connection nothing (a
+new connection, a future to be told by): the pool walks its connections only then.
 
 A connection's objects die with it, by reference counting: its parser and timer refer back to
 it, and are dropped when it is lost (a cycle would wait for the cycle collector).
@@ -403,11 +407,16 @@ class UpstreamConnection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.resume_reading()
 
-    def withdraw(self, why: str) -> None:
-        """The withdrawal rule (module docstring): an exchange that has received nothing ends."""
+    def withdraw(self, why: str, stalled: bool) -> None:
+        """The withdrawal rule (module docstring): an exchange that has received nothing ends;
+        one whose answer has begun too, if the replica's engine `stalled`."""
         ex = self._ex
-        if ex is not None and not ex.received:
+        if ex is None:
+            return
+        if not ex.received:
             self._fail("withdrawn", f"the replica left service before it answered ({why})", False)
+        elif stalled:
+            self._fail("withdrawn", f"the replica left service, its answer begun ({why})", True)
 
     def decoded(self, body: bytes) -> None:
         """Body bytes decoded for an HTTP/1.0 client (`_Dechunking`), written on."""
@@ -552,11 +561,11 @@ class UpstreamPool:
                 return
         self._busy -= 1
 
-    def withdraw(self, why: str) -> None:
-        """The replica left service (`why`): the withdrawal rule (module docstring). O(open
-        connections + waiters), once per departure."""
+    def withdraw(self, why: str, stalled: bool = False) -> None:
+        """The replica left service (`why`; `stalled`: its engine computes nothing): the
+        withdrawal rule (module docstring). O(open connections + waiters), once per departure."""
         for conn in list(self._all):
-            conn.withdraw(why)
+            conn.withdraw(why, stalled)
         connecting, self._connecting = self._connecting, set()
         for withdrawn in connecting:
             withdrawn.set_result(why)

@@ -176,7 +176,7 @@ def test_only_a_replica_in_service_counts_an_ejection() -> None:
 def test_only_leaving_service_is_told_to_on_leave_with_the_reason(state: State, event: str) -> None:
     life = in_state(state)
     left: list[str] = []
-    life.on_leave = left.append
+    life.on_leave = lambda why, stalled: left.append(why)
     ejections = life.ejections
     EVENTS[event](life)  # type: ignore[operator]
     assert left == (["test"] if life.ejections > ejections else [])  # it left service

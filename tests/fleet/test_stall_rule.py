@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import pytest
 from emulated_fleet import StartEmulators, StartRouter
 from helpers import call, complete, router_status, until
 
@@ -77,3 +78,39 @@ async def test_a_fleet_paused_by_the_trainer_is_never_stalled(
     assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
     assert replica.live
     assert (await router_status(client, rt.url))["health"]["stalls_detected"] == 0
+
+
+async def test_a_stream_under_way_on_a_replica_whose_engine_hangs_is_cut_at_the_stall(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    # A stream whose first tokens reached the client when the engine froze would otherwise
+    # wait out --idle-timeout (30 minutes by default: 60 s here): it ends at the stall.
+    emus = await emulators(2, decode_s_per_token=0.02)
+    rt = await router(emus, policy="round-robin", idle_timeout=60.0, **FAST_STALL)
+    assert rt.fleet is not None
+    body = {"prompt": [7] * 40, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    loop = asyncio.get_running_loop()
+    async with client.post(rt.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        rid = int(resp.headers["x-lora-router-replica"])
+        (stuck,) = [r for r in rt.fleet.replicas if r.rid == rid]
+        emu = emus[rt.fleet.replicas.index(stuck)]
+        assert (await resp.content.readline()).startswith(b"data: ")  # tokens came
+        # The engine freezes mid-stream (a keep-mode pause the router did not ask for: no
+        # step runs, /health and /metrics still answer, as of an engine hung in a kernel).
+        assert (await call(client, "POST", emu.url + "/pause?mode=keep"))[0] == 200
+        frozen = loop.time()
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async with asyncio.timeout(10.0):
+                while await resp.content.readline():
+                    pass
+        took = loop.time() - frozen
+    assert took >= FAST_STALL["stall_timeout"]  # not before the stall
+    assert not stuck.live and "stalled" in stuck.life.last_error
+    status = await router_status(client, rt.url)
+    (mine,) = [r for r in status["replicas"] if r["id"] == rid]
+    assert mine["cut_streams"] == 1
+    # The other replica serves meanwhile, and the frozen one returns once its engine moves.
+    assert (await complete(client, rt.url))[0] == 200
+    assert (await call(client, "POST", emu.url + "/resume"))[0] == 200
+    await until(lambda: stuck.live, timeout=5.0)

@@ -184,6 +184,30 @@ async def test_withdrawing_a_pool_ends_what_waits_on_it_and_lets_a_begun_answer_
         pool.close()
 
 
+async def test_withdrawing_a_pool_whose_engine_stalled_ends_a_begun_answer_too(replica):
+    async def respond(req, conn) -> None:  # its head and two bytes, then nothing
+        await conn.write(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nab")
+        await asyncio.Event().wait()
+
+    replica.responder = respond
+    pool = pool_for(replica, first_byte_timeout=60.0, stream_idle_timeout=60.0)
+    try:
+        streaming = Sink()
+        stream = asyncio.create_task(pool.forward(Exchange(streaming, GET, False, True)))
+        await until(lambda: streaming.data.endswith(b"ab"))
+        pool.withdraw("stalled by the test", stalled=True)
+        async with asyncio.timeout(5):  # not --idle-timeout (60 s here)
+            with pytest.raises(UpstreamError) as failure:
+                await stream
+        # Part of the answer came: never retried, and no news of a replica already out.
+        assert failure.value.kind == "withdrawn" and failure.value.received
+        assert not failure.value.retryable and not failure.value.news
+        assert "its answer begun (stalled by the test)" in str(failure.value)
+        assert pool._busy == 0 and pool.open_connections == 0  # its connection closed
+    finally:
+        pool.close()
+
+
 async def test_a_head_dripped_a_byte_at_a_time_times_out_at_the_first_byte_timeout(replica):
     async def drip(req, conn) -> None:
         head = b"HTTP/1.1 200 OK\r\nx-pad: " + b"a" * 1000 + b"\r\ncontent-length: 2\r\n\r\nok"
