@@ -161,7 +161,9 @@ def main() -> int:
             assert names[1:] == ["trl-policy-v1"], names
             return "load, load of the same files, load of new files at that path: each succeeded"
 
-        claim("a second load of a live name succeeds (its files are compared)", second_load_compared)
+        claim(
+            "a second load of a live name succeeds (its files are compared)", second_load_compared
+        )
 
         def merged_refused() -> str:
             exc = raised(lambda: client.init_weight_transfer_engine({"master_port": 1}))
