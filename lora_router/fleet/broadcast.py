@@ -42,13 +42,15 @@ reported to its lifecycle (lifecycle.py). Why each rule: docs/design/fleet.md#br
   answer in time counts as unreachable (above), so a hung replica costs one broadcast at most
   that long, and the trainer is answered: a pause, resume or reset within `--control-timeout`,
   an unload within that, a load within `--load-deadline` plus the rollback's
-  `--control-timeout`. A broadcast waits only for its targets, the replicas serving when it
-  starts: one of them that the router gives up on meanwhile (its health checks eject it) is
-  not waited for any longer and counts as unreachable (replica_loads.py's `unless_given_up`),
-  and a load's riders (replicas replaying) are never waited for. A replica the running
-  broadcast has waited on for `SLOW_ANSWER_S` or more (vLLM answers a control call within about
-  a second) is named: in `/router/status` (`waiting_for`: the call and for how long), and in a
-  warning when another operation queues behind it.
+  `--control-timeout`, its files read within `FILES_READ_IN` (on a hung mount: loaded as
+  files the router cannot read, `_read_files`). A broadcast waits only for its targets, the
+  replicas serving when it starts: one of them that the router gives up on meanwhile (its
+  health checks eject it) is not waited for any longer and counts as unreachable
+  (replica_loads.py's `unless_given_up`), and a load's riders (replicas replaying) are never
+  waited for. A replica the running broadcast has waited on for `SLOW_ANSWER_S` or more (vLLM
+  answers a control call within about a second) is named: in `/router/status`
+  (`waiting_for`: the call and for how long), and in a warning when another operation queues
+  behind it.
 - **Stopping** (`close`): broadcasts not yet started are refused, but for a deferred unload
   (its client was told it is done: it goes out once drained); a load under way is
   abandoned (mount waits end at once, as when its client leaves), then every running broadcast
@@ -77,7 +79,7 @@ from typing import Any, TypeVar
 import orjson
 
 from lora_router.config import Config
-from lora_router.fleet.adapter_files import path_problem, read_digest
+from lora_router.fleet.adapter_files import MAX_SECONDS, path_problem, read_digest
 from lora_router.fleet.client import Answer as ReplicaAnswer
 from lora_router.fleet.fence import (
     RESTARTED_TRAINER_FIX,
@@ -120,6 +122,8 @@ log = logging.getLogger(__name__)
 
 _JSON = (b"content-type", b"application/json")
 PATH_JUDGED_IN = 1.0  # seconds a load's path may take to judge (a hung mount is not judged)
+# Seconds a load's files may take to read (`_read_files`): the read's own limit and a margin.
+FILES_READ_IN = MAX_SECONDS + 5.0
 SLOW_ANSWER_S = 2.0  # a replica a broadcast waits on this long is named (module docstring)
 Answer = ReplicaAnswer[Replica]
 W = TypeVar("W")
@@ -696,14 +700,29 @@ class Broadcaster:
 async def _read_files(path: str) -> tuple[str | None, str | None]:
     """A load's directory as the router sees it: why it cannot be the adapter the load means
     (`path_problem`, judged within a second: a mount that hangs is not judged), else its
-    files' digest (None: the router cannot tell). Off the event loop."""
+    files' digest (None: the router cannot tell). Off the event loop.
+
+    Both waits have a deadline, as the load's turn awaits this under the broadcast lock: the
+    digest within `FILES_READ_IN`, else None (files unread: different from any others). The
+    read bounds its own time only between two reads of a file (adapter_files.py); a read,
+    open or stat that never returns (a hung network mount) is left to its thread, and the
+    load goes on without the digest instead of holding every broadcast behind it."""
     try:
         problem = await asyncio.wait_for(asyncio.to_thread(path_problem, path), PATH_JUDGED_IN)
     except TimeoutError:
         problem = None
     if problem is not None:
         return problem, None
-    return None, await asyncio.to_thread(read_digest, path)
+    try:
+        return None, await asyncio.wait_for(asyncio.to_thread(read_digest, path), FILES_READ_IN)
+    except TimeoutError:
+        log.warning(
+            "the files at %s were not read within %g s (a hung mount?): loaded as files the "
+            "router cannot read",
+            path,
+            FILES_READ_IN,
+        )
+        return None, None
 
 
 def _unreachable(replica: Replica, during: str) -> None:

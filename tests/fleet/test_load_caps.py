@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from pathlib import Path
 
 import aiohttp
@@ -15,7 +16,7 @@ import pytest
 from emulated_fleet import StartEmulators, StartRouter
 from helpers import Adapter, call, load
 
-from lora_router.fleet import adapter_files, fence
+from lora_router.fleet import adapter_files, broadcast, fence
 from lora_router.fleet.adapter_files import read_digest
 from lora_router.fleet.fence import AdapterFence, LoadRefused
 from lora_router.routes import CONTROL_BODY_BYTES
@@ -71,6 +72,39 @@ async def test_a_huge_adapter_directory_never_holds_another_sync(
         paused = await call(client, "POST", rt.url + "/pause?mode=keep")
     assert status == 200
     assert paused[0] == 200
+
+
+async def test_adapter_files_on_a_hung_mount_never_hold_the_broadcasts(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    adapter: Adapter,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A read of a file that never returns, as on a network mount that hangs: the thread blocks
+    # in the read itself, where the read's own time limit is never checked.
+    hung = threading.Event()
+    reading = threading.Event()
+
+    def hangs(path: str, deadline: float) -> bytes | None:
+        reading.set()
+        hung.wait()
+        return None
+
+    monkeypatch.setattr(adapter_files, "_file_digest", hangs)
+    monkeypatch.setattr(broadcast, "FILES_READ_IN", 0.5)
+    emus = await emulators(2)
+    rt = await router(emus)
+    try:
+        async with asyncio.timeout(5):  # before: the load, and every broadcast behind it, hung
+            status, body = await load(client, rt.url, "trl-policy-v1", adapter("trl-policy-v1"))
+            paused = await call(client, "POST", rt.url + "/pause?mode=keep")
+        assert reading.is_set()
+        assert status == 200, body
+        assert paused[0] == 200
+        assert rt.fence is not None and "trl-policy-v1" in rt.fence.live()
+    finally:
+        hung.set()  # the thread ends
 
 
 async def test_an_entry_keeps_only_what_a_replay_needs(
