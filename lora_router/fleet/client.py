@@ -27,7 +27,9 @@ pooled connection the replica had closed while idle.
 
 Redirects are never followed: the token goes only to the replica's own URL. A 3xx is an
 answer like any other non-200 (a failed check, a failed broadcast, a `--check` finding) whose
-`error` names the host it pointed to; that host is never contacted.
+`error` names the host it pointed to; that host is never contacted. Each (replica, redirect)
+is logged once; the pairs remembered for that are at most `REDIRECTS_KEPT`, then forgotten
+(a repeat is then logged again): a replica naming a new host at every call grows nothing.
 
 This module knows HTTP and nothing of the fleet's state: it must never change a replica's
 state, and the token must never appear in a message or a log line.
@@ -65,6 +67,8 @@ _OVERSIZE_HINT = {
 }
 # A body given to a reader goes to it in pieces of at most this size, the loop free between two.
 READ_PIECE_BYTES = 64 << 10
+# The (replica, redirect) pairs remembered to log each once (module docstring).
+REDIRECTS_KEPT = 256
 
 # The facts every replica of a fleet must agree on, as (attribute of `Facts`, how a person
 # calls it): the router warns and shows it (`disagreement`), `--check` fails.
@@ -366,6 +370,8 @@ class ReplicaClient:
                     if 300 <= resp.status < 400:
                         answer.error = _redirected(url, resp.headers.get("Location"), resp.status)
                         if (replica.name, answer.error) not in self._redirects:  # once each
+                            if len(self._redirects) >= REDIRECTS_KEPT:
+                                self._redirects.clear()  # bounded (module docstring)
                             self._redirects.add((replica.name, answer.error))
                             log.warning("%s: %s", replica.name, answer.failure(path))
                     return answer

@@ -21,6 +21,7 @@ from helpers import Adapter, complete, load, longest_lateness, router_config, ro
 
 from lora_router.emulator import control as emulator_control
 from lora_router.emulator.replies import Reply
+from lora_router.fleet import client as client_module
 from lora_router.fleet.client import ANSWER_CAP, Answer, ReplicaClient
 from lora_router.fleet.failure import Cause
 from lora_router.fleet.fleet import Fleet
@@ -82,6 +83,38 @@ async def test_an_answer_is_kept_up_to_the_cap_and_refused_past_it(
             assert str(refused.failure(path)).startswith(refused.error)
     finally:
         fleet.close()
+
+
+async def test_redirects_to_ever_new_hosts_are_remembered_within_a_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A replica whose every answer redirects somewhere new: the router logs each redirect
+    # once, and what it remembers for that must not grow with every call.
+    monkeypatch.setattr(client_module, "REDIRECTS_KEPT", 8)
+    sent = 0
+
+    async def redirect(request: web.Request) -> web.Response:
+        nonlocal sent
+        sent += 1
+        return web.Response(status=307, headers={"Location": f"http://h{sent}.example:80/"})
+
+    app = web.Application()
+    app.router.add_get("/{path:.*}", redirect)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    config = router_config([f"http://127.0.0.1:{runner.addresses[0][1]}"])
+    fleet = Fleet(config)
+    try:
+        async with ReplicaClient(config) as control, asyncio.timeout(20):
+            for _ in range(3 * 8):
+                answer = await control.call(fleet.replicas[0], "GET", "/health", timeout=5)
+                assert answer.status == 307 and "not followed" in answer.error
+            assert sent == 3 * 8
+            assert len(control._redirects) <= 8
+    finally:
+        fleet.close()
+        await runner.cleanup()
 
 
 def test_an_answer_is_parsed_once() -> None:
