@@ -55,7 +55,10 @@ the line that says it stays out says when its next replay may start.
 Operators add and remove replicas at run time (`add`, `remove`): an added replica's host is
 resolved and any alias it makes warned of (`locate`, aliases.py), and it is replayed before it
 serves; a removed one stops taking requests at once and leaves the fleet when its in-flight
-requests are done (or after `shutdown_grace`).
+requests are done (or after `shutdown_grace`). The adapters a member listed as its own when it
+joined (a routed answer for one proves nothing: a restart brings it back) are kept per member
+and leave with it: however many members come and go, and whatever they list, what is kept is
+bounded by the members at once.
 
 This module must never change a replica's state but through its lifecycle's events, nor run
 two re-admissions of one replica at once.
@@ -66,7 +69,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import orjson
 
@@ -158,16 +161,19 @@ class HealthMonitor:
         self.listing_flaps: Counter[int] = Counter()  # replica id -> replays that did not stick
         # Told of every restart found (the KV-event subscriber drops what the replica held).
         self.on_restart: Callable[[Replica], None] | None = None
-        # Adapters some replica held on its own when it joined: a restart brings them back, so
-        # an answer for one proves no adapter is held (passive health).
-        self._own: set[str] = set()
+        # Adapters some member held on its own when it joined: a restart brings them back, so
+        # an answer for one proves no adapter is held (passive health). Counted per member
+        # (`_own_of`, what each one listed), so a member's names leave with it (`_disown`):
+        # bounded by the members and a listing's cap (client.py), however often they change.
+        self._own: Counter[str] = Counter()
+        self._own_of: dict[Replica, frozenset[str]] = {}
 
     # -- life cycle -------------------------------------------------------------------------
 
     def start(self) -> None:
         """Watch every replica; called once discovery has read what each one holds."""
         for replica in self.fleet.replicas:
-            self._own.update(replica.adapters)
+            self._owns(replica, replica.adapters)
             self._watch(replica)
 
     async def stop(self) -> None:
@@ -510,11 +516,26 @@ class HealthMonitor:
         if answer.status == 200:
             held = await self.client.listing(replica)
             if not isinstance(held, Failure):
-                self._own.update(held.adapters)
+                self._owns(replica, held.adapters)
             await self.admit(replica)
         else:
             replica.life.eject(str(answer.failure("/health")))
         return replica
+
+    def _owns(self, replica: Replica, names: Iterable[str]) -> None:
+        """The adapters `replica` held on its own when it joined (`_own`), in place of any
+        it was recorded with before; nothing once it was removed."""
+        self._disown(replica)
+        if not replica.life.member:
+            return
+        kept = self._own_of[replica] = frozenset(names)
+        self._own.update(kept)
+
+    def _disown(self, replica: Replica) -> None:
+        """`replica` left: the names it alone held on its own count no more."""
+        kept = self._own_of.pop(replica, None)
+        if kept:
+            self._own -= Counter(kept)  # a name no member holds any more is dropped
 
     async def locate(self, replicas: Sequence[Replica]) -> None:
         """Resolve the hosts of `replicas`, members that just joined (every member at start),
@@ -541,5 +562,6 @@ class HealthMonitor:
             await asyncio.sleep(0.02)
         drained = replica.in_flight == 0
         self.fleet.remove(replica)
+        self._disown(replica)
         log.info("%s removed from the fleet (drained: %s)", replica.describe(), drained)
         return drained

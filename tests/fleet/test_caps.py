@@ -1,7 +1,7 @@
 """Amplification and sizes (issue 44): an unauthenticated `/health` storm makes one probe of
 each replica at a time, the control session opens at most `--control-connections` to one
-replica, the fleet has a size cap, for the API and for discovery, and a dead member's checks
-space out.
+replica, the fleet has a size cap, for the API and for discovery, a dead member's checks
+space out, and what a member listed as its own when it joined leaves with it.
 
 The replica here is a small aiohttp server on loopback that answers like vLLM and holds each
 `/health` until a second one arrives alongside it (or 0.5 s pass), so concurrent probes are
@@ -198,3 +198,49 @@ async def test_a_dead_member_is_checked_less_and_less_often_and_still_seen_when_
     await until(
         lambda: all(r.live for r in rt.fleet.replicas), timeout=DOWN_SPACING_MAX * 4 * interval + 5
     )
+
+
+async def test_what_members_list_as_their_own_leaves_with_them(
+    emulators: StartEmulators, router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    # A replica added, listing adapters of its own that no earlier member had, then removed,
+    # again and again (an operator's churn, or discovery's): what the router keeps of those
+    # listings must not grow with each visit.
+    (emu,) = await emulators(1)
+    visits = 0
+
+    async def models(request: web.Request) -> web.Response:
+        cards = [
+            {"id": f"own-{visits}-{i}", "object": "model", "root": f"/o/{i}", "parent": "base"}
+            for i in range(50)
+        ]
+        return web.json_response({"object": "list", "data": [{"id": "base"}, *cards]})
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_route("*", "/{tail:.*}", ok)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    lister = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        rt = await router([emu], replica_hosts=("127.0.0.0/8",))
+        assert rt.health is not None
+        kept = len(rt.health._own)
+        async with asyncio.timeout(20):
+            for _ in range(5):
+                visits += 1  # a new listing
+                code, body, _ = await call(
+                    client, "POST", rt.url + "/router/replicas", {"url": lister}
+                )
+                assert code in (200, 202), body
+                assert len(rt.health._own) == kept + 50  # its own, while it is a member
+                rid = orjson.loads(body)["id"]
+                code, _, _ = await call(client, "DELETE", rt.url + f"/router/replicas/{rid}")
+                assert code == 200
+                assert len(rt.health._own) == kept  # gone with it
+    finally:
+        await runner.cleanup()
