@@ -6,6 +6,11 @@ reported to its lifecycle (lifecycle.py). Why each rule: docs/design/fleet.md#br
 - **Serialized**: one broadcast at a time, in arrival order (an `asyncio.Lock`, first come
   first served), each sent to every live replica concurrently, in a task shielded from the
   client: a trainer that disconnects mid-load must not leave the fleet split.
+- **Bounded**: at most `MAX_PENDING` broadcasts received and not ended (queued, running, or
+  deferred unloads: `pending`). Each keeps its client's body (at most routes.py's
+  `CONTROL_BODY_BYTES`) until it ends, whether its client stays or not, so neither the
+  connection cap nor the request-body budget bounds them; past the cap a broadcast is
+  refused at once (503, `Retry-After`), before the fence hears of it (`_admit`).
 - **Load** is all-or-nothing. A 404 "No adapter found" (mount lag) is retried every
   `load_retry_interval` until `load_deadline`, then answered **504, never 404**. Any real
   failure unloads the adapter from the replicas that took it and answers the first failure,
@@ -125,6 +130,8 @@ PATH_JUDGED_IN = 1.0  # seconds a load's path may take to judge (a hung mount is
 # Seconds a load's files may take to read (`_read_files`): the read's own limit and a margin.
 FILES_READ_IN = MAX_SECONDS + 5.0
 SLOW_ANSWER_S = 2.0  # a replica a broadcast waits on this long is named (module docstring)
+# Broadcasts received and not ended, at most (module docstring); TRL has one at a time.
+MAX_PENDING = 64
 Answer = ReplicaAnswer[Replica]
 W = TypeVar("W")
 # Headers of a replica's answer that describe its connection or framing, not the message; the
@@ -185,6 +192,16 @@ class Broadcaster:
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _admit(self, op: str) -> None:
+        """A broadcast arrives: refused past `MAX_PENDING` pending (module docstring), before
+        anything else is done for it."""
+        if self.pending >= MAX_PENDING:
+            raise Unavailable(
+                f"Cannot {op}: {self.pending} control operations are queued or running, the "
+                f"router's cap ({MAX_PENDING}); retry once they have ended.",
+                1.0,
+            )
 
     def _check_running(self, op: str) -> None:
         """In a broadcast's turn: refuse to start one once the router is stopping."""
@@ -250,6 +267,7 @@ class Broadcaster:
             problem = path_problem(path)
             assert problem is not None
             raise Invalid(f"Cannot load adapter '{name}': lora_path '{path}' {problem}.")
+        self._admit(f"load adapter '{name}'")
         # At arrival, not in its turn: completions naming it from now on wait at the fence.
         try:
             entry = self.fence.begin_load(name, path, inplace)
@@ -436,6 +454,7 @@ class Broadcaster:
         """`POST /v1/unload_lora_adapter` (`name` read from `body`): unroutable at once, then
         dropped everywhere; answered at once while requests admitted under it are unanswered
         (deferred, module docstring)."""
+        self._admit(f"unload adapter '{name}'")
         entry = self.fence.begin_unload(name)
         held = self.fence.held(name)
         if not held:
@@ -535,6 +554,7 @@ class Broadcaster:
 
     async def dev_broadcast(self, op: str, path: str, query: str, body: bytes) -> Reply:
         """`/pause`, `/resume`, `/reset_prefix_cache` on every live replica, query intact."""
+        self._admit(op)
         self._note_queue(path)
         return await self._queue(self._dev_op(op, path, query, body))
 

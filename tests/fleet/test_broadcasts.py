@@ -13,6 +13,7 @@ from helpers import Adapter, call, complete, load, run_top, unload, until
 from multidict import CIMultiDictProxy
 
 from lora_router.emulator import Emulator
+from lora_router.fleet import broadcast
 from lora_router.runtime import RouterRuntime
 
 
@@ -461,6 +462,40 @@ async def test_a_client_that_leaves_mid_load_does_not_split_the_fleet(
     await until(lambda: broadcaster.pending == 0)  # the load ran to its end without the client
     assert all("v1" in emu.state.adapters for emu in emus)
     assert (await complete(client, rt.url, "v1"))[0] == 200
+
+
+async def test_broadcasts_their_clients_left_are_capped(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    adapter: Adapter,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A client that asks for a broadcast and leaves: the broadcast still runs in its turn,
+    # keeping its body until then, so behind a long load such clients must not pile up.
+    monkeypatch.setattr(broadcast, "MAX_PENDING", 4)
+    emus = await emulators(2)
+    emus[0].faults.load_delay_s = 2.0
+    rt = await router(emus)
+    assert rt.broadcaster is not None and rt.server is not None
+    broadcaster = rt.broadcaster
+    loading = asyncio.create_task(load(client, rt.url, "v1", adapter("v1")))
+    await until(broadcaster.lock.locked)
+    host, port = rt.server.sockets[0].getsockname()[:2]
+    for n in range(2, 5):  # up to the cap: each client gone once its pause is queued
+        _, writer = await asyncio.open_connection(host, port)
+        writer.write(b"POST /pause?mode=keep HTTP/1.1\r\nhost: r\r\ncontent-length: 0\r\n\r\n")
+        await until(lambda n=n: broadcaster.pending == n)
+        writer.close()
+        await writer.wait_closed()
+    async with asyncio.timeout(1):  # before: queued behind the load, answered after it
+        status, body, headers = await call(client, "POST", rt.url + "/pause?mode=keep")
+    assert status == 503, body
+    assert "Retry-After" in headers and b"queued or running" in body
+    assert broadcaster.pending == 4
+    assert (await loading)[0] == 200
+    await until(lambda: broadcaster.pending == 0)  # the pauses left behind ran in their turn
+    assert all(e.requests[-1].path == "/pause?mode=keep" for e in emus)
 
 
 async def test_reloading_a_live_name_in_place_is_refused(
