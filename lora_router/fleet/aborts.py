@@ -16,6 +16,10 @@ it does for any id). The body was checked first, as vLLM checks it (proxy/body.p
   run routed requests (`Fleet.stranded`): a draining replica may be decoding the very request.
 - **Whatever the client does**: the calls run in a task of their own, so a client that leaves
   mid-abort does not leave it sent to some replicas only.
+- **Bounded**: at most `MAX_RUNNING` aborts at once. Each keeps its client's body (at most
+  routes.py's `CONTROL_BODY_BYTES`) until its calls end, up to `--control-timeout` on a silent
+  replica, whether its client stays or not, so neither the connection cap nor the request-body
+  budget bounds them; past the cap an abort is refused at once (503, `Retry-After`).
 - **The answer**: 200 when every replica in service answered 2xx: on `/abort_requests` vLLM's
   `{"status": "aborted", "aborted": N}` (N: with ids, the number of ids, as one replica counts
   them; for "abort all", the sum of every replica's count), on the scale-out route vLLM's empty
@@ -42,13 +46,19 @@ import orjson
 from lora_router.config import Config
 from lora_router.fleet.broadcast import Answer, Reply
 from lora_router.fleet.fleet import Fleet
-from lora_router.fleet.refusals import named, no_replica_in_service, replica_failure
+from lora_router.fleet.refusals import (
+    Unavailable,
+    named,
+    no_replica_in_service,
+    replica_failure,
+)
 from lora_router.fleet.replica import Replica
 from lora_router.http.headers import REPLICA_HEADER
 
 log = logging.getLogger(__name__)
 
 Call = Callable[..., Coroutine[Any, Any, Answer]]  # ReplicaClient.call
+MAX_RUNNING = 64  # aborts at once, at most (module docstring)
 
 
 class Aborts:
@@ -62,6 +72,12 @@ class Aborts:
 
     async def abort(self, path: str, body: bytes, ids: list[str] | None) -> Reply:
         """`body` (checked, naming `ids`, None: all) on `path` to every replica in service."""
+        if len(self._tasks) >= MAX_RUNNING:
+            raise Unavailable(
+                f"Cannot abort requests: {len(self._tasks)} aborts are still running, the "
+                f"router's cap ({MAX_RUNNING}); retry once they have ended.",
+                1.0,
+            )
         targets = self.fleet.live()
         if not targets:
             raise no_replica_in_service(self.fleet, self.config)

@@ -18,6 +18,7 @@ from helpers import call, until
 
 from lora_router.config import Secret
 from lora_router.emulator import Emulator
+from lora_router.fleet import aborts
 from lora_router.fleet.lifecycle import State
 
 LONG = 4000  # tokens at 5 ms each: 20 s unless an abort ends it
@@ -150,6 +151,38 @@ async def test_a_silent_replica_meets_the_control_deadline(
     # An abort changes no fleet state: the silent replica stays in service (health judges it).
     assert rt.fleet is not None and rt.fleet.replicas[1].state is State.SERVING
     emus[1].faults.hang = None
+
+
+async def test_aborts_their_clients_left_are_capped(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A client that sends an abort and leaves: the abort still waits out a silent replica,
+    # keeping its body, so such clients must not pile aborts up without end.
+    monkeypatch.setattr(aborts, "MAX_RUNNING", 4)
+    emus = await emulators(2)
+    emus[1].faults.hang = "/abort_requests"
+    rt = await router(emus, control_timeout=3.0)
+    assert rt.app is not None and rt.server is not None
+    running = rt.app.aborts._tasks
+    host, port = rt.server.sockets[0].getsockname()[:2]
+    head = b"POST /abort_requests HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
+    for n in range(1, 5):  # up to the cap: each client gone once its abort is sent
+        _, writer = await asyncio.open_connection(host, port)
+        writer.write(head + b"content-length: 2\r\n\r\n{}")
+        await until(lambda n=n: len(running) == n)
+        writer.close()
+        await writer.wait_closed()
+    async with asyncio.timeout(1):  # before: sent too, and answered at the control deadline
+        status, data, headers = await call(client, "POST", rt.url + "/abort_requests", {})
+    assert status == 503, data
+    assert "Retry-After" in headers and b"still running" in data
+    assert len(running) == 4
+    assert len(_sent(emus[0], "/abort_requests")) == 4  # the fifth reached no replica
+    emus[1].faults.hang = None
+    await until(lambda: not running)
 
 
 async def test_a_replica_without_dev_mode_is_named_with_its_fix(
