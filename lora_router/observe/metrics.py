@@ -51,21 +51,40 @@ class Histogram:
         return out
 
 
+# Lineages a `CacheAccount` keeps apart, at most; the answers of any other are counted under
+# OTHER_LINEAGE (`CacheAccount`).
+MAX_LINEAGES = 256
+OTHER_LINEAGE = "(other lineages)"
+
+
 @dataclass
 class CacheAccount:
     """Cached prompt tokens predicted against reported (proxy/usage.py says which answers
     count and how each figure is read): per (replica label, lineage), `[answers, predicted,
     reported]` over the answers that carried vLLM's report; per replica label, the answers that
-    did not."""
+    did not.
+
+    A lineage is a name clients chose (each adapter name the fence ever admitted, routing/
+    keys.py), and every one is a label set of `/metrics` and a row here for the router's life:
+    at most `MAX_LINEAGES` are kept apart, the first seen; the answers of any later one are
+    counted under `OTHER_LINEAGE`, so loading ever new names grows nothing."""
 
     reported: dict[tuple[bytes, str], list[int]] = field(default_factory=dict)
     unreported: dict[bytes, int] = field(default_factory=dict)
+    lineages: set[str] = field(default_factory=set)  # those kept apart
 
     def record(self, replica: bytes, lineage: str, predicted: int, reported: int | None) -> None:
         if reported is None:
             self.unreported[replica] = self.unreported.get(replica, 0) + 1
             return
         row = self.reported.get((replica, lineage))
+        if row is None:
+            if lineage not in self.lineages:
+                if len(self.lineages) < MAX_LINEAGES:
+                    self.lineages.add(lineage)
+                else:
+                    lineage = OTHER_LINEAGE
+            row = self.reported.get((replica, lineage))
         if row is None:
             row = self.reported[replica, lineage] = [0, 0, 0]
         row[0] += 1

@@ -7,9 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 import aiohttp
+import pytest
 from emulated_fleet import StartEmulators, StartRouter
-from helpers import Adapter, call, completed, load, router_status, samples
+from helpers import Adapter, call, completed, load, router_status, samples, unload
 
+from lora_router.observe import metrics
 from lora_router.observe.accuracy import MIN_ANSWERS
 from lora_router.observe.status import summary_line
 
@@ -145,3 +147,36 @@ async def test_a_034_usage_without_details_is_read_as_unreported_and_one_with_th
     reported = await rollouts(client, rt.url, detailed[0].config.model, prompts=1)
     got = await status(client, rt.url)
     assert got["answers"] == 2 * G and got["reported_cached_tokens"] == reported > 0
+
+
+async def test_ever_new_lineages_are_counted_within_a_cap(
+    emulators: StartEmulators,
+    router: StartRouter,
+    client: aiohttp.ClientSession,
+    adapter: Adapter,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Adapters of ever new names, each loaded, asked once and unloaded: each name is a lineage
+    # of its own, and the figures kept per lineage (and their /metrics series) must not grow
+    # with every one.
+    monkeypatch.setattr(metrics, "MAX_LINEAGES", 3)
+    (emu,) = await emulators(1)
+    rt = await router([emu])
+    for i in range(6):
+        name = f"team{i}"
+        assert (await load(client, rt.url, name, adapter(name)))[0] == 200
+        await completed(client, rt.url, name, prompt=list(range(64)), max_tokens=1)
+        assert (await unload(client, rt.url, name))[0] == 200
+    got = await status(client, rt.url)
+    assert got["answers"] == 6
+    assert len(got["lineages"]) == 3 + 1  # three kept apart, the rest together
+    assert set(got["lineages"]) == {"team0", "team1", "team2", metrics.OTHER_LINEAGE}
+    assert got["lineages"][metrics.OTHER_LINEAGE]["answers"] == 3
+    _, page, _ = await call(client, "GET", rt.url + "/metrics")
+    series = samples(page.decode())
+    lineages = {
+        dict(labels)["lineage"]
+        for name, labels in series
+        if name == "lora_router_cache_reports_total"
+    }
+    assert len(lineages) == 4
