@@ -104,6 +104,7 @@ class RouterRuntime:
         replay = Replay(config, client, fleet, fence, broadcaster.lock, loads)
         self.health = health = HealthMonitor(config, client, fleet, fence, replay)
         stats = RequestStats()
+        fleet.on_removed = lambda replica: stats.forget(replica.label)
         collector = MetricsCollector(stats)
         registry = make_registry(collector)
         budget = RetryBudget(config.retry_budget)

@@ -100,6 +100,9 @@ class Fleet:
         self._members_stale = False
         # Called after each change of a replica's request counts (the policy's dealing ranks).
         self.on_load: Callable[[Replica], None] | None = None
+        # Called with each replica removed for good (the request stats fold its rows away:
+        # observe/metrics.py `RequestStats.forget`).
+        self.on_removed: Callable[[Replica], None] | None = None
         self._sets: dict[str | None, Candidates[Replica]] = {}  # model -> its candidates
         self._trial: list[Replica] = []  # replicas whose breaker is not closed
         self._stale = True
@@ -147,6 +150,8 @@ class Fleet:
             replica.life.remove()
             replica.pool.close()
             self._members_changed()
+            if self.on_removed is not None:
+                self.on_removed(replica)
         if self._listed.pop(replica.rid, None) is not None:
             self._agree()
 

@@ -154,7 +154,9 @@ class HealthMonitor:
         self.readmissions = 0
         self.readmission_failures = 0
         self.restarts_detected = 0
-        self.stalls: Counter[int] = Counter()  # replica id -> times ejected as stalled
+        # Replica id -> times ejected as stalled; a removed member's go to `departed_stalls`.
+        self.stalls: Counter[int] = Counter()
+        self.departed_stalls = 0
         # Checks of serving replicas that routed 2xx answers made unneeded (module docstring).
         self.probes_skipped = 0
         self.listings_skipped = 0
@@ -563,5 +565,8 @@ class HealthMonitor:
         drained = replica.in_flight == 0
         self.fleet.remove(replica)
         self._disown(replica)
+        # What is counted per member leaves with it (only the total of its stalls stays).
+        self.departed_stalls += self.stalls.pop(replica.rid, 0)
+        self.listing_flaps.pop(replica.rid, None)
         log.info("%s removed from the fleet (drained: %s)", replica.describe(), drained)
         return drained

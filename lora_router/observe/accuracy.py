@@ -72,10 +72,15 @@ def accuracy_json(account: CacheAccount) -> dict[str, object]:
         "overpredicting": overpredicting(fleet),
         "replicas": {
             rid: _figures(totals(rows), unreported.get(rid, 0))
-            for rid, rows in sorted(replicas.items(), key=lambda item: int(item[0]))
+            for rid, rows in sorted(replicas.items(), key=lambda item: _by_id(item[0]))
         },
         "lineages": {name: _figures(totals(rows), 0) for name, rows in sorted(lineages.items())},
     }
+
+
+def _by_id(label: str) -> tuple[bool, int]:
+    """Replica ids in order, then the label of the replicas removed (metrics.py DEPARTED)."""
+    return (not label.isdigit(), int(label) if label.isdigit() else 0)
 
 
 def accuracy_families(account: CacheAccount) -> Iterator[Metric]:

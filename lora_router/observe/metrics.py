@@ -12,6 +12,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from operator import add
+from typing import TypeVar
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -55,6 +57,21 @@ class Histogram:
 # OTHER_LINEAGE (`CacheAccount`).
 MAX_LINEAGES = 256
 OTHER_LINEAGE = "(other lineages)"
+# The replica label the rows of replicas removed from the fleet are folded into (`forget`).
+DEPARTED = b"departed"
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def _fold(rows: dict[K, V], folded: Callable[[K], K | None], add: Callable[[V, V], V]) -> None:
+    """Each row whose key `folded` maps to another key is merged into that key's row."""
+    for key in list(rows):
+        to = folded(key)
+        if to is not None:
+            value = rows.pop(key)
+            rows[to] = add(rows[to], value) if to in rows else value
 
 
 @dataclass
@@ -67,7 +84,8 @@ class CacheAccount:
     A lineage is a name clients chose (each adapter name the fence ever admitted, routing/
     keys.py), and every one is a label set of `/metrics` and a row here for the router's life:
     at most `MAX_LINEAGES` are kept apart, the first seen; the answers of any later one are
-    counted under `OTHER_LINEAGE`, so loading ever new names grows nothing."""
+    counted under `OTHER_LINEAGE`, so loading ever new names grows nothing. A replica removed
+    from the fleet has its rows folded into `DEPARTED` (`forget`)."""
 
     reported: dict[tuple[bytes, str], list[int]] = field(default_factory=dict)
     unreported: dict[bytes, int] = field(default_factory=dict)
@@ -91,10 +109,24 @@ class CacheAccount:
         row[1] += predicted
         row[2] += reported
 
+    def forget(self, replica: bytes) -> None:
+        """`replica` left the fleet: its rows fold into DEPARTED (`RequestStats.forget`)."""
+        _fold(
+            self.reported,
+            lambda key: (DEPARTED, key[1]) if key[0] == replica else None,
+            lambda a, b: [x + y for x, y in zip(a, b, strict=True)],
+        )
+        _fold(self.unreported, lambda key: DEPARTED if key == replica else None, add)
+
 
 @dataclass
 class RequestStats:
-    """What the request path records; keys are small tuples of short strings."""
+    """What the request path records; keys are small tuples of short strings.
+
+    Rows keyed by a replica are kept while it is a member: when it is removed for good, they
+    fold into one replica label, DEPARTED (`forget`), so replicas that come and go (a discovery
+    source whose members change addresses) grow the rows and the `/metrics` series by nothing,
+    and every total stays as it was (a counter summed over replicas never goes down)."""
 
     requests: dict[tuple[str, int, bytes], int] = field(default_factory=dict)
     latency: dict[str, Histogram] = field(default_factory=dict)
@@ -123,6 +155,15 @@ class RequestStats:
             if hist is None:
                 hist = self.first_byte[route] = Histogram()
             hist.observe(first_byte_at - started)
+
+    def forget(self, replica: bytes) -> None:
+        """`replica` (its label) was removed from the fleet: its rows fold into DEPARTED."""
+        _fold(
+            self.requests,
+            lambda key: (key[0], key[1], DEPARTED) if key[2] == replica else None,
+            add,
+        )
+        self.cached.forget(replica)
 
 
 Source = Callable[[], Iterator[Metric]]

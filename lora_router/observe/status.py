@@ -198,7 +198,7 @@ def status(state: RouterState) -> dict[str, object]:
             "readmission_failures": state.health.readmission_failures,
             "restarts_detected": state.health.restarts_detected,
             # Serving replicas ejected for computing nothing while holding requests (health.py).
-            "stalls_detected": state.health.stalls.total(),
+            "stalls_detected": state.health.stalls.total() + state.health.departed_stalls,
             # Checks of serving replicas that routed 2xx answers stood in for (fleet/health.py).
             "probes_skipped": state.health.probes_skipped,
             "listings_skipped": state.health.listings_skipped,

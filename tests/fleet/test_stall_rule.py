@@ -54,6 +54,11 @@ async def test_a_replica_whose_engine_hangs_is_ejected_and_its_requests_answered
     # Its engine moves again: it answers the probe, is replayed and serves.
     await until(lambda: hung.live, timeout=5.0)
     assert rt.fleet.replicas[1].live
+    # Removed for good, its series leaves /metrics; the total keeps its stall.
+    assert (await call(client, "DELETE", rt.url + f"/router/replicas/{hung.rid}"))[0] == 200
+    assert (await router_status(client, rt.url))["health"]["stalls_detected"] == 1
+    _, page, _ = await call(client, "GET", rt.url + "/metrics")
+    assert "lora_router_replica_stalls_total{" + f'replica="{hung.rid}"' not in page.decode()
 
 
 async def test_a_fleet_paused_by_the_trainer_is_never_stalled(
