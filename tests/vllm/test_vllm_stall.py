@@ -3,30 +3,51 @@ that computes nothing is ejected"): a replica whose engine hangs while its API s
 ejected, its requests answered by the other replica, and it returns only once its engine
 computes again.
 
-The hang is a SIGSTOP, mid-generation (a long completion sent to the replica itself runs), of
-one of the replica's engine processes: its engine core (`VLLM::EngineCore`, a child of the API
-server: its scheduler loop), or the model worker the CPU build runs under it (`VLLM::Worker`,
-the engine core's child: a hang in a kernel). What the rule assumes of such a replica is
-checked on the replica itself too: its `/health` still answers 200, its `/metrics` still answer
-with the token counters and the queue gauges as they were when it stopped (though requests wait
-on it), and a completion sent to it gets no answer. After a SIGCONT it answers again and the
-router takes it back.
+The hang is a SIGSTOP, mid-generation (a long completion sent to the replica itself runs, and
+a streamed one routed there), of one of the replica's engine processes: its engine core
+(`VLLM::EngineCore`, a child of the API server: its scheduler loop), or the model worker the
+CPU build runs under it (`VLLM::Worker`, the engine core's child: a hang in a kernel). What the
+rule assumes of such a replica is checked on the replica itself too: its `/health` still
+answers 200, its `/metrics` still answer with the token counters and the queue gauges as they
+were when it stopped (though requests wait on it), and a completion sent to it gets no answer.
+After a SIGCONT it answers again and the router takes it back.
+
+A stream under way on the replica when its engine stops is cut at the ejection (the withdrawal
+rule, http/upstream.py): a streamed completion of LONG tokens, routed to the replica and read
+up to its first `data: ` line before the stop, ends within ANSWERED_WITHIN_S of the SIGSTOP and
+no earlier than STALL_S after it, truncated (the router closes the client's connection: no
+terminating chunk, no `data: [DONE]`), rather than wait out `--idle-timeout` (1,800 s); the
+replica's `cut_streams` in `/router/status` counts it, and the router logs "cut stream:".
+The router holds that stream on the replica from before the stop, so the stall, and with it
+the answers to the completions routed there after the stop, is timed from the SIGSTOP.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
+from http.client import HTTPResponse, IncompleteRead
 from pathlib import Path
 
 import pytest
 
-from lora_router.testbed.vllm_harness import TOKEN, Answer, Replica, Router, http, wait_for
+from lora_router.testbed.vllm_harness import (
+    TOKEN,
+    Answer,
+    Replica,
+    Router,
+    http,
+    tail,
+    wait_for,
+)
 
 STALL_S = 3.0  # --stall-timeout
 CONTROL_S = 3.0  # --control-timeout: the one-token completion's bound
@@ -34,6 +55,8 @@ DIRECT_S = 5.0  # a completion sent to the stopped replica itself waits this lon
 ANSWERED_WITHIN_S = 60.0  # the routed completions (the default --first-byte-timeout: 1,800 s)
 BACK_WITHIN_S = 60.0  # from the SIGCONT to the replica serving through the router again
 LONG = 4000  # tokens, ignore_eos: about 10 s on a CPU replica, if nothing stops it
+STREAM_TRIES = 4  # streamed completions sent through the router until one lands on replica 1
+READ_S = ANSWERED_WITHIN_S + 10  # each read of a stream: past it, the read fails
 COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
@@ -123,6 +146,48 @@ def _no_answer(replica: Replica, base: str) -> float:
     raise AssertionError(f"the stopped replica answered {answer.status}: {answer.text[:300]}")
 
 
+@dataclass(slots=True)
+class _Ended:
+    """How a stream read to its end ended: `at` (monotonic), its body as read, and whether it
+    ended whole (its terminating chunk came) or cut (the connection closed before it)."""
+
+    at: float
+    body: bytes
+    whole: bool
+
+
+def _stream_on(router: Router, base: str, rid: str) -> HTTPResponse:
+    """A streamed completion of LONG tokens through the router that landed on replica `rid`
+    (round robin alternates: one that landed elsewhere is closed and another sent,
+    STREAM_TRIES at most), read up to its first `data: ` line. Every read is bounded (READ_S)."""
+    landed = []
+    for i in range(STREAM_TRIES):
+        body = {"model": base, "prompt": f"a stream to cut {i}", "max_tokens": LONG}
+        request = urllib.request.Request(
+            router.url + "/v1/completions",
+            data=json.dumps({**body, "ignore_eos": True, "stream": True}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        stream: HTTPResponse = urllib.request.urlopen(request, timeout=READ_S)
+        landed.append(stream.headers["x-lora-router-replica"])
+        if landed[-1] == rid:
+            while not (line := stream.readline()).startswith(b"data: "):
+                assert line, "the stream ended before its first data line"
+            return stream
+        stream.close()
+    raise AssertionError(f"no stream landed on replica {rid}: {landed}")
+
+
+def _read_to_end(stream: HTTPResponse) -> _Ended:
+    """Read `stream` on until it ends: whole, or cut (http.client's IncompleteRead: the
+    connection closed before the terminating chunk)."""
+    try:
+        body, whole = stream.read(), True
+    except IncompleteRead as cut:
+        body, whole = cut.partial, False
+    return _Ended(time.monotonic(), body, whole)
+
+
 @pytest.mark.parametrize("hung", ["EngineCore", "Worker"])
 def test_a_replica_whose_engine_hangs_is_ejected_and_returns_once_it_computes(
     fleet: list[Replica], routers: Callable[..., Router], base: str, hung: str
@@ -156,13 +221,19 @@ def test_a_replica_whose_engine_hangs_is_ejected_and_returns_once_it_computes(
             60,
             [victim.log],
         )
+        # A stream through the router runs there too, its first tokens read: it is cut when
+        # the stall rule ejects the replica (read on in a thread until it ends).
+        stream = _stream_on(router, base, "1")
+        streamed = pool.submit(_read_to_end, stream)
         try:
+            signalled = time.monotonic()
             with _stopped(engine):
                 stopped_at = time.monotonic()
                 # 1. Its /health answers as before: the API server asks the engine nothing.
                 assert victim.healthy()
                 before = _settled_page(victim)
-                assert before["vllm:num_requests_running"] == 1, before
+                # The long completion and the stream.
+                assert before["vllm:num_requests_running"] == 2, before
                 # 3. A completion sent to it meanwhile gets no answer.
                 direct = pool.submit(_no_answer, victim, base)
                 # Round robin: three of the six go to the stopped replica and wait there until
@@ -187,15 +258,30 @@ def test_a_replica_whose_engine_hangs_is_ejected_and_returns_once_it_computes(
                     ANSWERED_WITHIN_S,
                     [router.log],
                 )
-                took = time.monotonic() - sent
+                answered_at = time.monotonic()
+                took = answered_at - sent
                 answers = [future.result() for future in routed]
                 assert [a.status for a in answers] == [200] * 6, [a.text[:200] for a in answers]
                 assert {a.headers["x-lora-router-replica"] for a in answers} == {"0"}
-                assert STALL_S <= took < ANSWERED_WITHIN_S, took
+                # Not before the stall: the router held the stream on it since before the stop,
+                # so its stall is timed from the stop, not from these completions' send.
+                assert took < ANSWERED_WITHIN_S, took
+                assert answered_at - signalled >= STALL_S, (took, sent - signalled)
                 ejections = [e for e in seen if e.startswith("stalled: it computed no token for")]
                 assert ejections and "request(s) on it" in ejections[0], seen
                 unanswered = direct.result()
                 assert unanswered >= DIRECT_S - 0.5
+                # The stream ends at the ejection, truncated: the router closed the connection.
+                wait_for(
+                    "the stream is cut",
+                    streamed.done,
+                    max(0.0, signalled + ANSWERED_WITHIN_S - time.monotonic()),
+                    [router.log],
+                )
+                cut = streamed.result()
+                cut_after = cut.at - signalled
+                assert STALL_S <= cut_after < ANSWERED_WITHIN_S, cut_after
+                assert not cut.whole and b"data: [DONE]" not in cut.body, cut
 
                 # While it is still stopped it stays out: its /health passes, the one-token
                 # completion asked before its replay does not (the ejection's reason names
@@ -212,8 +298,12 @@ def test_a_replica_whose_engine_hangs_is_ejected_and_returns_once_it_computes(
                 assert victim.healthy()
                 status = router.get("/router/status").json()
                 assert status["health"]["stalls_detected"] == 1, status["health"]
+                cuts = {r["id"]: r["cut_streams"] for r in status["replicas"]}
+                assert cuts == {0: 0, 1: 1}, cuts
+                logged = router.log.read_text(errors="replace")
+                assert "cut stream: " in logged, tail(router.log)
                 # 2. Its /metrics answer, and nothing moved on them in all that time, the
-                # queue gauges included: they still show the one request running, and none of
+                # queue gauges included: they still show the two requests running, and none of
                 # the requests waiting on it since.
                 after = _page(victim)
                 still = time.monotonic() - stopped_at
@@ -243,7 +333,10 @@ def test_a_replica_whose_engine_hangs_is_ejected_and_returns_once_it_computes(
     assert all(moved[c] > after[c] for c in COUNTERS), (after, moved)
     long_end = ended.json()
     print(
-        f"\nstall ({hung} stopped): 6 routed answered in {took:.1f} s; {seen}; "
+        f"\nstall ({hung} stopped): 6 routed answered in {took:.1f} s "
+        f"({answered_at - signalled:.1f} s after SIGSTOP); {seen}; "
+        f"the stream cut {cut_after:.1f} s after SIGSTOP ({len(cut.body):,} bytes of body "
+        f"after its first data line); "
         f"direct completion unanswered after {unanswered:.1f} s; "
         f"/metrics {before} -> {after} over {still:.1f} s stopped; "
         f"serving {back:.1f} s after SIGCONT; then {moved}; {status['retries']}; "
