@@ -22,6 +22,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+from aiohttp import web
 from multidict import CIMultiDictProxy
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -192,3 +193,26 @@ async def router_process(
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+@asynccontextmanager
+async def listing_replica(cards: Callable[[], list[dict[str, Any]]]) -> AsyncIterator[str]:
+    """A small aiohttp server on loopback that answers like vLLM: its `/v1/models` lists the
+    model cards `cards()` returns at each listing, every other route answers 200 `{}`. Its URL."""
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": cards()})
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_route("*", "/{tail:.*}", ok)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()

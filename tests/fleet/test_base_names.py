@@ -14,9 +14,8 @@ from collections.abc import AsyncIterator
 import aiohttp
 import orjson
 import pytest
-from aiohttp import web
 from emulated_fleet import FenceMonitor, StartEmulators, StartRouter
-from helpers import Adapter, call, complete, load, until
+from helpers import Adapter, call, complete, listing_replica, load, until
 
 BASE = "Qwen/Qwen2.5-Math-1.5B"  # the emulators' model
 
@@ -29,22 +28,8 @@ async def lister() -> AsyncIterator[str]:
         for name in (BASE, *(f"trl-policy-v{i}" for i in range(1, 21)))
     ]
 
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": cards})
-
-    async def ok(request: web.Request) -> web.Response:
-        return web.json_response({})
-
-    app = web.Application()
-    app.router.add_get("/v1/models", models)
-    app.router.add_route("*", "/{tail:.*}", ok)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    yield f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+    async with listing_replica(lambda: cards) as url:
+        yield url
 
 
 async def test_a_member_listing_adapter_versions_as_bases_never_widens_the_fence(

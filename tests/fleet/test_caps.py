@@ -26,7 +26,7 @@ import orjson
 import pytest
 from aiohttp import web
 from emulated_fleet import StartEmulators, StartRouter
-from helpers import call, router_config, until
+from helpers import call, listing_replica, router_config, until
 
 from lora_router.fleet.client import ReplicaClient
 from lora_router.fleet.fleet import Fleet
@@ -209,24 +209,14 @@ async def test_what_members_list_as_their_own_leaves_with_them(
     (emu,) = await emulators(1)
     visits = 0
 
-    async def models(request: web.Request) -> web.Response:
-        cards = [
+    def cards() -> list[dict[str, object]]:
+        own = [
             {"id": f"own-{visits}-{i}", "object": "model", "root": f"/o/{i}", "parent": "base"}
             for i in range(50)
         ]
-        return web.json_response({"object": "list", "data": [{"id": "base"}, *cards]})
+        return [{"id": "base"}, *own]
 
-    async def ok(request: web.Request) -> web.Response:
-        return web.json_response({})
-
-    app = web.Application()
-    app.router.add_get("/v1/models", models)
-    app.router.add_route("*", "/{tail:.*}", ok)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    lister = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    try:
+    async with listing_replica(cards) as lister:
         rt = await router([emu], replica_hosts=("127.0.0.0/8",))
         assert rt.health is not None
         kept = len(rt.health._own)
@@ -242,5 +232,3 @@ async def test_what_members_list_as_their_own_leaves_with_them(
                 code, _, _ = await call(client, "DELETE", rt.url + f"/router/replicas/{rid}")
                 assert code == 200
                 assert len(rt.health._own) == kept  # gone with it
-    finally:
-        await runner.cleanup()
