@@ -179,7 +179,7 @@ def _stream_on(router: Router, base: str, rid: str) -> HTTPResponse:
 
 
 def _read_to_end(stream: HTTPResponse) -> _Ended:
-    """Read `stream` on until it ends: whole, or cut (http.client's IncompleteRead: the
+    """Read `stream` on until it ends: whole, or cut (`IncompleteRead`: the
     connection closed before the terminating chunk)."""
     try:
         body, whole = stream.read(), True
