@@ -49,7 +49,8 @@ minutes); fds after the idle phase against before the first request; good reques
 sent/ok/lost per phase; what each attack saw; the faulty replica's episodes; the router's log
 (tracebacks, errors) and its exit on SIGTERM.
 
-Writes soak.json and soak.md under `--out` (bench/results/soak/).
+Writes soak.json and soak.md under `--out` (bench/results/soak/; with --quick, a temporary
+directory).
 """
 
 from __future__ import annotations
@@ -428,12 +429,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--burst-every", type=float, default=60.0, help="seconds between bursts")
     p.add_argument("--no-faults", dest="faults", action="store_false")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(HERE / "results" / "soak"))
+    p.add_argument("--out", default=None, help="default bench/results/soak; --quick: a temp dir")
     p.add_argument("--keep-logs", metavar="DIR", help="copy the processes' logs here")
     args = p.parse_args(args_list)
     if args.quick:
         args.warmup, args.minutes, args.cooldown, args.idle = 15.0, 1.25, 10.0, 25.0
         args.sample, args.burst_every = 2.0, 30.0
+    if args.out is None:  # a quick run never overwrites the committed results
+        committed = str(HERE / "results" / "soak")
+        args.out = tempfile.mkdtemp(prefix="soak-quick-") if args.quick else committed
     load_before = os.getloadavg()
     started = time.time()
     procs = Procs()
@@ -470,6 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = markdown(report)
     (out / "soak.md").write_text(text)
     print(text)
+    print(f"written: {out / 'soak.md'}, {out / 'soak.json'}")
     return 0
 
 
