@@ -238,7 +238,7 @@ def simulate(
     copies: list[Copy] = []  # by copy id
     sends: dict[int, list[Copy]] = {}  # a request's copies
     accepted: dict[int, int] = {}  # a request answered: its completion tokens
-    hedged = [0, 0]  # copies sent, and won
+    hedges_won = 0  # requests whose hedge copy answered first
     running = 0
     loaded = 1  # v1 is live before the clock starts (rl_clock_runs.run_one)
     paused = False
@@ -445,7 +445,6 @@ def simulate(
         req = first.req
         if hedge_length is not None and (length := hedge_length(req)) != req.length:
             req = replace(req, length=length, output_hashes=None)
-        hedged[0] += 1
         dispatch(Copy(req, target, 0))
 
     def settle(copy: Copy) -> None:
@@ -458,11 +457,11 @@ def simulate(
         policy.load_changed(rep)
 
     def answered(copy: Copy) -> None:
-        nonlocal running
+        nonlocal running, hedges_won
         index = copy.req.index
         settle(copy)
         accepted[index] = copy.req.length
-        hedged[1] += copy is not sends[index][0]
+        hedges_won += copy is not sends[index][0]
         for twin in sends[index]:
             if twin.live:
                 abort(twin)
@@ -528,8 +527,9 @@ def simulate(
             else:
                 scrape()
                 push(now + settings.health_interval, SCRAPE)
+    hedges = len(copies) - len(sends)  # every send past a request's first
     return SimResult(
-        outcomes, replicas, now, syncs, sync_log, weight_log, hedged[0], hedged[1], accepted
+        outcomes, replicas, now, syncs, sync_log, weight_log, hedges, hedges_won, accepted
     )
 
 

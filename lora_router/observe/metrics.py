@@ -95,14 +95,12 @@ class CacheAccount:
         if reported is None:
             self.unreported[replica] = self.unreported.get(replica, 0) + 1
             return
+        if lineage not in self.lineages:
+            if len(self.lineages) >= MAX_LINEAGES:
+                lineage = OTHER_LINEAGE
+            else:
+                self.lineages.add(lineage)
         row = self.reported.get((replica, lineage))
-        if row is None:
-            if lineage not in self.lineages:
-                if len(self.lineages) < MAX_LINEAGES:
-                    self.lineages.add(lineage)
-                else:
-                    lineage = OTHER_LINEAGE
-            row = self.reported.get((replica, lineage))
         if row is None:
             row = self.reported[replica, lineage] = [0, 0, 0]
         row[0] += 1
