@@ -450,7 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a serving replica may compute no token (its /metrics) while the router "
         "holds requests on it and the fleet is not paused, before it is ejected as stalled (an "
         "engine that hangs while its /health answers); it returns once it answers a one-token "
-        "completion (0: never)",
+        "completion (0: never); also the longest silence of a stream under way on a replica "
+        "out of service (0: --idle-timeout)",
     )
     g.add_argument(
         "--breaker-failures",

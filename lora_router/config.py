@@ -341,7 +341,8 @@ class Config:
     health_failures: int = 2
     health_successes: int = 2
     # A serving replica that computes nothing this long while the router holds requests on it
-    # and the fleet is not paused is ejected as stalled (fleet/health.py); 0: never.
+    # and the fleet is not paused is ejected as stalled (fleet/health.py); 0: never. Also the
+    # bound on a gap in a stream under way once its replica left service (http/upstream.py).
     stall_timeout: float = 120.0
     breaker_failures: int = 5
     breaker_cooldown: float = 10.0

@@ -129,6 +129,7 @@ class Fleet:
             stream_idle_timeout=config.idle_timeout,
             idle_timeout=config.upstream_idle_timeout,
             max_connections=config.max_upstream_connections,
+            withdrawn_gap=config.stall_timeout,
         )
         life = Lifecycle(
             f"Replica {rid} ({address.name})",

@@ -46,12 +46,16 @@ out `--first-byte-timeout` or `--connect-timeout` on a replica known to be out (
 restarted). Nothing had reached the client, whose connection is unaffected. An exchange whose
 answer has begun is left to finish: part of it may have reached the client, which a second
 answer cannot be spliced onto, and a replica ejected for its health checks may still be
-streaming; `--idle-timeout` bounds one that stalls. But when the replica left service because
-its engine stalled (fleet/health.py: it has computed no token for `--stall-timeout`), a begun
-answer will not go on either: it ends too, at once, as a failure no retry may take (the
-routed path closes the client's connection, a cut stream), rather than wait out
-`--idle-timeout` (30 minutes by default). It costs a request on a pooled connection nothing (a
-new connection, a future to be told by): the pool walks its connections only then.
+streaming. From then on a gap in it is bounded by the pool's `withdrawn_gap`
+(`--stall-timeout`, what the stall rule calls an engine that computes nothing) instead of
+`--idle-timeout` (30 minutes by default), counted from its last byte: a replica out of service
+that has sent nothing of an answer that long (a host frozen or cut off, which also fails its
+health checks) sends no more of it, while one that goes on streaming is never cut. But when the
+replica left service because its engine stalled (fleet/health.py: it has computed no token for
+`--stall-timeout`), a begun answer will not go on either: it ends too, at once, as a failure no
+retry may take (the routed path closes the client's connection, a cut stream). It costs a
+request on a pooled connection nothing (a new connection, a future to be told by): the pool
+walks its connections only then.
 
 A connection's objects die with it, by reference counting: its parser and timer refer back to
 it, and are dropped when it is lost (a cycle would wait for the cycle collector).
@@ -86,6 +90,7 @@ class UpstreamConnection(asyncio.Protocol):
         "__weakref__",
         "_dechunking",
         "_ex",
+        "_gap",
         "_last",
         "_limit",
         "_loop",
@@ -110,6 +115,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._timer = LazyTimer(self._loop, self._on_timer, pool.idle_timeout)
         self._last = 0.0
         self._limit = 0.0
+        self._gap = pool.stream_idle_timeout  # the bound on a gap in an answer's body
         self._paused = False  # by the client, which does not read (`pause_reading`)
         self.closed = False
 
@@ -166,8 +172,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._last = self._loop.time()
         if ex.complete:
             self._finish(keep=ex.reusable)
-        elif self._limit != self._pool.stream_idle_timeout:
-            self._arm(self._pool.stream_idle_timeout)  # streaming now: its first bytes came
+        elif self._limit != self._gap:
+            self._arm(self._gap)  # streaming now: its first bytes came
 
     def _head(self, ex: Exchange, data: bytes) -> bool:
         """Collect the response head; once whole, send it on with what followed it."""
@@ -187,9 +193,8 @@ class UpstreamConnection(asyncio.Protocol):
                 ex.head_buf = buf
                 # Both bounds (module docstring): the whole head by the first-byte deadline,
                 # from the send (`_last` until the head is whole), and this gap's end.
-                pool = self._pool
-                gap = self._loop.time() - self._last + pool.stream_idle_timeout
-                self._arm(min(pool.first_byte_timeout, gap))
+                gap = self._loop.time() - self._last + self._gap
+                self._arm(min(self._pool.first_byte_timeout, gap))
                 return False
             body_at = end + 4
             if buf[9:10] != b"1" and not ex.dechunk and not ex.head_only:
@@ -296,6 +301,7 @@ class UpstreamConnection(asyncio.Protocol):
             self._parser = httptools.HttpResponseParser(_Dechunking(self) if ex.dechunk else self)
         self._ex = ex
         self._last = self._loop.time()
+        self._gap = self._pool.stream_idle_timeout  # a withdrawal's bound ended with its answer
         # The first-byte timeout. A pooled connection's timer is pending and never sleeps past
         # the pool's idle timeout (its horizon, http/timer.py): a limit at least that long
         # needs no re-arming, only the limit it checks.
@@ -382,7 +388,9 @@ class UpstreamConnection(asyncio.Protocol):
             return
         limit, pool = self._limit, self._pool
         if ex.head_sent or (ex.head_buf and limit < pool.first_byte_timeout):
-            what = f"nothing between response bytes for {pool.stream_idle_timeout:g} s"
+            what = f"nothing between response bytes for {self._gap:g} s"
+            if self._gap < pool.stream_idle_timeout:
+                what += " after it left service"
         elif ex.head_buf:
             what = f"no whole response head within {limit:g} s"
         else:
@@ -409,7 +417,8 @@ class UpstreamConnection(asyncio.Protocol):
 
     def withdraw(self, why: str, stalled: bool) -> None:
         """The withdrawal rule (module docstring): an exchange that has received nothing ends;
-        one whose answer has begun too, if the replica's engine `stalled`."""
+        one whose answer has begun too, if the replica's engine `stalled`, and otherwise has
+        its gaps bounded by the pool's `withdrawn_gap` from now on."""
         ex = self._ex
         if ex is None:
             return
@@ -417,6 +426,12 @@ class UpstreamConnection(asyncio.Protocol):
             self._fail("withdrawn", f"the replica left service before it answered ({why})", False)
         elif stalled:
             self._fail("withdrawn", f"the replica left service, its answer begun ({why})", True)
+        elif 0 < self._pool.withdrawn_gap < self._gap:
+            self._gap = self._pool.withdrawn_gap
+            if ex.head_sent:
+                self._arm(self._gap)  # from its last byte
+            else:  # a head under way is timed from the send: this gap from now
+                self._arm(min(self._limit, self._loop.time() - self._last + self._gap))
 
     def decoded(self, body: bytes) -> None:
         """Body bytes decoded for an HTTP/1.0 client (`_Dechunking`), written on."""
@@ -467,6 +482,7 @@ class UpstreamPool:
         stream_idle_timeout: float,
         idle_timeout: float,
         max_connections: int,
+        withdrawn_gap: float = 0.0,
     ) -> None:
         self.address = address
         self.label = label
@@ -476,6 +492,8 @@ class UpstreamPool:
         self.connect_timeout = connect_timeout
         self.first_byte_timeout = first_byte_timeout
         self.stream_idle_timeout = stream_idle_timeout
+        # The bound on a gap in a begun answer once its replica left service (0: none other).
+        self.withdrawn_gap = withdrawn_gap
         self.idle_timeout = idle_timeout
         # Idle connections, in the order they were released (a dict: `forget` is O(1)); put
         # back by `put_back`.

@@ -208,6 +208,55 @@ async def test_withdrawing_a_pool_whose_engine_stalled_ends_a_begun_answer_too(r
         pool.close()
 
 
+async def test_a_begun_answer_on_a_withdrawn_pool_goes_on_while_it_streams_and_ends_once_silent(
+    replica,
+):
+    """From its withdrawal on, a gap in a begun answer is bounded by `withdrawn_gap`, not the
+    stream idle timeout: bytes that keep coming are forwarded, a silence that long ends it. The
+    bound leaves with the answer: the next one on the same pooled connection has the usual."""
+    gaps = {b"/a": [0.1] * 6 + [None], b"/b": [0.5, 0.0]}  # None: silent for good
+    loop = asyncio.get_running_loop()
+    last_byte_at = 0.0
+
+    async def respond(req, conn) -> None:
+        nonlocal last_byte_at
+        size = len(gaps[req.target]) + (None in gaps[req.target])  # one byte never sent
+        await conn.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % size)
+        for gap in gaps[req.target]:
+            await conn.write(b"x")
+            last_byte_at = loop.time()
+            if gap is None:
+                await asyncio.Event().wait()
+            await asyncio.sleep(gap)
+
+    replica.responder = respond
+    pool = pool_for(replica, stream_idle_timeout=60.0, withdrawn_gap=0.3)
+    try:
+        warm = Sink()  # the /b answer, whole before the withdrawal: its connection is pooled
+        assert await pool.forward(Exchange(warm, GET.replace(b"/a", b"/b"), False, True))
+        streaming = Sink()
+        stream = asyncio.create_task(pool.forward(Exchange(streaming, GET, False, True)))
+        await until(lambda: streaming.data.endswith(b"x"))
+        pool.withdraw("ejected by the test")
+        async with asyncio.timeout(5):  # not the stream idle timeout (60 s here)
+            with pytest.raises(UpstreamError) as failure:
+                await stream
+        # Every byte sent 0.1 s apart reached the sink; the silence after them ended it.
+        assert streaming.data.endswith(b"x" * 7)
+        silent_for = loop.time() - last_byte_at
+        assert failure.value.kind == "timeout" and failure.value.received
+        assert "nothing between response bytes for 0.3 s after it left service" in str(
+            failure.value
+        )
+        assert 0.3 <= silent_for < 2.0
+        # The pooled connection's next answer has a 0.5 s gap, under the usual bound.
+        again = Sink()
+        assert await pool.forward(Exchange(again, GET.replace(b"/a", b"/b"), False, True))
+        assert again.data.endswith(b"xx")
+    finally:
+        pool.close()
+
+
 async def test_a_head_dripped_a_byte_at_a_time_times_out_at_the_first_byte_timeout(replica):
     async def drip(req, conn) -> None:
         head = b"HTTP/1.1 200 OK\r\nx-pad: " + b"a" * 1000 + b"\r\ncontent-length: 2\r\n\r\nok"
