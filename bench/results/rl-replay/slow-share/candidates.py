@@ -2,7 +2,8 @@
 
 - `w:power=P`: the weight the pace rule sets, w sixteenths, becomes 16 (w / 16) ** P (at least
   WEIGHT_MIN): at half speed 8 becomes 6 (P = 1.5) or 4 (P = 2), so fewer families and a lower
-  scaled cap;
+  scaled cap, or 11 (P = 0.5), 13 (P = 0.25) or 16 (P = 0: no weight), so more
+  (bench/results/rl-replay/slow-share-more);
 - `w:shun=1`: once the pace rule has judged a member slow it takes nothing new (no room under
   any cap): a bound on what holding it to fewer requests can buy, not a rule.
 """
