@@ -20,6 +20,12 @@ terminating chunk, no `data: [DONE]`), rather than wait out `--idle-timeout` (1,
 replica's `cut_streams` in `/router/status` counts it, and the router logs "cut stream:".
 The router holds that stream on the replica from before the stop, so the stall, and with it
 the answers to the completions routed there after the stop, is timed from the SIGSTOP.
+
+A replica stopped whole mid-stream (its API server and engine processes: a host that hangs or
+is cut off) has its `/health` and `/metrics` hang, so its health checks eject it, never as
+stalled; the stream then ends truncated SILENT_S
+(`--stall-timeout`) after its last byte, not at `--idle-timeout` (the withdrawal rule's bound
+on the silence of a begun answer whose replica is out of service).
 """
 
 from __future__ import annotations
@@ -52,6 +58,14 @@ from lora_router.testbed.vllm_harness import (
 STALL_S = 3.0  # --stall-timeout
 CONTROL_S = 3.0  # --control-timeout: the one-token completion's bound
 DIRECT_S = 5.0  # a completion sent to the stopped replica itself waits this long, unanswered
+# The whole replica stopped: two checks that time out eject it about 4-4.5 s after its stop (a
+# streaming API server may answer /health in over a second: no shorter timeout), and the stall
+# bound is set above that, so the cut is timed by that bound from the stream's last byte.
+HEALTH_TIMEOUT_S = 2.0  # --health-timeout
+SILENT_S = 6.0  # --stall-timeout
+HUNG_S = 2.0  # its /health and /metrics, asked by the test itself, wait this long, unanswered
+CUT_MARGIN_S = 0.5  # its stream's last byte may come this much before the SIGSTOP is signalled
+CUT_WITHIN_S = 15.0  # from the SIGSTOP to the cut of its stream (--idle-timeout: 1,800 s)
 ANSWERED_WITHIN_S = 60.0  # the routed completions (the default --first-byte-timeout: 1,800 s)
 BACK_WITHIN_S = 60.0  # from the SIGCONT to the replica serving through the router again
 LONG = 4000  # tokens, ignore_eos: about 10 s on a CPU replica, if nothing stops it
@@ -94,14 +108,17 @@ def _state(pid: int) -> str:
 
 
 @contextmanager
-def _stopped(pid: int) -> Iterator[None]:
-    """The engine core stopped (SIGSTOP) for the block, continued after it whatever happens."""
-    os.kill(pid, signal.SIGSTOP)
+def _stopped(pid: int, group: bool = False) -> Iterator[None]:
+    """The process (an engine process), or with `group` the process group it leads (a
+    replica's API server and every engine process under it), stopped (SIGSTOP) for the block,
+    continued after it whatever happens."""
+    signal_to = os.killpg if group else os.kill
+    signal_to(pid, signal.SIGSTOP)
     try:
-        wait_for(f"engine core {pid} stopped", lambda: _state(pid) == "T", 10)
+        wait_for(f"process {pid} stopped", lambda: _state(pid) == "T", 10)
         yield
     finally:
-        os.kill(pid, signal.SIGCONT)
+        signal_to(pid, signal.SIGCONT)
 
 
 def _page(replica: Replica) -> dict[str, float]:
@@ -136,11 +153,12 @@ def _settled_page(replica: Replica) -> dict[str, float]:
         previous = page
 
 
-def _no_answer(replica: Replica, base: str) -> float:
-    """Send a completion to the replica itself; the seconds it waited for no answer."""
+def _no_answer(url: str, body: object = None, timeout: float = DIRECT_S) -> float:
+    """Send a request to the stopped replica itself (POST `body`, or GET without one); the
+    seconds it waited for no answer."""
     sent = time.monotonic()
     try:
-        answer = _completion(replica.url, base, "are you there?", DIRECT_S)
+        answer = http("POST" if body else "GET", url, body, token=TOKEN, timeout=timeout)
     except TimeoutError:
         return time.monotonic() - sent
     raise AssertionError(f"the stopped replica answered {answer.status}: {answer.text[:300]}")
@@ -235,7 +253,8 @@ def test_a_replica_whose_engine_hangs_is_ejected_and_returns_once_it_computes(
                 # The long completion and the stream.
                 assert before["vllm:num_requests_running"] == 2, before
                 # 3. A completion sent to it meanwhile gets no answer.
-                direct = pool.submit(_no_answer, victim, base)
+                ask = {"model": base, "prompt": "are you there?", "max_tokens": 4}
+                direct = pool.submit(_no_answer, victim.url + "/v1/completions", ask)
                 # Round robin: three of the six go to the stopped replica and wait there until
                 # the stall rule ejects it and they are retried on replica 0.
                 sent = time.monotonic()
@@ -342,4 +361,97 @@ def test_a_replica_whose_engine_hangs_is_ejected_and_returns_once_it_computes(
         f"serving {back:.1f} s after SIGCONT; then {moved}; {status['retries']}; "
         f"the long completion: {long_end['choices'][0]['finish_reason']}, "
         f"{long_end['usage']['completion_tokens']} tokens"
+    )
+
+
+def test_a_stream_on_a_replica_that_hangs_whole_ends_once_silent_that_long(
+    fleet: list[Replica], routers: Callable[..., Router], base: str
+) -> None:
+    router = routers(
+        "--policy",
+        "round-robin",
+        "--health-interval",
+        "0.25",
+        "--health-timeout",
+        str(HEALTH_TIMEOUT_S),
+        "--health-failures",
+        "2",
+        "--stall-timeout",
+        str(SILENT_S),
+        "--control-timeout",
+        str(CONTROL_S),
+    )
+    wait_for("both replicas serve", lambda: all(r["admitted"] for r in router.replicas()), 60)
+    for replica in fleet:  # a cold replica's first tokens come late: the stop is mid-stream
+        assert _completion(replica.url, base, "warm up", 120).status == 200
+    victim = fleet[1]
+    assert victim.process is not None
+    server = victim.process.pid  # the API server, which leads the replica's process group
+
+    with ThreadPoolExecutor(4) as pool:
+        # A stream through the router runs on the replica, its first tokens read: read on in a
+        # thread until it ends.
+        sent = time.monotonic()
+        stream = _stream_on(router, base, "1")
+        first = time.monotonic() - sent
+        streamed = pool.submit(_read_to_end, stream)
+        signalled = time.monotonic()
+        with _stopped(server, group=True):
+            # Whatever the router asks the replica hangs, /health (its checks fail) and /metrics
+            # (its reports stop: the stall rule cannot judge it) alike.
+            health = pool.submit(_no_answer, victim.url + "/health", None, HUNG_S)
+            metrics = pool.submit(_no_answer, victim.url + "/metrics", None, HUNG_S)
+            wait_for(
+                "the health checks eject it",
+                lambda: not router.replicas()[1]["admitted"],
+                CUT_WITHIN_S,
+                [router.log],
+            )
+            ejected_after = time.monotonic() - signalled
+            # The stream goes on past the ejection until it has been silent SILENT_S, then ends
+            # truncated: the router closed the client's connection.
+            wait_for(
+                "the stream is cut",
+                streamed.done,
+                max(0.0, signalled + CUT_WITHIN_S - time.monotonic()),
+                [router.log],
+            )
+            cut = streamed.result()
+            cut_after = cut.at - signalled
+            assert SILENT_S - CUT_MARGIN_S <= cut_after < CUT_WITHIN_S, (cut_after, ejected_after)
+            assert not cut.whole and b"data: [DONE]" not in cut.body, cut
+            hung = (health.result(), metrics.result())
+            assert min(hung) >= HUNG_S - 0.5, hung
+            out = router.replicas()[1]
+            assert not out["admitted"] and "stalled" not in out["last_error"], out
+            status = router.get("/router/status").json()
+            assert status["health"]["stalls_detected"] == 0, status["health"]
+            cuts = {r["id"]: r["cut_streams"] for r in status["replicas"]}
+            assert cuts == {0: 0, 1: 1}, cuts
+            assert "cut stream: " in router.log.read_text(errors="replace"), tail(router.log)
+            # The other replica serves meanwhile.
+            other = _completion(router.url, base, "the other one", 60)
+            assert other.status == 200, other.text
+            assert other.headers["x-lora-router-replica"] == "0"
+        continued = time.monotonic()
+
+    # Continued, it passes its checks again: the router replays it and routes to it.
+    wait_for(
+        "the continued replica serves again",
+        lambda: router.replicas()[1]["admitted"],
+        BACK_WITHIN_S,
+        [router.log, victim.log],
+    )
+    back = time.monotonic() - continued
+    served = {
+        _completion(router.url, base, f"back {i}", 60).headers["x-lora-router-replica"]
+        for i in range(4)
+    }
+    assert served == {"0", "1"}, served
+    print(
+        f"\nreplica stopped once its stream was read to a data line ({first:.1f} s): ejected "
+        f"{ejected_after:.1f} s after SIGSTOP ({out['last_error']}); the stream cut "
+        f"{cut_after:.1f} s after SIGSTOP ({len(cut.body):,} bytes of body after its first "
+        f"data line); /health and /metrics unanswered after {hung[0]:.1f} s and "
+        f"{hung[1]:.1f} s; serving {back:.1f} s after SIGCONT"
     )
