@@ -15,12 +15,13 @@ The timeouts, each a deadline on the replica alone:
   `/pause?mode=wait`): a replica dripping its head a byte at a time does not restart it (the
   head is at most 64 KiB, but a byte a second would take it 18 hours); once its first bytes
   came, each gap in it is also bounded as a body's is (below);
-- then each gap between two reads of the body within `stream_idle_timeout` (`--idle-timeout`),
-  counted only while the client reads: while it does not, the replica is not read and its
-  silence says nothing of it, so the timer stands still until `resume_reading`; the client
-  connection has its own write deadline meanwhile (http/server.py). A body as a whole has no
-  deadline: a stream may rightly last hours (long generations), and a client that wants a bound
-  on a whole answer sets its own (TRL's request timeout);
+- then each gap between two reads of the body within `stream_idle_timeout` (`--idle-timeout`;
+  `withdrawn_gap` once the replica left service: the withdrawal rule below), counted only
+  while the client reads: while it does not, the replica is not read and its silence says
+  nothing of it, so the timer stands still until `resume_reading`; the client connection has
+  its own write deadline meanwhile (http/server.py). A body as a whole has no deadline: a
+  stream may rightly last hours (long generations), and a client that wants a bound on a whole
+  answer sets its own (TRL's request timeout);
 - a pooled connection unused for `idle_timeout` (`--upstream-idle-timeout`) is closed;
 - a request waits for a slot (one of `max_connections`) at most `first_byte_timeout`: queued in
   the router it waits for the replica as it would in vLLM's own queue, and gets the same bound;
