@@ -37,7 +37,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from http.client import HTTPResponse, IncompleteRead
@@ -71,6 +71,15 @@ BACK_WITHIN_S = 60.0  # from the SIGCONT to the replica serving through the rout
 LONG = 4000  # tokens, ignore_eos: about 10 s on a CPU replica, if nothing stops it
 STREAM_TRIES = 4  # streamed completions sent through the router until one lands on replica 1
 READ_S = ANSWERED_WITHIN_S + 10  # each read of a stream: past it, the read fails
+# Both cases' router: round robin, so that a stream can be sent to the replica to stop.
+ROUTER_FLAGS = (
+    "--policy",
+    "round-robin",
+    "--health-interval",
+    "0.25",
+    "--control-timeout",
+    str(CONTROL_S),
+)
 COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
@@ -206,20 +215,48 @@ def _read_to_end(stream: HTTPResponse) -> _Ended:
     return _Ended(time.monotonic(), body, whole)
 
 
+def _cut(
+    streamed: Future[_Ended], signalled: float, within: float, router: Router
+) -> tuple[_Ended, float]:
+    """Wait, until `within` s after `signalled`, for the stream read in `streamed` to end: it
+    must end truncated (the router closed the client's connection). Returns how it ended and
+    the seconds from `signalled` to its end."""
+    wait_for(
+        "the stream is cut",
+        streamed.done,
+        max(0.0, signalled + within - time.monotonic()),
+        [router.log],
+    )
+    cut = streamed.result()
+    assert not cut.whole and b"data: [DONE]" not in cut.body, cut
+    assert cut.at - signalled < within, cut.at - signalled
+    return cut, cut.at - signalled
+
+
+def _serves_again(router: Router, victim: Replica, base: str, continued: float) -> float:
+    """Wait for the replica continued at `continued` to be admitted again, within BACK_WITHIN_S,
+    and to take routed completions (round robin: two of four); the seconds it took."""
+    wait_for(
+        "the continued replica serves again",
+        lambda: router.replicas()[1]["admitted"],
+        BACK_WITHIN_S,
+        [router.log, victim.log],
+    )
+    back = time.monotonic() - continued
+    assert back < BACK_WITHIN_S
+    served = {
+        _completion(router.url, base, f"back {i}", 60).headers["x-lora-router-replica"]
+        for i in range(4)
+    }
+    assert served == {"0", "1"}, served
+    return back
+
+
 @pytest.mark.parametrize("hung", ["EngineCore", "Worker"])
 def test_a_replica_whose_engine_hangs_is_ejected_and_returns_once_it_computes(
     fleet: list[Replica], routers: Callable[..., Router], base: str, hung: str
 ) -> None:
-    router = routers(
-        "--policy",
-        "round-robin",
-        "--health-interval",
-        "0.25",
-        "--stall-timeout",
-        str(STALL_S),
-        "--control-timeout",
-        str(CONTROL_S),
-    )
+    router = routers(*ROUTER_FLAGS, "--stall-timeout", str(STALL_S))
     wait_for("both replicas serve", lambda: all(r["admitted"] for r in router.replicas()), 60)
     # Each replica has computed once (a cold replica's first prefill is no stall to time).
     for replica in fleet:
@@ -229,20 +266,21 @@ def test_a_replica_whose_engine_hangs_is_ejected_and_returns_once_it_computes(
 
     seen: list[str] = []  # replica 1's last_error, each new one as the router showed it
     with ThreadPoolExecutor(8) as pool:
-        # The engine hangs mid-generation: a long completion, sent to the replica itself (the
-        # router holds nothing on it yet), runs when it stops.
+        # The engine hangs mid-generation. A stream through the router runs there, its first
+        # tokens read: it is cut when the stall rule ejects the replica (read on in a thread
+        # until it ends). Beside it, a long completion sent to the replica itself: the stop
+        # comes once both run, so neither can end before it however long finding a stream
+        # that lands on the replica took (seconds, on a loaded machine: CI saw both end first).
+        stream = _stream_on(router, base, "1")
+        streamed = pool.submit(_read_to_end, stream)
         long_id = f"stall-{uuid.uuid4().hex[:8]}"
         long = pool.submit(_long_completion, victim, base, long_id)
         wait_for(
-            "the long completion runs",
-            lambda: victim.metric("vllm:num_requests_running") == 1,
+            "the long completion runs beside the stream",
+            lambda: victim.metric("vllm:num_requests_running") == 2,
             60,
             [victim.log],
         )
-        # A stream through the router runs there too, its first tokens read: it is cut when
-        # the stall rule ejects the replica (read on in a thread until it ends).
-        stream = _stream_on(router, base, "1")
-        streamed = pool.submit(_read_to_end, stream)
         try:
             signalled = time.monotonic()
             with _stopped(engine):
@@ -291,16 +329,8 @@ def test_a_replica_whose_engine_hangs_is_ejected_and_returns_once_it_computes(
                 unanswered = direct.result()
                 assert unanswered >= DIRECT_S - 0.5
                 # The stream ends at the ejection, truncated: the router closed the connection.
-                wait_for(
-                    "the stream is cut",
-                    streamed.done,
-                    max(0.0, signalled + ANSWERED_WITHIN_S - time.monotonic()),
-                    [router.log],
-                )
-                cut = streamed.result()
-                cut_after = cut.at - signalled
-                assert STALL_S <= cut_after < ANSWERED_WITHIN_S, cut_after
-                assert not cut.whole and b"data: [DONE]" not in cut.body, cut
+                cut, cut_after = _cut(streamed, signalled, ANSWERED_WITHIN_S, router)
+                assert cut_after >= STALL_S, cut_after
 
                 # While it is still stopped it stays out: its /health passes, the one-token
                 # completion asked before its replay does not (the ejection's reason names
@@ -335,19 +365,7 @@ def test_a_replica_whose_engine_hangs_is_ejected_and_returns_once_it_computes(
         assert ended.status == 200, ended.text
 
     # 4. It computes again: the router replays it and routes to it.
-    wait_for(
-        "the continued replica serves again",
-        lambda: router.replicas()[1]["admitted"],
-        BACK_WITHIN_S,
-        [router.log, victim.log],
-    )
-    back = time.monotonic() - continued
-    assert back < BACK_WITHIN_S
-    served = {
-        _completion(router.url, base, f"back {i}", 60).headers["x-lora-router-replica"]
-        for i in range(4)
-    }
-    assert served == {"0", "1"}, served
+    back = _serves_again(router, victim, base, continued)
     moved = _page(victim)
     assert all(moved[c] > after[c] for c in COUNTERS), (after, moved)
     long_end = ended.json()
@@ -368,18 +386,13 @@ def test_a_stream_on_a_replica_that_hangs_whole_ends_once_silent_that_long(
     fleet: list[Replica], routers: Callable[..., Router], base: str
 ) -> None:
     router = routers(
-        "--policy",
-        "round-robin",
-        "--health-interval",
-        "0.25",
+        *ROUTER_FLAGS,
         "--health-timeout",
         str(HEALTH_TIMEOUT_S),
         "--health-failures",
         "2",
         "--stall-timeout",
         str(SILENT_S),
-        "--control-timeout",
-        str(CONTROL_S),
     )
     wait_for("both replicas serve", lambda: all(r["admitted"] for r in router.replicas()), 60)
     for replica in fleet:  # a cold replica's first tokens come late: the stop is mid-stream
@@ -410,16 +423,8 @@ def test_a_stream_on_a_replica_that_hangs_whole_ends_once_silent_that_long(
             ejected_after = time.monotonic() - signalled
             # The stream goes on past the ejection until it has been silent SILENT_S, then ends
             # truncated: the router closed the client's connection.
-            wait_for(
-                "the stream is cut",
-                streamed.done,
-                max(0.0, signalled + CUT_WITHIN_S - time.monotonic()),
-                [router.log],
-            )
-            cut = streamed.result()
-            cut_after = cut.at - signalled
-            assert SILENT_S - CUT_MARGIN_S <= cut_after < CUT_WITHIN_S, (cut_after, ejected_after)
-            assert not cut.whole and b"data: [DONE]" not in cut.body, cut
+            cut, cut_after = _cut(streamed, signalled, CUT_WITHIN_S, router)
+            assert cut_after >= SILENT_S - CUT_MARGIN_S, (cut_after, ejected_after)
             hung = (health.result(), metrics.result())
             assert min(hung) >= HUNG_S - 0.5, hung
             out = router.replicas()[1]
@@ -436,18 +441,7 @@ def test_a_stream_on_a_replica_that_hangs_whole_ends_once_silent_that_long(
         continued = time.monotonic()
 
     # Continued, it passes its checks again: the router replays it and routes to it.
-    wait_for(
-        "the continued replica serves again",
-        lambda: router.replicas()[1]["admitted"],
-        BACK_WITHIN_S,
-        [router.log, victim.log],
-    )
-    back = time.monotonic() - continued
-    served = {
-        _completion(router.url, base, f"back {i}", 60).headers["x-lora-router-replica"]
-        for i in range(4)
-    }
-    assert served == {"0", "1"}, served
+    back = _serves_again(router, victim, base, continued)
     print(
         f"\nreplica stopped once its stream was read to a data line ({first:.1f} s): ejected "
         f"{ejected_after:.1f} s after SIGSTOP ({out['last_error']}); the stream cut "
