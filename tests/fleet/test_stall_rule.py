@@ -2,7 +2,9 @@
 answers is ejected once its `/metrics` show no token computed for `--stall-timeout` while the
 router holds requests on it, its waiting requests retried on the others; it is replayed only
 once it answers a one-token completion; and a fleet paused by the trainer is never stalled.
-Emulated replicas over loopback sockets."""
+A stream under way on a replica that hangs whole (ejected by its health checks, not the stall
+rule) ends once silent for `--stall-timeout` (http/upstream.py's withdrawal rule). Emulated
+replicas over loopback sockets."""
 
 from __future__ import annotations
 

@@ -23,9 +23,9 @@ the answers to the completions routed there after the stop, is timed from the SI
 
 A replica stopped whole mid-stream (its API server and engine processes: a host that hangs or
 is cut off) has its `/health` and `/metrics` hang, so its health checks eject it, never as
-stalled; the stream then ends truncated SILENT_S
-(`--stall-timeout`) after its last byte, not at `--idle-timeout` (the withdrawal rule's bound
-on the silence of a begun answer whose replica is out of service).
+stalled; the stream then ends truncated SILENT_S (`--stall-timeout`) after its last byte, not
+at `--idle-timeout` (the withdrawal rule's bound on the silence of a begun answer whose
+replica is out of service).
 """
 
 from __future__ import annotations
